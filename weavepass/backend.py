@@ -1,0 +1,54 @@
+"""The ``weave`` torch.compile backend: Inductor with ``WeavePass`` as a post-grad pass.
+
+``torch.compile(model, backend="weave")`` finds this module through the ``torch_dynamo_backends``
+entry point, so it works without importing weavepass first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weavepass.config import WeaveConfig
+from weavepass.graph_pass import WeavePass
+from weavepass.report import GraphReport, WeaveReport
+
+
+class WeaveBackend:
+    """A torch.compile backend; keeps the report of every graph it compiled."""
+
+    def __init__(self, config: WeaveConfig | None = None):
+        if config is not None and not isinstance(config, WeaveConfig):
+            raise TypeError(f"config must be a WeaveConfig, got {type(config).__name__}")
+        self.config = config or WeaveConfig()
+        self.report = WeaveReport()
+
+    def _record(self, graph_report: GraphReport) -> None:
+        self.report.graphs.append(graph_report)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {"post_grad_custom_pre_pass": WeavePass(self.config, on_report=self._record)}
+        if self.config.fx_graph_cache:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        patches["fx_graph_cache"] = False
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+weave_backend = WeaveBackend()
+"""The instance ``backend="weave"`` uses (default ``WeaveConfig``)."""
+
+
+def make_backend(config: WeaveConfig | None = None) -> WeaveBackend:
+    """A backend with its own config and report: ``torch.compile(m, backend=make_backend(cfg))``."""
+    return WeaveBackend(config)
+
+
+def register() -> None:
+    """Register ``"weave"`` with dynamo when no installed entry point provides it (source trees)."""
+    from torch._dynamo.backends import registry
+
+    registry._discover_entrypoint_backends()
+    if "weave" not in registry._BACKENDS and "weave" not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=weave_backend, name="weave")

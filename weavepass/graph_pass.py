@@ -1,0 +1,93 @@
+"""``WeavePass``: the Inductor post-grad pass that rewrites all_reduce -> add -> RMSNorm sites."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
+from weavepass.config import WeaveConfig
+from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+from weavepass.patterns import find_allreduce_rmsnorm_sites
+from weavepass.report import AllReduceRecord, GraphReport
+from weavepass.scheduler import plan_sites
+
+log = logging.getLogger("weavepass")
+
+_PACKAGE = Path(__file__).resolve().parent
+_graph_counter = itertools.count()
+
+
+def op_counts(graph: torch.fx.Graph) -> Counter:
+    """``{"ns.op.overload": count}`` for every call_function in ``graph``."""
+    counts = Counter()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            counts[_op_name(node.target)] += 1
+    return counts
+
+
+def _op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def source_hash() -> str:
+    """Hash of every source file of the package, so caches change when the pass code does."""
+    files = tuple(sorted(str(p) for p in _PACKAGE.rglob("*.py")))
+    return get_hash_for_files(files).hex()
+
+
+class WeavePass(CustomGraphPass):
+    """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``."""
+
+    def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None):
+        self.config = config
+        self.on_report = on_report
+
+    def uuid(self) -> str:
+        return hashlib.sha256(f"{source_hash()}|{self.config!r}".encode()).hexdigest()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        report = GraphReport(next(_graph_counter), ops_before=op_counts(graph))
+        if not self.config.enabled:
+            report.note = "WeaveConfig.enabled is False"
+        else:
+            self._rewrite(graph, report)
+        report.ops_after = op_counts(graph)
+        if self.on_report is not None:
+            self.on_report(report)
+
+    def _rewrite(self, graph: torch.fx.Graph, report: GraphReport) -> None:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        sites, rejected = find_allreduce_rmsnorm_sites(graph)
+        records: dict[int, AllReduceRecord] = {}
+        for rejection in rejected:
+            name = rejection.all_reduce.name
+            records[position[rejection.all_reduce]] = AllReduceRecord(name, False, rejection.reason)
+            log.info("weavepass: %s left alone: %s", name, rejection.reason)
+        for plan in plan_sites(sites, self.config):
+            site = plan.site
+            name = site.all_reduce.name
+            matmul = site.matmul.name if site.matmul is not None else ""
+            record = AllReduceRecord(name, True, plan.reason, site.kind, "", matmul)
+            records[position[site.all_reduce]] = record
+            if plan.lowering is None:
+                log.info("weavepass: %s matched but not rewritten: %s", name, plan.reason)
+                continue
+            site.lowering = plan.lowering
+            site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM)
+            record.lowering = plan.lowering
+            log.info("weavepass: %s fused (%s) -> %s", name, record.kind, plan.lowering)
+            if plan.reason:
+                log.warning("weavepass: %s: %s", name, plan.reason)
+        report.records = [records[i] for i in sorted(records)]
+        graph.lint()

@@ -1,0 +1,198 @@
+"""Triton kernels of the ``cuda_symm`` lowering of ``weave.fused_allreduce_rmsnorm``.
+
+Pure ``@triton.jit`` code: the host side (workspace, launch rule, fallbacks) is in ``cuda_symm.py``.
+
+Every rank launches the same grid of ``G`` programs (CTAs) over a symmetric workspace::
+
+    workspace (per rank, symmetric) = staging [WORLD, slot_rows, HIDDEN] | recv [T, HIDDEN]   (dtype of P)
+
+Two-shot (``ONE_SHOT=False``): rank ``j`` owns token shard ``j`` (rows ``[j*S, min((j+1)*S, T))``,
+``S = ceil(T / WORLD)``).
+
+1. push: rank ``r`` stores its partial rows of shard ``j`` into rank ``j``'s ``staging[r]``.
+2. barrier (channel 0).
+3. reduce: rank ``j`` sums ``staging[s]`` (its own partial for ``s == j``) in rank order in fp32, adds the
+   residual, rounds to ``dtype(P)`` (``residual_out``), writes it locally and *pushes* it into every
+   peer's ``recv``; then normalises the rounded rows into ``normed``.
+4. barrier (channel 1).
+5. finalise: rank ``r`` copies the peers' shards from its local ``recv`` into ``residual_out`` and
+   normalises them into ``normed``: only ``residual_out`` travels, ``normed`` is recomputed, so the link
+   carries exactly an all-reduce's bytes.
+
+One-shot (``ONE_SHOT=True``): every rank owns every row; step 1 pushes all rows to every peer, step 3
+reduces all rows locally, step 5 does not exist. The barrier of step 4 stays: it keeps the next call
+from overwriting a peer's staging rows that the peer is still reading.
+
+All remote traffic is stores (NVLink stores need few SMs; remote loads need many requests in flight).
+Both barriers are per program: program ``b`` on rank ``r`` only meets program ``b`` on its peers. That
+suffices because row tiles are dealt to programs by the same rule on every rank (tile ``t`` goes to
+program ``t % G``), so the rows that program ``b`` reads after a barrier were written by programs ``b``
+of the peers before it. Signal slots reset themselves (the waiter swaps 1 -> 0), so no host state
+advances between calls and CUDA-graph replay is safe.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _select(i: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7):
+    """``(v0, ..., v7)[i]`` for a compile-time ``i`` (kernels take the per-peer values as scalars so
+    that Triton's 16-divisibility specialisation of integer arguments keeps the stores vectorised)."""
+    r = v0
+    if i == 1:
+        r = v1
+    if i == 2:
+        r = v2
+    if i == 3:
+        r = v3
+    if i == 4:
+        r = v4
+    if i == 5:
+        r = v5
+    if i == 6:
+        r = v6
+    if i == 7:
+        r = v7
+    return r
+
+
+@triton.jit
+def _block_barrier(
+    pad_ptr,  # int32*: this rank's signal pad
+    pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,  # peer pad address - local pad address, in int32 slots
+    channel: tl.constexpr,  # which of the two barriers of a call
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_CTAS: tl.constexpr,
+):
+    """Program ``b`` of this rank meets program ``b`` of every peer.
+
+    Slot ``[channel, b, src]`` of rank ``dst``'s pad is 1 while ``src``'s signal waits to be consumed.
+    Send: CAS 0 -> 1 with release at system scope (orders this program's earlier stores, made visible to
+    the CAS thread by the CTA barrier, before the flag). Wait: CAS 1 -> 0 with acquire at system scope,
+    which also resets the slot for the next barrier on it.
+    """
+    tl.debug_barrier()  # every thread's stores are issued before the release
+    base = (channel * MAX_CTAS + tl.program_id(0)) * WORLD
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            remote = pad_ptr + _select(peer, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + base + RANK
+            while tl.atomic_cas(remote, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            while tl.atomic_cas(pad_ptr + base + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # no thread reads peer data before the acquire
+
+
+@triton.jit
+def _rms_norm_rows(x, w, eps, HIDDEN: tl.constexpr):
+    """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim of an fp32 tile whose padding is zero."""
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HIDDEN + eps)
+    return x * inv_rms[:, None] * w[None, :]
+
+
+@triton.jit
+def fused_allreduce_rmsnorm_kernel(
+    partial_ptr,  # [T, HIDDEN] this rank's partial sums (local memory)
+    residual_ptr,  # [T, HIDDEN] residual, any float dtype (unused when HAS_RESIDUAL is False)
+    weight_ptr,  # [HIDDEN] norm weight
+    normed_ptr,  # [T, HIDDEN] output, out_dtype
+    residual_out_ptr,  # [T, HIDDEN] output, dtype(P)
+    ws_ptr,  # this rank's symmetric workspace, dtype(P): staging at 0, recv at recv_offset
+    pad_ptr,  # int32* this rank's symmetric signal pad
+    wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,  # peer workspace address - local one, in elements
+    pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,  # peer signal pad address - local one, in int32 slots
+    num_tokens,  # T
+    shard_rows,  # S = ceil(T / WORLD): rows per owner in two-shot mode
+    recv_offset,  # element offset of recv in the workspace
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= HIDDEN
+    ROWS: tl.constexpr,  # rows per tile
+    ONE_SHOT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    MAX_CTAS: tl.constexpr,  # signal slots per channel
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    col_mask = cols < HIDDEN
+    if ONE_SHOT:
+        owned = num_tokens  # every rank owns every row
+    else:
+        owned = shard_rows
+    num_tiles = tl.cdiv(owned, ROWS)
+
+    # 1. push partial rows to their owners' staging[RANK]
+    for owner in tl.static_range(WORLD):
+        if owner != RANK:
+            delta = _select(owner, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+            if ONE_SHOT:
+                start = 0
+            else:
+                start = owner * shard_rows
+            end = tl.minimum(start + owned, num_tokens)
+            for tile in range(pid, num_tiles, num_programs):
+                local = tile * ROWS + rows
+                mask = ((start + local) < end)[:, None] & col_mask[None, :]
+                src = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                dst = (RANK * owned + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                x = tl.load(partial_ptr + src, mask=mask)
+                tl.store(ws_ptr + delta + dst, x, mask=mask)
+
+    _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 0, RANK, WORLD, MAX_CTAS)
+
+    # 3. reduce the owned rows, add the residual, push residual_out, normalise
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if ONE_SHOT:
+        start = 0
+    else:
+        start = RANK * shard_rows
+    end = tl.minimum(start + owned, num_tokens)
+    for tile in range(pid, num_tiles, num_programs):
+        local = tile * ROWS + rows
+        mask = ((start + local) < end)[:, None] & col_mask[None, :]
+        offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
+            if src == RANK:
+                acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                slot = (src * owned + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        res = acc.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs, res, mask=mask)
+        if not ONE_SHOT:
+            for dst in tl.static_range(WORLD):
+                if dst != RANK:
+                    delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+                    tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
+        normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
+        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+    _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 1, RANK, WORLD, MAX_CTAS)
+
+    # 5. two-shot only: finalise the peers' shards from the local recv buffer
+    if not ONE_SHOT:
+        for owner in tl.static_range(WORLD):
+            if owner != RANK:
+                start = owner * shard_rows
+                end = tl.minimum(start + owned, num_tokens)
+                for tile in range(pid, num_tiles, num_programs):
+                    local = tile * ROWS + rows
+                    mask = ((start + local) < end)[:, None] & col_mask[None, :]
+                    offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                    res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
+                    tl.store(residual_out_ptr + offs, res, mask=mask)
+                    normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
+                    tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,293 @@
+"""CUDA lowering of ``weave.fused_allreduce_rmsnorm``: Triton kernels over PyTorch symmetric memory.
+
+The algorithm, the memory ordering and the launch rule are described in ``docs/cuda_kernel.md`` and
+in ``weavepass.lowering.cuda_kernels``. This module owns the host side: the symmetric workspace, the
+one-shot/two-shot and CTA-count rule, and the fallbacks to the portable lowering.
+
+NVLink multicast (multimem, NVLS, ``cuMulticastCreate``) is never used: the kernels only do
+peer-to-peer loads, stores and atomics through unicast symmetric pointers, and this module sets
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` (and its NCCL/NVSHMEM siblings) unless the process already
+chose, so that the symmetric allocator does not create a multicast object we would never use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+for _name in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
+
+import torch  # noqa: E402
+
+from weavepass.lowering.portable import (  # noqa: E402
+    fused_allreduce_rmsnorm_portable,
+    resolve_group,
+    rows_per_rank,
+)
+
+logger = logging.getLogger("weavepass")
+
+DEFAULT_WORKSPACE_TOKENS = 16384
+"""Largest batch (tokens) the workspace serves; with hidden ``H`` the workspace holds
+``2 * DEFAULT_WORKSPACE_TOKENS * H`` elements of the partial's dtype (512 MiB at H=8192, bf16)."""
+
+MIN_WORKSPACE_TOKENS = 256  # smallest size class: decode-only runs stay small
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HIDDEN = 16384  # one row per tile lives in registers
+MAX_WORLD = 8  # the kernels take per-peer addresses as 8 scalar arguments
+MIN_CTAS, MAX_CTAS = 2, 32
+SIGNAL_CHANNELS = 2  # two barriers per call
+TILE_ELEMENTS = 8192  # elements per tile (rows * next_pow2(H)): 4 x 16-byte vectors per thread at 8 warps
+
+# Launch rule, from benchmarks/bench_fused_allreduce_rmsnorm.py on 2 x H200 (docs/cuda_kernel.md):
+ONE_SHOT_MAX_BYTES = 2 << 20
+"""One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
+Below it the run is latency-bound and one-shot saves the second push and the finalise pass."""
+BYTES_PER_CTA = 1 << 20
+"""CTA count = owned bytes / BYTES_PER_CTA, clamped to [MIN_CTAS, MAX_CTAS] (and to the tile count)."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call runs: algorithm, grid and tile shape."""
+
+    one_shot: bool
+    num_ctas: int
+    rows_per_tile: int
+    block_h: int
+    num_warps: int
+
+
+def choose_launch_plan(
+    num_tokens: int,
+    hidden: int,
+    element_size: int,
+    world_size: int,
+    *,
+    num_ctas: int | None = None,
+    one_shot: bool | None = None,
+) -> LaunchPlan:
+    """The measured rule (no per-model table).
+
+    * one-shot iff ``(world - 1) * T * H * elem <= ONE_SHOT_MAX_BYTES``;
+    * CTAs = ``clamp(owned_rows * H * elem / BYTES_PER_CTA, MIN_CTAS, MAX_CTAS)``, at most one per tile
+      (owned rows: ``T`` in one-shot, ``ceil(T / world)`` in two-shot);
+    * tile = ``TILE_ELEMENTS // next_pow2(H)`` rows of ``next_pow2(H)`` columns, 8 warps
+      (16 when a single row is wider than a tile).
+
+    ``num_ctas`` and ``one_shot`` override the rule (benchmarks and tests).
+    """
+    block_h = triton_next_power_of_2(hidden)
+    rows_per_tile = max(1, TILE_ELEMENTS // block_h)
+    num_warps = 8 if rows_per_tile * block_h <= TILE_ELEMENTS else 16
+    if one_shot is None:
+        one_shot = (world_size - 1) * num_tokens * hidden * element_size <= ONE_SHOT_MAX_BYTES
+    owned = num_tokens if one_shot else rows_per_rank(num_tokens, world_size)
+    if num_ctas is None:
+        tiles = -(-owned // rows_per_tile)
+        num_ctas = min(-(-owned * hidden * element_size // BYTES_PER_CTA), tiles)
+    num_ctas = max(MIN_CTAS, min(MAX_CTAS, num_ctas))
+    return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cuda_unsupported_reason(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    group_name: str,
+) -> str | None:
+    """Why the CUDA lowering cannot serve this call (the scheduler's and the report's reason), or None.
+
+    Batch size is not checked here: a batch larger than the workspace falls back at run time.
+    """
+    if partial.device.type != "cuda":
+        return f"partial is on {partial.device.type}, not CUDA"
+    if partial.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {partial.dtype} is not bf16, fp16 or fp32"
+    hidden = partial.shape[-1] if partial.dim() else 0
+    if hidden % 8 != 0 or hidden == 0:
+        return f"hidden size {hidden} is not a positive multiple of 8 (16-byte vectors)"
+    if hidden > MAX_HIDDEN:
+        return f"hidden size {hidden} exceeds {MAX_HIDDEN} (a row must fit one tile)"
+    if residual is not None and (residual.shape != partial.shape or residual.device != partial.device):
+        return "residual differs from partial in shape or device"
+    if weight.shape != (hidden,) or weight.device != partial.device:
+        return "weight is not a [hidden] tensor on partial's device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    try:
+        world = resolve_group(group_name).size()
+    except Exception as exc:  # an unknown group name is a reason, not a crash
+        return f"process group {group_name!r} cannot be resolved: {exc}"
+    if not 2 <= world <= MAX_WORLD:
+        return f"world size {world} is outside 2..{MAX_WORLD}"
+    return None
+
+
+@dataclass
+class _Workspace:
+    """One rendezvoused symmetric buffer: ``staging [capacity] | recv [capacity]`` in ``dtype``."""
+
+    buffer: torch.Tensor  # local view of the symmetric allocation, [2 * capacity]
+    pad: torch.Tensor  # local signal pad, int32
+    capacity: int  # elements per region
+    buffer_deltas: tuple[int, ...]  # peer address - local address, in elements, padded to MAX_WORLD
+    pad_deltas: tuple[int, ...]  # the same for signal pads, in int32 slots
+    rank: int
+    world: int
+
+
+_WORKSPACES: dict[tuple[str, torch.dtype, int], list[_Workspace]] = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _signal_pad_bytes() -> int:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "get_signal_pad_size"):
+        return symm_mem.get_signal_pad_size()
+    return torch._C._distributed_c10d._SymmetricMemory.signal_pad_size
+
+
+def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, capacity: int):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, deprecated later
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+    buffer = symm_mem.empty(2 * capacity, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buffer, group_name)
+    if handle.multicast_ptr != 0:  # never touched, but say so if the allocator made one anyway
+        logger.warning("symmetric workspace got a multicast object; weave never uses it")
+    rank, world = handle.rank, handle.world_size
+    pad_slots = _signal_pad_bytes() // 4
+    if pad_slots < SIGNAL_CHANNELS * MAX_CTAS * world:
+        raise RuntimeError(f"signal pad of {pad_slots} slots is too small for {world} ranks")
+    pad = handle.get_signal_pad(rank, [pad_slots], torch.int32)
+    size = buffer.element_size()
+    deltas = [(p - handle.buffer_ptrs[rank]) // size for p in handle.buffer_ptrs]
+    pad_deltas = [(p - handle.signal_pad_ptrs[rank]) // 4 for p in handle.signal_pad_ptrs]
+    padding = [0] * (MAX_WORLD - world)
+    return _Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
+
+
+def _workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: int):
+    """The smallest cached workspace with ``needed`` elements per region; allocates the next size class
+    (power-of-two tokens, at most ``max_tokens``) when none fits. None when the batch is too large, or
+    when a new one would be needed inside CUDA-graph capture (rendezvous cannot be captured)."""
+    limit = max_tokens * hidden
+    if needed > limit:
+        return None
+    cached = _WORKSPACES.setdefault((group_name, dtype, device.index), [])
+    fitting = [ws for ws in cached if ws.capacity >= needed]
+    if fitting:
+        return min(fitting, key=lambda ws: ws.capacity)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    tokens = max(MIN_WORKSPACE_TOKENS, triton_next_power_of_2(-(-needed // hidden)))
+    ws = _new_workspace(group_name, dtype, device, min(tokens * hidden, limit))
+    cached.append(ws)
+    return ws
+
+
+def fused_allreduce_rmsnorm_cuda(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+    *,
+    max_workspace_tokens: int | None = None,
+    num_ctas: int | None = None,
+    one_shot: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial`` [..., H] -> ``(normed, residual_out)``, same math and shapes as the portable lowering.
+
+    The partial sums are copied (pushed by the kernel) into the peers' symmetric staging buffers;
+    writing the producing matmul straight into symmetric memory is a later optimisation. Outputs are
+    fresh tensors, never views of the workspace, which the next call reuses. Unsupported inputs and
+    batches larger than ``max_workspace_tokens`` (default ``DEFAULT_WORKSPACE_TOKENS``) run the portable
+    lowering instead, with a one-time warning.
+    """
+    reason = cuda_unsupported_reason(partial, residual, weight, group_name)
+    if reason is not None:
+        _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
+        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not bf16, fp16 or fp32")
+
+    hidden = partial.shape[-1]
+    rows = partial.reshape(-1, hidden).contiguous()
+    num_tokens = rows.shape[0]
+    normed = torch.empty(partial.shape, dtype=out_dtype, device=partial.device)
+    residual_out = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
+    if num_tokens == 0:
+        return normed, residual_out
+
+    world = resolve_group(group_name).size()
+    max_tokens = max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS
+    plan = choose_launch_plan(
+        num_tokens, hidden, partial.element_size(), world, num_ctas=num_ctas, one_shot=one_shot
+    )
+    if plan.one_shot and world * num_tokens > max_tokens and one_shot is None:
+        plan = choose_launch_plan(
+            num_tokens, hidden, partial.element_size(), world, num_ctas=num_ctas, one_shot=False
+        )
+    owned = num_tokens if plan.one_shot else rows_per_rank(num_tokens, world)
+    needed = max(world * owned, num_tokens) * hidden
+    ws = _workspace(group_name, partial.dtype, partial.device, needed, hidden, max_tokens)
+    if ws is None:
+        _warn_once(
+            f"capacity:{group_name}",
+            f"weave cuda_symm lowering falls back to portable: {num_tokens} tokens x {hidden} need "
+            f"{needed} workspace elements, more than the {max_tokens}-token workspace holds (or a new "
+            "workspace would be allocated inside CUDA-graph capture); raise the workspace limit",
+        )
+        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
+
+    from weavepass.lowering.cuda_kernels import fused_allreduce_rmsnorm_kernel
+
+    res = rows if residual is None else residual.reshape(-1, hidden).contiguous()
+    fused_allreduce_rmsnorm_kernel[(plan.num_ctas,)](
+        rows,
+        res,
+        weight.contiguous(),
+        normed,
+        residual_out,
+        ws.buffer,
+        ws.pad,
+        *ws.buffer_deltas,
+        *ws.pad_deltas,
+        num_tokens,
+        rows_per_rank(num_tokens, world),
+        ws.capacity,
+        eps,
+        RANK=ws.rank,
+        WORLD=world,
+        HIDDEN=hidden,
+        BLOCK_H=plan.block_h,
+        ROWS=plan.rows_per_tile,
+        ONE_SHOT=plan.one_shot,
+        HAS_RESIDUAL=residual is not None,
+        MAX_CTAS=MAX_CTAS,
+        num_warps=plan.num_warps,
+    )
+    return normed, residual_out

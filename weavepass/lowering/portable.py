@@ -1,0 +1,77 @@
+"""Portable lowering: reduce_scatter -> add + RMSNorm on 1/N of the tokens -> all_gather.
+
+Runs on any process group (gloo on CPU included) through eager ``torch.distributed`` calls. This is
+the TokenWeave reorder without the fused kernel, and it is the reference the CUDA and NPU lowerings
+are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from weavepass.lowering.reference import add_rmsnorm_local
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective named ``group_name`` runs on."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def rows_per_rank(num_tokens: int, world_size: int) -> int:
+    """Rows each rank owns after padding ``num_tokens`` up to a multiple of ``world_size``."""
+    return -(-num_tokens // world_size)
+
+
+def fused_allreduce_rmsnorm_portable(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial`` [..., H] -> ``(normed, residual_out)``, both shaped like ``partial``.
+
+    Tokens are the flattened leading dims (T rows). They are padded with zero rows to
+    ``world * ceil(T / world)`` so every rank owns the same number of rows; the padding never
+    reaches the outputs. The reduction runs in fp32; the gather carries both outputs in one fp32
+    buffer ``[rows, 2H]`` (lossless, both were already rounded to their dtypes).
+    """
+    group = resolve_group(group_name)
+    world, rank = group.size(), group.rank()
+    hidden = partial.shape[-1]
+    rows = partial.reshape(-1, hidden)
+    num_tokens = rows.shape[0]
+    per_rank = rows_per_rank(num_tokens, world)
+
+    padded = rows.new_zeros((per_rank * world, hidden), dtype=torch.float32)
+    padded[:num_tokens] = rows
+    shard = padded.new_empty((per_rank, hidden))
+    _reduce_scatter(shard, padded, group=group)
+
+    shard_residual = None
+    if residual is not None:
+        shard_residual = residual.new_zeros((per_rank, hidden))
+        lo, hi = rank * per_rank, min((rank + 1) * per_rank, num_tokens)
+        if hi > lo:
+            shard_residual[: hi - lo] = residual.reshape(-1, hidden)[lo:hi]
+
+    normed, residual_out = add_rmsnorm_local(
+        shard, shard_residual, weight, eps, out_dtype, partial.dtype
+    )
+    packed = torch.cat([normed.float(), residual_out.float()], dim=1)
+    gathered = packed.new_empty((per_rank * world, 2 * hidden))
+    _all_gather(gathered, packed, group=group)
+    gathered = gathered[:num_tokens]
+    return (
+        gathered[:, :hidden].to(out_dtype).reshape(partial.shape),
+        gathered[:, hidden:].to(partial.dtype).reshape(partial.shape),
+    )

@@ -1,0 +1,277 @@
+"""Find ``[matmul] -> all_reduce(sum) -> [residual add] -> RMSNorm`` sites in a post-grad graph.
+
+``find_allreduce_rmsnorm_sites(graph)`` looks at every all_reduce and returns, for each, either a
+``FusedAllReduceRMSNormSite`` (which knows its nodes and how to replace itself) or a
+``RejectedAllReduce`` with the reason it is left alone. Finding never changes the graph.
+
+Shape-only views (``[B, S, H] <-> [B*S, H]``) between the steps are walked through and replayed on
+the fused op's outputs, so they never hide a site.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from weavepass.patterns.rmsnorm import RMSNormMatch, is_target, match_rmsnorm, val
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+ALL_REDUCES = {c10d.all_reduce.default, c10d.all_reduce_.default}
+WAIT = c10d.wait_tensor.default
+VIEWS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+}
+RESIDUAL_ADD = aten.add.Tensor
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default}
+
+
+def _is_row_view(node: Node, source: Node) -> bool:
+    """A view of ``source`` that keeps its last (hidden) dim and its element count."""
+    if not is_target(node, VIEWS) or node.args[0] is not source:
+        return False
+    out, src = val(node), val(source)
+    return out is not None and src is not None and out.shape[-1] == src.shape[-1]
+
+
+def _find_norm(root: Node) -> tuple[list[Node], RMSNormMatch] | str:
+    """The norm fed by ``root`` directly or through a chain of row views."""
+    found = match_rmsnorm(root)
+    if isinstance(found, RMSNormMatch):
+        return [], found
+    for user in root.users:
+        if _is_row_view(user, root) and len(user.users) >= 1:
+            deeper = _find_norm(user)
+            if not isinstance(deeper, str):
+                views, norm = deeper
+                if len(user.users) != 1:
+                    continue  # the view itself is shared; replaying it would not free it
+                return [user, *views], norm
+    return found
+
+
+def _producer_matmul(node: Node) -> Node | None:
+    while is_target(node, VIEWS):
+        node = node.args[0]
+    return node if is_target(node, MATMULS) else None
+
+
+@dataclass
+class RejectedAllReduce:
+    """An all_reduce the pass leaves alone, and why."""
+
+    all_reduce: Node
+    reason: str
+
+
+@dataclass
+class FusedAllReduceRMSNormSite:
+    """``partial -> all_reduce -> wait -> views -> [add residual] -> views -> RMSNorm``."""
+
+    all_reduce: Node
+    wait: Node
+    group_name: str
+    views_to_add: list[Node]
+    add: Node | None
+    views_to_norm: list[Node]
+    norm: RMSNormMatch
+    matmul: Node | None
+    lowering: str = "portable"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def partial(self) -> Node:
+        return self.all_reduce.args[0]
+
+    @property
+    def residual(self) -> Node | None:
+        """Read from the add at use time: an earlier rewrite may have replaced the residual node."""
+        if self.add is None:
+            return None
+        summed = self.views_to_add[-1] if self.views_to_add else self.wait
+        return self.add.args[1] if self.add.args[0] is summed else self.add.args[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return val(self.partial).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return val(self.partial).device
+
+    @property
+    def hidden(self) -> int:
+        return val(self.partial).shape[-1]
+
+    @property
+    def kind(self) -> str:
+        residual = "residual" if self.add is not None else "no-residual"
+        weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
+        return f"{residual}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
+
+    def insertion_point(self) -> Node:
+        """The fused op goes where the residual add (or the wait) was: all consumers follow."""
+        return self.add if self.add is not None else self.wait
+
+    def inputs(self) -> list[Node]:
+        """Nodes the fused op and its replayed views read."""
+        nodes = [n for n in (self.partial, self.residual, self.norm.weight) if n is not None]
+        for view in self.views_to_add + self.views_to_norm:
+            torch.fx.node.map_arg(view.args[1:], nodes.append)
+        return nodes
+
+    def replace_with(self, graph: Graph, fused_op) -> Node:
+        """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node."""
+        with graph.inserting_before(self.insertion_point()):
+            partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
+            fused = graph.call_function(
+                fused_op,
+                (partial, self.residual, self.norm.weight, self.norm.eps, self.group_name,
+                 self.norm.out_dtype, self.lowering),
+            )
+            normed = graph.call_function(operator.getitem, (fused, 0))
+            residual_out = graph.call_function(operator.getitem, (fused, 1))
+            norm_views = self.views_to_norm
+            if self.add is None:
+                norm_views = self.views_to_add + norm_views
+            normed_out = _replay(graph, norm_views, normed)
+        _set_fake_vals([partial, fused, normed, residual_out, *_chain(normed, normed_out)])
+
+        self.norm.output.replace_all_uses_with(normed_out)
+        _erase_dead([*reversed(self.norm.nodes), *reversed(self.views_to_norm)], graph)
+        carried = self.add if self.add is not None else self.wait
+        carried.replace_all_uses_with(residual_out)
+        _erase_dead(
+            [carried, *reversed(self.views_to_add), self.wait, self.all_reduce], graph
+        )
+        return fused
+
+
+def _replay(graph: Graph, views: list[Node], node: Node) -> Node:
+    """Apply the same chain of views to ``node`` (size arguments are reused as they are)."""
+    for view in views:
+        node = graph.call_function(view.target, (node, *view.args[1:]), dict(view.kwargs))
+    return node
+
+
+def _chain(start: Node, end: Node) -> list[Node]:
+    nodes = []
+    while end is not start:
+        nodes.append(end)
+        end = end.args[0]
+    return list(reversed(nodes))
+
+
+def _set_fake_vals(nodes: list[Node]) -> None:
+    """Give new nodes ``meta['val']`` by running them on the fake values of their inputs."""
+    from torch._guards import detect_fake_mode
+
+    for node in nodes:
+        if "val" in node.meta:
+            continue
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda n: n.meta["val"]
+        )
+        mode = detect_fake_mode([a for a in torch.utils._pytree.tree_leaves(args)
+                                 if isinstance(a, torch.Tensor)])
+        if mode is None:
+            node.meta["val"] = node.target(*args, **kwargs)
+        else:
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _erase_dead(nodes: list[Node], graph: Graph) -> None:
+    for node in dict.fromkeys(nodes):  # ordered, without repeats
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+    def reject(reason: str) -> RejectedAllReduce:
+        return RejectedAllReduce(ar, reason)
+
+    reduce_op = str(ar.args[1]).lower()
+    if reduce_op != "sum":
+        return reject(f"all_reduce op is {reduce_op!r}; only 'sum' is a row-parallel reduction")
+    group_name = ar.args[2]
+    partial = ar.args[0]
+    if val(partial) is None:
+        return reject("the all_reduce input has no tensor metadata")
+    if ar.target is c10d.all_reduce_.default and len(partial.users) > 1:
+        return reject("in-place all_reduce whose input is read elsewhere")
+    waits = [u for u in ar.users if u.target is WAIT]
+    if len(waits) != 1 or len(ar.users) != 1:
+        return reject("the all_reduce result is not consumed through exactly one wait_tensor")
+    wait = waits[0]
+
+    # Without a residual: the reduced sum itself is normalised (and may be used elsewhere).
+    found = _find_norm(wait)
+    if not isinstance(found, str):
+        views_to_norm, norm = found
+        site = FusedAllReduceRMSNormSite(
+            ar, wait, group_name, [], None, views_to_norm, norm, _producer_matmul(partial)
+        )
+        return _check_order(site, order) or site
+    no_norm_reason = found
+
+    # With a residual: wait -> (exclusive views) -> add(x, residual) -> views -> norm.
+    views_to_add, cur = [], wait
+    while len(cur.users) == 1 and _is_row_view(next(iter(cur.users)), cur):
+        cur = next(iter(cur.users))
+        views_to_add.append(cur)
+    for add in [u for u in cur.users if is_target(u, {RESIDUAL_ADD})]:
+        residual = add.args[1] if add.args[0] is cur else add.args[0]
+        rv, av = val(residual), val(add)
+        if rv is None or rv.shape != av.shape or rv.shape != val(cur).shape \
+                or not rv.dtype == av.dtype == val(cur).dtype:
+            continue
+        found = _find_norm(add)
+        if isinstance(found, str):
+            no_norm_reason = f"after the residual add: {found}"
+            continue
+        if len(cur.users) != 1:
+            return reject(
+                f"the all_reduce result has {len(cur.users) - 1} other user(s) besides the "
+                "residual add that feeds the norm"
+            )
+        views_to_norm, norm = found
+        site = FusedAllReduceRMSNormSite(
+            ar, wait, group_name, views_to_add, add, views_to_norm, norm, _producer_matmul(partial)
+        )
+        return _check_order(site, order) or site
+    return reject(no_norm_reason)
+
+
+def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | None:
+    """All inputs of the fused op must exist where it is inserted."""
+    point = order[site.insertion_point()]
+    late = [n for n in site.inputs() if order.get(n, -1) >= point]
+    if late:
+        return RejectedAllReduce(
+            site.all_reduce, f"{late[0].name} is computed after the residual add; cannot fuse"
+        )
+    return None
+
+
+def find_allreduce_rmsnorm_sites(
+    graph: Graph,
+) -> tuple[list[FusedAllReduceRMSNormSite], list[RejectedAllReduce]]:
+    """Every all_reduce in ``graph``, as an accepted site or a rejection (graph order)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    sites, rejected = [], []
+    for node in graph.nodes:
+        if not is_target(node, ALL_REDUCES):
+            continue
+        found = _match_one(node, order)
+        (sites if isinstance(found, FusedAllReduceRMSNormSite) else rejected).append(found)
+    return sites, rejected

@@ -1,0 +1,73 @@
+"""The explain report: every all_reduce the pass saw, whether it was rewritten, and why not."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AllReduceRecord:
+    """One all_reduce in one graph."""
+
+    node: str
+    matched: bool
+    reason: str = ""
+    kind: str = ""
+    lowering: str = ""
+    matmul: str = ""
+
+
+@dataclass
+class GraphReport:
+    """What the pass did to one post-grad graph."""
+
+    graph_index: int
+    records: list[AllReduceRecord] = field(default_factory=list)
+    ops_before: Counter = field(default_factory=Counter)
+    ops_after: Counter = field(default_factory=Counter)
+    note: str = ""
+
+    @property
+    def matched(self) -> int:
+        return sum(r.matched for r in self.records)
+
+    @property
+    def rewritten(self) -> int:
+        return sum(bool(r.matched and r.lowering) for r in self.records)
+
+
+@dataclass
+class WeaveReport:
+    """All graphs one backend compiled, in compile order."""
+
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[AllReduceRecord]:
+        return [r for g in self.graphs for r in g.records]
+
+    @property
+    def matched(self) -> int:
+        return sum(g.matched for g in self.graphs)
+
+    @property
+    def rewritten(self) -> int:
+        return sum(g.rewritten for g in self.graphs)
+
+    def __str__(self) -> str:
+        lines = [f"weavepass: {len(self.graphs)} graph(s), {len(self.records)} all_reduce(s), "
+                 f"{self.rewritten} rewritten"]
+        for g in self.graphs:
+            lines.append(f"graph {g.graph_index}: {g.rewritten}/{len(g.records)} rewritten"
+                         + (f" ({g.note})" if g.note else ""))
+            for r in g.records:
+                if r.matched and r.lowering:
+                    status = f"fused  -> {r.lowering}"
+                elif r.matched:
+                    status = "kept   (site matched, not rewritten)"
+                else:
+                    status = "kept  "
+                detail = "; ".join(x for x in (r.kind, r.reason, f"matmul {r.matmul}" if r.matmul else "") if x)
+                lines.append(f"  {r.node:<20} {status:<22} {detail}")
+        return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Run a function on every rank of a fresh process group, or trace graphs on a fake one.
+
+``spawn`` starts one process per rank (gloo on CPU, NCCL on GPUs), each on its own free port, and
+re-raises a child's exception in the caller with the child's traceback, so pytest shows where a rank
+failed. ``fake_process_group`` gives a single process a group of any size whose collectives do no
+communication: enough for torch.compile to trace and rewrite the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# NVLink SHARP / multicast is off on the lent machines (see the device README); every NCCL and
+# symmetric-memory user in the children must agree, so it is set before they start.
+_DISTRIBUTED_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str = "gloo",
+    *args: Any,
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes sharing one process group.
+
+    ``fn`` must be picklable (a module-level function): the children are started with the
+    ``spawn`` method. Each child initialises the default group with ``backend`` ("gloo", or "nccl"
+    with rank r on ``cuda:r``), runs ``fn`` and destroys the group. Returns the children's return
+    values in rank order (they travel through ``pickle``; tensors are copied). If a child raises, a
+    RuntimeError carrying every failed rank's traceback is raised here once all children have
+    stopped (peers still blocked in a collective are terminated 2 s after the first failure); if the
+    children are still running after ``timeout_s`` they are terminated and TimeoutError is raised.
+    """
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    os.environ.update(_DISTRIBUTED_ENV)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_run_rank, args=(fn, rank, world_size, backend, port, args, results))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    failed_at = None
+    # Drain while waiting: a child blocks in put() when the pipe is full, so joining first could hang.
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        while not results.empty():
+            rank, ok, payload = results.get()
+            outcomes[rank] = (ok, payload)
+        crashed = any(p.exitcode not in (None, 0) for p in procs)
+        if failed_at is None and (crashed or any(not ok for ok, _ in outcomes.values())):
+            failed_at = time.monotonic()
+        # After a failure the other ranks may wait forever in a collective: give them a moment
+        # to report their own errors, then stop them.
+        if failed_at is not None and time.monotonic() - failed_at > 2.0:
+            break
+        time.sleep(0.01)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join()
+
+    failures = [f"--- rank {r} ---\n{tb}" for r, (ok, tb) in sorted(outcomes.items()) if not ok]
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"ranks {missing} did not finish in {timeout_s} s (exit codes {codes})")
+        raise RuntimeError(f"ranks {missing} died without reporting (exit codes {codes})")
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def _run_rank(fn, rank, world_size, backend, port, args, results) -> None:
+    """Child body: init the group, run ``fn``, report ``(rank, ok, result or traceback)``."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        # Ranks share the CPU cores; oversubscribed intra-op threads make gloo runs crawl.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        payload = pickle.dumps(fn(rank, world_size, *args))
+        results.put((rank, True, payload))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
+    """A default process group of ``world_size`` in this process whose collectives do nothing.
+
+    Collectives return their input unchanged, so numbers are wrong for ``world_size > 1``, but
+    shapes, dtypes and the traced graph are those of a real run: use it for graph-level tests.
+    Yields the group; destroys it on exit.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists; destroy it first")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
