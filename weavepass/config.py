@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 LOWERINGS = ("auto", "portable", "cuda_symm")
+OVERLAP_MODES = ("off", "auto", "force")
+MMRS_COMM_MODES = ("aiv", "ai_cpu", "none")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,26 @@ class WeaveConfig:
     """Rows of symmetric memory the CUDA lowering reserves per group and dtype (x hidden). Batches
     with more tokens run on the portable lowering, with a one-time warning."""
 
+    overlap: str = "auto"
+    """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
+    splits, ``"auto"`` splits when the scheduler's cost model says it pays (token count at or
+    above the split threshold), ``"force"`` splits whenever the graph allows (tests use this)."""
+
+    enable_flashcomm: bool = False
+    """FlashComm (xLLM's ``enable_flashcomm1``): keep the residual stream sharded by token between
+    the first and last site, all_reduce -> reduce_scatter, all_gather only where full rows are
+    needed. Used only when the token count reaches ``flashcomm_min_prefill_tokens``."""
+
+    flashcomm_min_prefill_tokens: int = 8192
+    """Smallest token count for which FlashComm is chosen (xLLM's default, 8192)."""
+
+    enable_mmrs_fusion: bool = False
+    """With FlashComm: fuse matmul + reduce_scatter (``torch_npu.npu_mm_reduce_scatter_base`` on
+    NPU, symmetric-memory ``fused_matmul_reduce_scatter`` on CUDA). Read only when FlashComm is on."""
+
+    mmrs_comm_mode: str = "aiv"
+    """torch_npu MMRS communication mode: ``"aiv"``, ``"ai_cpu"`` or ``"none"``."""
+
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's
     ``uuid()``, so results stay correct, but a cache hit skips the pass and the explain report then
@@ -39,6 +61,14 @@ class WeaveConfig:
     def __post_init__(self) -> None:
         if self.lowering not in LOWERINGS:
             raise ValueError(f"WeaveConfig.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"WeaveConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
+        if self.mmrs_comm_mode not in MMRS_COMM_MODES:
+            raise ValueError(
+                f"WeaveConfig.mmrs_comm_mode must be one of {MMRS_COMM_MODES}, got {self.mmrs_comm_mode!r}"
+            )
+        if self.flashcomm_min_prefill_tokens < 1:
+            raise ValueError("WeaveConfig.flashcomm_min_prefill_tokens must be >= 1")
         if self.min_world_size < 1:
             raise ValueError(f"WeaveConfig.min_world_size must be >= 1, got {self.min_world_size}")
         if self.cuda_workspace_tokens < 1:

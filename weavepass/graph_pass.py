@@ -74,20 +74,38 @@ class WeavePass(CustomGraphPass):
             name = rejection.all_reduce.name
             records[position[rejection.all_reduce]] = AllReduceRecord(name, False, rejection.reason)
             log.info("weavepass: %s left alone: %s", name, rejection.reason)
-        for plan in plan_sites(sites, self.config):
+        plans = plan_sites(sites, self.config)
+        for plan in plans:
             site = plan.site
-            name = site.all_reduce.name
             matmul = site.matmul.name if site.matmul is not None else ""
-            record = AllReduceRecord(name, True, plan.reason, site.kind, "", matmul)
-            records[position[site.all_reduce]] = record
-            if plan.lowering is None:
-                log.info("weavepass: %s matched but not rewritten: %s", name, plan.reason)
-                continue
-            site.lowering = plan.lowering
-            site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM)
-            record.lowering = plan.lowering
-            log.info("weavepass: %s fused (%s) -> %s", name, record.kind, plan.lowering)
-            if plan.reason:
-                log.warning("weavepass: %s: %s", name, plan.reason)
+            records[position[site.all_reduce]] = AllReduceRecord(
+                site.all_reduce.name, True, plan.reason, site.kind, "", matmul
+            )
         report.records = [records[i] for i in sorted(records)]
+        by_name = {r.node: r for r in report.records}
+
+        if self.config.enable_flashcomm:
+            from weavepass.flashcomm import apply_flashcomm
+
+            if apply_flashcomm(graph, plans, self.config, report):
+                graph.lint()
+                return
+
+        fused = []
+        for plan in plans:
+            record = by_name[plan.site.all_reduce.name]
+            if plan.lowering is None:
+                log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
+                continue
+            plan.site.lowering = plan.lowering
+            fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))
+            record.lowering = plan.lowering
+            log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
+            if plan.reason:
+                log.warning("weavepass: %s: %s", record.node, plan.reason)
+
+        if fused and self.config.overlap != "off":
+            from weavepass.token_split import apply_token_split
+
+            apply_token_split(graph, fused, self.config, report)
         graph.lint()

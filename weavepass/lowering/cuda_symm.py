@@ -46,7 +46,7 @@ TILE_ELEMENTS = 8192  # elements per tile (rows * next_pow2(H)): 4 x 16-byte vec
 ONE_SHOT_MAX_BYTES = 2 << 20
 """One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
 Below it the run is latency-bound and one-shot saves the second push and the finalise pass."""
-BYTES_PER_CTA = 1 << 20
+BYTES_PER_CTA = 64 << 10
 """CTA count = owned bytes / BYTES_PER_CTA, clamped to [MIN_CTAS, MAX_CTAS] (and to the tile count)."""
 
 
@@ -97,29 +97,18 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def cuda_unsupported_reason(
-    partial: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    group_name: str,
+def cuda_site_unsupported_reason(
+    dtype: torch.dtype, hidden: int, device: torch.device, group_name: str
 ) -> str | None:
-    """Why the CUDA lowering cannot serve this call (the scheduler's and the report's reason), or None.
-
-    Batch size is not checked here: a batch larger than the workspace falls back at run time.
-    """
-    if partial.device.type != "cuda":
-        return f"partial is on {partial.device.type}, not CUDA"
-    if partial.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {partial.dtype} is not bf16, fp16 or fp32"
-    hidden = partial.shape[-1] if partial.dim() else 0
-    if hidden % 8 != 0 or hidden == 0:
+    """Why the CUDA lowering cannot serve sites of this kind (compile-time form), or None."""
+    if torch.device(device).type != "cuda":
+        return f"tensors are on {torch.device(device).type}, not CUDA"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not bf16, fp16 or fp32"
+    if hidden <= 0 or hidden % 8 != 0:
         return f"hidden size {hidden} is not a positive multiple of 8 (16-byte vectors)"
     if hidden > MAX_HIDDEN:
         return f"hidden size {hidden} exceeds {MAX_HIDDEN} (a row must fit one tile)"
-    if residual is not None and (residual.shape != partial.shape or residual.device != partial.device):
-        return "residual differs from partial in shape or device"
-    if weight.shape != (hidden,) or weight.device != partial.device:
-        return "weight is not a [hidden] tensor on partial's device"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -131,6 +120,24 @@ def cuda_unsupported_reason(
     if not 2 <= world <= MAX_WORLD:
         return f"world size {world} is outside 2..{MAX_WORLD}"
     return None
+
+
+def cuda_unsupported_reason(partial, residual, weight, group_name: str) -> str | None:
+    """Why the CUDA lowering cannot serve this call (for the scheduler and the report), or None.
+
+    Takes the call's tensors ``(partial, residual, weight, group_name)``; the scheduler's compile-time
+    form ``(dtype, hidden, device, group_name)`` is accepted too and forwarded to
+    ``cuda_site_unsupported_reason``. Batch size is not checked here: a batch larger than the
+    workspace falls back at run time.
+    """
+    if isinstance(partial, torch.dtype):
+        return cuda_site_unsupported_reason(partial, residual, weight, group_name)
+    hidden = partial.shape[-1] if partial.dim() else 0
+    if residual is not None and (residual.shape != partial.shape or residual.device != partial.device):
+        return "residual differs from partial in shape or device"
+    if weight.shape != (hidden,) or weight.device != partial.device:
+        return "weight is not a [hidden] tensor on partial's device"
+    return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name)
 
 
 @dataclass

@@ -1,0 +1,18 @@
+"""GPU tests: marked ``gpu``, run with ``python3 -m pytest -m gpu tests/gpu`` on a machine with GPUs.
+
+NVLink multicast must never be used on the lent machines (docs/cuda_kernel.md): the variables that
+keep NCCL, PyTorch symmetric memory and NVSHMEM off it are set here, before any test starts a process.
+"""
+
+import os
+
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ[_name] = _value
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped when there are too few)")
