@@ -38,6 +38,14 @@ class WeaveConfig:
     splits, ``"auto"`` splits when the scheduler's cost model says it pays (token count at or
     above the split threshold), ``"force"`` splits whenever the graph allows (tests use this)."""
 
+    overlap_min_tokens: int = 1024
+    """With ``overlap="auto"``: smallest token count (batch x sequence) a dense model is split at.
+    Below it the second GEMM launch and the extra waves cost more than the hidden communication."""
+
+    overlap_min_tokens_moe: int = 4096
+    """``overlap_min_tokens`` for graphs with a routed MoE (``topk``): their per-token compute is
+    smaller relative to the all_reduce, so the split pays only later."""
+
     enable_flashcomm: bool = False
     """FlashComm (xLLM's ``enable_flashcomm1``): keep the residual stream sharded by token between
     the first and last site, all_reduce -> reduce_scatter, all_gather only where full rows are
@@ -67,6 +75,8 @@ class WeaveConfig:
             raise ValueError(
                 f"WeaveConfig.mmrs_comm_mode must be one of {MMRS_COMM_MODES}, got {self.mmrs_comm_mode!r}"
             )
+        if self.overlap_min_tokens < 2 or self.overlap_min_tokens_moe < 2:
+            raise ValueError("WeaveConfig.overlap_min_tokens(_moe) must be >= 2")
         if self.flashcomm_min_prefill_tokens < 1:
             raise ValueError("WeaveConfig.flashcomm_min_prefill_tokens must be >= 1")
         if self.min_world_size < 1:

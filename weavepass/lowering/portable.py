@@ -71,7 +71,8 @@ def fused_allreduce_rmsnorm_portable(
     gathered = packed.new_empty((per_rank * world, 2 * hidden))
     _all_gather(gathered, packed, group=group)
     gathered = gathered[:num_tokens]
+    # copy=True: the two outputs must not alias each other (or anything else).
     return (
-        gathered[:, :hidden].to(out_dtype).reshape(partial.shape),
-        gathered[:, hidden:].to(partial.dtype).reshape(partial.shape),
+        gathered[:, :hidden].to(out_dtype, copy=True).reshape(partial.shape),
+        gathered[:, hidden:].to(partial.dtype, copy=True).reshape(partial.shape),
     )

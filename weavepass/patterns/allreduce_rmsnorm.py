@@ -49,12 +49,11 @@ def _find_norm(root: Node) -> tuple[list[Node], RMSNormMatch] | str:
     if isinstance(found, RMSNormMatch):
         return [], found
     for user in root.users:
-        if _is_row_view(user, root) and len(user.users) >= 1:
+        if _is_row_view(user, root):
             deeper = _find_norm(user)
             if not isinstance(deeper, str):
+                # A view shared with other users stays (it then reads the new residual).
                 views, norm = deeper
-                if len(user.users) != 1:
-                    continue  # the view itself is shared; replaying it would not free it
                 return [user, *views], norm
     return found
 
@@ -131,6 +130,8 @@ class FusedAllReduceRMSNormSite:
 
     def replace_with(self, graph: Graph, fused_op) -> Node:
         """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node."""
+        for node in self.extra.get("hoist", []):
+            self.insertion_point().prepend(node)
         with graph.inserting_before(self.insertion_point()):
             partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
             fused = graph.call_function(
@@ -252,14 +253,42 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     return reject(no_norm_reason)
 
 
-def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | None:
-    """All inputs of the fused op must exist where it is inserted."""
+def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:
+    """Inputs computed after the fused op's insertion point, in the order to move them up.
+
+    A weight cast to fp32 (``w.float()``) often sits after the residual add; such pure
+    computations of earlier values are moved before the fused op. Anything that depends on the
+    site's own nodes cannot be, and the site is rejected.
+    """
     point = order[site.insertion_point()]
-    late = [n for n in site.inputs() if order.get(n, -1) >= point]
-    if late:
-        return RejectedAllReduce(
-            site.all_reduce, f"{late[0].name} is computed after the residual add; cannot fuse"
-        )
+    moved: list[Node] = []
+
+    def visit(node: Node) -> str | None:
+        if order.get(node, -1) < point or node in moved:
+            return None
+        if node.op != "call_function" or is_target(node, ALL_REDUCES | {WAIT}) \
+                or node is site.add:
+            return f"{node.name} is computed after the residual add and depends on it; cannot fuse"
+        for arg in node.all_input_nodes:
+            reason = visit(arg)
+            if reason is not None:
+                return reason
+        moved.append(node)
+        return None
+
+    for node in site.inputs():
+        reason = visit(node)
+        if reason is not None:
+            return reason
+    return moved
+
+
+def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | None:
+    """All inputs of the fused op must exist (or be movable to) where it is inserted."""
+    late = _late_inputs(site, order)
+    if isinstance(late, str):
+        return RejectedAllReduce(site.all_reduce, late)
+    site.extra["hoist"] = late
     return None
 
 

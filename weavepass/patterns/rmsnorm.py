@@ -167,11 +167,14 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
         return inv
     scale_src, inv_nodes, eps, is_rsqrt = inv
     nodes += inv_nodes
-    scale = _only_user(scale_src, MULS if is_rsqrt else {aten.div.Tensor})
-    if scale is None or _other_operand(scale, scale_src) is not xf:
+    scales = [
+        u for u in scale_src.users
+        if is_target(u, MULS if is_rsqrt else {aten.div.Tensor})
+        and _other_operand(u, scale_src) is xf and (is_rsqrt or u.args[0] is xf)
+    ]
+    if not scales:
         return "the inverse RMS does not scale the norm's own input"
-    if not is_rsqrt and scale.args[0] is not xf:
-        return "the norm divides the wrong way round"
+    scale = scales[0]
     nodes.append(scale)
 
     out, weight = scale, None

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU suite: every GPU test under tests/gpu, then the benchmarks; logs, CSVs and PNGs go to $OUT.
+# Usage (repository root): OUT=/some/dir bash benchmarks/gpu_suite.sh
+# Add a benchmark by appending one `step NAME SECONDS command...` line. Each step is bounded by
+# its own timeout; a failing step is reported and the suite goes on (the exit status says if any failed).
+set -uo pipefail
+# NVLink multicast must never be used on the lent machines (docs/cuda_kernel.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-gpu_suite_out}"
+mkdir -p "$OUT"
+status=0
+
+step() {  # step NAME TIMEOUT_S command...: runs command, logs to $OUT/NAME.log
+    local name="$1" limit="$2"
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local start=$SECONDS
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - start))s" | tee -a "$OUT/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+
+step pytest_gpu "${PYTEST_TIMEOUT_S:-420}" python3 -m pytest -m gpu tests/gpu -x -q -rA
+step bench_fused_allreduce_rmsnorm "${BENCH_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_fused_allreduce_rmsnorm.py --out "$OUT"
+exit $status

@@ -1,0 +1,25 @@
+"""One small two-rank case of the cuda_symm lowering, to run under compute-sanitizer:
+
+    compute-sanitizer --tool racecheck --target-processes all python3 tests/gpu/sanitizer_case.py
+
+Prints ``PASS`` when both ranks matched the reference.
+"""
+
+import os
+import sys
+
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ[_name] = _value
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.getcwd()]
+
+from test_cuda_kernel import small_case_worker  # noqa: E402
+
+from weavepass.testing.distributed import spawn  # noqa: E402
+
+if __name__ == "__main__":
+    print(spawn(small_case_worker, 2, "nccl", timeout_s=float(os.environ.get("CASE_TIMEOUT_S", 240)))[0])

@@ -1,0 +1,288 @@
+"""The ``cuda_symm`` lowering against the fp32 reference, one process per GPU (NCCL, 2 ranks).
+
+Every rank draws every rank's partial sums from one seed, so each can compute the reference alone.
+Before each call the symmetric workspace and the blocks the outputs will be carved from are filled
+with NaN, so a row the kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weavepass.lowering.reference import fused_allreduce_rmsnorm_reference
+from weavepass.testing.distributed import spawn
+
+WORLD = 2
+EPS = 1e-6
+TOKENS = (1, 2, 3, 127, 1024, 4097, 16384)
+HIDDENS = (128, 4096, 8192)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (rtol, atol) for residual_out, by dtype. The kernel sums the partials and the residual in fp32 in
+# the reference's order, so the two can differ by at most one final rounding step (bf16 2^-7, fp16
+# 2^-10 relative); fp32 allows for FMA contraction.
+RESIDUAL_TOL = {
+    torch.bfloat16: (2**-7, 1e-5),
+    torch.float16: (2**-10, 1e-5),
+    torch.float32: (1e-6, 1e-6),
+}
+# (rtol, atol) for normed, by out_dtype. rsqrt.approx and a different sum-of-squares order move the
+# fp32 value by ~1e-6 relative, which can flip the last rounding of a bf16/fp16 output (2 ulp margin:
+# bf16 2^-6, fp16 2^-9); fp32 outputs keep that ~1e-6 error, values are O(1).
+NORMED_TOL = {
+    torch.bfloat16: (2**-6, 2**-6),
+    torch.float16: (2**-9, 2**-9),
+    torch.float32: (2e-5, 2e-5),
+}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+        reason=f"needs {WORLD} CUDA GPUs",
+    ),
+]
+
+
+# ---------------------------------------------------------------- helpers run inside the ranks
+
+
+def _make_inputs(seed, tokens, hidden, dtype, with_residual, world):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    partials = [draw(tokens, hidden).to(dtype) for _ in range(world)]
+    residual = draw(tokens, hidden).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * draw(hidden)).to(dtype)
+    return partials, residual, weight
+
+
+def _poison(tokens, hidden, dtype, out_dtype):
+    """NaN into the local workspace and into the freed blocks the outputs will reuse."""
+    from weavepass.lowering import cuda_symm
+
+    torch.cuda.synchronize()
+    dist.barrier()  # no peer is still writing into our workspace
+    for workspaces in cuda_symm._WORKSPACES.values():
+        for ws in workspaces:
+            ws.buffer.fill_(float("nan"))
+    blocks = [
+        torch.full((tokens, hidden), float("nan"), dtype=out_dtype, device="cuda"),
+        torch.full((tokens, hidden), float("nan"), dtype=dtype, device="cuda"),
+    ]
+    del blocks  # back to the caching allocator, which hands them to the next same-size request
+    torch.cuda.synchronize()
+    dist.barrier()  # no peer pushes into us before the poison landed
+
+
+def _compare(label, got, want, tol):
+    rtol, atol = tol
+    try:
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+    except AssertionError as err:
+        return [f"{label}: {str(err).splitlines()[0:4]}"]
+    return []
+
+
+def _same_on_all_ranks(label, tensor):
+    """Every rank must hold bit-identical outputs (they feed the next layer on every rank)."""
+    mine = tensor.contiguous().view(torch.uint8)
+    first = mine.clone()
+    dist.broadcast(first, src=0)
+    return [] if torch.equal(mine, first) else [f"{label}: differs from rank 0"]
+
+
+def _check_call(rank, world, seed, tokens, hidden, dtype, with_residual, out_dtype, **kwargs):
+    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+
+    partials, residual, weight = _make_inputs(seed, tokens, hidden, dtype, with_residual, world)
+    want_normed, want_res = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, out_dtype)
+    _poison(tokens, hidden, dtype, out_dtype)
+    group = dist.group.WORLD.group_name
+    normed, res_out = fused_allreduce_rmsnorm_cuda(
+        partials[rank], residual, weight, EPS, group, out_dtype, **kwargs
+    )
+    label = f"T={tokens} H={hidden} {dtype} residual={with_residual} out={out_dtype} {kwargs}"
+    errors = _compare(label + " residual_out", res_out, want_res, RESIDUAL_TOL[dtype])
+    errors += _compare(label + " normed", normed, want_normed, NORMED_TOL[out_dtype])
+    assert normed.dtype == out_dtype and res_out.dtype == dtype
+    errors += _same_on_all_ranks(label + " normed", normed)
+    errors += _same_on_all_ranks(label + " residual_out", res_out)
+    return errors
+
+
+def _matches_reference_worker(rank, world, dtype):
+    errors, cases = [], 0
+    for tokens in TOKENS:
+        for hidden in HIDDENS:
+            for with_residual in (True, False):
+                seed = 1000 * tokens + hidden + with_residual
+                errors += _check_call(rank, world, seed, tokens, hidden, dtype, with_residual, dtype)
+                cases += 1
+    if dtype == torch.bfloat16:  # normed in another dtype than the residual stream
+        for tokens in (3, 1024):
+            errors += _check_call(rank, world, 7 + tokens, tokens, 4096, dtype, True, torch.float32)
+            cases += 1
+    assert not errors, "\n".join(errors)
+    return cases
+
+
+def _modes_worker(rank, world):
+    """Both algorithms and every CTA count of the rule's range on odd shapes."""
+    errors = []
+    for one_shot in (True, False):
+        for ctas in (2, 3, 16, 32):
+            for tokens in (1, 5, 129):
+                errors += _check_call(
+                    rank, world, 31 * tokens + ctas, tokens, 1032, torch.bfloat16, True,
+                    torch.bfloat16, num_ctas=ctas, one_shot=one_shot,
+                )
+    assert not errors, "\n".join(errors)
+
+
+def _back_to_back_worker(rank, world, calls, batch):
+    """``calls`` calls on fresh data, ``batch`` of them in flight between host syncs, each checked.
+    Sizes and CTA counts change from call to call, so the row-to-CTA mapping keeps changing."""
+    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+
+    group = dist.group.WORLD.group_name
+    sizes = (1, 127, 1024, 4097, 33, 2048, 8)
+    hidden, dtype = 4096, torch.bfloat16
+    errors = []
+    for start in range(0, calls, batch):
+        inputs, outputs = [], []
+        for i in range(start, min(start + batch, calls)):
+            tokens = sizes[i % len(sizes)]
+            inputs.append((tokens, _make_inputs(i, tokens, hidden, dtype, True, world)))
+        for i, (tokens, (partials, residual, weight)) in enumerate(inputs):
+            ctas = (2, 8, 16, 32, None)[(start + i) % 5]
+            outputs.append(fused_allreduce_rmsnorm_cuda(
+                partials[rank], residual, weight, EPS, group, dtype, num_ctas=ctas
+            ))
+        for i, ((tokens, (partials, residual, weight)), (normed, res_out)) in enumerate(
+            zip(inputs, outputs)
+        ):
+            want_normed, want_res = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, dtype)
+            errors += _compare(f"call {start + i} T={tokens} residual_out", res_out, want_res, RESIDUAL_TOL[dtype])
+            errors += _compare(f"call {start + i} T={tokens} normed", normed, want_normed, NORMED_TOL[dtype])
+    assert not errors, "\n".join(errors[:20])
+    return calls
+
+
+def _cuda_graph_worker(rank, world):
+    """Three consecutive layers (a chained residual stream, decode and prefill sizes) captured once
+    and replayed on new data."""
+    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+
+    group = dist.group.WORLD.group_name
+    hidden, dtype = 4096, torch.bfloat16
+    layer_tokens = (1024, 1024, 8)
+    static = [_make_inputs(i, t, hidden, dtype, True, world) for i, t in enumerate(layer_tokens)]
+
+    def layers():
+        outs = []
+        for i, (partials, residual, weight) in enumerate(static):
+            if i > 0 and layer_tokens[i] == layer_tokens[i - 1]:
+                residual = outs[-1][1]  # the residual stream carries on
+            outs.append(fused_allreduce_rmsnorm_cuda(partials[rank], residual, weight, EPS, group, dtype))
+        return outs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layers()  # compiles the kernels and allocates the workspace outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layers()
+
+    errors = []
+    for replay in range(3):
+        for i, t in enumerate(layer_tokens):
+            fresh = _make_inputs(100 * replay + i, t, hidden, dtype, True, world)
+            for dst, src in zip(static[i][0], fresh[0]):
+                dst.copy_(src)
+            static[i][1].copy_(fresh[1])
+            static[i][2].copy_(fresh[2])
+        _poison(1, 8, dtype, dtype)  # NaN into the workspace (outputs live in the graph's pool)
+        for normed, res_out in outs:
+            normed.fill_(float("nan"))
+            res_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        residual = None
+        for i, (partials, layer_residual, weight) in enumerate(static):
+            if not (i > 0 and layer_tokens[i] == layer_tokens[i - 1]):
+                residual = layer_residual
+            want_normed, want_res = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, dtype)
+            label = f"replay {replay} layer {i}"
+            errors += _compare(label + " residual_out", outs[i][1], want_res, RESIDUAL_TOL[dtype])
+            errors += _compare(label + " normed", outs[i][0], want_normed, NORMED_TOL[dtype])
+            residual = outs[i][1]
+    assert not errors, "\n".join(errors)
+
+
+def _fallback_worker(rank, world):
+    """Batches over the workspace and unsupported hidden sizes run the portable lowering, correctly."""
+    from weavepass.lowering.cuda_symm import cuda_unsupported_reason
+
+    group = dist.group.WORLD.group_name
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        errors += _check_call(rank, world, 1, 1024, 1024, torch.bfloat16, True, torch.bfloat16,
+                              max_workspace_tokens=64)
+        errors += _check_call(rank, world, 2, 1024, 1024, torch.bfloat16, True, torch.bfloat16,
+                              max_workspace_tokens=64)
+        errors += _check_call(rank, world, 3, 17, 132, torch.float16, True, torch.float16)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert sum("workspace" in m for m in messages) == 1, messages  # warned once, not per call
+    assert any("multiple of 8" in m for m in messages), messages
+    x = torch.zeros(4, 132, device="cuda")
+    assert "multiple of 8" in cuda_unsupported_reason(x, None, torch.ones(132, device="cuda"), group)
+    assert "not CUDA" in cuda_unsupported_reason(x.cpu(), None, torch.ones(132), group)
+    y = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
+    assert cuda_unsupported_reason(y, y, torch.ones(64, device="cuda"), group) is None
+    assert not errors, "\n".join(errors)
+
+
+def small_case_worker(rank, world):
+    """One decode-size and one prefill-size call (for compute-sanitizer runs)."""
+    errors = _check_call(rank, world, 5, 127, 4096, torch.bfloat16, True, torch.bfloat16)
+    errors += _check_call(rank, world, 6, 1024, 4096, torch.bfloat16, True, torch.bfloat16)
+    assert not errors, "\n".join(errors)
+    return "PASS"
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_matches_reference(dtype):
+    cases = spawn(_matches_reference_worker, WORLD, "nccl", dtype, timeout_s=420)
+    assert cases[0] == len(TOKENS) * len(HIDDENS) * 2 + (2 if dtype == torch.bfloat16 else 0)
+
+
+def test_every_algorithm_and_cta_count():
+    spawn(_modes_worker, WORLD, "nccl", timeout_s=300)
+
+
+def test_back_to_back_calls_race_free():
+    assert spawn(_back_to_back_worker, WORLD, "nccl", 500, 10, timeout_s=300)[0] == 500
+
+
+def test_cuda_graph_capture_and_replay():
+    spawn(_cuda_graph_worker, WORLD, "nccl", timeout_s=300)
+
+
+def test_fallbacks_to_portable():
+    spawn(_fallback_worker, WORLD, "nccl", timeout_s=300)

@@ -1,0 +1,335 @@
+"""Graph-level tests: which all_reduces are rewritten, what the graph holds before and after.
+
+These run on a fake process group (no real communication): every test compiles a small function
+with a fresh ``WeaveBackend`` and asserts on the op counts the pass recorded before and after its
+rewrite, and on the per-all_reduce records of the explain report.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import weavepass
+from weavepass import WeaveConfig
+
+AR = "_c10d_functional.all_reduce.default"
+WAIT = "_c10d_functional.wait_tensor.default"
+FUSED = "weave.fused_allreduce_rmsnorm.default"
+H = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def ar(x, op="sum"):
+    return funcol.all_reduce(x, op, dist.group.WORLD)
+
+
+def llama_norm(x, weight, eps=1e-6):
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def compile_report(fn, *args, config=None):
+    backend = weavepass.make_backend(config)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (graph,) = backend.report.graphs
+    return graph
+
+
+def assert_fused(graph, n_fused, n_kept=0):
+    """``n_fused`` sites became weave ops, and their all_reduces and waits are gone."""
+    assert graph.ops_after[FUSED] == n_fused, graph.records
+    assert graph.ops_after[AR] == n_kept
+    assert graph.ops_after[WAIT] == n_kept
+    assert graph.ops_before[AR] == n_fused + n_kept
+    assert graph.rewritten == n_fused
+    assert graph.matched == n_fused
+
+
+def assert_unchanged(graph, reason_part):
+    """The pass left the graph exactly as it was and said why."""
+    assert graph.ops_after == graph.ops_before
+    assert graph.ops_after[FUSED] == 0
+    (record,) = graph.records
+    assert not record.matched
+    assert reason_part in record.reason, record.reason
+
+
+def inputs(tokens=6, dtype=torch.bfloat16, hidden=H):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 32, generator=g).to(dtype)
+    w = torch.randn(32, hidden, generator=g).to(dtype)
+    r = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = torch.randn(hidden, generator=g).to(dtype)
+    return x, w, r, weight
+
+
+# ----- sites that must be matched ---------------------------------------------------------------
+
+
+def test_llama_norm_with_residual_records_matmul():
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        return llama_norm(h, weight), h
+
+    graph = compile_report(f, *inputs())
+    assert_fused(graph, 1)
+    (record,) = graph.records
+    assert record.lowering == "portable"
+    assert record.matmul.startswith("mm")
+    assert "residual" in record.kind and "fp32-upcast" in record.kind
+
+
+@pytest.mark.parametrize("residual_first", [False, True])
+def test_either_operand_order_of_the_add(residual_first):
+    def f(x, w, r, weight):
+        y = ar(x @ w)
+        h = r + y if residual_first else y + r
+        return llama_norm(h, weight), h
+
+    assert_fused(compile_report(f, *inputs()), 1)
+
+
+def test_new_residual_unused_later():
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + r, weight)
+
+    assert_fused(compile_report(f, *inputs()), 1)
+
+
+def test_no_residual_embedding_site_keeps_sum_for_later_use():
+    def f(x, w, r, weight):
+        h = ar(x @ w)  # like a vocab-parallel embedding: the sum is the residual stream
+        return llama_norm(h, weight), h * 2
+
+    graph = compile_report(f, *inputs())
+    assert_fused(graph, 1)
+    assert "no-residual" in graph.records[0].kind
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        pytest.param(lambda h, w: F.rms_norm(h, (H,), w, eps=1e-5), id="F.rms_norm"),
+        pytest.param(lambda h, w: F.rms_norm(h, (H,), w.float(), eps=1e-5), id="fp32-weight"),
+        pytest.param(lambda h, w: F.rms_norm(h, (H,), None, eps=1e-5), id="no-weight"),
+        pytest.param(lambda h, w: llama_norm(h, w, eps=3.3e-4), id="odd-eps"),
+        pytest.param(lambda h, w: h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+                     id="div-sqrt"),
+        pytest.param(lambda h, w: w * (h * torch.rsqrt((h * h).mean(dim=-1, keepdim=True) + 1e-6)),
+                     id="mul-square-weight-first"),
+    ],
+)
+def test_norm_forms(norm):
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        return norm(h, weight), h
+
+    assert_fused(compile_report(f, *inputs()), 1)
+
+
+def test_nn_rmsnorm_module_in_fp32_model():
+    norm = torch.nn.RMSNorm(H, eps=1e-5)
+
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        return norm(h), h
+
+    graph = compile_report(f, *inputs(dtype=torch.float32))
+    assert_fused(graph, 1)
+    assert "float32" in graph.records[0].kind
+
+
+def test_eps_is_read_from_the_graph():
+    eps = 7.25e-3
+
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + r, weight, eps=eps)
+
+    backend = weavepass.make_backend()
+    captured = {}
+
+    def spy(graph):
+        for node in graph.nodes:
+            if node.target is torch.ops.weave.fused_allreduce_rmsnorm.default:
+                captured["eps"] = node.args[3]
+
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=spy):
+        torch.compile(f, backend=backend)(*inputs())
+    assert captured["eps"] == pytest.approx(eps)
+
+
+def test_views_between_steps_do_not_hide_sites():
+    def f(x, w, r, weight):
+        # [B*S, H] all_reduce -> [B, S, H] add -> norm; then [B, S, H] -> [B*S, H] -> norm.
+        y = ar(x @ w).view(2, 3, H)
+        h = y + r.view(2, 3, H)
+        out1 = llama_norm(h, weight)
+        y2 = ar(out1 * 3)
+        h2 = (h + y2).reshape(6, H)
+        return llama_norm(h2, weight), h2
+
+    graph = compile_report(f, *inputs())
+    assert_fused(graph, 2)
+
+
+def test_three_dim_all_reduce_with_flattening_norm_input():
+    def f(x, w, r, weight):
+        y = ar((x @ w).view(2, 3, H))
+        return llama_norm(y.view(6, H), weight), y
+
+    assert_fused(compile_report(f, *inputs()), 1)
+
+
+def test_in_place_c10d_all_reduce_is_matched():
+    def f(x, w, r, weight):
+        y = x @ w
+        dist.all_reduce(y)
+        h = y + r
+        return llama_norm(h, weight), h
+
+    assert_fused(compile_report(f, *inputs()), 1)
+
+
+def test_every_site_of_a_stack_is_rewritten():
+    layers = 4
+
+    def f(x, w, r, weight):
+        h = ar(x @ w)  # embedding-like site without residual
+        for _ in range(layers):
+            normed = llama_norm(h, weight)
+            h = h + ar(normed * 0.5)   # attention-like
+            normed = llama_norm(h, weight)
+            h = h + ar(normed * 0.25)  # MLP-like
+        return llama_norm(h, weight)
+
+    assert_fused(compile_report(f, *inputs()), 2 * layers + 1)
+
+
+# ----- all_reduces that must be left alone ------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["max", "avg"])
+def test_reject_non_sum_all_reduce(op):
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w, op) + r, weight)
+
+    assert_unchanged(compile_report(f, *inputs()), f"all_reduce op is '{op}'")
+
+
+def test_reject_all_reduce_result_with_other_users():
+    def f(x, w, r, weight):
+        y = ar(x @ w)
+        return llama_norm(y + r, weight), y
+
+    assert_unchanged(compile_report(f, *inputs()), "other user")
+
+
+def test_reject_norm_over_another_dim():
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        hf = h.float()
+        return (hf * torch.rsqrt(hf.pow(2).mean(0, keepdim=True) + 1e-6)).to(h.dtype) * weight
+
+    assert_unchanged(compile_report(f, *inputs()), "not the last dim")
+
+
+def test_reject_norm_intermediate_used_elsewhere():
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        hf = h.float()
+        inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (hf * inv).to(h.dtype) * weight, inv
+
+    assert_unchanged(compile_report(f, *inputs()), "also used by")
+
+
+def test_reject_all_reduce_without_norm():
+    def f(x, w, r, weight):
+        return (ar(x @ w) + r) @ w.t()
+
+    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm")
+
+
+def test_reject_group_below_min_world_size():
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + r, weight)
+
+    graph = compile_report(f, *inputs(), config=WeaveConfig(min_world_size=4))
+    assert graph.ops_after == graph.ops_before
+    (record,) = graph.records
+    assert record.matched and not record.lowering
+    assert "group of 2 rank(s) < min_world_size=4" in record.reason
+
+
+def test_disabled_config_leaves_graph_alone():
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + r, weight)
+
+    graph = compile_report(f, *inputs(), config=WeaveConfig(enabled=False))
+    assert graph.ops_after == graph.ops_before
+    assert "enabled is False" in graph.note
+
+
+def test_mixed_graph_rewrites_only_valid_sites():
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        normed = llama_norm(h, weight)
+        m = ar(normed, "max")
+        return normed, m
+
+    graph = compile_report(f, *inputs())
+    assert_fused(graph, 1, n_kept=1)
+    kept = [r for r in graph.records if not r.matched]
+    assert len(kept) == 1 and "'max'" in kept[0].reason
+
+
+# ----- config, report and uuid -----------------------------------------------------------------
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="lowering"):
+        WeaveConfig(lowering="nccl")
+    with pytest.raises(ValueError, match="overlap"):
+        WeaveConfig(overlap="sometimes")
+    with pytest.raises(TypeError, match="WeaveConfig"):
+        weavepass.make_backend({"lowering": "portable"})
+
+
+def test_uuid_changes_with_config():
+    from weavepass.graph_pass import WeavePass
+
+    a = WeavePass(WeaveConfig()).uuid()
+    assert a == WeavePass(WeaveConfig()).uuid()
+    assert a != WeavePass(WeaveConfig(lowering="portable")).uuid()
+
+
+def test_report_text_lists_every_all_reduce():
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        normed = llama_norm(h, weight)
+        return normed, ar(normed, "max")
+
+    backend = weavepass.make_backend()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(f, backend=backend)(*inputs())
+    text = str(backend.report)
+    assert "1 rewritten" in text
+    assert "fused  -> portable" in text
+    assert "all_reduce op is 'max'" in text
