@@ -99,7 +99,7 @@ def _time_op(op, calls_per_graph: int, replays: int) -> float:
     return statistics.median(times)
 
 
-def _bench_rank(rank: int, world: int, tokens_list, replays: int):
+def _bench_rank(rank: int, world: int, tokens_list, replays: int, tile_variants=()):
     import torch.distributed._symmetric_memory as symm_mem
 
     from weavepass.lowering.cuda_symm import choose_launch_plan, fused_allreduce_rmsnorm_cuda
@@ -154,10 +154,10 @@ def _bench_rank(rank: int, world: int, tokens_list, replays: int):
                 if rank == 0:
                     print(f"{name} at T={tokens} skipped: {type(err).__name__}: {err}".splitlines()[0])
 
-        def weave(ctas=None, one_shot=None):
+        def weave(ctas=None, one_shot=None, **tile):
             return lambda: fused_allreduce_rmsnorm_cuda(
                 partial, residual, weight, EPS, group, DTYPE,
-                max_workspace_tokens=max_tokens, num_ctas=ctas, one_shot=one_shot,
+                max_workspace_tokens=max_tokens, num_ctas=ctas, one_shot=one_shot, **tile,
             )
 
         plan = choose_launch_plan(tokens, HIDDEN, partial.element_size(), world)
@@ -167,6 +167,11 @@ def _bench_rank(rank: int, world: int, tokens_list, replays: int):
         if tokens <= FORCED_ONE_SHOT_MAX_TOKENS:
             results["weave_one_shot"] = (_time_op(weave(None, True), calls, replays), None)
         results["weave_two_shot"] = (_time_op(weave(None, False), calls, replays), None)
+        for tile, warps in tile_variants:
+            for ctas in (16, 32):
+                name = f"weave_t{tile // 1024}k_w{warps}_cta{ctas}"
+                op = weave(ctas, tile_elements=tile, num_warps=warps)
+                results[name] = (_time_op(op, calls, replays), ctas)
 
         move = 2 * (world - 1) * tokens * HIDDEN // world
         best = None
@@ -236,10 +241,17 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--replays", type=int, default=25)
     parser.add_argument("--timeout-s", type=float, default=480)
+    parser.add_argument(
+        "--tile-variants", nargs="*", default=[], metavar="ELEMENTS:WARPS",
+        help="extra tile shapes to time at 16 and 32 CTAs, e.g. 16384:16",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    rows = spawn(_bench_rank, 2, "nccl", args.tokens, args.replays, timeout_s=args.timeout_s)[0]
+    tiles = [tuple(int(x) for x in v.split(":")) for v in args.tile_variants]
+    rows = spawn(
+        _bench_rank, 2, "nccl", args.tokens, args.replays, tiles, timeout_s=args.timeout_s
+    )[0]
     rows = _annotate(rows)
     _print_table(rows)
     csv_path = os.path.join(args.out, "bench_fused_allreduce_rmsnorm.csv")

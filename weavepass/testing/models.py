@@ -22,6 +22,8 @@ the layer's single all_reduce. Shapes: ``input_ids`` [B, S] int64 -> output [B, 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -262,10 +264,8 @@ class TPMoE(nn.Module):
         top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
         # [..., n_experts] combine weights: the renormalised top-k probabilities, zero elsewhere.
         combine = torch.zeros_like(probs).scatter(-1, top_ids, top_probs).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out = out + combine[..., e : e + 1] * expert(x)
-        return out
+        weighted = [combine[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts)]
+        return functools.reduce(operator.add, weighted)
 
 
 class TPDecoderLayer(nn.Module):

@@ -1,0 +1,531 @@
+"""FlashComm: keep the residual stream sharded by tokens between the first and the last site.
+
+xLLM's FlashComm (``enable_flashcomm1``) for tensor-parallel prefill, as a graph rewrite. For a
+graph of ``K`` sites ``all_reduce(P_i) -> [+ residual] -> RMSNorm`` over ``T`` tokens of width
+``H`` on ``N`` ranks, with ``T_pad = ceil(T / (16 N)) * 16 N`` and ``R = T_pad / N``::
+
+    P_i [.., H] -> reshape [T, H] -> pad zero rows to [T_pad, H] -> reduce_scatter -> S_i [R, H]
+    h_i = S_i + h_{i-1}                   (the residual stream, [R, H]: never gathered)
+    y_i = RMSNorm(h_i)                    ([R, H], the graph's own norm ops, replayed on the shard)
+    all_gather(y_i) [T_pad, H] -> rows [:T] -> reshape like the norm output -> consumers
+
+so every all_reduce becomes a reduce_scatter, the add + RMSNorm runs on 1/N of the tokens, and one
+all_gather per site restores full rows for the consumers that need them (QKV and gate/up
+projections, the MoE router and experts, graph outputs). The final norm runs on the shard too,
+followed by its one gather. Padding rows are zero, give zero norm outputs (no NaN), and are dropped
+right after each gather, so they never reach a consumer; ``T < N`` works (most ranks then own only
+padding). A residual stream value read by anything other than the next site (a graph output, say)
+is gathered once for those readers.
+
+With ``enable_mmrs_fusion`` the producer matmul of each partial sum joins its reduce_scatter:
+``torch_npu.npu_mm_reduce_scatter_base`` on NPU (``weavepass.lowering.npu``) and symmetric-memory
+``fused_matmul_reduce_scatter`` on CUDA, which there also turns ``all_gather -> mm`` into
+``fused_all_gather_matmul`` (``weavepass.lowering.flashcomm_cuda``). A matmul that the fused op
+cannot take (bias, k out of range, fp32, world size, ...) falls back to ``mm -> reduce_scatter``
+with the reason in the report and a ``FlashComm MMRS skipped`` warning on the ``weavepass`` logger.
+
+The decision (``decide_flashcomm``) depends only on the config, shapes and the group's size, so
+every rank decides the same. Dynamic shapes: the decision is guard-free, so only a static token
+count qualifies; a symbolic one leaves the graph to the normal fuse path with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+
+from weavepass.config import WeaveConfig
+from weavepass.lowering import flashcomm_cuda, npu
+from weavepass.lowering.portable import resolve_group
+from weavepass.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
+from weavepass.patterns.rmsnorm import is_target, val
+from weavepass.report import GraphReport
+from weavepass.scheduler import SitePlan, group_size
+
+log = logging.getLogger("weavepass")
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+TOKEN_ALIGNMENT = 16
+"""Tokens are padded to a multiple of ``world_size * TOKEN_ALIGNMENT``: each rank's shard then has a
+multiple of 16 rows, which keeps fused kernels (MMRS tiles, vectorised norms) on aligned shapes."""
+
+DEVICE_KINDS = ("portable", "npu", "cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops (functional: they mutate nothing and return fresh tensors)
+
+
+@torch.library.custom_op("weave::flashcomm_shard_rows", mutates_args=())
+def flashcomm_shard_rows(
+    x: torch.Tensor, padded_tokens: int, world_size: int, group_name: str
+) -> torch.Tensor:
+    """This rank's rows of ``x`` [T, H] zero-padded to [padded_tokens, H]: ``[padded_tokens / N, H]``.
+
+    Shards a residual that enters the first site from outside the sharded stream.
+    """
+    rank = resolve_group(group_name).rank()
+    per_rank = padded_tokens // world_size
+    shard = x.new_zeros((per_rank, x.shape[1]))
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, x.shape[0])
+    if hi > lo:
+        shard[: hi - lo] = x[lo:hi]
+    return shard
+
+
+@flashcomm_shard_rows.register_fake
+def _(x, padded_tokens, world_size, group_name):
+    return x.new_empty((padded_tokens // world_size, x.shape[1]))
+
+
+@torch.library.custom_op("weave::npu_mm_reduce_scatter", mutates_args=())
+def npu_mm_reduce_scatter(
+    x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int, comm_mode: str
+) -> torch.Tensor:
+    """``reduce_scatter(x @ w)``: ``[m, k] @ [k, n] -> [m / N, n]`` via ``npu_mm_reduce_scatter_base``."""
+    return npu.mm_reduce_scatter(x, w, group_name, world_size, comm_mode)
+
+
+@npu_mm_reduce_scatter.register_fake
+def _(x, w, group_name, world_size, comm_mode):
+    return x.new_empty((x.shape[0] // world_size, w.shape[1]))
+
+
+@torch.library.custom_op("weave::npu_add_rms_norm", mutates_args=())
+def npu_add_rms_norm(
+    x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x1 + x2) * gamma, x1 + x2)`` via ``npu_add_rms_norm``; all ``[R, H]`` but gamma [H]."""
+    return npu.add_rms_norm(x1, x2, gamma, eps)
+
+
+@npu_add_rms_norm.register_fake
+def _(x1, x2, gamma, eps):
+    return x1.new_empty(x1.shape), x1.new_empty(x1.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decision
+
+
+def padded_token_count(num_tokens: int, world_size: int) -> int:
+    """``num_tokens`` rounded up to a multiple of ``world_size * TOKEN_ALIGNMENT``."""
+    align = world_size * TOKEN_ALIGNMENT
+    return -(-num_tokens // align) * align
+
+
+@dataclass(frozen=True)
+class FlashCommDecision:
+    """Whether a graph runs FlashComm, and the sizes of the sharding when it does."""
+
+    use: bool
+    reason: str = ""
+    """Why not (empty when ``use``)."""
+    stopped_at: str = ""
+    """The all_reduce whose site stopped FlashComm, when a particular one did."""
+    group_name: str = ""
+    world_size: int = 0
+    num_tokens: int = 0
+    padded_tokens: int = 0
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.padded_tokens // self.world_size
+
+
+def _carried(site: FusedAllReduceRMSNormSite) -> Node:
+    """The node holding the site's new residual stream value (the add, or the reduced sum)."""
+    return site.add if site.add is not None else site.wait
+
+
+def _through_views(node: Node) -> Node:
+    while is_target(node, VIEWS):
+        node = node.args[0]
+    return node
+
+
+def _static_int(n) -> int | None:
+    """``n`` as an int when it is static (a SymInt with a known value counts); None when symbolic."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return int(n) if is_concrete_int(n) else None
+
+
+def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDecision:
+    """FlashComm for the whole graph, or the first reason against it (graph order).
+
+    Needs: FlashComm enabled; at least one site, every site planned for rewriting on one group of
+    at least ``min_world_size`` ranks; one static token count ``T >= flashcomm_min_prefill_tokens``
+    for all sites; and every site after the first continuing the residual stream of the one before
+    it (its residual is that site's output), so the stream can stay sharded from the first site to
+    the last. Reads only shapes, the config and the group size: the same on every rank.
+    """
+    def no(reason: str, site: FusedAllReduceRMSNormSite | None = None) -> FlashCommDecision:
+        return FlashCommDecision(False, reason, site.all_reduce.name if site is not None else "")
+
+    if not config.enable_flashcomm:
+        return no("WeaveConfig.enable_flashcomm is False")
+    if not plans:
+        return no("no all_reduce -> RMSNorm site in the graph")
+    first = plans[0].site
+    for plan in plans:
+        if plan.lowering is None:
+            return no(f"site {plan.site.all_reduce.name} is not rewritten: {plan.reason}", plan.site)
+        if plan.site.group_name != first.group_name:
+            return no(f"site {plan.site.all_reduce.name} is on group {plan.site.group_name!r}, "
+                      f"not {first.group_name!r}", plan.site)
+    world = group_size(first.group_name)
+    tokens = None
+    for plan in plans:
+        site = plan.site
+        rows = _static_int(val(site.partial).numel() // site.hidden)
+        if rows is None:
+            return no(f"site {site.all_reduce.name}: the token count is symbolic (dynamic shapes); "
+                      "FlashComm decides guard-free, on static token counts only", site)
+        if site.hidden != first.hidden or (tokens is not None and rows != tokens):
+            return no(f"site {site.all_reduce.name} has {rows} tokens x {site.hidden}, not "
+                      f"{tokens} x {first.hidden} like the first site", site)
+        tokens = rows
+    if tokens < config.flashcomm_min_prefill_tokens:
+        return no(f"{tokens} tokens < flashcomm_min_prefill_tokens="
+                  f"{config.flashcomm_min_prefill_tokens}")
+    for before, plan in zip(plans, plans[1:]):
+        site, prev = plan.site, before.site
+        if site.add is None:
+            return no(f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: "
+                      f"{site.all_reduce.name} has no residual add, so the residual stream does not "
+                      "continue through it", site)
+        if _through_views(site.residual) is not _carried(prev):
+            return no(f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: the residual of "
+                      f"{site.all_reduce.name} is {site.residual.name}, not the stream value "
+                      f"{_carried(prev).name} of {prev.all_reduce.name}; the stream cannot stay "
+                      "sharded across it", site)
+    return FlashCommDecision(True, "", "", first.group_name, world, tokens,
+                             padded_token_count(tokens, world))
+
+
+# ----------------------------------------------------------------------------------------------
+# Which lowering family the rewrite uses
+
+_forced_device_kind: str | None = None
+
+
+@contextlib.contextmanager
+def force_device_kind(kind: str) -> Iterator[None]:
+    """Rewrite as if the tensors were on ``kind`` ("portable", "npu", "cuda"): for tests on CPU.
+
+    Not part of the pass's ``uuid()``: do not combine with ``WeaveConfig.fx_graph_cache=True``.
+    """
+    global _forced_device_kind
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"kind must be one of {DEVICE_KINDS}, got {kind!r}")
+    saved, _forced_device_kind = _forced_device_kind, kind
+    try:
+        yield
+    finally:
+        _forced_device_kind = saved
+
+
+def device_kind(device: torch.device) -> str:
+    """``"npu"`` / ``"cuda"`` for those devices, ``"portable"`` (functional collectives) otherwise."""
+    if _forced_device_kind is not None:
+        return _forced_device_kind
+    return device.type if device.type in ("npu", "cuda") else "portable"
+
+
+# ----------------------------------------------------------------------------------------------
+# The rewrite
+
+
+@dataclass
+class _Matmul:
+    """The matmul whose output is a site's partial sum: ``x @ w [+ bias]``, and the nodes from it
+    to the partial (all dead once the fused op computes the partial's reduce_scatter)."""
+
+    node: Node
+    x: Node
+    w: Node
+    bias: Node | None
+    chain: list[Node]
+
+
+def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | str:
+    mm = site.matmul
+    if mm is None:
+        return "no matmul produces the partial sum"
+    if mm.target not in (aten.mm.default, aten.addmm.default):
+        return f"the partial sum comes from {mm.target}, not a 2-D mm"
+    chain, node = [], site.partial
+    while node is not mm:
+        if len(node.users) != 1:
+            return f"{node.name} between the matmul and the all_reduce has other users"
+        chain.append(node)
+        node = node.args[0]
+    if len(site.partial.users) != 1 or len(mm.users) != 1:
+        return "the matmul output has other users"
+    if tuple(val(mm).shape) != (tokens, site.hidden):
+        return f"the matmul output is {tuple(val(mm).shape)}, not [tokens, hidden]"
+    if mm.target is aten.addmm.default:
+        return _Matmul(mm, mm.args[1], mm.args[2], mm.args[0], [*chain, mm])
+    return _Matmul(mm, mm.args[0], mm.args[1], None, [*chain, mm])
+
+
+class _FlashCommRewrite:
+    """Rewrites the sites of one graph in order; ``finish()`` gathers leftovers and erases."""
+
+    def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig, kind: str):
+        self.graph = graph
+        self.d = decision
+        self.config = config
+        self.kind = kind
+        self.position = {n: i for i, n in enumerate(graph.nodes)}
+        self.dead: set[Node] = set()
+        self.carried_shard: dict[Node, Node] = {}  # original stream node -> its [R, H] shard
+        self.new_nodes: list[Node] = []
+        self.symm_reason = None
+        if kind == "cuda" and config.enable_mmrs_fusion:
+            self.symm_reason = flashcomm_cuda.symm_mem_unavailable_reason(
+                decision.group_name, torch.device("cuda")
+            )
+
+    # -- small graph helpers (insert at the current insertion point, fake values set later)
+
+    def call(self, target, *args, **kwargs) -> Node:
+        node = self.graph.call_function(target, args, kwargs)
+        self.new_nodes.append(node)
+        return node
+
+    def flush(self) -> None:
+        _set_fake_vals(self.new_nodes)
+        self.new_nodes = []
+
+    def pad_rows(self, rows: Node) -> Node:
+        """``[T, k] -> [T_pad, k]`` with zero rows (no node when no padding is needed)."""
+        missing = self.d.padded_tokens - self.d.num_tokens
+        return rows if missing == 0 else self.call(aten.constant_pad_nd.default, rows, [0, 0, 0, missing], 0.0)
+
+    def gather_rows(self, shard: Node, shape) -> Node:
+        """``[R, H]`` shards -> all_gather -> drop padding rows -> reshape to ``shape``."""
+        d = self.d
+        full = self.call(c10d.all_gather_into_tensor.default, shard, d.world_size, d.group_name)
+        full = self.call(c10d.wait_tensor.default, full)
+        if d.padded_tokens != d.num_tokens:
+            full = self.call(aten.slice.Tensor, full, 0, 0, d.num_tokens)
+        if list(shape) != [d.num_tokens, shape[-1]]:
+            full = self.call(aten.reshape.default, full, list(shape))
+        return full
+
+    # -- one site
+
+    def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
+        """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
+        with self.graph.inserting_before(site.insertion_point()):
+            shard, label, notes = self.reduce_scatter(site)
+            residual = None
+            if site.add is not None:
+                residual = self.carried_shard.get(_through_views(site.residual))
+                if residual is None:  # the first site: a residual from outside the stream
+                    rows = self.call(aten.reshape.default, site.residual, [self.d.num_tokens, site.hidden])
+                    residual = self.call(torch.ops.weave.flashcomm_shard_rows.default, rows,
+                                         self.d.padded_tokens, self.d.world_size, self.d.group_name)
+            normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
+            notes.append(norm_note)
+            self.flush()
+            gathered, gather_note = self.gather_normed(site, normed)
+            notes.append(gather_note)
+            self.flush()
+        if gathered is not None:
+            site.norm.output.replace_all_uses_with(gathered)
+        self.carried_shard[_carried(site)] = carried
+        self.dead.update([*site.norm.nodes, site.norm.output, *site.views_to_norm, _carried(site),
+                          *site.views_to_add, site.wait, site.all_reduce])
+        return label, [n for n in notes if n]
+
+    def reduce_scatter(self, site: FusedAllReduceRMSNormSite) -> tuple[Node, str, list[str]]:
+        """The site's reduced rows ``[R, H]``: fused with the producer matmul where possible."""
+        d, notes = self.d, []
+        if self.config.enable_mmrs_fusion:
+            mm = _producer_matmul(site, d.num_tokens)
+            reason = mm if isinstance(mm, str) else self.mmrs_unsupported_reason(mm)
+            if reason is None:
+                x = self.pad_rows(mm.x)
+                if self.kind == "npu":
+                    out = self.call(torch.ops.weave.npu_mm_reduce_scatter.default, x, mm.w,
+                                    d.group_name, d.world_size, self.config.mmrs_comm_mode)
+                    label = "npu_mmrs"
+                else:
+                    out = self.call(flashcomm_cuda.symm_mem_op(flashcomm_cuda.FUSED_MATMUL_REDUCE_SCATTER),
+                                    x, mm.w, "sum", 0, d.group_name)
+                    label = "cuda_symm"
+                self.dead.update(mm.chain)
+                return out, label, notes
+            notes.append(f"MMRS skipped: {reason}")
+            log.warning("weavepass: FlashComm MMRS skipped for %s: %s", site.all_reduce.name, reason)
+        rows = self.call(aten.reshape.default, site.partial, [d.num_tokens, site.hidden])
+        scattered = self.call(c10d.reduce_scatter_tensor.default, self.pad_rows(rows), "sum",
+                              d.world_size, d.group_name)
+        return self.call(c10d.wait_tensor.default, scattered), "portable", notes
+
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
+        xv, wv = val(mm.x), val(mm.w)
+        if xv is None or wv is None:
+            return "the matmul operands have no tensor metadata"
+        padded = self.d.padded_tokens != self.d.num_tokens
+        x_shape = (self.d.padded_tokens, *xv.shape[1:])
+        if self.kind == "npu":
+            x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
+            return npu.mmrs_unsupported_reason(x_shape, x_stride, xv.dtype, tuple(wv.shape), wv.dtype,
+                                               self.d.world_size, mm.bias is not None)
+        if self.kind == "cuda":
+            if self.symm_reason is not None:
+                return self.symm_reason
+            return flashcomm_cuda.matmul_reduce_scatter_unsupported_reason(
+                x_shape, self.d.world_size, mm.bias is not None)
+        return "no fused matmul + reduce_scatter for this device (portable lowering)"
+
+    def add_rmsnorm(self, site, shard: Node, residual: Node | None) -> tuple[Node, Node, str]:
+        """``(normed [R, H], new stream value [R, H], note)`` for the shard."""
+        norm = site.norm
+        if self.kind == "npu":
+            weight_dtype = val(norm.weight).dtype if norm.weight is not None else None
+            reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
+                                                         residual is not None)
+            if reason is None:
+                fused = self.call(torch.ops.weave.npu_add_rms_norm.default, shard, residual,
+                                  norm.weight, norm.eps)
+                return (self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1),
+                        "norm: npu_add_rms_norm")
+            note = f"norm: aten on the shard (npu_add_rms_norm: {reason})"
+        else:
+            note = ""
+        carried = shard if residual is None else self.call(aten.add.Tensor, residual, shard)
+        return self.replay_norm(site, carried), carried, note
+
+    def replay_norm(self, site: FusedAllReduceRMSNormSite, x: Node) -> Node:
+        """The site's own RMSNorm nodes, copied to read ``x`` [R, H]: eager's rounding, on 1/N rows."""
+        norm = site.norm
+        env = {norm.input: x}
+        for node in sorted({*norm.nodes, norm.output}, key=self.position.__getitem__):
+            copy = self.graph.node_copy(node, lambda a: env.get(a, a))
+            copy.meta.pop("val", None)
+            copy.meta.pop("tensor_meta", None)
+            env[node] = copy
+            self.new_nodes.append(copy)
+        return env[norm.output]
+
+    def gather_normed(self, site, normed: Node) -> tuple[Node | None, str]:
+        """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when
+        ``fused_all_gather_matmul`` took over every consumer."""
+        if self.kind == "cuda" and self.config.enable_mmrs_fusion:
+            reason = self.symm_reason or self.all_gather_matmul(site, normed)
+            if reason is None:
+                return None, "consumers: fused_all_gather_matmul"
+            log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
+                     site.all_reduce.name, reason)
+            note = f"all_gather+matmul not fused: {reason}"
+        else:
+            note = ""
+        return self.gather_rows(normed, val(site.norm.output).shape), note
+
+    def all_gather_matmul(self, site, normed: Node) -> str | None:
+        """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
+        d, out = self.d, site.norm.output
+        point = self.position[site.insertion_point()]
+        rows_shape = (d.num_tokens, site.hidden)
+        mms, views = [], []
+        for user in out.users:
+            if is_target(user, VIEWS) and val(user) is not None and tuple(val(user).shape) == rows_shape:
+                views.append(user)
+                readers = [(reader, user) for reader in user.users]
+            else:
+                readers = [(user, out)]
+            for reader, rows in readers:
+                if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
+                        and tuple(val(rows).shape) == rows_shape):
+                    return f"{reader.name} ({reader.target}) reads the normed rows, not a [tokens, hidden] mm"
+                mms.append(reader)
+        if not mms:
+            return "no mm reads the normed rows"
+        weights = []
+        for mm in mms:
+            w = mm.args[1]
+            if self.position.get(w, point) < point:
+                weights.append(w)
+            elif is_target(w, {aten.permute.default, aten.t.default}) and \
+                    self.position.get(w.args[0], point) < point:
+                weights.append(self.graph.node_copy(w))  # a transposed weight defined after the norm
+            else:
+                return f"the weight of {mm.name} is computed after the norm"
+        fused = self.call(flashcomm_cuda.symm_mem_op(flashcomm_cuda.FUSED_ALL_GATHER_MATMUL),
+                          normed, weights, 0, d.group_name, return_A=True)
+        outputs = self.call(operator.getitem, fused, 1)
+        replacements = []
+        for i, mm in enumerate(mms):
+            rows = self.call(operator.getitem, outputs, i)
+            if d.padded_tokens != d.num_tokens:
+                rows = self.call(aten.slice.Tensor, rows, 0, 0, d.num_tokens)
+            replacements.append((mm, rows))
+        self.flush()
+        for mm, rows in replacements:
+            mm.replace_all_uses_with(rows)
+        self.dead.update([*mms, *views])
+        return None
+
+    # -- after every site
+
+    def finish(self) -> None:
+        """Gather stream values that outside readers still need, then erase the replaced nodes."""
+        for original, shard in self.carried_shard.items():
+            if any(u not in self.dead for u in original.users):
+                with self.graph.inserting_before(original):
+                    full = self.gather_rows(shard, val(original).shape)
+                    self.flush()
+                original.replace_all_uses_with(full, delete_user_cb=lambda u: u not in self.dead)
+        for node in reversed(list(self.graph.nodes)):
+            if node in self.dead and not node.users:
+                self.graph.erase_node(node)
+        left = [n.name for n in self.graph.nodes if n in self.dead]
+        if left:
+            raise RuntimeError(f"FlashComm left replaced nodes in the graph: {left}")
+
+
+def apply_flashcomm(
+    graph: Graph, plans: list[SitePlan], config: WeaveConfig, report: GraphReport
+) -> bool:
+    """Rewrite ``graph`` with FlashComm when ``decide_flashcomm`` says so; True when rewritten.
+
+    On False the graph is untouched and ``report.note`` (and the record of the site that stopped
+    it, if one did) says why.
+    """
+    decision = decide_flashcomm(plans, config)
+    records = {r.node: r for r in report.records}
+    if not decision.use:
+        report.note = f"FlashComm not used: {decision.reason}"
+        if decision.stopped_at in records:
+            record = records[decision.stopped_at]
+            record.reason = "; ".join(x for x in (record.reason, f"FlashComm: {decision.reason}") if x)
+        log.info("weavepass: FlashComm not used: %s", decision.reason)
+        return False
+    kind = device_kind(plans[0].site.device)
+    rewrite = _FlashCommRewrite(graph, decision, config, kind)
+    for plan in plans:
+        label, notes = rewrite.rewrite_site(plan.site)
+        record = records[plan.site.all_reduce.name]
+        record.lowering = f"flashcomm:{label}"
+        record.reason = "; ".join(notes)
+        log.info("weavepass: %s -> FlashComm (%s)", record.node, label)
+    rewrite.finish()
+    report.note = (f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "
+                   f"{decision.padded_tokens}, {decision.rows_per_rank} rows per rank on "
+                   f"{decision.world_size} ranks")
+    return True

@@ -1,0 +1,92 @@
+"""The fused op on a second, high-priority CUDA stream: ``weave::fused_allreduce_rmsnorm_async``.
+
+The token split puts one of these per half and site into the graph, and a
+``_c10d_functional.wait_tensor`` on each output right before its first consumer. The pair works
+like a functional collective, which Inductor already knows how to order:
+
+* fork: the op makes the communication stream wait for the current stream (an event), runs the
+  chosen lowering there, and records a "done" event;
+* join: it registers a ``Work`` for each output (``_register_work``) whose ``wait()`` makes the
+  *current* stream wait for the done event; Inductor emits ``wait_tensor(buf)`` where the graph
+  has it, and never moves reads of ``buf`` above it (the wait is a mutation of ``buf`` to Inductor).
+
+Events and stream waits are recorded into a CUDA graph during capture, so the fork/join replays.
+The caching allocator is told about the cross-stream uses (``record_stream``) so neither stream
+reuses a block the other still reads. On CPU (and every non-CUDA device) the op is the plain fused
+op and ``wait_tensor`` finds no work: both are no-ops around the same math.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from weavepass.lowering import get_lowering
+
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The high-priority stream every async fused op of ``device`` runs on (one per device, so
+    the fused ops of both halves stay in program order among themselves)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COMM_STREAMS:
+        _, highest = torch.cuda.Stream.priority_range()
+        _COMM_STREAMS[index] = torch.cuda.Stream(device=index, priority=highest)
+    return _COMM_STREAMS[index]
+
+
+class _StreamJoin(dist.Work):
+    """``wait()`` makes the waiting thread's current stream wait for ``event`` (no host sync)."""
+
+    def __init__(self, event: torch.cuda.Event):
+        super().__init__()
+        self.event = event
+
+    def wait(self, timeout=None) -> bool:
+        torch.cuda.current_stream(self.event_device).wait_event(self.event)
+        return True
+
+    event_device: torch.device | None = None
+
+
+@torch.library.custom_op("weave::fused_allreduce_rmsnorm_async", mutates_args=())
+def fused_allreduce_rmsnorm_async(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+    lowering: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weave.fused_allreduce_rmsnorm`` on the communication stream; wait on each output with
+    ``_c10d_functional.wait_tensor`` before reading it (a no-op off CUDA)."""
+    run = get_lowering(lowering)
+    if partial.device.type != "cuda":
+        return run(partial, residual, weight, eps, group_name, out_dtype)
+    main = torch.cuda.current_stream(partial.device)
+    side = comm_stream(partial.device)
+    side.wait_stream(main)  # fork: the inputs are ready
+    with torch.cuda.stream(side):
+        normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype)
+        done = torch.cuda.Event()
+        done.record(side)
+    for t in (partial, residual, weight):
+        if t is not None:
+            t.record_stream(side)  # main-stream blocks read on side: not reused before side is done
+    for out in (normed, residual_out):
+        out.record_stream(main)  # side-stream blocks read and freed on main
+        join = _StreamJoin(done)
+        join.event_device = partial.device
+        torch._C._distributed_c10d._register_work(out, join)
+    return normed, residual_out
+
+
+@fused_allreduce_rmsnorm_async.register_fake
+def _(partial, residual, weight, eps, group_name, out_dtype, lowering):
+    return partial.new_empty(partial.shape, dtype=out_dtype), partial.new_empty(partial.shape)
+
+
+FUSED_ALLREDUCE_RMSNORM_ASYNC = torch.ops.weave.fused_allreduce_rmsnorm_async.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
