@@ -19,10 +19,12 @@ from weavepass.testing import (
 )
 
 # Heads divisible by 1, 2, 3 and 6, so every world size below gets whole heads (GQA: 2 query heads
-# per kv head); vocab and intermediate deliberately do not divide by 3 (uneven slices must work too).
-DENSE = TPConfig(vocab=100, hidden=64, n_layers=2, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
-MOE = TPConfig(vocab=100, hidden=64, n_layers=2, n_heads=6, n_kv_heads=6, head_dim=8, intermediate=40, n_experts=4)
-TORCH_NORM = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head_dim=8, norm_impl="torch")
+# per kv head); vocab and intermediate deliberately do not divide by 3 (uneven slices must work).
+DENSE = TPConfig(
+    vocab=100, hidden=64, n_layers=2, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80
+)
+MOE = dataclasses.replace(DENSE, n_heads=6, intermediate=40, n_experts=4)
+TORCH_NORM = dataclasses.replace(DENSE, n_layers=1, norm_impl="torch")
 CONFIGS = {"dense": DENSE, "moe": MOE, "torch_norm": TORCH_NORM}
 
 # fp32 TP vs unsharded: the only difference is the order of the sums (a matmul over the full
@@ -96,7 +98,8 @@ def test_harness_passes_on_eager_model_and_reports():
     ids = random_token_ids(DENSE, batch=1, seq=6)
     reference = build_tp_model(DENSE)
     for dtype in (torch.float32, torch.bfloat16):
-        report = check_against_eager(build_tp_model(DENSE, dtype=dtype), ids, lambda m: m, reference)
+        model = build_tp_model(DENSE, dtype=dtype)
+        report = check_against_eager(model, ids, lambda m: m, reference)
         assert isinstance(report, ComparisonReport) and report.passed
         assert report.dtype == dtype and report.max_abs_diff == 0.0
         assert "err compiled" in str(report) and "ok" in str(report)
@@ -112,7 +115,8 @@ def test_harness_raises_on_wrong_compiled_model():
     with pytest.raises(AssertionError, match="less accurate than eager") as info:
         check_against_eager(model, ids, off_by_a_tenth, build_tp_model(DENSE))
     assert "FAIL" in str(info.value)
-    report = check_against_eager(model, ids, off_by_a_tenth, build_tp_model(DENSE), raise_on_failure=False)
+    reference = build_tp_model(DENSE)
+    report = check_against_eager(model, ids, off_by_a_tenth, reference, raise_on_failure=False)
     assert not report.passed and report.max_abs_diff == pytest.approx(0.1, rel=0.05)
 
 

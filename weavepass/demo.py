@@ -24,18 +24,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m weavepass.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, default=2, help="tensor-parallel ranks (1, 2, 4 or 8)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (2 * layers + 1 sites)")
-    parser.add_argument("--tokens", type=int, default=64, help="sequence length of the one input row")
+    parser = argparse.ArgumentParser(
+        prog="python -m weavepass.demo", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="TP ranks (1, 2, 4 or 8)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (2L + 1 sites)")
+    parser.add_argument("--tokens", type=int, default=64, help="sequence length (batch of 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--moe", action="store_true", help="4 experts, top-2, instead of a dense MLP")
+    parser.add_argument("--moe", action="store_true", help="4 experts, top-2, not a dense MLP")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the token ids")
     return parser.parse_args(argv)
 
 
 def demo_config(args: argparse.Namespace) -> TPConfig:
-    """Small enough for two CPU cores; 16 query / 8 kv heads split evenly over 1, 2, 4 or 8 ranks."""
+    """Small enough for two CPU cores; 16 query / 8 kv heads split over 1, 2, 4 or 8 ranks."""
     return TPConfig(
         vocab=512,
         hidden=128,
@@ -78,9 +80,10 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     input_ids = random_token_ids(cfg, batch=1, seq=args.tokens, seed=args.seed, device=device)
     backend = weave_backend_name()
 
-    report = check_against_eager(
-        model, input_ids, lambda m: torch.compile(m, backend=backend), reference, raise_on_failure=False
-    )
+    def compile_fn(m):
+        return torch.compile(m, backend=backend)
+
+    report = check_against_eager(model, input_ids, compile_fn, reference, raise_on_failure=False)
     if rank == 0:
         kind = "MoE" if cfg.n_experts else "dense"
         print(
@@ -88,7 +91,8 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> bool:
             f"{backend!r}, {kind} decoder, {cfg.n_layers} layers ({2 * cfg.n_layers + 1} "
             f"all_reduce -> RMSNorm sites), {args.tokens} tokens, {args.dtype}\n"
         )
-        print(explain_text() if backend == "weave" else "explain report unavailable (no 'weave' backend)")
+        no_weave = "explain report unavailable (no 'weave' backend)"
+        print(explain_text() if backend == "weave" else no_weave)
         print()
         print(report)
         print(
@@ -101,7 +105,8 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     demo_config(args).check_world_size(args.world_size)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size
+    backend = "nccl" if enough_gpus else "gloo"
     passed = spawn(run_rank, args.world_size, backend, args)
     failed = [rank for rank, ok in enumerate(passed) if not ok]
     if failed:

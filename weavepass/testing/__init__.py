@@ -6,7 +6,13 @@ on gloo (CPU), NCCL (GPUs) or a fake process group (graph-only tests).
 
 from weavepass.testing.distributed import fake_process_group, free_port, spawn
 from weavepass.testing.harness import ATOL, ComparisonReport, OutputComparison, check_against_eager
-from weavepass.testing.models import TPConfig, TPDecoder, build_tp_model, full_weights, random_token_ids
+from weavepass.testing.models import (
+    TPConfig,
+    TPDecoder,
+    build_tp_model,
+    full_weights,
+    random_token_ids,
+)
 
 __all__ = [
     "ATOL",

@@ -70,7 +70,7 @@ def spawn(
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
     failed_at = None
-    # Drain while waiting: a child blocks in put() when the pipe is full, so joining first could hang.
+    # Drain while waiting: a child blocks in put() on a full pipe, so joining first could hang.
     while len(outcomes) < world_size and time.monotonic() < deadline:
         while not results.empty():
             rank, ok, payload = results.get()
@@ -95,7 +95,7 @@ def spawn(
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"ranks {missing} did not finish in {timeout_s} s (exit codes {codes})")
+            raise TimeoutError(f"ranks {missing} still running after {timeout_s} s (codes {codes})")
         raise RuntimeError(f"ranks {missing} died without reporting (exit codes {codes})")
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 

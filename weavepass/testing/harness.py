@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-# atol[dtype], relative to max(1, max|ref|), since a value v moves by up to one ulp ~ v * 2^-mantissa
-# when it is rounded at a different point. Each allows one output rounding beyond eager's own error.
+# atol[dtype], relative to max(1, max|ref|): a value v moves by up to one ulp ~ v * 2^-mantissa when
+# it is rounded at a different point. Each allows one output rounding beyond eager's own error.
 ATOL: dict[torch.dtype, float] = {
     # Eager fp32 *is* the reference, so err_eager == 0 and only this term remains. Compiled code
     # reassociates sums (matmul tiling, fused reductions over H, collective order): ~sqrt(H) * 2^-24
@@ -86,7 +86,9 @@ class ComparisonReport:
         return max((o.rel_diff for o in self.outputs), default=0.0)
 
     def __str__(self) -> str:
-        header = ("output", "err eager", "err compiled", "allowed", "abs diff", "rel diff", "status")
+        header = (
+            "output", "err eager", "err compiled", "allowed", "abs diff", "rel diff", "status"
+        )
         rows = [
             (
                 o.name,
@@ -102,9 +104,11 @@ class ComparisonReport:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [
             f"compiled vs eager, errors against the fp32 reference (dtype {self.dtype}; "
-            f"allowed = {EAGER_ERROR_FACTOR:g} * err eager + {ATOL[self.dtype]:.3g} * max(1, max|ref|)):"
+            f"allowed = {EAGER_ERROR_FACTOR:g} * err eager "
+            f"+ {ATOL[self.dtype]:.3g} * max(1, max|ref|)):"
         ]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+        for row in [header, *rows]:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
 
 
@@ -130,8 +134,8 @@ def check_against_eager(
             output of the eager model. Must be a key of ``ATOL`` (fp32, bf16, fp16).
         raise_on_failure: raise AssertionError (message: the report table) when an output fails.
 
-    Every run is under ``torch.no_grad()``. Outputs may be any pytree of tensors; they are matched by
-    their pytree path, and must have the eager output's shape and dtype and be finite. In a
+    Every run is under ``torch.no_grad()``. Outputs may be any pytree of tensors; they are matched
+    by their pytree path, and must have the eager output's shape and dtype and be finite. In a
     distributed run every rank must call this (the models run collectives); each rank checks its
     own outputs. An output passes when
     ``max|compiled - ref| <= 2 * max|eager - ref| + ATOL[dtype] * max(1, max|ref|)``.
@@ -152,24 +156,25 @@ def check_against_eager(
     eager_leaves, eager_spec = pytree.tree_flatten_with_path(eager)
     for label, out in (("compiled", compiled), ("reference", expected)):
         if pytree.tree_structure(out) != eager_spec:
-            raise AssertionError(f"{label} output structure {pytree.tree_structure(out)} != {eager_spec}")
+            structure = pytree.tree_structure(out)
+            raise AssertionError(f"{label} output structure {structure} != eager {eager_spec}")
     compiled_leaves, expected_leaves = pytree.tree_leaves(compiled), pytree.tree_leaves(expected)
 
     if dtype is None:
-        dtype = next(
-            (t.dtype for _, t in eager_leaves if isinstance(t, torch.Tensor) and t.is_floating_point()),
-            torch.float32,
-        )
+        leaves = [t for _, t in eager_leaves if isinstance(t, torch.Tensor)]
+        floats = [t for t in leaves if t.is_floating_point()]
+        dtype = floats[0].dtype if floats else torch.float32
     if dtype not in ATOL:
         raise ValueError(f"no tolerance for dtype {dtype}; known: {list(ATOL)}")
 
     report = ComparisonReport(dtype)
     for (path, e), c, r in zip(eager_leaves, compiled_leaves, expected_leaves):
+        name = pytree.keystr(path) or "output"
         if not isinstance(e, torch.Tensor) or not e.is_floating_point():
             if not _equal(e, c):
-                raise AssertionError(f"output {pytree.keystr(path) or 'output'}: compiled {c!r} != eager {e!r}")
+                raise AssertionError(f"output {name}: compiled {c!r} != eager {e!r}")
             continue
-        report.outputs.append(_compare(pytree.keystr(path) or "output", e, c, r, dtype))
+        report.outputs.append(_compare(name, e, c, r, dtype))
     if raise_on_failure and not report.passed:
         raise AssertionError(f"compiled model is less accurate than eager\n{report}")
     return report

@@ -12,11 +12,11 @@ Layer structure (``[AR]`` is ``funcol.all_reduce(x, "sum", group)``, one per sit
         h = h + o_proj(attention(x))    [AR]    q/k/v column-parallel, o_proj row-parallel
         x = post_attention_norm(h)
         h = h + down_proj(mlp(x))       [AR]    gate/up column-parallel, down_proj row-parallel
-    return norm(h)                              (no lm_head: the normed hidden states are the output)
+    return norm(h)                              (no lm_head: the output is the normed hidden states)
 
-so ``n_layers`` layers give ``2 * n_layers + 1`` ``all_reduce -> [+ residual] -> RMSNorm`` sites. With
-``n_experts > 0`` the MLP is a mixture of experts whose partial sums are combined on each rank before
-the layer's single all_reduce. Shapes: ``input_ids`` [B, S] int64 -> output [B, S, hidden].
+so ``n_layers`` layers give ``2 * n_layers + 1`` ``all_reduce -> [+ residual] -> RMSNorm`` sites.
+With ``n_experts > 0`` the MLP is a mixture of experts whose partial sums are combined on each rank
+before the layer's single all_reduce. Shapes: ``input_ids`` [B, S] int64 -> output [B, S, hidden].
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def full_weights(cfg: TPConfig) -> dict[str, torch.Tensor]:
 
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum over the tensor-parallel group as a functional collective; identity when ``group`` is None."""
+    """Sum over the tensor-parallel group (a functional collective); identity for ``group=None``."""
     if group is None:
         return x
     return funcol.all_reduce(x, "sum", group)
@@ -185,7 +185,9 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
         self.register_buffer("inv_freq", theta**-exponents, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` [B, S] -> ``(cos, sin)``, each [B, 1, S, head_dim] in ``dtype``."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
         angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
@@ -239,7 +241,8 @@ class TPSwiGLU(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
+        hidden = F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj)
+        return F.linear(hidden, self.down_proj)
 
 
 class TPMoE(nn.Module):
@@ -293,7 +296,9 @@ class TPDecoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``positions`` [B, S] or [S] (default ``arange(S)``) index RoPE."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
@@ -341,8 +346,8 @@ def build_tp_model(
     def norm(name: str) -> RMSNorm:
         return RMSNorm(replicated(name), cfg.rms_eps, cfg.norm_impl)
 
-    def swiglu(prefix: str) -> TPSwiGLU:
-        return TPSwiGLU(shard(prefix + "gate_proj", 0), shard(prefix + "up_proj", 0), shard(prefix + "down_proj", 1))
+    def swiglu(p: str) -> TPSwiGLU:
+        return TPSwiGLU(shard(p + "gate_proj", 0), shard(p + "up_proj", 0), shard(p + "down_proj", 1))
 
     vocab_start = sum(s.shape[0] for s in torch.tensor_split(weights["embed"], world_size)[:rank])
     embed = VocabParallelEmbedding(shard("embed", 0), vocab_start, group)
@@ -363,12 +368,18 @@ def build_tp_model(
             mlp = TPMoE(replicated(p + "router"), experts, cfg.top_k)
         else:
             mlp = swiglu(p)
-        layers.append(TPDecoderLayer(norm(p + "input_norm"), attention, norm(p + "post_attention_norm"), mlp, group))
+        layers.append(
+            TPDecoderLayer(
+                norm(p + "input_norm"), attention, norm(p + "post_attention_norm"), mlp, group
+            )
+        )
     rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device)
     return TPDecoder(cfg, embed, rotary, layers, norm("norm")).eval()
 
 
-def random_token_ids(cfg: TPConfig, batch: int, seq: int, seed: int = 0, device="cpu") -> torch.Tensor:
+def random_token_ids(
+    cfg: TPConfig, batch: int, seq: int, seed: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``[batch, seq]`` int64 ids drawn from ``seed``: identical on every rank for the same seed."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab, (batch, seq), generator=gen).to(device)
