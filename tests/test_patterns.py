@@ -333,3 +333,14 @@ def test_report_text_lists_every_all_reduce():
     assert "1 rewritten" in text
     assert "fused  -> portable" in text
     assert "all_reduce op is 'max'" in text
+
+
+def test_cuda_lowering_requested_on_cpu_falls_back_with_reason():
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + r, weight)
+
+    graph = compile_report(f, *inputs(), config=WeaveConfig(lowering="cuda_symm"))
+    assert_fused(graph, 1)
+    (record,) = graph.records
+    assert record.lowering == "portable"
+    assert record.reason.startswith("portable instead of cuda_symm:")

@@ -34,12 +34,17 @@ def group_size(group_name: str) -> int | None:
         return None
 
 
-def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
+def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> str | None:
     try:
-        from weavepass.lowering.cuda_symm import cuda_unsupported_reason
+        from weavepass.lowering import cuda_symm
     except ImportError as error:  # triton missing, or the module not built for this torch
         return f"CUDA lowering unavailable ({error})"
-    return cuda_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name)
+    # The op call does not carry the workspace size; the lowering reads this process-wide value
+    # (the most recently compiled config wins). Larger batches fall back to portable at run time.
+    cuda_symm.DEFAULT_WORKSPACE_TOKENS = config.cuda_workspace_tokens
+    return cuda_symm.cuda_site_unsupported_reason(
+        site.dtype, site.hidden, site.device, site.group_name
+    )
 
 
 def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tuple[str, str]:
@@ -48,7 +53,7 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     if wanted == "auto":
         wanted = "cuda_symm" if site.device.type == "cuda" else "portable"
     if wanted == "cuda_symm":
-        reason = _cuda_unsupported_reason(site)
+        reason = _cuda_unsupported_reason(site, config)
         if reason is not None:
             return "portable", f"portable instead of cuda_symm: {reason}"
     return wanted, ""
