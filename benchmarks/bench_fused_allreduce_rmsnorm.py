@@ -9,6 +9,9 @@ Compared in the same run, per token count:
   run their peer-to-peer paths);
 * ``weave``: the cuda_symm kernel at the CTA count and algorithm of its rule; ``weave_ctaN`` the same
   with N CTAs forced; ``weave_one_shot`` / ``weave_two_shot`` with the algorithm forced;
+  ``weave_flat_ctaN`` the flat (barrier-per-phase) two-shot kernel and ``weave_pipe_ctaN`` the
+  chunk-pipelined one, N CTAs forced (``--compare-kernels``); ``weave_pipe_cC_ctaN`` the pipelined
+  kernel with C tiles per chunk (``--chunk-variants``);
 * ``p2p_bound``: a kernel that only stores ``2 (N-1)/N * S`` bytes into the peer's symmetric buffer
   (best of several CTA counts, both ranks at once): the time any all-reduce of ``S`` bytes needs at the
   measured link bandwidth, the lower bound ("(d)").
@@ -99,7 +102,10 @@ def _time_op(op, calls_per_graph: int, replays: int) -> float:
     return statistics.median(times)
 
 
-def _bench_rank(rank: int, world: int, tokens_list, replays: int, tile_variants=()):
+def _bench_rank(
+    rank: int, world: int, tokens_list, replays: int, tile_variants=(), sweep=SWEEP_CTAS,
+    compare_kernels=False, chunk_variants=(),
+):
     import torch.distributed._symmetric_memory as symm_mem
 
     from weavepass.lowering.cuda_symm import choose_launch_plan, fused_allreduce_rmsnorm_cuda
@@ -154,7 +160,7 @@ def _bench_rank(rank: int, world: int, tokens_list, replays: int, tile_variants=
                 if rank == 0:
                     print(f"{name} at T={tokens} skipped: {type(err).__name__}: {err}".splitlines()[0])
 
-        def weave(ctas=None, one_shot=None, **tile):
+        def weave(ctas=None, one_shot=None, **tile):  # tile: tile_elements, num_warps, pipelined, ...
             return lambda: fused_allreduce_rmsnorm_cuda(
                 partial, residual, weight, EPS, group, DTYPE,
                 max_workspace_tokens=max_tokens, num_ctas=ctas, one_shot=one_shot, **tile,
@@ -162,8 +168,19 @@ def _bench_rank(rank: int, world: int, tokens_list, replays: int, tile_variants=
 
         plan = choose_launch_plan(tokens, HIDDEN, partial.element_size(), world)
         results["weave"] = (_time_op(weave(), calls, replays), plan.num_ctas)
-        for ctas in SWEEP_CTAS:
-            results[f"weave_cta{ctas}"] = (_time_op(weave(ctas), calls, replays), ctas)
+        if not (compare_kernels and tokens >= 128):  # else weave_ctaN is one of flat / pipe below
+            for ctas in sweep:
+                results[f"weave_cta{ctas}"] = (_time_op(weave(ctas), calls, replays), ctas)
+        if compare_kernels and tokens >= 128:
+            for ctas in sweep:
+                for kind, flag in (("flat", False), ("pipe", True)):
+                    op = weave(ctas, False, pipelined=flag)
+                    results[f"weave_{kind}_cta{ctas}"] = (_time_op(op, calls, replays), ctas)
+        if tokens >= 1024:
+            for chunk in chunk_variants:
+                for ctas in (16, 32):
+                    op = weave(ctas, False, pipelined=True, chunk_tiles=chunk)
+                    results[f"weave_pipe_c{chunk}_cta{ctas}"] = (_time_op(op, calls, replays), ctas)
         if tokens <= FORCED_ONE_SHOT_MAX_TOKENS:
             results["weave_one_shot"] = (_time_op(weave(None, True), calls, replays), None)
         results["weave_two_shot"] = (_time_op(weave(None, False), calls, replays), None)
@@ -182,6 +199,15 @@ def _bench_rank(rank: int, world: int, tokens_list, replays: int, tile_variants=
             ms = _time_op(copy, calls, replays)
             results[f"p2p_store_cta{ctas}"] = (ms, ctas)
             best = ms if best is None else min(best, ms)
+        for ctas, block, warps in ((16, 32768, 16), (32, 32768, 16)):  # more bytes in flight per CTA
+            def copy(ctas=ctas, block=block, warps=warps):
+                _peer_store_kernel[(ctas,)](
+                    partial, scratch, peer_delta, move, BLOCK=block, num_warps=warps
+                )
+
+            ms = _time_op(copy, calls, replays)
+            results[f"p2p_store_b{block // 1024}k_cta{ctas}"] = (ms, ctas)
+            best = min(best, ms)
         results["p2p_bound"] = (best, None)
 
         for name, (ms, ctas) in results.items():
@@ -205,11 +231,11 @@ def _annotate(rows):
 
 
 def _print_table(rows):
-    print(f"{'tokens':>6} {'method':<17} {'ctas':>4} {'median ms':>10} {'GB/s':>7} {'/nccl':>6} {'/bound':>6}")
+    print(f"{'tokens':>6} {'method':<22} {'ctas':>4} {'median ms':>10} {'GB/s':>7} {'/nccl':>6} {'/bound':>6}")
     for r in rows:
         ctas = "" if r["ctas"] is None else r["ctas"]
         print(
-            f"{r['tokens']:>6} {r['method']:<17} {ctas:>4} {r['ms']:>10.4f} {r['gbps']:>7.1f} "
+            f"{r['tokens']:>6} {r['method']:<22} {ctas:>4} {r['ms']:>10.4f} {r['gbps']:>7.1f} "
             f"{r['vs_nccl']:>6.2f} {r['vs_bound']:>6.2f}"
         )
 
@@ -245,12 +271,19 @@ def main():
         "--tile-variants", nargs="*", default=[], metavar="ELEMENTS:WARPS",
         help="extra tile shapes to time at 16 and 32 CTAs, e.g. 16384:16",
     )
+    parser.add_argument("--ctas", type=int, nargs="*", default=list(SWEEP_CTAS),
+                        help="CTA counts of the weave_ctaN sweep")
+    parser.add_argument("--compare-kernels", action="store_true",
+                        help="also time the flat and the pipelined two-shot kernel at each swept CTA count")
+    parser.add_argument("--chunk-variants", type=int, nargs="*", default=[], metavar="TILES",
+                        help="tiles per chunk of the pipelined kernel to time at 16 and 32 CTAs")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     tiles = [tuple(int(x) for x in v.split(":")) for v in args.tile_variants]
     rows = spawn(
-        _bench_rank, 2, "nccl", args.tokens, args.replays, tiles, timeout_s=args.timeout_s
+        _bench_rank, 2, "nccl", args.tokens, args.replays, tiles, tuple(args.ctas),
+        args.compare_kernels, tuple(args.chunk_variants), timeout_s=args.timeout_s,
     )[0]
     rows = _annotate(rows)
     _print_table(rows)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from weavepass.config import WeaveConfig
-from weavepass.graph_pass import WeavePass
 from weavepass.report import GraphReport, WeaveReport
 
 
@@ -27,6 +26,8 @@ class WeaveBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
         from torch._inductor.compile_fx import compile_fx
+
+        from weavepass.graph_pass import WeavePass  # imports Inductor: only when compiling
 
         patches = {"post_grad_custom_pre_pass": WeavePass(self.config, on_report=self._record)}
         if self.config.fx_graph_cache:

@@ -243,8 +243,10 @@ class TokenSplit:
                 raise Unsupported(f"{node.name} ({name}) reduces over the token dim")
             return d if keep else d - sum(i < d for i in dims)
         if target in DIM_OPS or target is aten.topk.default or target in INDEXED:
-            dim_arg = args[2] if target is aten.topk.default else args[1]
-            dim_arg = dim_arg if target is not aten.topk.default or len(args) > 2 else -1
+            if target is aten.topk.default:
+                dim_arg = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
+            else:
+                dim_arg = args[1]
             if _norm_dim(dim_arg, rank) == d:
                 raise Unsupported(f"{node.name} ({name}) works along the token dim")
             for other in node.all_input_nodes:

@@ -135,21 +135,30 @@ def _matches_reference_worker(rank, world, dtype):
 
 
 def _modes_worker(rank, world):
-    """Both algorithms and every CTA count of the rule's range on odd shapes."""
+    """Every kernel (one-shot, flat two-shot, pipelined two-shot with 1 and 2 tiles per chunk) and
+    every CTA count of the rule's range on odd shapes, including CTAs with no rows and CTAs with many
+    chunks (1000 tokens)."""
     errors = []
-    for one_shot in (True, False):
+    kernels = (
+        dict(one_shot=True),
+        dict(one_shot=False, pipelined=False),
+        dict(one_shot=False, pipelined=True),
+        dict(one_shot=False, pipelined=True, chunk_tiles=1),
+    )
+    for kernel in kernels:
         for ctas in (2, 3, 16, 32):
-            for tokens in (1, 5, 129):
+            for tokens in (1, 5, 129, 1000):
                 errors += _check_call(
                     rank, world, 31 * tokens + ctas, tokens, 1032, torch.bfloat16, True,
-                    torch.bfloat16, num_ctas=ctas, one_shot=one_shot,
+                    torch.bfloat16, num_ctas=ctas, **kernel,
                 )
     assert not errors, "\n".join(errors)
 
 
 def _back_to_back_worker(rank, world, calls, batch):
     """``calls`` calls on fresh data, ``batch`` of them in flight between host syncs, each checked.
-    Sizes and CTA counts change from call to call, so the row-to-CTA mapping keeps changing."""
+    Sizes, CTA counts and kernels (flat and pipelined two-shot, one-shot) change from call to call,
+    so the row-to-CTA mapping and the signal protocol keep changing."""
     from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
 
     group = dist.group.WORLD.group_name
@@ -163,8 +172,9 @@ def _back_to_back_worker(rank, world, calls, batch):
             inputs.append((tokens, _make_inputs(i, tokens, hidden, dtype, True, world)))
         for i, (tokens, (partials, residual, weight)) in enumerate(inputs):
             ctas = (2, 8, 16, 32, None)[(start + i) % 5]
+            pipelined = (None, True, False)[(start + i) % 3]
             outputs.append(fused_allreduce_rmsnorm_cuda(
-                partials[rank], residual, weight, EPS, group, dtype, num_ctas=ctas
+                partials[rank], residual, weight, EPS, group, dtype, num_ctas=ctas, pipelined=pipelined
             ))
         for i, ((tokens, (partials, residual, weight)), (normed, res_out)) in enumerate(
             zip(inputs, outputs)
@@ -177,13 +187,13 @@ def _back_to_back_worker(rank, world, calls, batch):
 
 
 def _cuda_graph_worker(rank, world):
-    """Three consecutive layers (a chained residual stream, decode and prefill sizes) captured once
-    and replayed on new data."""
+    """Four consecutive layers (a chained residual stream, decode and prefill sizes, every kernel)
+    captured once and replayed on new data."""
     from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
 
     group = dist.group.WORLD.group_name
     hidden, dtype = 4096, torch.bfloat16
-    layer_tokens = (1024, 1024, 8)
+    layer_tokens = (1024, 1024, 8, 4096)  # flat two-shot, flat, one-shot, pipelined two-shot
     static = [_make_inputs(i, t, hidden, dtype, True, world) for i, t in enumerate(layer_tokens)]
 
     def layers():

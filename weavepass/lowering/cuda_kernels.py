@@ -196,3 +196,204 @@ def fused_allreduce_rmsnorm_kernel(
                     tl.store(residual_out_ptr + offs, res, mask=mask)
                     normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
                     tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ pipelined two-shot (large batches)
+
+
+@triton.jit
+def _signal_counters(
+    pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,
+    send_push,  # runtime bool: also count one more pushed chunk (channel 2)
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_CTAS: tl.constexpr,
+):
+    """Add 1 to every peer's counter ``[3, b, RANK]`` (one more reduced chunk) and, if ``send_push``,
+    to ``[2, b, RANK]`` (one more pushed chunk), with release at system scope after a CTA barrier."""
+    tl.debug_barrier()  # every thread's stores are issued before the release
+    pid = tl.program_id(0)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            remote = pad_ptr + _select(peer, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + RANK
+            if send_push:
+                tl.atomic_add(remote + (2 * MAX_CTAS + pid) * WORLD, 1, sem="release", scope="sys")
+            tl.atomic_add(remote + (3 * MAX_CTAS + pid) * WORLD, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_counters(
+    pad_ptr,
+    channel: tl.constexpr,
+    target,  # wait until every peer's counter [channel, b, peer] reaches this
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MAX_CTAS: tl.constexpr,
+):
+    base = pad_ptr + (channel * MAX_CTAS + tl.program_id(0)) * WORLD
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            while tl.atomic_add(base + peer, 0, sem="acquire", scope="sys") < target:
+                pass
+    tl.debug_barrier()  # no thread reads peer data before the acquire
+
+
+@triton.jit
+def _push_chunk(
+    partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+    chunk, num_tokens, shard_rows, cols, col_mask,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
+    PUSH_ROWS: tl.constexpr,
+):
+    """Store this rank's partial rows of chunk ``chunk`` of every peer's shard into that peer's
+    ``staging[RANK]``; ``PUSH_ROWS`` rows per load/store pair (several tiles in flight)."""
+    prow = tl.arange(0, PUSH_ROWS)
+    for owner in tl.static_range(WORLD):
+        if owner != RANK:
+            delta = _select(owner, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+            start = owner * shard_rows
+            end = tl.minimum(start + shard_rows, num_tokens)
+            for k in tl.static_range(CHUNK_ROWS // PUSH_ROWS):
+                local = chunk * CHUNK_ROWS + k * PUSH_ROWS + prow
+                mask = ((start + local) < end)[:, None] & col_mask[None, :]
+                src = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                dst = (RANK * shard_rows + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                x = tl.load(partial_ptr + src, mask=mask)
+                tl.store(ws_ptr + delta + dst, x, mask=mask)
+
+
+@triton.jit
+def _reduce_chunk(
+    partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, ws_ptr,
+    wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+    chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    start = RANK * shard_rows
+    end = tl.minimum(start + shard_rows, num_tokens)
+    for k in tl.static_range(CHUNK_ROWS // ROWS):
+        local = chunk * CHUNK_ROWS + k * ROWS + rows
+        mask = ((start + local) < end)[:, None] & col_mask[None, :]
+        offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
+            if src == RANK:
+                acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                slot = (src * shard_rows + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        res = acc.to(residual_out_ptr.dtype.element_ty)
+        for dst in tl.static_range(WORLD):
+            if dst != RANK:
+                delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+                tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
+        tl.store(residual_out_ptr + offs, res, mask=mask)
+        normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
+        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finalise_chunk(
+    normed_ptr, residual_out_ptr, ws_ptr,
+    chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
+):
+    for owner in tl.static_range(WORLD):
+        if owner != RANK:
+            start = owner * shard_rows
+            end = tl.minimum(start + shard_rows, num_tokens)
+            for k in tl.static_range(CHUNK_ROWS // ROWS):
+                local = chunk * CHUNK_ROWS + k * ROWS + rows
+                mask = ((start + local) < end)[:, None] & col_mask[None, :]
+                offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+                res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
+                tl.store(residual_out_ptr + offs, res, mask=mask)
+                normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
+                tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fused_allreduce_rmsnorm_pipelined_kernel(
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, ws_ptr, pad_ptr,
+    wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+    pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,
+    num_tokens, shard_rows, recv_offset, eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per reduce / finalise tile
+    CHUNK_ROWS: tl.constexpr,  # rows per chunk (a multiple of ROWS and PUSH_ROWS)
+    PUSH_ROWS: tl.constexpr,  # rows per push load/store
+    HAS_RESIDUAL: tl.constexpr,
+    MAX_CTAS: tl.constexpr,
+):
+    """Two-shot, software-pipelined over chunks of ``CHUNK_ROWS`` rows (see the module docstring).
+
+    Chunk ``g`` of every shard goes to program ``g % G``; program ``b`` handles its ``n`` chunks
+    ``c = 0..n-1`` (``g = b + c*G``) as: push chunk 0; then for each ``c``: push chunk ``c+1``, wait
+    until the peers pushed chunk ``c`` (counter ``[2, b, peer] >= c+1``), reduce chunk ``c`` (pushing
+    its ``residual_out`` into the peers' recv), wait until the peers reduced chunk ``c-1`` (counter
+    ``[3, b, peer] >= c``), finalise chunk ``c-1``, then one release covers both signals. Remote stores
+    of one step drain while the local loads of the next run. Counters are reset by their owner
+    (``-n``) after its last wait, so they are 0 between calls (CUDA-graph safe).
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    col_mask = cols < HIDDEN
+    total_chunks = tl.cdiv(shard_rows, CHUNK_ROWS)
+    n = (total_chunks - pid + num_programs - 1) // num_programs
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if n > 0:
+        _push_chunk(partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+                    pid, num_tokens, shard_rows, cols, col_mask,
+                    RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS)
+        tl.debug_barrier()
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                remote = pad_ptr + _select(peer, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + RANK
+                tl.atomic_add(remote + (2 * MAX_CTAS + pid) * WORLD, 1, sem="release", scope="sys")
+    for c in range(0, n):
+        chunk = pid + c * num_programs
+        more = c + 1 < n
+        if more:
+            _push_chunk(partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+                        chunk + num_programs, num_tokens, shard_rows, cols, col_mask,
+                        RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS)
+        _wait_counters(pad_ptr, 2, c + 1, RANK, WORLD, MAX_CTAS)
+        _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, ws_ptr,
+                      wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+                      chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
+                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL)
+        if c > 0:
+            _wait_counters(pad_ptr, 3, c, RANK, WORLD, MAX_CTAS)
+            _finalise_chunk(normed_ptr, residual_out_ptr, ws_ptr,
+                            chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w,
+                            rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS)
+        _signal_counters(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, more, RANK, WORLD, MAX_CTAS)
+    if n > 0:
+        _wait_counters(pad_ptr, 3, n, RANK, WORLD, MAX_CTAS)
+        _finalise_chunk(normed_ptr, residual_out_ptr, ws_ptr,
+                        pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w,
+                        rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS)
+        for peer in tl.static_range(WORLD):  # consume this call's counts (the peers' next call may
+            if peer != RANK:  # already be adding: counters are exact, so subtracting keeps those)
+                tl.atomic_add(pad_ptr + (2 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")
+                tl.atomic_add(pad_ptr + (3 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")

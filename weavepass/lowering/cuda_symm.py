@@ -39,7 +39,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384  # one row per tile lives in registers
 MAX_WORLD = 8  # the kernels take per-peer addresses as 8 scalar arguments
 MIN_CTAS, MAX_CTAS = 2, 32
-SIGNAL_CHANNELS = 2  # two barriers per call
+SIGNAL_CHANNELS = 4  # two barriers (flat kernel) + two chunk counters (pipelined kernel)
 SMALL_TILE_BYTES = 16 << 10  # one bf16 row of 8192: many tiles, so small batches still fill 32 CTAs
 LARGE_TILE_BYTES = 64 << 10  # 4 bf16 rows of 8192 per tile: 4x the bytes in flight per CTA
 
@@ -48,6 +48,10 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 """One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
 Measured at H=8192 bf16 on 2 ranks: one-shot wins at 1 and 8 tokens (7.3 vs 7.7 us, 7.9 vs 9.1 us),
 ties at 32, loses at 128 (17.6 vs 15.6 us) and beyond; 256 KiB = 16 tokens there."""
+PIPELINE_CHUNK_TILES = 2
+"""Tiles per chunk of the pipelined two-shot kernel (one release/acquire hand-off per chunk)."""
+PIPELINE_MIN_CHUNKS_PER_CTA = 2
+"""The pipelined kernel runs (two-shot only) when every CTA gets at least this many chunks."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class LaunchPlan:
     rows_per_tile: int
     block_h: int
     num_warps: int
+    pipelined: bool = False  # two-shot, chunk-pipelined kernel with per-chunk counters
+    chunk_rows: int = 0  # rows per chunk (pipelined only)
+    push_rows: int = 0  # rows per push load/store (pipelined only)
 
 
 def choose_launch_plan(
@@ -71,6 +78,8 @@ def choose_launch_plan(
     one_shot: bool | None = None,
     tile_elements: int | None = None,
     num_warps: int | None = None,
+    pipelined: bool | None = None,
+    chunk_tiles: int | None = None,
 ) -> LaunchPlan:
     """The measured rule (no per-model table).
 
@@ -98,7 +107,15 @@ def choose_launch_plan(
     if num_ctas is None:
         num_ctas = -(-owned // rows_per_tile)
     num_ctas = max(MIN_CTAS, min(MAX_CTAS, num_ctas))
-    return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps)
+    chunk_tiles = chunk_tiles or PIPELINE_CHUNK_TILES
+    chunk_rows = rows_per_tile * chunk_tiles
+    if pipelined is None:
+        pipelined = owned >= PIPELINE_MIN_CHUNKS_PER_CTA * num_ctas * chunk_rows
+    pipelined = bool(pipelined) and not one_shot
+    if not pipelined:
+        return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps)
+    push_rows = min(chunk_rows, 2 * rows_per_tile)  # two tiles in flight per push load/store
+    return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps, True, chunk_rows, push_rows)
 
 
 def triton_next_power_of_2(n: int) -> int:
@@ -235,6 +252,8 @@ def fused_allreduce_rmsnorm_cuda(
     one_shot: bool | None = None,
     tile_elements: int | None = None,
     num_warps: int | None = None,
+    pipelined: bool | None = None,
+    chunk_tiles: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``partial`` [..., H] -> ``(normed, residual_out)``, same math and shapes as the portable lowering.
 
@@ -261,7 +280,10 @@ def fused_allreduce_rmsnorm_cuda(
 
     world = resolve_group(group_name).size()
     max_tokens = max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS
-    overrides = dict(num_ctas=num_ctas, tile_elements=tile_elements, num_warps=num_warps)
+    overrides = dict(
+        num_ctas=num_ctas, tile_elements=tile_elements, num_warps=num_warps,
+        pipelined=pipelined, chunk_tiles=chunk_tiles,
+    )
     plan = choose_launch_plan(
         num_tokens, hidden, partial.element_size(), world, one_shot=one_shot, **overrides
     )
@@ -281,9 +303,39 @@ def fused_allreduce_rmsnorm_cuda(
         )
         return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
 
-    from weavepass.lowering.cuda_kernels import fused_allreduce_rmsnorm_kernel
+    from weavepass.lowering.cuda_kernels import (
+        fused_allreduce_rmsnorm_kernel,
+        fused_allreduce_rmsnorm_pipelined_kernel,
+    )
 
     res = rows if residual is None else residual.reshape(-1, hidden).contiguous()
+    if plan.pipelined:
+        fused_allreduce_rmsnorm_pipelined_kernel[(plan.num_ctas,)](
+            rows,
+            res,
+            weight.contiguous(),
+            normed,
+            residual_out,
+            ws.buffer,
+            ws.pad,
+            *ws.buffer_deltas,
+            *ws.pad_deltas,
+            num_tokens,
+            rows_per_rank(num_tokens, world),
+            ws.capacity,
+            eps,
+            RANK=ws.rank,
+            WORLD=world,
+            HIDDEN=hidden,
+            BLOCK_H=plan.block_h,
+            ROWS=plan.rows_per_tile,
+            CHUNK_ROWS=plan.chunk_rows,
+            PUSH_ROWS=plan.push_rows,
+            HAS_RESIDUAL=residual is not None,
+            MAX_CTAS=MAX_CTAS,
+            num_warps=plan.num_warps,
+        )
+        return normed, residual_out
     fused_allreduce_rmsnorm_kernel[(plan.num_ctas,)](
         rows,
         res,

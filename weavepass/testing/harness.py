@@ -190,7 +190,9 @@ def _compare(
     name: str, eager: torch.Tensor, compiled: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype
 ) -> OutputComparison:
     problem = ""
-    if compiled.shape != eager.shape:
+    if not isinstance(compiled, torch.Tensor):
+        problem = f"compiled gave {type(compiled).__name__}, not a tensor"
+    elif compiled.shape != eager.shape:
         problem = f"shape {tuple(compiled.shape)} != eager {tuple(eager.shape)}"
     elif compiled.dtype != eager.dtype:
         problem = f"dtype {compiled.dtype} != eager {eager.dtype}"

@@ -346,8 +346,9 @@ def build_tp_model(
     def norm(name: str) -> RMSNorm:
         return RMSNorm(replicated(name), cfg.rms_eps, cfg.norm_impl)
 
-    def swiglu(p: str) -> TPSwiGLU:
-        return TPSwiGLU(shard(p + "gate_proj", 0), shard(p + "up_proj", 0), shard(p + "down_proj", 1))
+    def swiglu(prefix: str) -> TPSwiGLU:
+        gate, up = shard(prefix + "gate_proj", 0), shard(prefix + "up_proj", 0)
+        return TPSwiGLU(gate, up, shard(prefix + "down_proj", 1))
 
     vocab_start = sum(s.shape[0] for s in torch.tensor_split(weights["embed"], world_size)[:rank])
     embed = VocabParallelEmbedding(shard("embed", 0), vocab_start, group)

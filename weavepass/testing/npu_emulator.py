@@ -30,6 +30,7 @@ import torch.distributed as dist
 from weavepass.lowering import npu as adapter
 
 _WORLD_SIZES = (2, 4, 8, 16, 32)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -74,7 +75,7 @@ class EmulatedTorchNPU:
         _check(group.size() == world_size, f"world_size {world_size} != hcom group size {group.size()}")
         product = (input.float() @ x2.float()).to(input.dtype)
         shard = torch.empty((m // world_size, x2.shape[1]), dtype=torch.float32, device=input.device)
-        dist.reduce_scatter_tensor(shard, product.float(), group=group)
+        _reduce_scatter(shard, product.float(), group=group)
         return shard.to(input.dtype)
 
     def npu_add_rms_norm(self, x1, x2, gamma, epsilon=1e-6):

@@ -1,0 +1,145 @@
+"""FlashComm on 2 GPUs (TP=2, one process per GPU): a 4-layer Llama-3-70B-width prefill stack.
+
+Per rank: hidden 8192, 32 query / 4 kv heads of dim 128, MLP width 14336 (the 70B model split over
+two ranks), bf16. For each token count, in the same process and against the same weights:
+
+* ``inductor``: plain ``torch.compile`` (all_reduce after every row-parallel linear), the baseline;
+* ``flashcomm``: weave with ``enable_flashcomm`` (reduce_scatter / add+RMSNorm on 1/2 of the tokens /
+  all_gather; NCCL functional collectives);
+* ``flashcomm_mmrs``: the same plus ``enable_mmrs_fusion`` (symmetric-memory
+  ``fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul``).
+
+Timing: CUDA events around each forward, a fixed number of iterations on every rank (so collectives
+stay matched), median of rank 0. Prints a table (ms, speedup over inductor), writes
+``bench_flashcomm.csv`` and ``bench_flashcomm.png`` under ``--out``. ``--quick`` runs 4K and 16K
+tokens with fewer iterations. NVLink multicast is kept off.
+
+    python benchmarks/bench_flashcomm.py --out /tmp/bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ[_name] = _value
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from weavepass import WeaveConfig, make_backend  # noqa: E402
+from weavepass.testing import TPConfig, build_tp_model, random_token_ids, spawn  # noqa: E402
+
+WORLD = 2
+LLAMA70B_TP2 = TPConfig(vocab=4096, hidden=8192, n_layers=4, n_heads=32 * WORLD, n_kv_heads=4 * WORLD,
+                        head_dim=128, intermediate=14336 * WORLD, rms_eps=1e-5, dtype=torch.bfloat16)
+TOKENS = (4096, 8192, 16384, 32768)
+QUICK_TOKENS = (4096, 16384)
+MODES = ("inductor", "flashcomm", "flashcomm_mmrs")
+
+
+def _compiled(model, mode: str):
+    torch._dynamo.reset()  # a fresh cache per (mode, size): no recompile limit, no automatic dynamic
+    if mode == "inductor":
+        return torch.compile(model, backend="inductor", dynamic=False), None
+    config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+                         enable_mmrs_fusion=mode == "flashcomm_mmrs")
+    backend = make_backend(config)
+    return torch.compile(model, backend=backend, dynamic=False), backend
+
+
+def _bench(rank, world, tokens_list, warmup, iters):
+    torch.manual_seed(0)
+    device = torch.device("cuda", rank)
+    model = build_tp_model(LLAMA70B_TP2, rank, world, dist.group.WORLD, device=device)
+    jobs = [(t, m) for t in tokens_list for m in MODES]
+    progress = jobs
+    if rank == 0:
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(jobs, desc="bench_flashcomm", unit="case")
+        except ImportError:
+            pass
+    rows = []
+    for tokens, mode in progress:
+        ids = random_token_ids(LLAMA70B_TP2, 1, tokens, seed=tokens, device=device)
+        fn, backend = _compiled(model, mode)
+        with torch.no_grad():
+            for _ in range(warmup):
+                fn(ids)
+            times = []
+            for _ in range(iters):
+                dist.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(ids)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        lowerings = sorted({r.lowering for r in backend.report.records}) if backend else []
+        rows.append({"tokens": tokens, "mode": mode, "median_ms": statistics.median(times),
+                     "min_ms": min(times), "lowerings": " ".join(lowerings)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--quick", action="store_true", help="4K and 16K tokens, fewer iterations")
+    parser.add_argument("--tokens", type=int, nargs="*", help="token counts (default: 4K..32K)")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < WORLD:
+        sys.exit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+    tokens = tuple(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
+    warmup, iters = (2, 5) if args.quick else (3, 15)
+    rows = spawn(_bench, WORLD, "nccl", tokens, warmup, iters, timeout_s=3000)[0]
+
+    base = {r["tokens"]: r["median_ms"] for r in rows if r["mode"] == "inductor"}
+    for r in rows:
+        r["speedup"] = base[r["tokens"]] / r["median_ms"]
+    os.makedirs(args.out, exist_ok=True)
+    print(f"{'tokens':>7} {'mode':<16} {'median ms':>10} {'min ms':>8} {'vs inductor':>11}  lowerings")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['mode']:<16} {r['median_ms']:>10.3f} {r['min_ms']:>8.3f} "
+              f"{r['speedup']:>10.3f}x  {r['lowerings']}")
+    path = os.path.join(args.out, "bench_flashcomm.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in MODES:
+        pts = [(r["tokens"], r["speedup"]) for r in rows if r["mode"] == mode]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("speedup over inductor (median)")
+    ax.set_title("FlashComm, 4-layer Llama-3-70B width, TP=2, bf16")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "bench_flashcomm.png"), dpi=120)
+    print(f"wrote {os.path.join(args.out, 'bench_flashcomm.png')}")
+
+
+if __name__ == "__main__":
+    main()

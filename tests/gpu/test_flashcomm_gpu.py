@@ -1,0 +1,61 @@
+"""FlashComm on 2 GPUs (NCCL, one process per GPU): the CUDA path against eager.
+
+Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_flashcomm_gpu.py -q``.
+NVLink multicast stays off (conftest.py and ``spawn`` set NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weavepass import WeaveConfig, make_backend
+from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+CFG = TPConfig(vocab=1000, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64,
+               intermediate=2816, dtype=torch.bfloat16)
+MOE = TPConfig(vocab=1000, hidden=1024, n_layers=1, n_heads=16, n_kv_heads=8, head_dim=64,
+               intermediate=1024, n_experts=4, dtype=torch.bfloat16)
+
+
+def _run(rank, world, cfg, tokens, mmrs):
+    device = torch.device("cuda", rank)
+    config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+                         enable_mmrs_fusion=mmrs)
+    backend = make_backend(config)
+    model = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device)
+    reference = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device, dtype=torch.float32)
+    ids = random_token_ids(cfg, 1, tokens, seed=tokens, device=device)
+    report = check_against_eager(
+        model, ids, lambda m: torch.compile(m, backend=backend, dynamic=False), reference
+    )
+    graph = backend.report.graphs[0]
+    return str(report), [r.lowering for r in graph.records], dict(graph.ops_after)
+
+
+@pytest.mark.parametrize("tokens", [1, 1000, 4096])
+@pytest.mark.parametrize("mmrs", [False, True])
+def test_flashcomm_cuda_matches_eager(tokens, mmrs):
+    _, lowerings, ops = spawn(_run, 2, "nccl", CFG, tokens, mmrs)[0]
+    assert all(lowering.startswith("flashcomm:") for lowering in lowerings), lowerings
+    assert not any("all_reduce" in op for op in ops), ops
+    if mmrs:
+        # Every row-parallel site (all but the embedding's) uses the fused matmul-reduce_scatter,
+        # and the QKV / gate-up projections read the shards through fused all_gather-matmul.
+        assert lowerings[1:] == ["flashcomm:cuda_symm"] * (len(lowerings) - 1), lowerings
+        assert ops.get("symm_mem.fused_matmul_reduce_scatter.default", 0) == len(lowerings) - 1
+        assert ops.get("symm_mem.fused_all_gather_matmul.default", 0) >= 2 * CFG.n_layers
+    else:
+        assert ops["_c10d_functional.reduce_scatter_tensor.default"] == len(lowerings)
+
+
+def test_flashcomm_cuda_moe_matches_eager():
+    _, lowerings, _ = spawn(_run, 2, "nccl", MOE, 777, True)[0]
+    assert all(lowering.startswith("flashcomm:") for lowering in lowerings), lowerings

@@ -1,0 +1,274 @@
+"""FlashComm (issue 5) on CPU: the decision, the graph rewrite, and numerics on gloo.
+
+Graph tests trace on a fake process group (no communication). Numeric tests spawn gloo worlds of 2
+and 3 ranks and compare each compiled model with its eager self against an fp32 eager reference of
+the same TP model (``check_against_eager``: ``err_compiled <= 2 * err_eager + atol[dtype] *
+max(1, max|ref|)``, atol = 2^-7 for bf16 (one bf16 ulp: the shard's norm may round once
+differently from eager, and npu_add_rms_norm keeps the weight multiply in fp32), 1e-4 for fp32).
+The NPU path runs against ``weavepass.testing.npu_emulator`` (the documented torch_npu API).
+Every compile uses ``dynamic=False``: FlashComm qualifies static token counts only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from weavepass import WeaveConfig, make_backend
+from weavepass.flashcomm import force_device_kind, padded_token_count
+from weavepass.lowering import npu
+from weavepass.testing import (
+    TPConfig,
+    build_tp_model,
+    check_against_eager,
+    fake_process_group,
+    random_token_ids,
+    spawn,
+)
+from weavepass.testing.npu_emulator import emulated_torch_npu
+
+# o_proj's k = 4 * 128 / world and down_proj's k = 512 / world are >= 256 for world 2, so MMRS
+# applies there; at world 3 the emulated op refuses the world size and everything falls back.
+DENSE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head_dim=96,
+                 intermediate=516, dtype=torch.bfloat16)
+MOE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head_dim=96,
+               intermediate=516, n_experts=2, top_k=1, dtype=torch.bfloat16)
+ON = dict(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off")
+
+
+def _compile(config: WeaveConfig):
+    backend = make_backend(config)
+    return backend, lambda m: torch.compile(m, backend=backend, dynamic=False)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class TwoSites(nn.Module):
+    """``h`` [T, H] from outside -> two row-parallel MLP sites (k columns per rank) -> norm.
+
+    The first site's residual is the graph input (FlashComm shards it with ``flashcomm_shard_rows``).
+    With ``bias`` the down projection is an addmm (bias / world per rank, so the sum adds it once).
+    """
+
+    def __init__(self, k: int, bias: bool, dtype, rank: int, world: int, hidden: int = 64):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        p = lambda t: nn.Parameter(t.to(dtype), requires_grad=False)  # noqa: E731
+        self.up, self.down, self.bias, self.norms = nn.ParameterList(), nn.ParameterList(), [], nn.ParameterList()
+        for _ in range(2):
+            up = torch.randn(k * world, hidden, generator=gen) / math.sqrt(hidden)
+            down = torch.randn(hidden, k * world, generator=gen) / math.sqrt(k * world)
+            self.up.append(p(up[rank * k:(rank + 1) * k]))
+            self.down.append(p(down[:, rank * k:(rank + 1) * k]))
+            self.bias.append(p(torch.randn(hidden, generator=gen) / world) if bias else None)
+        for _ in range(3):
+            self.norms.append(p(1 + 0.1 * torch.randn(hidden, generator=gen)))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(2):
+            y = F.silu(F.linear(_rms(h, self.norms[i]), self.up[i]))
+            h = h + funcol.all_reduce(F.linear(y, self.down[i], self.bias[i]), "sum", dist.group.WORLD)
+        return _rms(h, self.norms[2])
+
+
+class BrokenStream(nn.Module):
+    """The second site's residual is ``2 * h``, not the first site's output: not shardable."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+        self.g = nn.Parameter(torch.ones(64), requires_grad=False)
+
+    def forward(self, h):
+        h = h + funcol.all_reduce(h @ self.w, "sum", dist.group.WORLD)
+        y = _rms(h, self.g)
+        h = 2 * h + funcol.all_reduce(y @ self.w, "sum", dist.group.WORLD)
+        return _rms(h, self.g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decision and graph (fake process group)
+
+
+def test_padding_rule():
+    assert padded_token_count(1, 2) == 32
+    assert padded_token_count(32, 2) == 32
+    assert padded_token_count(33, 2) == 64
+    assert padded_token_count(2, 3) == 48
+    assert padded_token_count(8192, 8) == 8192
+
+
+def test_mmrs_conditions():
+    ok = dict(x_shape=(64, 256), x_stride=(256, 1), x_dtype=torch.bfloat16, w_shape=(256, 32),
+              w_dtype=torch.bfloat16, world_size=2, has_bias=False)
+    assert npu.mmrs_unsupported_reason(**ok) is None
+    for change, words in [
+        (dict(x_shape=(64, 128), w_shape=(128, 32)), "k=128"),
+        (dict(has_bias=True), "bias"),
+        (dict(x_dtype=torch.float32, w_dtype=torch.float32), "float32"),
+        (dict(w_dtype=torch.float16), "fp16 or bf16"),
+        (dict(world_size=3), "world size 3"),
+        (dict(x_shape=(63, 256)), "divisible"),
+        (dict(x_stride=(1, 64)), "transposed"),
+        (dict(x_shape=(64, 65535), w_shape=(65535, 32), x_stride=(65535, 1)), "outside"),
+    ]:
+        assert words in npu.mmrs_unsupported_reason(**{**ok, **change}), change
+
+
+def test_graph_over_threshold_has_no_all_reduce():
+    with fake_process_group(2):
+        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
+        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8}))
+        with torch.no_grad():
+            compile_fn(model)(random_token_ids(DENSE, 2, 5))
+    graph = backend.report.graphs[0]
+    sites = 2 * DENSE.n_layers + 1
+    assert not any("all_reduce" in op for op in graph.ops_after), graph.ops_after
+    assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == sites
+    assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == sites
+    assert graph.ops_after["aten.constant_pad_nd.default"] == sites  # 10 tokens -> 32
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * sites
+    assert "10 tokens padded to 32" in graph.note
+
+
+def test_graph_under_threshold_is_left_to_the_fuse_path():
+    with fake_process_group(2):
+        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
+        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8192}))
+        with torch.no_grad():
+            compile_fn(model)(random_token_ids(DENSE, 2, 5))
+    graph = backend.report.graphs[0]
+    assert "10 tokens < flashcomm_min_prefill_tokens=8192" in graph.note
+    assert not any(r.lowering.startswith("flashcomm") for r in graph.records)
+    assert "_c10d_functional.all_gather_into_tensor.default" not in graph.ops_after
+    assert graph.ops_after["weave.fused_allreduce_rmsnorm.default"] == 2 * DENSE.n_layers + 1
+
+
+def test_broken_residual_stream_names_the_boundary():
+    with fake_process_group(2):
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        with torch.no_grad():
+            compile_fn(BrokenStream())(torch.randn(8, 64))
+    graph = backend.report.graphs[0]
+    assert "boundary all_reduce -> all_reduce_1" in graph.note, graph.note
+    assert "stream cannot stay sharded" in graph.records[1].reason
+    assert not any(r.lowering.startswith("flashcomm") for r in graph.records)
+
+
+def test_symbolic_token_count_is_declined():
+    with fake_process_group(2):
+        backend = make_backend(WeaveConfig(**ON))
+        h = torch.randn(24, 64)
+        torch._dynamo.mark_dynamic(h, 0)
+        with torch.no_grad():
+            torch.compile(TwoSites(256, False, torch.float32, 0, 2), backend=backend)(h)
+    note = backend.report.graphs[0].note
+    assert "symbolic" in note and "static" in note, note
+
+
+def test_npu_graph_calls_mmrs_and_add_rms_norm():
+    with fake_process_group(2), force_device_kind("npu"), emulated_torch_npu() as emulator:
+        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
+        with torch.no_grad():
+            compile_fn(TwoSites(256, False, torch.bfloat16, 0, 2))(torch.randn(20, 64).bfloat16())
+    graph = backend.report.graphs[0]
+    assert graph.ops_after["weave.npu_mm_reduce_scatter.default"] == 2
+    assert graph.ops_after["weave.npu_add_rms_norm.default"] == 2
+    assert graph.ops_after["weave.flashcomm_shard_rows.default"] == 1  # the input residual
+    assert "_c10d_functional.reduce_scatter_tensor.default" not in graph.ops_after
+    assert [r.lowering for r in graph.records] == ["flashcomm:npu_mmrs"] * 2
+    mmrs = [args for name, args in emulator.calls if name == "npu_mm_reduce_scatter_base"]
+    assert len(mmrs) == 2
+    assert mmrs[0]["input"] == ((32, 256), torch.bfloat16)  # 20 tokens padded to 32
+    assert mmrs[0]["x2"] == ((256, 64), torch.bfloat16)
+    assert (mmrs[0]["world_size"], mmrs[0]["reduce_op"], mmrs[0]["bias"], mmrs[0]["comm_turn"],
+            mmrs[0]["comm_mode"]) == (2, "sum", None, 0, "aiv")
+    norms = [args for name, args in emulator.calls if name == "npu_add_rms_norm"]
+    assert norms[0]["x1"] == ((16, 64), torch.bfloat16) and norms[0]["epsilon"] == 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics on gloo
+
+
+def _check(rank, world, model_fn, inputs, config, kind):
+    """Compile ``model_fn(dtype)`` with ``config`` as device ``kind``; return (report, npu calls)."""
+    backend, compile_fn = _compile(config)
+    with force_device_kind(kind), emulated_torch_npu() as emulator:
+        check_against_eager(model_fn(None), inputs, compile_fn, model_fn(torch.float32))
+    return backend.report, [name for name, _ in emulator.calls]
+
+
+def _tp(cfg, rank, world):
+    return lambda dtype: build_tp_model(cfg, rank, world, dist.group.WORLD, dtype=dtype)
+
+
+def _numerics_world_2(rank, world):
+    mmrs = WeaveConfig(**ON, enable_mmrs_fusion=True)
+    results = {}
+    # 1 token (< world size) and 7 tokens (not a multiple of 16 * world): MMRS through the emulator.
+    for name, cfg, tokens, config, kind in [
+        ("dense-1-mmrs", DENSE, 1, mmrs, "npu"),
+        ("dense-7", DENSE, 7, WeaveConfig(**ON), "portable"),
+        ("moe-3-mmrs", MOE, 3, mmrs, "npu"),
+    ]:
+        ids = random_token_ids(cfg, 1, tokens, seed=tokens)
+        results[name] = _check(rank, world, _tp(cfg, rank, world), ids, config, kind)
+    # Fallbacks: each site falls back to mm -> reduce_scatter with its reason, and stays correct.
+    for name, k, bias, dtype in [("k128", 128, False, torch.bfloat16), ("bias", 256, True, torch.bfloat16),
+                                 ("fp32", 256, False, torch.float32)]:
+        h = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        model_fn = lambda d, k=k, bias=bias, dtype=dtype: TwoSites(k, bias, d or dtype, rank, world)  # noqa: E731
+        results[name] = _check(rank, world, model_fn, h, mmrs, "npu")
+    return {name: (str(report), [r.lowering for r in report.records], [r.reason for r in report.records], calls)
+            for name, (report, calls) in results.items()}
+
+
+def _numerics_world_3(rank, world):
+    results = {}
+    for name, cfg, tokens, config in [
+        ("dense-2-mmrs", DENSE, 2, WeaveConfig(**ON, enable_mmrs_fusion=True)),
+        ("moe-5", MOE, 5, WeaveConfig(**ON)),
+    ]:
+        ids = random_token_ids(cfg, 1, tokens, seed=tokens)
+        report, calls = _check(rank, world, _tp(cfg, rank, world), ids, config, "npu")
+        results[name] = ([r.lowering for r in report.records], [r.reason for r in report.records], calls)
+    return results
+
+
+@pytest.mark.slow
+def test_numerics_world_2_gloo():
+    results = spawn(_numerics_world_2, 2)[0]
+    sites = 2 * DENSE.n_layers + 1
+    _, lowerings, reasons, calls = results["dense-1-mmrs"]
+    # The embedding site has no matmul; o_proj and down_proj run as emulated MMRS.
+    assert lowerings == ["flashcomm:portable"] + ["flashcomm:npu_mmrs"] * (sites - 1)
+    assert "no matmul produces the partial sum" in reasons[0]
+    assert calls.count("npu_mm_reduce_scatter_base") == sites - 1
+    assert calls.count("npu_add_rms_norm") == sites - 1
+    assert results["dense-7"][1] == ["flashcomm:portable"] * sites
+    assert "flashcomm:npu_mmrs" in results["moe-3-mmrs"][1]
+    for name, words in [("k128", "k=128 is outside [256, 65535)"), ("bias", "bias"), ("fp32", "float32")]:
+        _, lowerings, reasons, calls = results[name]
+        assert lowerings == ["flashcomm:portable"] * 2, name
+        assert all(f"MMRS skipped: " in r and words in r for r in reasons), (name, reasons)
+        assert "npu_mm_reduce_scatter_base" not in calls
+
+
+@pytest.mark.slow
+def test_numerics_world_3_gloo():
+    results = spawn(_numerics_world_3, 3)[0]
+    lowerings, reasons, calls = results["dense-2-mmrs"]
+    assert lowerings == ["flashcomm:portable"] * 3
+    assert all("world size 3 is not one of" in r for r in reasons[1:]), reasons
+    assert "npu_mm_reduce_scatter_base" not in calls
+    assert results["moe-5"][0] == ["flashcomm:portable"] * 3
