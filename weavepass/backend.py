@@ -47,9 +47,15 @@ def make_backend(config: WeaveConfig | None = None) -> WeaveBackend:
 
 
 def register() -> None:
-    """Register ``"weave"`` with dynamo when no installed entry point provides it (source trees)."""
+    """Register ``"weave"`` with dynamo when no installed entry point provides it (source trees).
+
+    Checks the entry points first, so that an installed weavepass does not import dynamo here.
+    """
+    from importlib.metadata import entry_points
+
+    if "weave" in entry_points(group="torch_dynamo_backends").names:
+        return
     from torch._dynamo.backends import registry
 
-    registry._discover_entrypoint_backends()
-    if "weave" not in registry._BACKENDS and "weave" not in registry._COMPILER_FNS:
+    if "weave" not in registry._COMPILER_FNS:
         registry.register_backend(compiler_fn=weave_backend, name="weave")
