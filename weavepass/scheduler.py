@@ -47,11 +47,21 @@ def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite, config: WeaveConfi
     )
 
 
-def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tuple[str, str]:
-    """``(lowering, note)``: the lowering for ``site`` and, on a fallback, why."""
+def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tuple[str | None, str]:
+    """``(lowering, note)``: the lowering for ``site`` (None: leave it alone) and, if not the
+    first choice, why.
+
+    On CUDA, ``auto`` rewrites a site only when the fused kernel can run it: the portable path
+    (fp32 reduce_scatter + all_gather through NCCL) moves twice the bytes of the model's own
+    all_reduce, and a rewrite must never make a batch slower than the plain compiled model.
+    """
     wanted = config.lowering
     if wanted == "auto":
         wanted = "cuda_symm" if site.device.type == "cuda" else "portable"
+        if wanted == "cuda_symm":
+            reason = _cuda_unsupported_reason(site, config)
+            if reason is not None:
+                return None, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
     if wanted == "cuda_symm":
         reason = _cuda_unsupported_reason(site, config)
         if reason is not None:
