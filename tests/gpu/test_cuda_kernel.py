@@ -130,6 +130,11 @@ def _matches_reference_worker(rank, world, dtype):
         for tokens in (3, 1024):
             errors += _check_call(rank, world, 7 + tokens, tokens, 4096, dtype, True, torch.float32)
             cases += 1
+    for tokens, hidden in ((4097, 8192), (1024, 4096)):  # the pipelined kernel, forced, every dtype
+        for ctas in (16, 32):
+            errors += _check_call(rank, world, 11 * tokens + ctas, tokens, hidden, dtype, True, dtype,
+                                  num_ctas=ctas, pipelined=True)
+            cases += 1
     assert not errors, "\n".join(errors)
     return cases
 
@@ -193,7 +198,7 @@ def _cuda_graph_worker(rank, world):
 
     group = dist.group.WORLD.group_name
     hidden, dtype = 4096, torch.bfloat16
-    layer_tokens = (1024, 1024, 8, 4096)  # flat two-shot, flat, one-shot, pipelined two-shot
+    layer_tokens = (1024, 1024, 8, 4096)  # flat two-shot, flat, one-shot, pipelined two-shot (forced)
     static = [_make_inputs(i, t, hidden, dtype, True, world) for i, t in enumerate(layer_tokens)]
 
     def layers():
@@ -201,7 +206,10 @@ def _cuda_graph_worker(rank, world):
         for i, (partials, residual, weight) in enumerate(static):
             if i > 0 and layer_tokens[i] == layer_tokens[i - 1]:
                 residual = outs[-1][1]  # the residual stream carries on
-            outs.append(fused_allreduce_rmsnorm_cuda(partials[rank], residual, weight, EPS, group, dtype))
+            pipelined = True if i == len(layer_tokens) - 1 else None
+            outs.append(fused_allreduce_rmsnorm_cuda(
+                partials[rank], residual, weight, EPS, group, dtype, pipelined=pipelined
+            ))
         return outs
 
     side = torch.cuda.Stream()
@@ -279,7 +287,7 @@ def small_case_worker(rank, world):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_matches_reference(dtype):
     cases = spawn(_matches_reference_worker, WORLD, "nccl", dtype, timeout_s=420)
-    assert cases[0] == len(TOKENS) * len(HIDDENS) * 2 + (2 if dtype == torch.bfloat16 else 0)
+    assert cases[0] == len(TOKENS) * len(HIDDENS) * 2 + (2 if dtype == torch.bfloat16 else 0) + 4
 
 
 def test_every_algorithm_and_cta_count():

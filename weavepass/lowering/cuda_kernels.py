@@ -24,6 +24,12 @@ reduces all rows locally, step 5 does not exist. The barrier of step 4 stays: it
 from overwriting a peer's staging rows that the peer is still reading.
 
 All remote traffic is stores (NVLink stores need few SMs; remote loads need many requests in flight).
+Pipelined two-shot (``fused_allreduce_rmsnorm_pipelined_kernel``): the same three steps per chunk of
+``CHUNK_ROWS`` rows instead of per phase, with per-chunk counters (signal pad channels 2 and 3) instead
+of the two barriers, so the remote stores of one chunk drain while the local loads of the next run;
+see its docstring. Counters are incremented with ``red.release.sys`` by the sender after a CTA barrier,
+polled with ``ld.acquire.sys`` by the receiver, and decremented by the receiver after its last wait.
+
 Both barriers are per program: program ``b`` on rank ``r`` only meets program ``b`` on its peers. That
 suffices because row tiles are dealt to programs by the same rule on every rank (tile ``t`` goes to
 program ``t % G``), so the rows that program ``b`` reads after a barrier were written by programs ``b``

@@ -48,6 +48,12 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 """One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
 Measured at H=8192 bf16 on 2 ranks: one-shot wins at 1 and 8 tokens (7.3 vs 7.7 us, 7.9 vs 9.1 us),
 ties at 32, loses at 128 (17.6 vs 15.6 us) and beyond; 256 KiB = 16 tokens there."""
+PIPELINE_BY_DEFAULT = False
+"""Whether the rule may pick the pipelined kernel. Off until the whole GPU test file has passed with it
+as the rule's choice: on 2 x H200 its explicit-flag tests (every CTA count and odd shapes, 500
+back-to-back calls mixing kernels, CUDA-graph replay) passed, the reference test over fp16/fp32 and
+H=8192 did not finish inside the device time left (docs/cuda_kernel.md). Callers can force it with
+``pipelined=True``."""
 PIPELINE_CHUNK_TILES = 2
 """Tiles per chunk of the pipelined two-shot kernel (one release/acquire hand-off per chunk).
 Measured at 32 CTAs: 2 tiles 0.260 / 0.942 ms vs 4 tiles 0.289 / 0.931 ms at 4096 / 16384 tokens."""
@@ -92,7 +98,8 @@ def choose_launch_plan(
     * CTAs = ``clamp(owned tiles, MIN_CTAS, MAX_CTAS)``: one tile per CTA until 32 (owned rows: ``T``
       in one-shot, ``ceil(T / world)`` in two-shot). Measured: time falls with every CTA added up to
       32 at every size, because each CTA is latency-bound (one tile in flight), not link-bound;
-    * kernel: the chunk-pipelined two-shot kernel when two-shot, ``CTAs >= PIPELINE_MIN_CTAS`` and
+    * kernel (only while ``PIPELINE_BY_DEFAULT``; else always the flat kernel): the chunk-pipelined
+      two-shot kernel when two-shot, ``CTAs >= PIPELINE_MIN_CTAS`` and
       every CTA gets ``>= PIPELINE_MIN_CHUNKS_PER_CTA`` chunks of ``PIPELINE_CHUNK_TILES`` tiles (4096
       tokens and up at H=8192 bf16 on 2 ranks), else the flat kernel (one barrier per phase);
     * tile = ``LARGE_TILE_BYTES`` of rows when the owned rows fill ``MAX_CTAS`` such tiles, else
@@ -120,7 +127,8 @@ def choose_launch_plan(
     chunk_rows = rows_per_tile * chunk_tiles
     if pipelined is None:
         pipelined = (
-            num_ctas >= PIPELINE_MIN_CTAS
+            PIPELINE_BY_DEFAULT
+            and num_ctas >= PIPELINE_MIN_CTAS
             and owned >= PIPELINE_MIN_CHUNKS_PER_CTA * num_ctas * chunk_rows
         )
     pipelined = bool(pipelined) and not one_shot
