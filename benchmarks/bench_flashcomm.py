@@ -11,7 +11,7 @@ two ranks), bf16. For each token count, in the same process and against the same
 
 Timing: CUDA events around each forward, a fixed number of iterations on every rank (so collectives
 stay matched), median of rank 0. Prints a table (ms, speedup over inductor), writes
-``bench_flashcomm.csv`` and ``bench_flashcomm.png`` under ``--out``. ``--quick`` runs 4K and 16K
+``bench_flashcomm.csv`` and ``bench_flashcomm.png`` under ``--out``. ``--quick`` runs 8K and 16K
 tokens with fewer iterations. NVLink multicast is kept off.
 
     python benchmarks/bench_flashcomm.py --out /tmp/bench [--quick]
@@ -43,7 +43,7 @@ WORLD = 2
 LLAMA70B_TP2 = TPConfig(vocab=4096, hidden=8192, n_layers=4, n_heads=32 * WORLD, n_kv_heads=4 * WORLD,
                         head_dim=128, intermediate=14336 * WORLD, rms_eps=1e-5, dtype=torch.bfloat16)
 TOKENS = (4096, 8192, 16384, 32768)
-QUICK_TOKENS = (4096, 16384)
+QUICK_TOKENS = (8192, 16384)
 MODES = ("inductor", "flashcomm", "flashcomm_mmrs")
 
 
@@ -95,7 +95,7 @@ def _bench(rank, world, tokens_list, warmup, iters):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--quick", action="store_true", help="4K and 16K tokens, fewer iterations")
+    parser.add_argument("--quick", action="store_true", help="8K and 16K tokens, fewer iterations")
     parser.add_argument("--tokens", type=int, nargs="*", help="token counts (default: 4K..32K)")
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:

@@ -11,6 +11,7 @@ Every compile uses ``dynamic=False``: FlashComm qualifies static token counts on
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -53,18 +54,18 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 
 class TwoSites(nn.Module):
-    """``h`` [T, H] from outside -> two row-parallel MLP sites (k columns per rank) -> norm.
+    """``h`` [T, H] from outside -> two row-parallel MLP sites (``ks[i]`` columns per rank) -> norm.
 
     The first site's residual is the graph input (FlashComm shards it with ``flashcomm_shard_rows``).
-    With ``bias`` the down projection is an addmm (bias / world per rank, so the sum adds it once).
+    With ``biases[i]`` site i's down projection is an addmm (bias / world per rank: added once).
     """
 
-    def __init__(self, k: int, bias: bool, dtype, rank: int, world: int, hidden: int = 64):
+    def __init__(self, ks, biases, dtype, rank: int, world: int, hidden: int = 64):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         p = lambda t: nn.Parameter(t.to(dtype), requires_grad=False)  # noqa: E731
         self.up, self.down, self.bias, self.norms = nn.ParameterList(), nn.ParameterList(), [], nn.ParameterList()
-        for _ in range(2):
+        for k, bias in zip(ks, biases):
             up = torch.randn(k * world, hidden, generator=gen) / math.sqrt(hidden)
             down = torch.randn(hidden, k * world, generator=gen) / math.sqrt(k * world)
             self.up.append(p(up[rank * k:(rank + 1) * k]))
@@ -93,6 +94,25 @@ class BrokenStream(nn.Module):
         y = _rms(h, self.g)
         h = 2 * h + funcol.all_reduce(y @ self.w, "sum", dist.group.WORLD)
         return _rms(h, self.g)
+
+
+@contextlib.contextmanager
+def symm_mem_on_cpu():
+    """PyTorch's symmetric-memory fused ops as their unfused fallbacks, also on CPU.
+
+    The fused ops have CUDA kernels only; their reference fallbacks (functional collectives) run
+    anywhere, so the CUDA rewrite's graph (padding, slicing, weight order) is checked on gloo.
+    """
+    import torch.distributed._symmetric_memory as symm_mem
+
+    lib = torch.library.Library("symm_mem", "IMPL")
+    lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
+    lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
+    try:
+        with symm_mem._test_mode():
+            yield
+    finally:
+        lib._destroy()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +190,7 @@ def test_symbolic_token_count_is_declined():
         h = torch.randn(24, 64)
         torch._dynamo.mark_dynamic(h, 0)
         with torch.no_grad():
-            torch.compile(TwoSites(256, False, torch.float32, 0, 2), backend=backend)(h)
+            torch.compile(TwoSites((256, 256), (False, False), torch.float32, 0, 2), backend=backend)(h)
     note = backend.report.graphs[0].note
     assert "symbolic" in note and "static" in note, note
 
@@ -179,7 +199,7 @@ def test_npu_graph_calls_mmrs_and_add_rms_norm():
     with fake_process_group(2), force_device_kind("npu"), emulated_torch_npu() as emulator:
         backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
         with torch.no_grad():
-            compile_fn(TwoSites(256, False, torch.bfloat16, 0, 2))(torch.randn(20, 64).bfloat16())
+            compile_fn(TwoSites((256, 256), (False, False), torch.bfloat16, 0, 2))(torch.randn(20, 64).bfloat16())
     graph = backend.report.graphs[0]
     assert graph.ops_after["weave.npu_mm_reduce_scatter.default"] == 2
     assert graph.ops_after["weave.npu_add_rms_norm.default"] == 2
@@ -196,11 +216,27 @@ def test_npu_graph_calls_mmrs_and_add_rms_norm():
     assert norms[0]["x1"] == ((16, 64), torch.bfloat16) and norms[0]["epsilon"] == 1e-5
 
 
+def test_cuda_graph_uses_fused_matmul_reduce_scatter_and_all_gather_matmul():
+    with fake_process_group(2), symm_mem_on_cpu(), force_device_kind("cuda"):
+        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
+        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
+        with torch.no_grad():
+            compile_fn(model)(random_token_ids(DENSE, 1, 7))
+    graph = backend.report.graphs[0]
+    sites = 2 * DENSE.n_layers + 1
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] + ["flashcomm:cuda_symm"] * (sites - 1)
+    assert graph.ops_after["symm_mem.fused_matmul_reduce_scatter.default"] == sites - 1
+    # QKV and gate/up read the shards through the fused op; the final norm's gather is an output.
+    assert graph.ops_after["symm_mem.fused_all_gather_matmul.default"] == sites - 1
+    assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == 1
+    assert not any("all_reduce" in op for op in graph.ops_after)
+
+
 # ---------------------------------------------------------------------------------------------
 # Numerics on gloo
 
 
-def _check(rank, world, model_fn, inputs, config, kind):
+def _check(model_fn, inputs, config, kind):
     """Compile ``model_fn(dtype)`` with ``config`` as device ``kind``; return (report, npu calls)."""
     backend, compile_fn = _compile(config)
     with force_device_kind(kind), emulated_torch_npu() as emulator:
@@ -222,13 +258,16 @@ def _numerics_world_2(rank, world):
         ("moe-3-mmrs", MOE, 3, mmrs, "npu"),
     ]:
         ids = random_token_ids(cfg, 1, tokens, seed=tokens)
-        results[name] = _check(rank, world, _tp(cfg, rank, world), ids, config, kind)
+        results[name] = _check(_tp(cfg, rank, world), ids, config, kind)
+    with symm_mem_on_cpu():  # the CUDA rewrite, its fused ops run as their reference fallbacks
+        ids = random_token_ids(DENSE, 1, 7, seed=7)
+        results["dense-7-cuda"] = _check(_tp(DENSE, rank, world), ids, mmrs, "cuda")
     # Fallbacks: each site falls back to mm -> reduce_scatter with its reason, and stays correct.
-    for name, k, bias, dtype in [("k128", 128, False, torch.bfloat16), ("bias", 256, True, torch.bfloat16),
-                                 ("fp32", 256, False, torch.float32)]:
+    for name, ks, biases, dtype in [("k128+bias", (128, 256), (False, True), torch.bfloat16),
+                                    ("fp32", (256, 256), (False, False), torch.float32)]:
         h = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
-        model_fn = lambda d, k=k, bias=bias, dtype=dtype: TwoSites(k, bias, d or dtype, rank, world)  # noqa: E731
-        results[name] = _check(rank, world, model_fn, h, mmrs, "npu")
+        model_fn = lambda d, ks=ks, biases=biases, dtype=dtype: TwoSites(ks, biases, d or dtype, rank, world)  # noqa: E731
+        results[name] = _check(model_fn, h, mmrs, "npu")
     return {name: (str(report), [r.lowering for r in report.records], [r.reason for r in report.records], calls)
             for name, (report, calls) in results.items()}
 
@@ -240,7 +279,7 @@ def _numerics_world_3(rank, world):
         ("moe-5", MOE, 5, WeaveConfig(**ON)),
     ]:
         ids = random_token_ids(cfg, 1, tokens, seed=tokens)
-        report, calls = _check(rank, world, _tp(cfg, rank, world), ids, config, "npu")
+        report, calls = _check(_tp(cfg, rank, world), ids, config, "npu")
         results[name] = ([r.lowering for r in report.records], [r.reason for r in report.records], calls)
     return results
 
@@ -256,11 +295,13 @@ def test_numerics_world_2_gloo():
     assert calls.count("npu_mm_reduce_scatter_base") == sites - 1
     assert calls.count("npu_add_rms_norm") == sites - 1
     assert results["dense-7"][1] == ["flashcomm:portable"] * sites
+    assert results["dense-7-cuda"][1] == ["flashcomm:portable"] + ["flashcomm:cuda_symm"] * (sites - 1)
     assert "flashcomm:npu_mmrs" in results["moe-3-mmrs"][1]
-    for name, words in [("k128", "k=128 is outside [256, 65535)"), ("bias", "bias"), ("fp32", "float32")]:
+    for name, words in [("k128+bias", ["k=128 is outside [256, 65535)", "the matmul adds a bias"]),
+                        ("fp32", ["dtypes torch.float32", "dtypes torch.float32"])]:
         _, lowerings, reasons, calls = results[name]
         assert lowerings == ["flashcomm:portable"] * 2, name
-        assert all(f"MMRS skipped: " in r and words in r for r in reasons), (name, reasons)
+        assert all(f"MMRS skipped: {w}" in r for w, r in zip(words, reasons)), (name, reasons)
         assert "npu_mm_reduce_scatter_base" not in calls
 
 

@@ -47,19 +47,28 @@ class WeaveConfig:
     smaller relative to the all_reduce, so the split pays only later."""
 
     enable_flashcomm: bool = False
-    """FlashComm (xLLM's ``enable_flashcomm1``): keep the residual stream sharded by token between
-    the first and last site, all_reduce -> reduce_scatter, all_gather only where full rows are
-    needed. Used only when the token count reaches ``flashcomm_min_prefill_tokens``."""
+    """FlashComm (xLLM's ``enable_flashcomm1``, ``weavepass/flashcomm.py``, docs/flashcomm.md): keep
+    the residual stream sharded by token between the first and last site, all_reduce ->
+    reduce_scatter, add + RMSNorm on 1/N of the tokens, all_gather only where full rows are needed.
+    Chosen per graph, only when the token count is static and reaches
+    ``flashcomm_min_prefill_tokens`` and every site continues the residual stream of the one before;
+    otherwise the explain report says which condition or boundary stopped it."""
 
     flashcomm_min_prefill_tokens: int = 8192
-    """Smallest token count for which FlashComm is chosen (xLLM's default, 8192)."""
+    """Smallest token count (before padding to a multiple of ``16 * world_size``) for which
+    FlashComm is chosen. xLLM's default, 8192, is a conservative start; the break-even point
+    depends on the model."""
 
     enable_mmrs_fusion: bool = False
     """With FlashComm: fuse matmul + reduce_scatter (``torch_npu.npu_mm_reduce_scatter_base`` on
-    NPU, symmetric-memory ``fused_matmul_reduce_scatter`` on CUDA). Read only when FlashComm is on."""
+    NPU, symmetric-memory ``fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul`` on CUDA).
+    Read only when FlashComm is on. A matmul the fused op cannot take (bias, fp32, k outside
+    [256, 65535), unsupported world size, ...) falls back to mm + reduce_scatter, with the reason in
+    the report and a ``FlashComm MMRS skipped`` warning."""
 
     mmrs_comm_mode: str = "aiv"
-    """torch_npu MMRS communication mode: ``"aiv"``, ``"ai_cpu"`` or ``"none"``."""
+    """torch_npu MMRS communication mode (``comm_mode``): ``"aiv"``, ``"ai_cpu"`` (a workaround
+    when a shape fails on AIV), or ``"none"`` (the argument is not passed: the op's default)."""
 
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's

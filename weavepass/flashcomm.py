@@ -164,11 +164,12 @@ def _static_int(n) -> int | None:
 def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDecision:
     """FlashComm for the whole graph, or the first reason against it (graph order).
 
-    Needs: FlashComm enabled; at least one site, every site planned for rewriting on one group of
-    at least ``min_world_size`` ranks; one static token count ``T >= flashcomm_min_prefill_tokens``
-    for all sites; and every site after the first continuing the residual stream of the one before
-    it (its residual is that site's output), so the stream can stay sharded from the first site to
-    the last. Reads only shapes, the config and the group size: the same on every rank.
+    Needs: FlashComm enabled; at least one site, all on one known group of at least
+    ``min_world_size`` ranks (whether the fused op's lowering could serve a site does not matter);
+    one static token count ``T >= flashcomm_min_prefill_tokens`` for all sites; and every site
+    after the first continuing the residual stream of the one before it (its residual is that
+    site's output), so the stream can stay sharded from the first site to the last. Reads only
+    shapes, the config and the group size: the same on every rank.
     """
     def no(reason: str, site: FusedAllReduceRMSNormSite | None = None) -> FlashCommDecision:
         return FlashCommDecision(False, reason, site.all_reduce.name if site is not None else "")
@@ -179,12 +180,15 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
         return no("no all_reduce -> RMSNorm site in the graph")
     first = plans[0].site
     for plan in plans:
-        if plan.lowering is None:
-            return no(f"site {plan.site.all_reduce.name} is not rewritten: {plan.reason}", plan.site)
         if plan.site.group_name != first.group_name:
             return no(f"site {plan.site.all_reduce.name} is on group {plan.site.group_name!r}, "
                       f"not {first.group_name!r}", plan.site)
+    # The group alone decides; a site's fused-op lowering (``plan.lowering``) is not used here.
     world = group_size(first.group_name)
+    if world is None:
+        return no(f"process group {first.group_name!r} is not known here")
+    if world < config.min_world_size:
+        return no(f"group of {world} rank(s) < min_world_size={config.min_world_size}")
     tokens = None
     for plan in plans:
         site = plan.site

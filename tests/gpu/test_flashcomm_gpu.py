@@ -25,37 +25,37 @@ MOE = TPConfig(vocab=1000, hidden=1024, n_layers=1, n_heads=16, n_kv_heads=8, he
                intermediate=1024, n_experts=4, dtype=torch.bfloat16)
 
 
-def _run(rank, world, cfg, tokens, mmrs):
+def _run(rank, world, cases):
+    """Every ``(cfg, tokens, mmrs)`` case in one process group: one NCCL start-up for all."""
     device = torch.device("cuda", rank)
-    config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
-                         enable_mmrs_fusion=mmrs)
-    backend = make_backend(config)
-    model = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device)
-    reference = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device, dtype=torch.float32)
-    ids = random_token_ids(cfg, 1, tokens, seed=tokens, device=device)
-    report = check_against_eager(
-        model, ids, lambda m: torch.compile(m, backend=backend, dynamic=False), reference
-    )
-    graph = backend.report.graphs[0]
-    return str(report), [r.lowering for r in graph.records], dict(graph.ops_after)
+    results = []
+    for cfg, tokens, mmrs in cases:
+        torch._dynamo.reset()
+        config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+                             enable_mmrs_fusion=mmrs)
+        backend = make_backend(config)
+        model = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device)
+        reference = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device, dtype=torch.float32)
+        ids = random_token_ids(cfg, 1, tokens, seed=tokens, device=device)
+        check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend, dynamic=False), reference)
+        graph = backend.report.graphs[0]
+        results.append(([r.lowering for r in graph.records], dict(graph.ops_after)))
+    return results
 
 
-@pytest.mark.parametrize("tokens", [1, 1000, 4096])
 @pytest.mark.parametrize("mmrs", [False, True])
-def test_flashcomm_cuda_matches_eager(tokens, mmrs):
-    _, lowerings, ops = spawn(_run, 2, "nccl", CFG, tokens, mmrs)[0]
-    assert all(lowering.startswith("flashcomm:") for lowering in lowerings), lowerings
-    assert not any("all_reduce" in op for op in ops), ops
-    if mmrs:
-        # Every row-parallel site (all but the embedding's) uses the fused matmul-reduce_scatter,
-        # and the QKV / gate-up projections read the shards through fused all_gather-matmul.
-        assert lowerings[1:] == ["flashcomm:cuda_symm"] * (len(lowerings) - 1), lowerings
-        assert ops.get("symm_mem.fused_matmul_reduce_scatter.default", 0) == len(lowerings) - 1
-        assert ops.get("symm_mem.fused_all_gather_matmul.default", 0) >= 2 * CFG.n_layers
-    else:
-        assert ops["_c10d_functional.reduce_scatter_tensor.default"] == len(lowerings)
-
-
-def test_flashcomm_cuda_moe_matches_eager():
-    _, lowerings, _ = spawn(_run, 2, "nccl", MOE, 777, True)[0]
-    assert all(lowering.startswith("flashcomm:") for lowering in lowerings), lowerings
+def test_flashcomm_cuda_matches_eager(mmrs):
+    # 1 token (< world), 1000 (not a multiple of 32), 4096 (no padding), and the MoE model.
+    cases = [(CFG, 1, mmrs), (CFG, 1000, mmrs), (CFG, 4096, mmrs), (MOE, 777, mmrs)]
+    for (cfg, tokens, _), (lowerings, ops) in zip(cases, spawn(_run, 2, "nccl", cases)[0]):
+        where = f"{tokens} tokens, n_experts={cfg.n_experts}: {lowerings}"
+        assert all(lowering.startswith("flashcomm:") for lowering in lowerings), where
+        assert not any("all_reduce" in op for op in ops), where
+        if not mmrs:
+            assert ops["_c10d_functional.reduce_scatter_tensor.default"] == len(lowerings), where
+        elif cfg is CFG:
+            # Every row-parallel site (all but the embedding's) runs the fused matmul-reduce_scatter;
+            # QKV and gate/up read the shards through fused all_gather-matmul.
+            assert lowerings[1:] == ["flashcomm:cuda_symm"] * (len(lowerings) - 1), where
+            assert ops.get("symm_mem.fused_matmul_reduce_scatter.default", 0) == len(lowerings) - 1, where
+            assert ops.get("symm_mem.fused_all_gather_matmul.default", 0) == len(lowerings) - 1, where

@@ -77,13 +77,13 @@ def mmrs_unsupported_reason(
         return f"operands are {len(x_shape)}-D and {len(w_shape)}-D; MMRS needs 2-D (m, k) @ (k, n)"
     if x_dtype not in MMRS_DTYPES or w_dtype != x_dtype:
         return f"dtypes {x_dtype} @ {w_dtype}; MMRS needs fp16 or bf16, both the same"
+    if world_size not in MMRS_WORLD_SIZES:
+        return f"world size {world_size} is not one of {MMRS_WORLD_SIZES}"
     (m, k), (k2, _n) = x_shape, w_shape
     if k != k2:
         return f"inner dims differ ({k} vs {k2})"
     if not MMRS_MIN_K <= k < MMRS_MAX_K:
         return f"k={k} is outside [{MMRS_MIN_K}, {MMRS_MAX_K})"
-    if world_size not in MMRS_WORLD_SIZES:
-        return f"world size {world_size} is not one of {MMRS_WORLD_SIZES}"
     if m % world_size:
         return f"m={m} is not divisible by the world size {world_size}"
     if x_stride[-1] != 1 or (m > 1 and x_stride[0] != k):
