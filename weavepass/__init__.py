@@ -11,7 +11,9 @@ import logging
 
 import torch
 
-from weavepass import ops  # noqa: F401  (registers torch.ops.weave.*)
+# Register every torch.ops.weave.* op, also those only FlashComm graphs use: a graph loaded from
+# Inductor's cache calls them without running the pass.
+from weavepass import flashcomm, ops  # noqa: F401
 from weavepass.backend import WeaveBackend, make_backend, register, weave_backend
 from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport

@@ -514,7 +514,7 @@ def apply_flashcomm(
     decision = decide_flashcomm(plans, config)
     records = {r.node: r for r in report.records}
     if not decision.use:
-        report.note = f"FlashComm not used: {decision.reason}"
+        report.add_note(f"FlashComm not used: {decision.reason}")
         if decision.stopped_at in records:
             record = records[decision.stopped_at]
             record.reason = "; ".join(x for x in (record.reason, f"FlashComm: {decision.reason}") if x)
@@ -529,7 +529,7 @@ def apply_flashcomm(
         record.reason = "; ".join(notes)
         log.info("weavepass: %s -> FlashComm (%s)", record.node, label)
     rewrite.finish()
-    report.note = (f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "
+    report.add_note(f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "
                    f"{decision.padded_tokens}, {decision.rows_per_rank} rows per rank on "
                    f"{decision.world_size} ranks")
     return True

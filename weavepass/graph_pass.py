@@ -59,7 +59,7 @@ class WeavePass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         report = GraphReport(next(_graph_counter), ops_before=op_counts(graph))
         if not self.config.enabled:
-            report.note = "WeaveConfig.enabled is False"
+            report.add_note("WeaveConfig.enabled is False")
         else:
             self._rewrite(graph, report)
         report.ops_after = op_counts(graph)

@@ -26,7 +26,15 @@ class GraphReport:
     records: list[AllReduceRecord] = field(default_factory=list)
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
-    note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def add_note(self, text: str) -> None:
+        """A graph-wide decision (a strategy used or declined, and why); notes accumulate."""
+        self.notes.append(text)
+
+    @property
+    def note(self) -> str:
+        return "; ".join(self.notes)
 
     @property
     def matched(self) -> int:
