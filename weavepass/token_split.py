@@ -45,6 +45,11 @@ from weavepass.scheduler import GemmShape, TokenSplitPlan, device_wave_model, pl
 
 log = logging.getLogger("weavepass")
 
+INDUCTOR_CONFIG_PATCHES = {"reorder_for_peak_memory": False}
+"""Inductor settings a split graph needs: the peak-memory reordering otherwise moves all of
+half A's kernels ahead of half B's first fused op, undoing the overlap schedule. The backend
+merges these into its ``config_patches`` when ``overlap != "off"``."""
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -201,11 +206,16 @@ class TokenSplit:
         x = args[0]
         if _is_elementwise(target) or target is aten.cat.default:
             return self._broadcast_dims(node, info)
+        if target in INDEXED:  # same-rank tensors lined up like an elementwise op, along ``dim``
+            d = self._broadcast_dims(node, info)
+            if _norm_dim(args[1], _val(node).dim()) == d:
+                raise Unsupported(f"{node.name} ({name}) indexes along the token dim")
+            return d
         if target in VIEWS:
             return self._view_dim(node, tok[x])
         d = tok.get(x) if isinstance(x, Node) else None
         if d is None:
-            if target in (aten.mm.default, aten.bmm.default) or target in INDEXED:
+            if target in (aten.mm.default, aten.bmm.default):
                 raise Unsupported(f"{node.name} ({name}) contracts or indexes over the token dim")
             raise Unsupported(f"{node.name} ({name}): token tensor in an unsupported argument position")
         rank = _val(x).dim()
@@ -242,7 +252,7 @@ class TokenSplit:
             if d in dims:
                 raise Unsupported(f"{node.name} ({name}) reduces over the token dim")
             return d if keep else d - sum(i < d for i in dims)
-        if target in DIM_OPS or target is aten.topk.default or target in INDEXED:
+        if target in DIM_OPS or target is aten.topk.default:
             if target is aten.topk.default:
                 dim_arg = args[2] if len(args) > 2 else node.kwargs.get("dim", -1)
             else:
@@ -564,13 +574,16 @@ def apply_token_split(
     On any reason not to split, the graph stays fuse-only and ``report.note`` says why.
     """
     def skip(reason: str) -> bool:
-        report.note = f"fuse-only: {reason}"
+        report.add_note(f"fuse-only: {reason}")
         log.info("weavepass: token split skipped: %s", reason)
         return False
 
     fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
     if len(fused_nodes) < 2:
         return skip(f"{len(fused_nodes)} fused site(s): no compute between sites to overlap with")
+    tokens = _hint(torch.Size(_val(fused_nodes[0].args[0]).shape[:-1]).numel())
+    if tokens < 2:
+        return skip(f"{tokens} token(s): nothing to split")
     try:
         split = TokenSplit(graph, fused_nodes, config)
         split.first_hint = 1  # provisional: the analysis needs a cut to check views against
@@ -588,6 +601,6 @@ def apply_token_split(
     cut = "computed at run time from the symbolic size" if symbolic else (
         f"A = {plan.first} / B = {plan.tokens - plan.first} tokens"
         + (", wave inequality holds" if plan.free else ", wave inequality does not hold"))
-    report.note = f"token split ({plan.mode}): {cut}; {len(fused_nodes)} sites x 2 halves"
-    log.info("weavepass: %s", report.note)
+    report.add_note(f"token split ({plan.mode}): {cut}; {len(fused_nodes)} sites x 2 halves")
+    log.info("weavepass: %s", report.notes[-1])
     return True
