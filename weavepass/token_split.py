@@ -30,6 +30,7 @@ arithmetic.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -581,7 +582,7 @@ def apply_token_split(
     fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
     if len(fused_nodes) < 2:
         return skip(f"{len(fused_nodes)} fused site(s): no compute between sites to overlap with")
-    tokens = _hint(torch.Size(_val(fused_nodes[0].args[0]).shape[:-1]).numel())
+    tokens = math.prod(_shape(fused_nodes[0].args[0])[:-1])  # hints: reading sizes adds no guard
     if tokens < 2:
         return skip(f"{tokens} token(s): nothing to split")
     try:
