@@ -344,3 +344,23 @@ def test_cuda_lowering_requested_on_cpu_falls_back_with_reason():
     (record,) = graph.records
     assert record.lowering == "portable"
     assert record.reason.startswith("portable instead of cuda_symm:")
+
+
+def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + r, weight, eps=1e-5)
+
+    def run(**dynamo_config):
+        backend = weavepass.make_backend()
+        torch._dynamo.reset()
+        with torch.no_grad(), torch._dynamo.config.patch(**dynamo_config):
+            compiled = torch.compile(f, backend=backend, dynamic=True)
+            compiled(*inputs(tokens=6))
+            compiled(*inputs(tokens=11))  # a new token count: no new graph
+        (graph,) = backend.report.graphs
+        return graph
+
+    lifted = run(specialize_float=False)
+    assert lifted.ops_after == lifted.ops_before
+    assert "specialize_float" in lifted.records[0].reason
+    assert_fused(run(specialize_float=True), 1)

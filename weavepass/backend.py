@@ -30,6 +30,10 @@ class WeaveBackend:
         from weavepass.graph_pass import WeavePass  # imports Inductor: only when compiling
 
         patches = {"post_grad_custom_pre_pass": WeavePass(self.config, on_report=self._record)}
+        if self.config.overlap != "off":
+            from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
+
+            patches.update(INDUCTOR_CONFIG_PATCHES)
         if self.config.fx_graph_cache:
             return compile_fx(gm, example_inputs, config_patches=patches)
         patches["fx_graph_cache"] = False

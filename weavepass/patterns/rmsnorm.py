@@ -90,6 +90,13 @@ class RMSNormMatch:
         return val(self.output).dtype
 
 
+EPS_NOT_CONSTANT = (
+    "the norm's eps is not a constant but a graph input (torch.compile(dynamic=True) lifts Python "
+    "floats into inputs): set torch._dynamo.config.specialize_float = True, or mark only the token "
+    "dim dynamic with torch._dynamo.mark_dynamic"
+)
+
+
 def _is_last_dim(dims, ndim: int) -> bool:
     return list(dims) in ([-1], [ndim - 1])
 
@@ -115,7 +122,7 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
                 return "the norm output is read through several getitems"
             output, nodes = getters[0], [user]
         if not isinstance(eps, (int, float)):
-            return "the norm's eps is not a constant"
+            return EPS_NOT_CONSTANT
         return RMSNormMatch(x, output, weight, float(eps), f"{user.target}", nodes)
     return None
 
@@ -136,7 +143,7 @@ def _match_inv_rms(square: Node, xf: Node, ndim: int) -> tuple[Node, list[Node],
         return "no eps is added to the mean of squares"
     eps = _other_operand(add_eps, mean)
     if not isinstance(eps, (int, float)):
-        return "the norm's eps is not a constant"
+        return EPS_NOT_CONSTANT
     rsqrt = _only_user(add_eps, {aten.rsqrt.default})
     if rsqrt is not None:
         return rsqrt, [square, mean, add_eps, rsqrt], float(eps), True
