@@ -347,8 +347,13 @@ def test_cuda_lowering_requested_on_cpu_falls_back_with_reason():
 
 
 def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
-    def f(x, w, r, weight):
-        return llama_norm(ar(x @ w) + r, weight, eps=1e-5)
+    class Block(torch.nn.Module):
+        eps = 1e-5  # a float attribute, as in most norm modules: dynamic=True lifts it
+
+        def forward(self, x, w, r, weight):
+            return llama_norm(ar(x @ w) + r, weight, eps=self.eps)
+
+    f = Block()
 
     def run(**dynamo_config):
         backend = weavepass.make_backend()
