@@ -30,10 +30,15 @@ step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to 
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee -a "$LOG"
 
-step pytest_gpu "${PYTEST_TIMEOUT_S:-420}" python3 -m pytest -m gpu tests/gpu -q -rA --durations=15
+# End-to-end GPU tests first, the kernel's own (long) tests after the overlap benchmark, so a
+# short device lease still measures every issue.
+step pytest_models "${E2E_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA --durations=10 \
+    tests/gpu/test_model_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_flashcomm_gpu.py
+step bench_overlap "${OVERLAP_TIMEOUT_S:-300}" python3 benchmarks/bench_overlap.py --out "$OUT" $QUICK
+step pytest_kernel "${KERNEL_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -rA --durations=10 \
+    tests/gpu/test_cuda_kernel.py
 step bench_fused_allreduce_rmsnorm "${BENCH_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_fused_allreduce_rmsnorm.py --out "$OUT" \
     ${QUICK:+--tokens 1 128 1024 4096 16384 --ctas 8 16 32 --replays 10 --compare-kernels}
-step bench_overlap "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/bench_overlap.py --out "$OUT" $QUICK
-step bench_flashcomm "${BENCH_TIMEOUT_S:-300}" python3 benchmarks/bench_flashcomm.py --out "$OUT" $QUICK
+step bench_flashcomm "${FLASHCOMM_TIMEOUT_S:-300}" python3 benchmarks/bench_flashcomm.py --out "$OUT" $QUICK
 exit $status
