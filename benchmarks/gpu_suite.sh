@@ -8,6 +8,7 @@ set -uo pipefail
 # NVLink multicast must never be used on the lent machines (docs/cuda_kernel.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks import weavepass from the checkout
 OUT="${OUT:-gpu_suite_out}"
 QUICK="${1:-}"
 mkdir -p "$OUT"

@@ -33,10 +33,12 @@ class WeaveConfig:
     """Rows of symmetric memory the CUDA lowering reserves per group and dtype (x hidden). Batches
     with more tokens run on the portable lowering, with a one-time warning."""
 
-    overlap: str = "auto"
+    overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
-    splits, ``"auto"`` splits when the scheduler's cost model says it pays (token count at or
-    above the split threshold), ``"force"`` splits whenever the graph allows (tests use this)."""
+    splits, ``"auto"`` splits at or above ``overlap_min_tokens``, ``"force"`` splits whenever the
+    graph allows (tests use this). Off by default: on 2 H200s (docs/overlap.md, 2026-11-30) the
+    split model ran 1.16x-2.19x *slower* than plain Inductor at 1K-16K tokens, and weave must
+    never make a batch slower. Turn it on only where your own benchmark shows a gain."""
 
     overlap_min_tokens: int = 1024
     """With ``overlap="auto"``: smallest token count (batch x sequence) a dense model is split at.
