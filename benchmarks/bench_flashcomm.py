@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from timing import cuda_event_times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from weavepass import WeaveConfig, make_backend  # noqa: E402
 from weavepass.testing import TPConfig, build_tp_model, random_token_ids, spawn  # noqa: E402
@@ -74,18 +75,7 @@ def _bench(rank, world, tokens_list, warmup, iters):
     for tokens, mode in progress:
         ids = random_token_ids(LLAMA70B_TP2, 1, tokens, seed=tokens, device=device)
         fn, backend = _compiled(model, mode)
-        with torch.no_grad():
-            for _ in range(warmup):
-                fn(ids)
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(ids)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+        times = cuda_event_times_ms(fn, ids, warmup, iters)
         lowerings = sorted({r.lowering for r in backend.report.records}) if backend else []
         rows.append({"tokens": tokens, "mode": mode, "median_ms": statistics.median(times),
                      "min_ms": min(times), "lowerings": " ".join(lowerings)})

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timing import cuda_event_times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "no_comm")
 
@@ -67,19 +68,7 @@ def build_model(group, device, n_layers: int, seed: int = 0):
 
 def _time(fn, ids, warmup: int, iters: int) -> float:
     """Median milliseconds of ``fn(ids)`` over ``iters`` CUDA-event-timed calls."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn(ids)
-        times = []
-        for _ in range(iters):
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(ids)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(cuda_event_times_ms(fn, ids, warmup, iters))
 
 
 class _Lines:

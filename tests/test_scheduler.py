@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
