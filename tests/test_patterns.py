@@ -369,3 +369,30 @@ def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
     assert lifted.ops_after == lifted.ops_before
     assert "specialize_float" in lifted.records[0].reason
     assert_fused(run(specialize_float=True), 1)
+
+
+def test_dtensor_rowwise_parallel_site_is_matched():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    class MLPBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(H, 2 * H, bias=False)
+            self.down = torch.nn.Linear(2 * H, H, bias=False)
+            self.norm = torch.nn.RMSNorm(H)
+
+        def forward(self, x, r):
+            h = r + self.down(torch.relu(self.up(x)))
+            return self.norm(h), h
+
+    block = MLPBlock()
+    parallelize_module(block, init_device_mesh("cpu", (2,)), {"up": ColwiseParallel(),
+                                                               "down": RowwiseParallel()})
+    graph = compile_report(block, torch.randn(5, H), torch.randn(5, H))
+    assert_fused(graph, 1)
+    assert graph.records[0].matmul.startswith("mm")
