@@ -396,3 +396,14 @@ def test_dtensor_rowwise_parallel_site_is_matched():
     graph = compile_report(block, torch.randn(5, H), torch.randn(5, H))
     assert_fused(graph, 1)
     assert graph.records[0].matmul.startswith("mm")
+
+
+def test_32_layer_model_has_65_sites_all_rewritten():
+    """2 sites per layer (attention and MLP outputs) + 1 for the embedding, in one graph."""
+    from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
+
+    cfg = TPConfig(n_layers=32, hidden=16, n_heads=2, n_kv_heads=2, head_dim=8, intermediate=16,
+                   vocab=32, dtype=torch.bfloat16)
+    model = build_tp_model(cfg, 0, 2, dist.group.WORLD)
+    graph = compile_report(model, random_token_ids(cfg, 1, 4))
+    assert_fused(graph, 65)
