@@ -25,13 +25,7 @@ import os
 import statistics
 import sys
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ[_name] = _value
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout on sys.path)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

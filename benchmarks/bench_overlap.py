@@ -27,6 +27,7 @@ import os
 import statistics
 from pathlib import Path
 
+import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
 from timing import cuda_event_times_ms  # benchmarks/timing.py

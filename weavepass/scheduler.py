@@ -55,18 +55,16 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     (fp32 reduce_scatter + all_gather through NCCL) moves twice the bytes of the model's own
     all_reduce, and a rewrite must never make a batch slower than the plain compiled model.
     """
-    wanted = config.lowering
-    if wanted == "auto":
-        wanted = "cuda_symm" if site.device.type == "cuda" else "portable"
-        if wanted == "cuda_symm":
-            reason = _cuda_unsupported_reason(site, config)
-            if reason is not None:
-                return None, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
-    if wanted == "cuda_symm":
-        reason = _cuda_unsupported_reason(site, config)
-        if reason is not None:
-            return "portable", f"portable instead of cuda_symm: {reason}"
-    return wanted, ""
+    auto = config.lowering == "auto"
+    wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
+    if wanted != "cuda_symm":
+        return wanted, ""
+    reason = _cuda_unsupported_reason(site, config)
+    if reason is None:
+        return wanted, ""
+    if auto:
+        return None, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
+    return "portable", f"portable instead of cuda_symm: {reason}"
 
 
 def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> list[SitePlan]:
