@@ -72,6 +72,31 @@ def _time(fn, ids, warmup: int, iters: int) -> float:
     return statistics.median(cuda_event_times_ms(fn, ids, warmup, iters))
 
 
+def _profile(fn, ids, rank: int) -> str:
+    """One profiled call: the kernels that cost most and how much communication overlapped compute."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from weavepass.testing.trace import stream_overlap
+
+    with torch.no_grad():
+        fn(ids)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn(ids)
+            torch.cuda.synchronize()
+    if rank != 0:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        result = stream_overlap(f.name)
+    lines = [result.summary()]
+    lines += [f"  {t / 1e3:9.3f} ms {c:5d}x  {n[:110]}" for t, c, n in result.top]
+    return "\n".join(lines)
+
+
 class _Lines:
     """A progress counter printing one line per step (when tqdm is not installed)."""
 
@@ -120,6 +145,11 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                 with torch._inductor.config.patch(patches):  # the compile happens on the first call
                     ms = _time(fn, ids, args["warmup"], args["iters"])
                 rows.append({"variant": variant, "sequences": seqs, "tokens": tokens, "ms": ms})
+                if args["profile"] and variant != "eager":
+                    with torch._inductor.config.patch(patches):
+                        summary = _profile(fn, ids, rank)
+                    if rank == 0:
+                        print(f"\n[profile] {variant}, {seqs} seq, {tokens} tokens: {ms:.3f} ms\n{summary}", flush=True)
                 if progress is not None:
                     progress.update()
     return rows
@@ -131,6 +161,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default: 512 .. 16K)")
+    parser.add_argument("--layouts", type=int, nargs="+", help="sequences per batch (default: 1 8)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one call per case: top kernels and comm/compute overlap")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_overlap needs 2 GPUs")
@@ -139,8 +173,9 @@ def main() -> None:
     config = {
         "layers": args.layers,
         "variants": args.variants.split(","),
-        "tokens": [1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384],
-        "layouts": [1] if args.quick else [1, 8],
+        "tokens": args.tokens or ([1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]),
+        "layouts": args.layouts or ([1] if args.quick else [1, 8]),
+        "profile": args.profile,
         "warmup": 2 if args.quick else 5,
         "iters": 5 if args.quick else 20,
     }

@@ -503,6 +503,11 @@ class TokenSplit:
             return self._emit_new(node.target, args, kwargs)
         k = self._emit_new(aten.cat.default, ([self._read(node.args[1], "A"), k_half], 2))
         v = self._emit_new(aten.cat.default, ([self._read(node.args[2], "A"), v_half], 2))
+        if node.target is CUDA_FLASH:  # (flash has no mask argument)
+            # aten's CUDA flash kernel aligns ``is_causal`` at the lower right when the query and key
+            # lengths differ (``torch.nn.attention.bias.causal_lower_right`` relies on the same): the
+            # prefix/suffix rule with no bias tensor, and masked key blocks are skipped, not computed.
+            return self._emit_new(CUDA_FLASH, (q, k, v, 0.0, causal, False), {"scale": scale})
         if isinstance(mask, Node):
             bias = self._mask_rows_keys(mask, "B")
         elif causal:

@@ -92,3 +92,46 @@ def _cuda_graph(rank, world, lowering):
 @pytest.mark.parametrize("lowering", ["portable", "auto"])
 def test_overlap_captures_and_replays_in_cuda_graph(lowering):
     spawn(_cuda_graph, 2, "nccl", lowering)
+
+
+TRACE_CFG = TPConfig(vocab=512, hidden=2048, n_layers=4, n_heads=16, n_kv_heads=4, head_dim=128,
+                     intermediate=8192)
+
+
+def _trace(rank, world):
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from weavepass.testing.trace import stream_overlap
+
+    _no_multicast()
+    device = torch.device("cuda", rank)
+    model = build_tp_model(TRACE_CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
+    backend = WeaveBackend(WeaveConfig(overlap="force"))
+    compiled = torch.compile(model, backend=backend)
+    ids = random_token_ids(TRACE_CFG, 1, 4096, device=device)
+    with torch.no_grad(), torch._inductor.config.patch(INDUCTOR_CONFIG_PATCHES):
+        for _ in range(2):
+            compiled(ids)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            compiled(ids)
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        result = stream_overlap(f.name)
+    assert backend.report.graphs[0].note.startswith("token split"), backend.report.graphs[0].note
+    return result
+
+
+def test_trace_shows_fused_op_on_second_stream_overlapping_compute():
+    """The profiler's kernel timeline, not the FX graph: the fused kernels run on a stream of their
+    own, and part of their time other kernels run beside them."""
+    result = spawn(_trace, 2, "nccl")[0]
+    print(result.summary())
+    names = [name for _, _, name in result.top]
+    assert any("fused_allreduce_rmsnorm" in n for n in names), names
+    assert result.comm_streams and not (result.comm_streams & result.compute_streams), result.summary()
+    assert result.comm_overlapped_us > 0, result.summary()
