@@ -23,6 +23,9 @@ from weavepass.testing import TPConfig, build_tp_model, check_against_eager, ran
 # One layer (three sites) keeps Inductor's CPU compile, the cost of these tests, short.
 DENSE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
 MOE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head_dim=8, intermediate=40, n_experts=4)
+MASKED = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80,
+                  explicit_mask=True)  # attention with a boolean attn_mask tensor, not is_causal
+CONFIGS = {"dense": DENSE, "moe": MOE, "mask": MASKED}
 FORCE = WeaveConfig(overlap="force")
 ASYNC = "weave.fused_allreduce_rmsnorm_async.default"
 FUSED = "weave.fused_allreduce_rmsnorm.default"
@@ -35,10 +38,12 @@ CASES = [
     ("dense", 1, 33, "tiny"),   # a one-token half B at the end of a long sequence
     ("dense", 4, 3, None),      # several short sequences: cut between sequences
     ("moe", 1, 7, None),        # odd: one sequence cut inside, B attends to A's keys
+    ("mask", 1, 13, None),      # explicit mask, one sequence cut: B's rows of the mask over all keys
 ]
 CASES_WORLD_3 = [
     ("dense", 1, 2, None),      # the smallest cut: one token per half
     ("dense", 3, 5, "tiny"),    # a one-sequence half B
+    ("mask", 2, 6, None),       # explicit [S, S] mask shared by the sequences of both halves
 ]
 
 
@@ -53,7 +58,7 @@ _plan_token_split = token_split.plan_token_split
 
 
 def _compile_and_compare(rank, world, cfg_name, batch, seq, config=FORCE):
-    cfg = MOE if cfg_name == "moe" else DENSE
+    cfg = CONFIGS[cfg_name]
     torch._dynamo.reset()
     backend = WeaveBackend(config)
     model = build_tp_model(cfg, rank, world, dist.group.WORLD)
@@ -86,13 +91,15 @@ def _check_case(case, result):
     assert ("sequence" in note) == (batch == 1), note
     if share == "tiny":
         assert (f"/ B = {seq} tokens" if batch > 1 else "/ B = 1 tokens") in note, note
-    sites = 2 * (MOE if cfg_name == "moe" else DENSE).n_layers + 1
+    sites = 2 * CONFIGS[cfg_name].n_layers + 1
     # Every site is one async fused op per half; no synchronous fused op is left.
     assert after.get(ASYNC) == 2 * sites and after.get(FUSED, 0) == 0
-    # Token-wise ops exist twice: every GEMM, every attention.
+    # Token-wise ops exist twice: every GEMM, every attention. A cut sequence's attention is one
+    # call for A and two for B (B's queries over A's keys, then over its own, merged by log-sum-exp).
     assert after[MM] == 2 * before[MM]
     if SDPA in before:
-        assert after[SDPA] == 2 * before[SDPA]
+        merged = batch == 1 and cfg_name != "mask"
+        assert after[SDPA] == (3 if merged else 2) * before[SDPA], (case, after[SDPA])
     assert after["_c10d_functional.wait_tensor.default"] >= 2 * sites
 
 

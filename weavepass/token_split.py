@@ -379,6 +379,7 @@ class TokenSplit:
         self.copies: dict[str, dict[Node, Node]] = {h: {} for h in HALVES}
         self.waited: dict[Node, Node] = {}
         self.slices: dict[tuple, Node] = {}
+        self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
         with g.inserting_before(anchor):
             self.split_point = self._emit_split_point()
             by_segment: dict[int, list[Node]] = {}
@@ -471,6 +472,9 @@ class TokenSplit:
                 return self._slice(a, sliced[a], half)
             return a
 
+        if node.target is operator.getitem and (node.args[0], half) in self.merged:
+            self.copies[half][node] = self.merged[(node.args[0], half)]  # output 0, the only one read
+            return
         args, kwargs = map_arg((node.args, node.kwargs), arg)
         target = node.target
         if node in self.fused:
@@ -489,7 +493,9 @@ class TokenSplit:
 
     def _emit_attention(self, node: Node, half: str, args, kwargs) -> Node:
         """One sequence cut at ``sA``: A is ordinary causal attention over its own tokens; B's
-        queries attend to ``cat(K_A, K_B)`` with the causal diagonal at the lower right."""
+        queries attend to A's and B's keys with the causal diagonal at the lower right. Without an
+        explicit mask that is two calls of the same op merged by log-sum-exp (``_merge_by_lse``);
+        with one, B's rows of the mask over ``cat(K_A, K_B)``."""
         mask_index, causal_index = ATTENTION[node.target]
         mask = kwargs.get("attn_mask") if mask_index is None else (
             args[mask_index] if len(args) > mask_index else None)
@@ -501,27 +507,63 @@ class TokenSplit:
                 mask = self._mask_rows_keys(mask, "A")
                 args, kwargs = self._with_mask(node.target, args, kwargs, mask)
             return self._emit_new(node.target, args, kwargs)
+        if not isinstance(mask, Node):
+            # B's queries see all of A's keys (no mask: A precedes B) and B's own keys (causal, a
+            # square, so upper-left and lower-right alignment agree). Two calls of the graph's own
+            # attention op, combined by their log-sum-exps: the same kernel as before the split, no
+            # bias tensor, no concatenated K/V, and masked blocks are skipped, not computed.
+            k_a, v_a = self._read(node.args[1], "A"), self._read(node.args[2], "A")
+            prefix = self._attend(node.target, q, k_a, v_a, False, scale)
+            own = self._attend(node.target, q, k_half, v_half, causal, scale)
+            self.merged[(node, half)] = self._merge_by_lse(prefix, own, _val(q).dtype)
+            return own[0]  # placeholder copy: the one reader (output 0) takes the merged value
         k = self._emit_new(aten.cat.default, ([self._read(node.args[1], "A"), k_half], 2))
         v = self._emit_new(aten.cat.default, ([self._read(node.args[2], "A"), v_half], 2))
-        if node.target is CUDA_FLASH:  # (flash has no mask argument)
-            # aten's CUDA flash kernel aligns ``is_causal`` at the lower right when the query and key
-            # lengths differ (``torch.nn.attention.bias.causal_lower_right`` relies on the same): the
-            # prefix/suffix rule with no bias tensor, and masked key blocks are skipped, not computed.
-            return self._emit_new(CUDA_FLASH, (q, k, v, 0.0, causal, False), {"scale": scale})
-        if isinstance(mask, Node):
-            bias = self._mask_rows_keys(mask, "B")
-        elif causal:
-            bias = self._lower_right_bias(q, k)
-        else:
-            bias = None
+        bias = self._mask_rows_keys(mask, "B")  # explicit masks exclude is_causal (SDPA's rule)
         if node.target is CPU_FLASH:
             return self._emit_new(CPU_FLASH, (q, k, v, 0.0, False), {"attn_mask": bias, "scale": scale})
         # CUDA: flash has no mask argument; the efficient kernel takes an additive bias.
-        if bias is not None and _val(bias).dtype == torch.bool:
+        if _val(bias).dtype == torch.bool:
             bias = self._additive(bias, _val(q).dtype)
-        if bias is not None:
-            bias = self._emit_new(aten.expand.default, (bias, [_hint(s) for s in _val(q).shape[:2]] + [-1, -1]))
+        bias = self._emit_new(aten.expand.default, (bias, [_hint(s) for s in _val(q).shape[:2]] + [-1, -1]))
         return self._emit_new(CUDA_EFFICIENT, (q, k, v, bias, False, 0.0, False), {"scale": scale})
+
+    def _attend(self, target, q: Node, k: Node, v: Node, causal: bool, scale) -> tuple[Node, Node]:
+        """``target`` (an attention op of ``ATTENTION``) without mask: (output, log-sum-exp as
+        ``[B, H, Sq, 1]`` fp32)."""
+        if target is CPU_FLASH:
+            call = self._emit_new(CPU_FLASH, (q, k, v, 0.0, causal), {"scale": scale})
+        elif target is CUDA_FLASH:
+            call = self._emit_new(CUDA_FLASH, (q, k, v, 0.0, causal, False), {"scale": scale})
+        elif target is CUDA_EFFICIENT:
+            call = self._emit_new(CUDA_EFFICIENT, (q, k, v, None, True, 0.0, causal), {"scale": scale})
+        else:
+            call = self._emit_new(CUDA_CUDNN, (q, k, v, None, True, 0.0, causal, False), {"scale": scale})
+        out = self._emit_new(operator.getitem, (call, 0))
+        lse = self._emit_new(operator.getitem, (call, 1))
+        if _val(lse).dim() == 4:  # cuDNN: [B, H, Sq, 1] already
+            return out, lse
+        rows = _val(q).shape[2]
+        if _val(lse).shape[2] != rows:  # the efficient kernel pads Sq to a multiple of 32
+            end = self._emit_new(aten.sym_size.int, (q, 2)) if isinstance(rows, torch.SymInt) else rows
+            lse = self._emit_new(aten.slice.Tensor, (lse, 2, 0, end))
+        return out, self._emit_new(aten.unsqueeze.default, (lse, 3))
+
+    def _merge_by_lse(self, first: tuple[Node, Node], second: tuple[Node, Node], dtype) -> Node:
+        """Softmax attention over the union of two disjoint key sets, from each set's output and
+        log-sum-exp: ``(o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``, in fp32."""
+        e = self._emit_new
+        (o1, l1), (o2, l2) = first, second
+        m = e(aten.maximum.default, (l1, l2))
+        w1 = e(aten.exp.default, (e(aten.sub.Tensor, (l1, m)),))
+        w2 = e(aten.exp.default, (e(aten.sub.Tensor, (l2, m)),))
+        f32 = torch.float32
+        num = e(aten.add.Tensor, (
+            e(aten.mul.Tensor, (e(prims.convert_element_type.default, (o1, f32)), w1)),
+            e(aten.mul.Tensor, (e(prims.convert_element_type.default, (o2, f32)), w2)),
+        ))
+        out = e(aten.div.Tensor, (num, e(aten.add.Tensor, (w1, w2))))
+        return e(prims.convert_element_type.default, (out, dtype))
 
     def _mask_rows_keys(self, mask: Node, half: str) -> Node:
         """Rows (queries) of ``half``; keys ``[0, sA)`` for A, all keys for B."""
@@ -533,19 +575,6 @@ class TokenSplit:
         if half == "A" and shape[-1] != 1:
             out = self._emit_new(aten.slice.Tensor, (out, rank - 1, *self._bounds(mask, rank - 1, "A")))
         return out
-
-    def _lower_right_bias(self, q: Node, k: Node) -> Node:
-        """``[sB, S]`` additive bias: query ``i`` (absolute position ``S - sB + i``) sees keys
-        ``j <= S - sB + i``; 0 where allowed, -inf elsewhere, in q's dtype."""
-        rows = self._emit_new(aten.sym_size.int, (q, 2)) if isinstance(_val(q).shape[2], torch.SymInt) else _hint(_val(q).shape[2])
-        keys = self._emit_new(aten.sym_size.int, (k, 2)) if isinstance(_val(k).shape[2], torch.SymInt) else _hint(_val(k).shape[2])
-        device = _val(q).device
-        qi = self._emit_new(prims.iota.default, (rows,), dict(start=0, step=1, dtype=torch.int64, device=device, requires_grad=False))
-        kj = self._emit_new(prims.iota.default, (keys,), dict(start=0, step=1, dtype=torch.int64, device=device, requires_grad=False))
-        offset = self._emit_new(operator.sub, (keys, rows)) if isinstance(keys, Node) or isinstance(rows, Node) else keys - rows
-        limit = self._emit_new(aten.add.Tensor, (self._emit_new(aten.unsqueeze.default, (qi, 1)), offset))
-        allowed = self._emit_new(aten.le.Tensor, (self._emit_new(aten.unsqueeze.default, (kj, 0)), limit))
-        return self._additive(allowed, _val(q).dtype)
 
     def _additive(self, allowed: Node, dtype: torch.dtype) -> Node:
         zero = self._emit_new(aten.full.default, ([], 0.0), dict(dtype=dtype, device=_val(allowed).device))

@@ -135,3 +135,38 @@ def test_trace_shows_fused_op_on_second_stream_overlapping_compute():
     assert any("fused_allreduce_rmsnorm" in n for n in names), names
     assert result.comm_streams and not (result.comm_streams & result.compute_streams), result.summary()
     assert result.comm_overlapped_us > 0, result.summary()
+
+
+def _attend(op, q, k, v, causal):
+    """The call ``TokenSplit._attend`` emits for ``op``: (output, log-sum-exp as [B, H, Sq, 1])."""
+    aten = torch.ops.aten
+    if op == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
+    elif op == "efficient":
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+        lse = lse[..., : q.shape[2]]  # padded to a multiple of 32 rows
+    else:
+        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    return out, lse.reshape(*q.shape[:3], 1)
+
+
+@pytest.mark.parametrize("op", ["flash", "efficient", "cudnn"])
+def test_cut_sequence_attention_by_log_sum_exp(op):
+    """Half B of a cut sequence on each CUDA attention kernel the post-grad graph can hold: B's
+    queries over A's keys (no mask) and over B's (causal), merged by log-sum-exp as the split does,
+    equal causal attention of the whole sequence restricted to B's rows (fp32 reference). Tolerance
+    2^-6: the two bf16 partial outputs and the merged output are each rounded once (2^-9 relative
+    each on values of magnitude <= ~1), plus the kernels' own fp32 accumulation order."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s_a, s_b, heads, dim = 700, 333, 8, 128
+    q, k, v = (torch.randn(1, heads, s_a + s_b, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for _ in range(3))
+    q_b = q[:, :, s_a:]
+    prefix = _attend(op, q_b, k[:, :, :s_a], v[:, :, :s_a], False)
+    own = _attend(op, q_b, k[:, :, s_a:], v[:, :, s_a:], True)
+    (o1, l1), (o2, l2) = prefix, own
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp(), (l2 - m).exp()
+    merged = ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(torch.bfloat16)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(merged.float(), want[:, :, s_a:], atol=2**-6, rtol=2**-6)

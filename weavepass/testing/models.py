@@ -68,6 +68,8 @@ class TPConfig:
     """Dtype of the parameters and activations."""
     seed: int = 0
     """Seed of the fp32 weights; the same seed gives the same model for every world size."""
+    explicit_mask: bool = False
+    """Attention gets its causal mask as a boolean ``attn_mask`` tensor instead of ``is_causal``."""
 
     def __post_init__(self) -> None:
         if self.norm_impl not in NORM_IMPLS:
@@ -206,10 +208,12 @@ class TPAttention(nn.Module):
     columns), so summing the partial outputs over ranks gives the full attention output.
     """
 
-    def __init__(self, q, k, v, o, n_local_heads: int, n_local_kv_heads: int, head_dim: int):
+    def __init__(self, q, k, v, o, n_local_heads: int, n_local_kv_heads: int, head_dim: int,
+                 explicit_mask: bool = False):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.n_heads, self.n_kv_heads, self.head_dim = n_local_heads, n_local_kv_heads, head_dim
+        self.explicit_mask = explicit_mask
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -225,7 +229,11 @@ class TPAttention(nn.Module):
         group_size = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(group_size, dim=1)
         v = v.repeat_interleave(group_size, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.explicit_mask:
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
         return F.linear(out, self.o_proj)
 
@@ -363,6 +371,7 @@ def build_tp_model(
             cfg.n_heads // world_size,
             cfg.n_kv_heads // world_size,
             cfg.head_dim,
+            cfg.explicit_mask,
         )
         if cfg.n_experts:
             experts = [swiglu(f"{p}experts.{e}.") for e in range(cfg.n_experts)]
