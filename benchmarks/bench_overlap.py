@@ -7,6 +7,7 @@ Per rank: hidden 8192, 32 query / 4 kv heads of 128, MLP 14336 (SwiGLU). For eac
     inductor       torch.compile default backend
     weave_fuse     backend weave, overlap="off" (fused all_reduce + RMSNorm, no split)
     weave_overlap  backend weave, overlap="force" (two-way split, comm on a second stream)
+    weave_overlap_c8  the same with the fused kernel on 8 CTAs (``overlap_comm_ctas=8``)
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from timing import cuda_event_times_ms  # benchmarks/timing.py
 
-VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "no_comm")
+VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "no_comm")
 
 
 def build_model(group, device, n_layers: int, seed: int = 0):
@@ -122,6 +123,8 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
         "inductor": lambda layout: torch.compile(model),
         "weave_fuse": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="off"))),
         "weave_overlap": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="force"))),
+        "weave_overlap_c8": lambda layout: torch.compile(
+            model, backend=WeaveBackend(WeaveConfig(overlap="force", overlap_comm_ctas=8))),
         "no_comm": lambda layout: torch.compile(no_comm),
     }
     rows = []
@@ -141,7 +144,7 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                 ids = torch.randint(0, 2 * 4096, (seqs, tokens // seqs), device=device)
                 if variant != "eager":
                     torch._dynamo.mark_dynamic(ids, 1)
-                patches = INDUCTOR_CONFIG_PATCHES if variant == "weave_overlap" else {}
+                patches = INDUCTOR_CONFIG_PATCHES if variant.startswith("weave_overlap") else {}
                 with torch._inductor.config.patch(patches):  # the compile happens on the first call
                     ms = _time(fn, ids, args["warmup"], args["iters"])
                 rows.append({"variant": variant, "sequences": seqs, "tokens": tokens, "ms": ms})

@@ -48,6 +48,11 @@ class WeaveConfig:
     """``overlap_min_tokens`` for graphs with a routed MoE (``topk``): their per-token compute is
     smaller relative to the all_reduce, so the split pays only later."""
 
+    overlap_comm_ctas: int = 0
+    """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
+    half's compute (0: the kernel's own launch rule, up to 32). Fewer CTAs leave more SMs to the
+    GEMMs and make the communication itself slower."""
+
     enable_flashcomm: bool = False
     """FlashComm (xLLM's ``enable_flashcomm1``, ``weavepass/flashcomm.py``, docs/flashcomm.md): keep
     the residual stream sharded by token between the first and last site, all_reduce ->
@@ -88,6 +93,8 @@ class WeaveConfig:
             )
         if self.overlap_min_tokens < 2 or self.overlap_min_tokens_moe < 2:
             raise ValueError("WeaveConfig.overlap_min_tokens(_moe) must be >= 2")
+        if self.overlap_comm_ctas != 0 and not 2 <= self.overlap_comm_ctas <= 32:
+            raise ValueError(f"WeaveConfig.overlap_comm_ctas must be 0 or 2..32, got {self.overlap_comm_ctas}")
         if self.flashcomm_min_prefill_tokens < 1:
             raise ValueError("WeaveConfig.flashcomm_min_prefill_tokens must be >= 1")
         if self.min_world_size < 1:

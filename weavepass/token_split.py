@@ -479,6 +479,7 @@ class TokenSplit:
         target = node.target
         if node in self.fused:
             target = FUSED_ALLREDUCE_RMSNORM_ASYNC
+            args = (*args, self.config.overlap_comm_ctas)
         elif target in VIEWS or target is aten.expand.default:
             size = list(args[1])
             size[info.token[node]] = -1  # the half's own size, whatever the cut

@@ -18,6 +18,8 @@ op and ``wait_tensor`` finds no work: both are no-ops around the same math.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -59,10 +61,14 @@ def fused_allreduce_rmsnorm_async(
     group_name: str,
     out_dtype: torch.dtype,
     lowering: str,
+    num_ctas: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weave.fused_allreduce_rmsnorm`` on the communication stream; wait on each output with
-    ``_c10d_functional.wait_tensor`` before reading it (a no-op off CUDA)."""
+    ``_c10d_functional.wait_tensor`` before reading it (a no-op off CUDA). ``num_ctas`` > 0 sets
+    the CUDA kernel's grid (``WeaveConfig.overlap_comm_ctas``); other lowerings ignore it."""
     run = get_lowering(lowering)
+    if num_ctas and lowering == "cuda_symm":
+        run = functools.partial(run, num_ctas=num_ctas)
     if partial.device.type != "cuda":
         return run(partial, residual, weight, eps, group_name, out_dtype)
     main = torch.cuda.current_stream(partial.device)
@@ -84,7 +90,7 @@ def fused_allreduce_rmsnorm_async(
 
 
 @fused_allreduce_rmsnorm_async.register_fake
-def _(partial, residual, weight, eps, group_name, out_dtype, lowering):
+def _(partial, residual, weight, eps, group_name, out_dtype, lowering, num_ctas=0):
     return partial.new_empty(partial.shape, dtype=out_dtype), partial.new_empty(partial.shape)
 
 
