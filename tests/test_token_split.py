@@ -170,6 +170,33 @@ def test_token_counts_do_not_multiply_compiles():
     assert "run time from the symbolic size" in notes[-1], notes
 
 
+def _auto_threshold(rank, world, sizes):
+    torch._dynamo.reset()
+    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=24))
+    model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
+    compiled = torch.compile(model, backend=backend)
+    worst, graphs_after = 0.0, []
+    for seq in sizes:
+        ids = random_token_ids(DENSE, 1, seq, seed=seq)
+        with torch.no_grad():
+            worst = max(worst, (compiled(ids) - model(ids)).abs().max().item())
+        graphs_after.append(len(backend.report.graphs))
+    return graphs_after, [g.note for g in backend.report.graphs], worst
+
+
+def test_auto_threshold_is_a_guard_on_symbolic_sizes():
+    """overlap="auto" on a dynamic graph: the threshold comparison is a guard, so a graph split
+    for a large batch never serves a small one. Sizes crossing the threshold (24) make three
+    compiles (static 5; symbolic below; symbolic at or above), and no more after that."""
+    sizes = [5, 9, 13, 30, 40, 17, 50, 8, 24, 23]
+    graphs_after, notes, worst = spawn(_auto_threshold, 2, "gloo", sizes)[0]
+    assert worst < 1e-5
+    assert graphs_after == [1, 2, 2, 3, 3, 3, 3, 3, 3, 3], (graphs_after, notes)
+    assert "5 tokens < overlap threshold 24" in notes[0], notes
+    assert notes[1].startswith("fuse-only") and "below the overlap threshold 24" in notes[1], notes
+    assert notes[2].startswith("token split") and "run time" in notes[2], notes
+
+
 class _TokenMixer(torch.nn.Module):
     """Two sites with a cumulative sum over the tokens between them: not splittable."""
 

@@ -602,6 +602,25 @@ def _fake_call(target, args, kwargs):
         return target(*args, **kwargs)
 
 
+def _threshold_guard(first: Node, config: WeaveConfig, moe: bool) -> str | None:
+    """With ``overlap="auto"`` and a symbolic token count: compare it with the threshold *as a
+    guard*, so this graph only ever serves batches on the side of the threshold it was compiled
+    for (a batch on the other side recompiles once, into the other bucket). Without the guard a
+    graph split for a large batch would also split every small one, which the benchmark shows is
+    slower. Returns the skip reason below the threshold, else None."""
+    if config.overlap != "auto":
+        return None
+    tokens = math.prod(_val(first.args[0]).shape[:-1])
+    if not isinstance(tokens, torch.SymInt):
+        return None  # static: plan_token_split compares the value itself
+    threshold = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
+    if tokens >= threshold:  # bool() of a SymInt comparison installs the guard
+        return None
+    kind = "MoE" if moe else "dense"
+    return (f"symbolic token count below the overlap threshold {threshold} ({kind}); guarded, so "
+            "a batch at or above it compiles its own split graph")
+
+
 def apply_token_split(
     graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport
 ) -> bool:
@@ -624,6 +643,9 @@ def apply_token_split(
         split = TokenSplit(graph, fused_nodes, config)
         split.first_hint = 1  # provisional: the analysis needs a cut to check views against
         info = split.analyse()
+        guarded = _threshold_guard(fused_nodes[0], config, info.moe)
+        if guarded is not None:
+            return skip(guarded)
         plan = split.plan(info)
         if plan.first is None:
             return skip(plan.reason)
