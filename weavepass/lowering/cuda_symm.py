@@ -48,12 +48,10 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 """One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
 Measured at H=8192 bf16 on 2 ranks: one-shot wins at 1 and 8 tokens (7.3 vs 7.7 us, 7.9 vs 9.1 us),
 ties at 32, loses at 128 (17.6 vs 15.6 us) and beyond; 256 KiB = 16 tokens there."""
-PIPELINE_BY_DEFAULT = False
-"""Whether the rule may pick the pipelined kernel. Off until the whole GPU test file has passed with it
-as the rule's choice: on 2 x H200 its explicit-flag tests (every CTA count and odd shapes, 500
-back-to-back calls mixing kernels, CUDA-graph replay) passed, the reference test over fp16/fp32 and
-H=8192 did not finish inside the device time left (docs/cuda_kernel.md). Callers can force it with
-``pipelined=True``."""
+PIPELINE_BY_DEFAULT = True
+"""Whether the rule may pick the pipelined kernel. On since the whole GPU test file passed on 2 x H200
+with the pipelined kernel both forced (every dtype, CTA count and odd shape, 500 back-to-back calls
+mixing kernels, CUDA-graph replay) and chosen by this rule (docs/cuda_kernel.md)."""
 PIPELINE_CHUNK_TILES = 2
 """Tiles per chunk of the pipelined two-shot kernel (one release/acquire hand-off per chunk).
 Measured at 32 CTAs: 2 tiles 0.260 / 0.942 ms vs 4 tiles 0.289 / 0.931 ms at 4096 / 16384 tokens."""
