@@ -7,7 +7,8 @@ two ranks), bf16. For each token count, in the same process and against the same
 * ``flashcomm``: weave with ``enable_flashcomm`` (reduce_scatter / add+RMSNorm on 1/2 of the tokens /
   all_gather; NCCL functional collectives);
 * ``flashcomm_mmrs``: the same plus ``enable_mmrs_fusion`` (symmetric-memory
-  ``fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul``).
+  ``fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul``);
+* ``overlap``: weave's TokenWeave split (``overlap="force"``), no FlashComm.
 
 Timing: CUDA events around each forward, a fixed number of iterations on every rank (so collectives
 stay matched), median of rank 0. Prints a table (ms, speedup over inductor), writes
@@ -39,24 +40,27 @@ LLAMA70B_TP2 = TPConfig(vocab=4096, hidden=8192, n_layers=4, n_heads=32 * WORLD,
                         head_dim=128, intermediate=14336 * WORLD, rms_eps=1e-5, dtype=torch.bfloat16)
 TOKENS = (4096, 8192, 16384, 32768)
 QUICK_TOKENS = (8192, 16384)
-MODES = ("inductor", "flashcomm", "flashcomm_mmrs")
+MODES = ("inductor", "flashcomm", "flashcomm_mmrs", "overlap")
 
 
 def _compiled(model, mode: str):
     torch._dynamo.reset()  # a fresh cache per (mode, size): no recompile limit, no automatic dynamic
     if mode == "inductor":
         return torch.compile(model, backend="inductor", dynamic=False), None
-    config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
-                         enable_mmrs_fusion=mode == "flashcomm_mmrs")
+    if mode == "overlap":  # TokenWeave's strategy, for comparison (docs/overlap.md)
+        config = WeaveConfig(overlap="force")
+    else:
+        config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+                             enable_mmrs_fusion=mode == "flashcomm_mmrs")
     backend = make_backend(config)
     return torch.compile(model, backend=backend, dynamic=False), backend
 
 
-def _bench(rank, world, tokens_list, warmup, iters):
+def _bench(rank, world, tokens_list, modes, warmup, iters):
     torch.manual_seed(0)
     device = torch.device("cuda", rank)
     model = build_tp_model(LLAMA70B_TP2, rank, world, dist.group.WORLD, device=device)
-    jobs = [(t, m) for t in tokens_list for m in MODES]
+    jobs = [(t, m) for t in tokens_list for m in modes]
     progress = jobs
     if rank == 0:
         try:
@@ -81,12 +85,17 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="8K and 16K tokens, fewer iterations")
     parser.add_argument("--tokens", type=int, nargs="*", help="token counts (default: 4K..32K)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:
         sys.exit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     tokens = tuple(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
     warmup, iters = (2, 5) if args.quick else (3, 15)
-    rows = spawn(_bench, WORLD, "nccl", tokens, warmup, iters, timeout_s=3000)[0]
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown or "inductor" not in modes:
+        sys.exit(f"--modes must include inductor and come from {MODES}; got {args.modes}")
+    rows = spawn(_bench, WORLD, "nccl", tokens, modes, warmup, iters, timeout_s=3000)[0]
 
     base = {r["tokens"]: r["median_ms"] for r in rows if r["mode"] == "inductor"}
     for r in rows:
@@ -111,7 +120,7 @@ def main() -> None:
         print("matplotlib missing: no plot")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in MODES:
+    for mode in modes:
         pts = [(r["tokens"], r["speedup"]) for r in rows if r["mode"] == mode]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xscale("log", base=2)
