@@ -22,7 +22,7 @@ H200 = WaveModel(sms=132)
 # Llama-3-70B at TP=2 per rank: qkv, o_proj, gate/up, down_proj.
 LLAMA70B_TP2 = [GemmShape(5120, 8192), GemmShape(8192, 4096), GemmShape(28672, 8192), GemmShape(8192, 14336)]
 FORCE = WeaveConfig(overlap="force")
-AUTO = WeaveConfig(overlap="auto")
+AUTO = WeaveConfig(overlap="auto", overlap_min_tokens=1024, overlap_min_tokens_moe=4096, overlap_max_tokens=8192)
 
 
 def test_wave_model_counts_ctas_and_waves():
@@ -85,6 +85,11 @@ def test_edge_cases_and_thresholds():
     assert above.first is not None and 256 <= above.first <= 769
     moe = plan_token_split(1, 2048, LLAMA70B_TP2, AUTO, H200, moe=True)
     assert moe.first is None and "MoE" in moe.reason
+    assert plan_token_split(1, 8192, LLAMA70B_TP2, AUTO, H200).first is not None
+    over = plan_token_split(1, 8193, LLAMA70B_TP2, AUTO, H200)
+    assert over.first is None and "overlap_max_tokens 8192" in over.reason
+    batches = plan_token_split(4, 4096, LLAMA70B_TP2, AUTO, H200)  # 16K tokens in 4 sequences
+    assert batches.first is None and "16384 tokens > overlap_max_tokens" in batches.reason
 
 
 def test_batch_split_is_between_sequences():
@@ -99,6 +104,28 @@ def test_batch_split_is_between_sequences():
 def test_config_rejects_bad_thresholds():
     with pytest.raises(ValueError, match="overlap_min_tokens"):
         WeaveConfig(overlap_min_tokens=1)
+    with pytest.raises(ValueError, match="overlap_max_tokens"):
+        WeaveConfig(overlap_min_tokens=4096, overlap_max_tokens=2048)
+    with pytest.raises(ValueError, match="overlap_comm_ctas"):
+        WeaveConfig(overlap_comm_ctas=64)
+
+
+def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
+    """A site on the CUDA kernel says in the report that its partial sums are copied into the
+    symmetric workspace (the matmul does not write there yet)."""
+    import types
+
+    import torch
+
+    from weavepass import scheduler
+
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
+    site = types.SimpleNamespace(device=torch.device("cuda", 0))
+    lowering, note = scheduler.choose_lowering(site, WeaveConfig())
+    assert lowering == "cuda_symm" and "copies the partial sums" in note
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: "hidden 12 is odd")
+    assert scheduler.choose_lowering(site, WeaveConfig()) == (
+        None, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
 
 
 def _plans_on_rank(rank: int, world_size: int) -> list:

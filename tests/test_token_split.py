@@ -172,7 +172,8 @@ def test_token_counts_do_not_multiply_compiles():
 
 def _auto_threshold(rank, world, sizes):
     torch._dynamo.reset()
-    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=24))
+    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=24, overlap_min_tokens_moe=24,
+                                       overlap_max_tokens=45))
     model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
     compiled = torch.compile(model, backend=backend)
     worst, graphs_after = 0.0, []
@@ -185,16 +186,17 @@ def _auto_threshold(rank, world, sizes):
 
 
 def test_auto_threshold_is_a_guard_on_symbolic_sizes():
-    """overlap="auto" on a dynamic graph: the threshold comparison is a guard, so a graph split
-    for a large batch never serves a small one. Sizes crossing the threshold (24) make three
-    compiles (static 5; symbolic below; symbolic at or above), and no more after that."""
-    sizes = [5, 9, 13, 30, 40, 17, 50, 8, 24, 23]
+    """overlap="auto" on a dynamic graph: the window [24, 45] is compared as guards, so a graph
+    split for one batch never serves a batch outside the window. Sizes crossing both bounds make
+    four compiles (static 5; symbolic below; inside; above), and no more after that."""
+    sizes = [5, 9, 13, 30, 40, 17, 50, 8, 24, 23, 45, 46, 60]
     graphs_after, notes, worst = spawn(_auto_threshold, 2, "gloo", sizes)[0]
     assert worst < 1e-5
-    assert graphs_after == [1, 2, 2, 3, 3, 3, 3, 3, 3, 3], (graphs_after, notes)
+    assert graphs_after == [1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4], (graphs_after, notes)
     assert "5 tokens < overlap threshold 24" in notes[0], notes
     assert notes[1].startswith("fuse-only") and "below the overlap threshold 24" in notes[1], notes
     assert notes[2].startswith("token split") and "run time" in notes[2], notes
+    assert notes[3].startswith("fuse-only") and "above overlap_max_tokens 45" in notes[3], notes
 
 
 class _TokenMixer(torch.nn.Module):
@@ -218,7 +220,7 @@ def _token_mixer(rank, world):
     backend = WeaveBackend(FORCE)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
-    auto = WeaveBackend(WeaveConfig(overlap="auto"))
+    auto = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=1024))
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(build_tp_model(DENSE, rank, world, dist.group.WORLD), backend=auto)(random_token_ids(DENSE, 1, 9))

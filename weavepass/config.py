@@ -35,18 +35,25 @@ class WeaveConfig:
 
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
-    splits, ``"auto"`` splits at or above ``overlap_min_tokens``, ``"force"`` splits whenever the
-    graph allows (tests use this). Off by default: on 2 H200s (docs/overlap.md, 2026-11-30) the
-    split model ran 1.16x-2.19x *slower* than plain Inductor at 1K-16K tokens, and weave must
-    never make a batch slower. Turn it on only where your own benchmark shows a gain."""
+    splits, ``"auto"`` splits between ``overlap_min_tokens`` and ``overlap_max_tokens``,
+    ``"force"`` splits whenever the graph allows (tests use this). Off by default: on 2 H200s
+    (4 Llama-3-70B TP=2 layers, docs/overlap.md, 2026-11-30) the split was 1.03x faster than
+    plain Inductor at 16K tokens, even at 8K, 1.03-2.9x *slower* from 512 to 4K tokens and 1.13x
+    slower at 32K; weave must never make a batch slower, and one measured size is thin evidence."""
 
-    overlap_min_tokens: int = 1024
+    overlap_min_tokens: int = 16384
     """With ``overlap="auto"``: smallest token count (batch x sequence) a dense model is split at.
-    Below it the second GEMM launch and the extra waves cost more than the hidden communication."""
+    Measured (docs/overlap.md): below 16K the split did not pay on 2 H200s (host overhead of the
+    doubled launches below 2K, a tie at 8K). On a symbolic token count the comparison is a guard."""
 
-    overlap_min_tokens_moe: int = 4096
-    """``overlap_min_tokens`` for graphs with a routed MoE (``topk``): their per-token compute is
-    smaller relative to the all_reduce, so the split pays only later."""
+    overlap_max_tokens: int = 16384
+    """With ``overlap="auto"``: largest token count split. Measured: at 32K tokens the split ran
+    1.13x slower than plain Inductor (each half then fills the symmetric workspace)."""
+
+    overlap_min_tokens_moe: int = 16384
+    """``overlap_min_tokens`` for graphs with a routed MoE (``topk``). Not measured on GPUs (no MoE
+    benchmark yet): set no lower than the dense threshold, since TokenWeave reports MoE gains only
+    at larger batches."""
 
     overlap_comm_ctas: int = 0
     """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
@@ -93,6 +100,11 @@ class WeaveConfig:
             )
         if self.overlap_min_tokens < 2 or self.overlap_min_tokens_moe < 2:
             raise ValueError("WeaveConfig.overlap_min_tokens(_moe) must be >= 2")
+        if self.overlap_max_tokens < max(self.overlap_min_tokens, self.overlap_min_tokens_moe):
+            raise ValueError(
+                f"WeaveConfig.overlap_max_tokens ({self.overlap_max_tokens}) must be >= overlap_min_tokens "
+                f"({self.overlap_min_tokens}) and overlap_min_tokens_moe ({self.overlap_min_tokens_moe})"
+            )
         if self.overlap_comm_ctas != 0 and not 2 <= self.overlap_comm_ctas <= 32:
             raise ValueError(f"WeaveConfig.overlap_comm_ctas must be 0 or 2..32, got {self.overlap_comm_ctas}")
         if self.flashcomm_min_prefill_tokens < 1:

@@ -17,7 +17,7 @@ from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.patterns import find_allreduce_rmsnorm_sites
 from weavepass.report import AllReduceRecord, GraphReport
-from weavepass.scheduler import plan_sites
+from weavepass.scheduler import CUDA_COPY_NOTE, plan_sites
 
 log = logging.getLogger("weavepass")
 
@@ -101,8 +101,9 @@ class WeavePass(CustomGraphPass):
             fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
-            if plan.reason:
-                log.warning("weavepass: %s: %s", record.node, plan.reason)
+            if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
+                level = logging.INFO if plan.reason == CUDA_COPY_NOTE else logging.WARNING
+                log.log(level, "weavepass: %s: %s", record.node, plan.reason)
 
         if fused and self.config.overlap != "off":
             from weavepass.token_split import apply_token_split

@@ -47,6 +47,11 @@ def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite, config: WeaveConfi
     )
 
 
+CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspace (the producing "
+                  "matmul does not write there directly)")
+"""Said on every ``cuda_symm`` site: one extra read of the partial per site (docs/cuda_kernel.md)."""
+
+
 def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tuple[str | None, str]:
     """``(lowering, note)``: the lowering for ``site`` (None: leave it alone) and, if not the
     first choice, why.
@@ -61,7 +66,7 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
         return wanted, ""
     reason = _cuda_unsupported_reason(site, config)
     if reason is None:
-        return wanted, ""
+        return wanted, CUDA_COPY_NOTE
     if auto:
         return None, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
     return "portable", f"portable instead of cuda_symm: {reason}"
@@ -207,6 +212,11 @@ def plan_token_split(
         return TokenSplitPlan(
             tokens, None, mode,
             f"{tokens} tokens < overlap threshold {threshold} ({kind}): fuse-only pays more",
+        )
+    if config.overlap == "auto" and tokens > config.overlap_max_tokens:
+        return TokenSplitPlan(
+            tokens, None, mode,
+            f"{tokens} tokens > overlap_max_tokens {config.overlap_max_tokens}: measured slower split",
         )
     gemms = dominant_gemms(gemms)
     candidates = split_candidates(tokens, model, seq_len if mode == "batch" else None)

@@ -603,22 +603,26 @@ def _fake_call(target, args, kwargs):
 
 
 def _threshold_guard(first: Node, config: WeaveConfig, moe: bool) -> str | None:
-    """With ``overlap="auto"`` and a symbolic token count: compare it with the threshold *as a
-    guard*, so this graph only ever serves batches on the side of the threshold it was compiled
-    for (a batch on the other side recompiles once, into the other bucket). Without the guard a
-    graph split for a large batch would also split every small one, which the benchmark shows is
-    slower. Returns the skip reason below the threshold, else None."""
+    """With ``overlap="auto"`` and a symbolic token count: compare it with the split window
+    ``[overlap_min_tokens(_moe), overlap_max_tokens]`` *as guards*, so this graph only ever serves
+    batches on the side of each bound it was compiled for (a batch on another side recompiles
+    once, into its own bucket). Without the guards a graph split for one batch would also split
+    batches the benchmark shows are slower split. Returns the skip reason outside the window."""
     if config.overlap != "auto":
         return None
     tokens = math.prod(_val(first.args[0]).shape[:-1])
     if not isinstance(tokens, torch.SymInt):
         return None  # static: plan_token_split compares the value itself
-    threshold = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
-    if tokens >= threshold:  # bool() of a SymInt comparison installs the guard
-        return None
+    low = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
     kind = "MoE" if moe else "dense"
-    return (f"symbolic token count below the overlap threshold {threshold} ({kind}); guarded, so "
-            "a batch at or above it compiles its own split graph")
+    # bool() of a SymInt comparison installs the guard
+    if tokens < low:
+        return (f"symbolic token count below the overlap threshold {low} ({kind}); guarded, so "
+                "a batch at or above it compiles its own graph")
+    if tokens > config.overlap_max_tokens:
+        return (f"symbolic token count above overlap_max_tokens {config.overlap_max_tokens}; "
+                "guarded, so a batch inside the window compiles its own graph")
+    return None
 
 
 def apply_token_split(
