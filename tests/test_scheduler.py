@@ -120,7 +120,8 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
     from weavepass import scheduler
 
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
-    site = types.SimpleNamespace(device=torch.device("cuda", 0))
+    partial = types.SimpleNamespace(meta={"val": torch.empty(2, 1024, 8)})  # 2048 tokens
+    site = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial)
     lowering, note = scheduler.choose_lowering(site, WeaveConfig())
     assert lowering == "cuda_symm" and "copies the partial sums" in note
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: "hidden 12 is odd")
@@ -139,3 +140,31 @@ def _plans_on_rank(rank: int, world_size: int) -> list:
 def test_same_plan_on_every_rank():
     results = spawn(_plans_on_rank, 2)
     assert results[0] == results[1]
+
+
+def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
+    """Below cuda_min_tokens, without Inductor CUDA graphs, the host cost of the fused op measured
+    slower than NCCL: auto leaves the all_reduce and says why; under reduce-overhead, or with the
+    knob lowered, or when the user asked for cuda_symm, the site is fused."""
+    import types
+
+    import torch
+    from torch._inductor import config as inductor_config
+
+    from weavepass import scheduler
+
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
+
+    def site(*shape):
+        return types.SimpleNamespace(device=torch.device("cuda", 0),
+                                     partial=types.SimpleNamespace(meta={"val": torch.empty(*shape)}))
+
+    lowering, reason = scheduler.choose_lowering(site(512, 8), WeaveConfig())
+    assert lowering is None and "512 tokens < cuda_min_tokens=1024" in reason and "reduce-overhead" in reason
+    assert scheduler.choose_lowering(site(1, 1024, 8), WeaveConfig())[0] == "cuda_symm"  # at the bound
+    assert scheduler.choose_lowering(site(512, 8), WeaveConfig(cuda_min_tokens=1))[0] == "cuda_symm"
+    assert scheduler.choose_lowering(site(512, 8), WeaveConfig(lowering="cuda_symm"))[0] == "cuda_symm"
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert scheduler.choose_lowering(site(1, 8), WeaveConfig())[0] == "cuda_symm"
+    with pytest.raises(ValueError, match="cuda_min_tokens"):
+        WeaveConfig(cuda_min_tokens=0)

@@ -33,6 +33,14 @@ class WeaveConfig:
     """Rows of symmetric memory the CUDA lowering reserves per group and dtype (x hidden). Batches
     with more tokens run on the portable lowering, with a one-time warning."""
 
+    cuda_min_tokens: int = 1024
+    """With ``lowering="auto"`` on CUDA and without Inductor CUDA graphs: sites whose static token
+    count is below this stay plain all_reduce, with the reason in the report. Measured on 2 H200s
+    (docs/cuda_kernel.md): at 512 tokens the fused kernel's host cost (Python custom op and Triton
+    launch, per site) made a 4-layer model 1.11x slower than plain Inductor, although the kernel
+    itself is 0.63x of NCCL's time; at 1024 it was a tie. Under ``mode="reduce-overhead"`` every
+    size is fused. If you capture CUDA graphs yourself, set this to 1."""
+
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
     splits, ``"auto"`` splits between ``overlap_min_tokens`` and ``overlap_max_tokens``,
@@ -111,6 +119,8 @@ class WeaveConfig:
             raise ValueError("WeaveConfig.flashcomm_min_prefill_tokens must be >= 1")
         if self.min_world_size < 1:
             raise ValueError(f"WeaveConfig.min_world_size must be >= 1, got {self.min_world_size}")
+        if self.cuda_min_tokens < 1:
+            raise ValueError(f"WeaveConfig.cuda_min_tokens must be >= 1, got {self.cuda_min_tokens}")
         if self.cuda_workspace_tokens < 1:
             raise ValueError(
                 f"WeaveConfig.cuda_workspace_tokens must be >= 1, got {self.cuda_workspace_tokens}"

@@ -52,6 +52,25 @@ CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspa
 """Said on every ``cuda_symm`` site: one extra read of the partial per site (docs/cuda_kernel.md)."""
 
 
+def _static_tokens(site: FusedAllReduceRMSNormSite) -> int | None:
+    """The site's token count (rows of the partial) when static, else None (read guard-free)."""
+    import math
+
+    import torch
+
+    shape = site.partial.meta["val"].shape[:-1]
+    if any(isinstance(s, torch.SymInt) for s in shape):
+        return None
+    return math.prod(int(s) for s in shape)
+
+
+def _inductor_cudagraphs() -> bool:
+    """Whether Inductor wraps this compile in CUDA graphs (``mode="reduce-overhead"``)."""
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.triton.cudagraphs)
+
+
 def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tuple[str | None, str]:
     """``(lowering, note)``: the lowering for ``site`` (None: leave it alone) and, if not the
     first choice, why.
@@ -66,6 +85,14 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
         return wanted, ""
     reason = _cuda_unsupported_reason(site, config)
     if reason is None:
+        tokens = _static_tokens(site)
+        if auto and tokens is not None and tokens < config.cuda_min_tokens and not _inductor_cudagraphs():
+            return None, (
+                f"left as all_reduce: {tokens} tokens < cuda_min_tokens={config.cuda_min_tokens} "
+                "without CUDA graphs (host-bound: the fused op's launch costs more than it saves); "
+                "compile with mode='reduce-overhead', or set cuda_min_tokens=1 if you capture CUDA "
+                "graphs yourself"
+            )
         return wanted, CUDA_COPY_NOTE
     if auto:
         return None, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"

@@ -44,7 +44,7 @@ def _matches_eager(rank, world, lowering):
     notes = []
     for batch, seq in LAYOUTS:
         torch._dynamo.reset()
-        backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering))
+        backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1))
         ids = random_token_ids(CFG, batch, seq, device=device)
         with torch._inductor.config.patch(INDUCTOR_CONFIG_PATCHES):  # until the backend merges them
             check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend), reference)
@@ -66,7 +66,7 @@ def _cuda_graph(rank, world, lowering):
     _no_multicast()
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering))
+    backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1))
     compiled = torch.compile(model, backend=backend)
     ids = random_token_ids(CFG, 1, 384, device=device)
     side = torch.cuda.Stream()
