@@ -407,3 +407,40 @@ def test_32_layer_model_has_65_sites_all_rewritten():
     model = build_tp_model(cfg, 0, 2, dist.group.WORLD)
     graph = compile_report(model, random_token_ids(cfg, 1, 4))
     assert_fused(graph, 65)
+
+
+def test_compile_mode_and_options_reach_inductor(monkeypatch):
+    """``mode=`` and ``options=`` of torch.compile mean what they mean for Inductor (a custom
+    backend receives them as keyword arguments): the pass runs under the mode's config, and a bad
+    mode or option is an error, not silently ignored."""
+    from torch._inductor import config as inductor_config
+
+    from weavepass import graph_pass
+
+    seen = []
+    original = graph_pass.WeavePass.__call__
+
+    def spy(self, graph):
+        seen.append((inductor_config.triton.cudagraphs, inductor_config.max_autotune_gemm_backends))
+        return original(self, graph)
+
+    monkeypatch.setattr(graph_pass.WeavePass, "__call__", spy)
+
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        return llama_norm(h, weight), h
+
+    backend = weavepass.make_backend()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(f, backend=backend, mode="reduce-overhead", fullgraph=True)(*inputs())
+        torch._dynamo.reset()
+        torch.compile(f, backend=backend, options={"max_autotune_gemm_backends": "ATEN"},
+                      fullgraph=True)(*inputs())
+    assert seen == [(True, inductor_config.max_autotune_gemm_backends), (False, "ATEN")], seen
+    assert [g.rewritten for g in backend.report.graphs] == [1, 1]
+    for kwargs, message in ((dict(mode="fastest"), "Unrecognized mode"),
+                            (dict(options={"no_such_option": 1}), "unknown Inductor option")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=message):
+            torch.compile(f, backend=weavepass.make_backend(), fullgraph=True, **kwargs)(*inputs())

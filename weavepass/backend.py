@@ -24,12 +24,17 @@ class WeaveBackend:
     def _record(self, graph_report: GraphReport) -> None:
         self.report.graphs.append(graph_report)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+                 options: dict | None = None):
+        """``torch.compile(..., backend=weave, mode=..., options=...)`` passes ``mode`` and
+        ``options`` here; they mean what they mean for Inductor (``mode="reduce-overhead"``: CUDA
+        graphs; ``options``: Inductor config entries). Unknown modes or options raise."""
         from torch._inductor.compile_fx import compile_fx
 
         from weavepass.graph_pass import WeavePass  # imports Inductor: only when compiling
 
-        patches = {"post_grad_custom_pre_pass": WeavePass(self.config, on_report=self._record)}
+        patches = inductor_patches(mode, options)
+        patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=self._record)
         if self.config.overlap != "off":
             from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
 
@@ -39,6 +44,27 @@ class WeaveBackend:
         patches["fx_graph_cache"] = False
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def inductor_patches(mode: str | None, options: dict | None) -> dict:
+    """Inductor config entries for a ``torch.compile`` ``mode`` and ``options``, validated as
+    Inductor's own backend validates them."""
+    import torch._inductor
+    from torch._inductor import config as inductor_config
+
+    try:
+        patches = dict(torch._inductor.list_mode_options(mode)) if mode and mode != "default" else {}
+    except RuntimeError as error:  # unknown mode
+        raise ValueError(f"backend weave: {error}") from None
+    current = inductor_config.get_config_copy()
+    for key, value in (options or {}).items():
+        name = key.replace("-", "_")
+        if name not in current:
+            raise ValueError(f"backend weave: unknown Inductor option {key!r} in options=")
+        patches[name] = value
+    if "post_grad_custom_pre_pass" in patches:
+        raise ValueError("backend weave: options may not set post_grad_custom_pre_pass (weave's pass uses it)")
+    return patches
 
 
 weave_backend = WeaveBackend()
