@@ -328,33 +328,12 @@ def fused_allreduce_rmsnorm_cuda(
 
     res = rows if residual is None else residual.reshape(-1, hidden).contiguous()
     if plan.pipelined:
-        fused_allreduce_rmsnorm_pipelined_kernel[(plan.num_ctas,)](
-            rows,
-            res,
-            weight.contiguous(),
-            normed,
-            residual_out,
-            ws.buffer,
-            ws.pad,
-            *ws.buffer_deltas,
-            *ws.pad_deltas,
-            num_tokens,
-            rows_per_rank(num_tokens, world),
-            ws.capacity,
-            eps,
-            RANK=ws.rank,
-            WORLD=world,
-            HIDDEN=hidden,
-            BLOCK_H=plan.block_h,
-            ROWS=plan.rows_per_tile,
-            CHUNK_ROWS=plan.chunk_rows,
-            PUSH_ROWS=plan.push_rows,
-            HAS_RESIDUAL=residual is not None,
-            MAX_CTAS=MAX_CTAS,
-            num_warps=plan.num_warps,
-        )
-        return normed, residual_out
-    fused_allreduce_rmsnorm_kernel[(plan.num_ctas,)](
+        kernel = fused_allreduce_rmsnorm_pipelined_kernel
+        variant = dict(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows)
+    else:
+        kernel = fused_allreduce_rmsnorm_kernel
+        variant = dict(ONE_SHOT=plan.one_shot)
+    kernel[(plan.num_ctas,)](
         rows,
         res,
         weight.contiguous(),
@@ -373,9 +352,9 @@ def fused_allreduce_rmsnorm_cuda(
         HIDDEN=hidden,
         BLOCK_H=plan.block_h,
         ROWS=plan.rows_per_tile,
-        ONE_SHOT=plan.one_shot,
         HAS_RESIDUAL=residual is not None,
         MAX_CTAS=MAX_CTAS,
         num_warps=plan.num_warps,
+        **variant,
     )
     return normed, residual_out
