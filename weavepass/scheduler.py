@@ -218,6 +218,32 @@ def split_candidates(tokens: int, model: WaveModel, seq_len: int | None) -> list
     return sorted(middle or [c for c in raw if 0 < c < tokens])
 
 
+def overlap_window_reason(tokens, config: WeaveConfig, moe: bool = False) -> str | None:
+    """Why ``overlap="auto"`` does not split ``tokens`` (outside ``[overlap_min_tokens(_moe),
+    overlap_max_tokens]``), or None (inside, or another overlap mode).
+
+    ``tokens`` may be a SymInt: each comparison then installs a guard, so a graph compiled for one
+    side of a bound never serves a batch on the other side (that batch recompiles once, into its
+    own bucket). Without the guards a graph split for one batch would also split batches the
+    benchmark shows are slower split."""
+    if config.overlap != "auto":
+        return None
+    low = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
+    kind = "MoE" if moe else "dense"
+    symbolic = not isinstance(tokens, int)
+    if tokens < low:
+        if symbolic:
+            return (f"symbolic token count below the overlap threshold {low} ({kind}); guarded, so "
+                    "a batch at or above it compiles its own graph")
+        return f"{tokens} tokens < overlap threshold {low} ({kind}): fuse-only pays more"
+    if tokens > config.overlap_max_tokens:
+        if symbolic:
+            return (f"symbolic token count above overlap_max_tokens {config.overlap_max_tokens}; "
+                    "guarded, so a batch inside the window compiles its own graph")
+        return f"{tokens} tokens > overlap_max_tokens {config.overlap_max_tokens}: measured slower split"
+    return None
+
+
 def plan_token_split(
     batch: int,
     seq_len: int,
@@ -231,20 +257,11 @@ def plan_token_split(
     sequence is cut inside (half B then attends to A's keys too)."""
     tokens = batch * seq_len
     mode = "batch" if batch >= 2 else "sequence"
-    threshold = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
     if tokens < 2:
         return TokenSplitPlan(tokens, None, mode, f"{tokens} token(s): nothing to split")
-    if config.overlap == "auto" and tokens < threshold:
-        kind = "MoE" if moe else "dense"
-        return TokenSplitPlan(
-            tokens, None, mode,
-            f"{tokens} tokens < overlap threshold {threshold} ({kind}): fuse-only pays more",
-        )
-    if config.overlap == "auto" and tokens > config.overlap_max_tokens:
-        return TokenSplitPlan(
-            tokens, None, mode,
-            f"{tokens} tokens > overlap_max_tokens {config.overlap_max_tokens}: measured slower split",
-        )
+    outside = overlap_window_reason(tokens, config, moe)
+    if outside is not None:
+        return TokenSplitPlan(tokens, None, mode, outside)
     gemms = dominant_gemms(gemms)
     candidates = split_candidates(tokens, model, seq_len if mode == "batch" else None)
     first, free = choose_split_point(tokens, candidates, gemms, model)

@@ -42,7 +42,13 @@ from weavepass.config import WeaveConfig
 from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.report import GraphReport
-from weavepass.scheduler import GemmShape, TokenSplitPlan, device_wave_model, plan_token_split
+from weavepass.scheduler import (
+    GemmShape,
+    TokenSplitPlan,
+    device_wave_model,
+    overlap_window_reason,
+    plan_token_split,
+)
 
 log = logging.getLogger("weavepass")
 
@@ -602,29 +608,6 @@ def _fake_call(target, args, kwargs):
         return target(*args, **kwargs)
 
 
-def _threshold_guard(first: Node, config: WeaveConfig, moe: bool) -> str | None:
-    """With ``overlap="auto"`` and a symbolic token count: compare it with the split window
-    ``[overlap_min_tokens(_moe), overlap_max_tokens]`` *as guards*, so this graph only ever serves
-    batches on the side of each bound it was compiled for (a batch on another side recompiles
-    once, into its own bucket). Without the guards a graph split for one batch would also split
-    batches the benchmark shows are slower split. Returns the skip reason outside the window."""
-    if config.overlap != "auto":
-        return None
-    tokens = math.prod(_val(first.args[0]).shape[:-1])
-    if not isinstance(tokens, torch.SymInt):
-        return None  # static: plan_token_split compares the value itself
-    low = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
-    kind = "MoE" if moe else "dense"
-    # bool() of a SymInt comparison installs the guard
-    if tokens < low:
-        return (f"symbolic token count below the overlap threshold {low} ({kind}); guarded, so "
-                "a batch at or above it compiles its own graph")
-    if tokens > config.overlap_max_tokens:
-        return (f"symbolic token count above overlap_max_tokens {config.overlap_max_tokens}; "
-                "guarded, so a batch inside the window compiles its own graph")
-    return None
-
-
 def apply_token_split(
     graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport
 ) -> bool:
@@ -647,9 +630,11 @@ def apply_token_split(
         split = TokenSplit(graph, fused_nodes, config)
         split.first_hint = 1  # provisional: the analysis needs a cut to check views against
         info = split.analyse()
-        guarded = _threshold_guard(fused_nodes[0], config, info.moe)
-        if guarded is not None:
-            return skip(guarded)
+        tokens_sym = math.prod(_val(fused_nodes[0].args[0]).shape[:-1])
+        if isinstance(tokens_sym, torch.SymInt):  # static counts: plan_token_split checks them
+            outside = overlap_window_reason(tokens_sym, config, info.moe)  # guards the window
+            if outside is not None:
+                return skip(outside)
         plan = split.plan(info)
         if plan.first is None:
             return skip(plan.reason)
