@@ -75,24 +75,15 @@ def _time(fn, ids, warmup: int, iters: int) -> float:
 
 def _profile(fn, ids, rank: int) -> str:
     """One profiled call: the kernels that cost most and how much communication overlapped compute."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from weavepass.testing.trace import stream_overlap
+    from weavepass.testing.trace import profile_stream_overlap
 
     with torch.no_grad():
         fn(ids)
         torch.cuda.synchronize()
         dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn(ids)
-            torch.cuda.synchronize()
+        result = profile_stream_overlap(fn, ids)
     if rank != 0:
         return ""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        result = stream_overlap(f.name)
     lines = [result.summary()]
     lines += [f"  {t / 1e3:9.3f} ms {c:5d}x  {n[:110]}" for t, c, n in result.top]
     return "\n".join(lines)
@@ -112,7 +103,6 @@ class _Lines:
 def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
     from weavepass import WeaveConfig
     from weavepass.backend import WeaveBackend
-    from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
 
     device = torch.device("cuda", rank)
     group = dist.group.WORLD
@@ -144,13 +134,10 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                 ids = torch.randint(0, 2 * 4096, (seqs, tokens // seqs), device=device)
                 if variant != "eager":
                     torch._dynamo.mark_dynamic(ids, 1)
-                patches = INDUCTOR_CONFIG_PATCHES if variant.startswith("weave_overlap") else {}
-                with torch._inductor.config.patch(patches):  # the compile happens on the first call
-                    ms = _time(fn, ids, args["warmup"], args["iters"])
+                ms = _time(fn, ids, args["warmup"], args["iters"])
                 rows.append({"variant": variant, "sequences": seqs, "tokens": tokens, "ms": ms})
                 if args["profile"] and variant != "eager":
-                    with torch._inductor.config.patch(patches):
-                        summary = _profile(fn, ids, rank)
+                    summary = _profile(fn, ids, rank)
                     if rank == 0:
                         print(f"\n[profile] {variant}, {seqs} seq, {tokens} tokens: {ms:.3f} ms\n{summary}", flush=True)
                 if progress is not None:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
-from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 
 pytestmark = [
@@ -46,8 +45,7 @@ def _matches_eager(rank, world, lowering):
         torch._dynamo.reset()
         backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1))
         ids = random_token_ids(CFG, batch, seq, device=device)
-        with torch._inductor.config.patch(INDUCTOR_CONFIG_PATCHES):  # until the backend merges them
-            check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend), reference)
+        check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend), reference)
         notes.append(backend.report.graphs[0].note)
         after = backend.report.graphs[0].ops_after
         assert after["weave.fused_allreduce_rmsnorm_async.default"] == 2 * (2 * CFG.n_layers + 1), after
@@ -71,7 +69,7 @@ def _cuda_graph(rank, world, lowering):
     ids = random_token_ids(CFG, 1, 384, device=device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side), torch._inductor.config.patch(INDUCTOR_CONFIG_PATCHES):
+    with torch.no_grad(), torch.cuda.stream(side):
         for _ in range(3):  # compile and warm up outside the capture
             compiled(ids)
     torch.cuda.current_stream().wait_stream(side)
@@ -99,11 +97,7 @@ TRACE_CFG = TPConfig(vocab=512, hidden=2048, n_layers=4, n_heads=16, n_kv_heads=
 
 
 def _trace(rank, world):
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from weavepass.testing.trace import stream_overlap
+    from weavepass.testing.trace import profile_stream_overlap
 
     _no_multicast()
     device = torch.device("cuda", rank)
@@ -111,17 +105,12 @@ def _trace(rank, world):
     backend = WeaveBackend(WeaveConfig(overlap="force"))
     compiled = torch.compile(model, backend=backend)
     ids = random_token_ids(TRACE_CFG, 1, 4096, device=device)
-    with torch.no_grad(), torch._inductor.config.patch(INDUCTOR_CONFIG_PATCHES):
+    with torch.no_grad():
         for _ in range(2):
             compiled(ids)
         torch.cuda.synchronize()
         dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            compiled(ids)
-            torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        result = stream_overlap(f.name)
+        result = profile_stream_overlap(compiled, ids)
     assert backend.report.graphs[0].note.startswith("token split"), backend.report.graphs[0].note
     return result
 

@@ -57,6 +57,22 @@ def _covered(interval: tuple[float, float], union: list[tuple[float, float]]) ->
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
 
 
+def profile_stream_overlap(fn, *args) -> StreamOverlap:
+    """Profile one call ``fn(*args)`` (CPU and CUDA activities, synchronised before the profiler
+    stops) and analyse its trace with ``stream_overlap``. Warm up and align ranks before calling."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return stream_overlap(f.name)
+
+
 def stream_overlap(trace: str | Path | dict) -> StreamOverlap:
     """Analyse a Chrome trace written by ``torch.profiler`` (``export_chrome_trace``)."""
     data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
