@@ -144,13 +144,18 @@ def test_mmrs_conditions():
         assert words in npu.mmrs_unsupported_reason(**{**ok, **change}), change
 
 
-def test_graph_over_threshold_has_no_all_reduce():
+def _dense_graph(min_prefill_tokens: int):
+    """The graph report of the dense model (2 x 5 tokens) compiled on a fake group of 2."""
     with fake_process_group(2):
         model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
-        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8}))
+        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": min_prefill_tokens}))
         with torch.no_grad():
             compile_fn(model)(random_token_ids(DENSE, 2, 5))
-    graph = backend.report.graphs[0]
+    return backend.report.graphs[0]
+
+
+def test_graph_over_threshold_has_no_all_reduce():
+    graph = _dense_graph(8)
     sites = 2 * DENSE.n_layers + 1
     assert not any("all_reduce" in op for op in graph.ops_after), graph.ops_after
     assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == sites
@@ -161,12 +166,7 @@ def test_graph_over_threshold_has_no_all_reduce():
 
 
 def test_graph_under_threshold_is_left_to_the_fuse_path():
-    with fake_process_group(2):
-        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
-        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8192}))
-        with torch.no_grad():
-            compile_fn(model)(random_token_ids(DENSE, 2, 5))
-    graph = backend.report.graphs[0]
+    graph = _dense_graph(8192)
     assert "10 tokens < flashcomm_min_prefill_tokens=8192" in graph.note
     assert not any(r.lowering.startswith("flashcomm") for r in graph.records)
     assert "_c10d_functional.all_gather_into_tensor.default" not in graph.ops_after
