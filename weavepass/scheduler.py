@@ -7,8 +7,10 @@ rank of a group makes the same choice (a different choice on one rank would dead
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
@@ -54,10 +56,6 @@ CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspa
 
 def _static_tokens(site: FusedAllReduceRMSNormSite) -> int | None:
     """The site's token count (rows of the partial) when static, else None (read guard-free)."""
-    import math
-
-    import torch
-
     shape = site.partial.meta["val"].shape[:-1]
     if any(isinstance(s, torch.SymInt) for s in shape):
         return None
@@ -270,8 +268,6 @@ def plan_token_split(
 
 def device_wave_model(device) -> WaveModel:
     """The wave model of ``device``: its SM count on CUDA, no waves elsewhere."""
-    import torch
-
     if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
         return WaveModel(sms=torch.cuda.get_device_properties(device).multi_processor_count)
     return WaveModel()
