@@ -8,7 +8,12 @@ Per rank: hidden 8192, 32 query / 4 kv heads of 128, MLP 14336 (SwiGLU). For eac
     weave_fuse     backend weave, overlap="off" (fused all_reduce + RMSNorm, no split)
     weave_overlap  backend weave, overlap="force" (two-way split, comm on a second stream)
     weave_overlap_c8  the same with the fused kernel on 8 CTAs (``overlap_comm_ctas=8``)
+    weave_auto     backend weave, overlap="auto": the per-size strategy (split, fuse-only or plain
+                   all_reduce, whichever the scheduler picks for the batch), what a user gets
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
+    inductor_cg, weave_fuse_cg, weave_overlap_cg
+                   the same as inductor, weave_fuse and weave_overlap with mode="reduce-overhead"
+                   (Inductor CUDA graphs: no host cost per kernel; one graph recorded per size)
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
 the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` and
@@ -33,7 +38,9 @@ import torch
 import torch.distributed as dist
 from timing import cuda_event_times_ms  # benchmarks/timing.py
 
-VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "no_comm")
+VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_auto", "no_comm",
+            "inductor_cg", "weave_fuse_cg", "weave_overlap_cg")
+DEFAULT_VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_auto", "no_comm")
 
 
 def build_model(group, device, n_layers: int, seed: int = 0):
@@ -115,7 +122,13 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
         "weave_overlap": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="force"))),
         "weave_overlap_c8": lambda layout: torch.compile(
             model, backend=WeaveBackend(WeaveConfig(overlap="force", overlap_comm_ctas=8))),
+        "weave_auto": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="auto"))),
         "no_comm": lambda layout: torch.compile(no_comm),
+        "inductor_cg": lambda layout: torch.compile(model, mode="reduce-overhead"),
+        "weave_fuse_cg": lambda layout: torch.compile(
+            model, backend=WeaveBackend(WeaveConfig(overlap="off")), mode="reduce-overhead"),
+        "weave_overlap_cg": lambda layout: torch.compile(
+            model, backend=WeaveBackend(WeaveConfig(overlap="force")), mode="reduce-overhead"),
     }
     rows = []
     work = [(v, seqs, t) for v in args["variants"] for seqs in args["layouts"] for t in args["tokens"]]
@@ -150,12 +163,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 token counts, 1 layout, few iterations")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {','.join(VARIANTS)}")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default: 512 .. 16K)")
     parser.add_argument("--layouts", type=int, nargs="+", help="sequences per batch (default: 1 8)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one call per case: top kernels and comm/compute overlap")
     args = parser.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_overlap needs 2 GPUs")
     from weavepass.testing import spawn

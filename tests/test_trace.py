@@ -20,6 +20,22 @@ def test_comm_overlapped_by_compute_on_another_stream():
     assert result.comm_streams == {20} and result.compute_streams == {7}
     assert result.compute_us == 110 and result.busy_us == 150
     assert result.top[0][2] == "fused_allreduce_rmsnorm_kernel"
+    assert result.host_ops == {}  # aten::mm is not a weave op
+
+
+def test_host_cost_of_weave_ops_is_summed_per_op():
+    def cpu_op(name, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": 0, "dur": dur}
+
+    trace = {"traceEvents": [
+        cpu_op("weave::fused_allreduce_rmsnorm_async", 40), cpu_op("weave::fused_allreduce_rmsnorm_async", 60),
+        cpu_op("weave::fused_allreduce_rmsnorm", 30), cpu_op("aten::empty", 5),
+    ]}
+    result = stream_overlap(trace)
+    assert result.host_ops == {
+        "weave::fused_allreduce_rmsnorm_async": (100.0, 2), "weave::fused_allreduce_rmsnorm": (30.0, 1)
+    }
+    assert "weave::fused_allreduce_rmsnorm_async: 2x 50.0 us" in result.summary()
 
 
 def test_same_stream_is_never_overlap():

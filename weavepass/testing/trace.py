@@ -28,18 +28,27 @@ class StreamOverlap:
     compute_streams: set = field(default_factory=set)
     top: list = field(default_factory=list)
     """(total us, calls, name) of the 15 most expensive kernels"""
+    host_ops: dict = field(default_factory=dict)
+    """name -> (total us, calls) of the host-side ``weave::`` op calls (CPU time, profiler on)"""
+    wall_us: float = 0.0
+    """wall time of the profiled call, synchronised (0 when the trace came from elsewhere)"""
 
     @property
     def overlap_fraction(self) -> float:
         return self.comm_overlapped_us / self.comm_us if self.comm_us else 0.0
 
     def summary(self) -> str:
-        return (
+        text = (
             f"comm kernels {self.comm_us / 1e3:.3f} ms on streams {sorted(self.comm_streams)}, "
             f"{self.overlap_fraction:.0%} of it overlapped by compute; compute kernels "
             f"{self.compute_us / 1e3:.3f} ms on streams {sorted(self.compute_streams)}; "
             f"GPU busy {self.busy_us / 1e3:.3f} ms"
         )
+        if self.wall_us:
+            text += f" of {self.wall_us / 1e3:.3f} ms wall (profiler on)"
+        for name, (total, calls) in sorted(self.host_ops.items()):
+            text += f"; host {name}: {calls}x {total / max(calls, 1):.1f} us"
+        return text
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -65,12 +74,18 @@ def profile_stream_overlap(fn, *args) -> StreamOverlap:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import time
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         fn(*args)
         torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        return stream_overlap(f.name)
+        result = stream_overlap(f.name)
+    result.wall_us = wall_us
+    return result
 
 
 def stream_overlap(trace: str | Path | dict) -> StreamOverlap:
@@ -81,6 +96,11 @@ def stream_overlap(trace: str | Path | dict) -> StreamOverlap:
         if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e
     ]
     result = StreamOverlap()
+    for e in data.get("traceEvents", []):
+        name = str(e.get("name", ""))
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and name.startswith("weave::") and "dur" in e:
+            total, calls = result.host_ops.get(name, (0.0, 0))
+            result.host_ops[name] = (total + float(e["dur"]), calls + 1)
     comm, compute, totals = [], [], {}
     for e in kernels:
         name = e.get("name", "")

@@ -1,0 +1,130 @@
+"""Host cost of one fused op call, next to its GPU time: is a small batch host-bound?
+
+Per rank (2 GPUs, NCCL), for a bf16 ``[tokens, 8192]`` partial, it enqueues ``--calls`` calls back to
+back without synchronising and reports, per call:
+
+    host_us   wall time of the enqueue loop / calls (what the Python side costs)
+    gpu_us    CUDA-event time of the same loop / calls (when host_us > gpu_us the GPU waits on the host)
+
+for these ways of running all_reduce + add + RMSNorm:
+
+    nccl_unfused   functional all_reduce + wait, then add and RMSNorm in eager ops (what eager runs)
+    lowering       ``weavepass.lowering.cuda_symm.fused_allreduce_rmsnorm_cuda`` called directly
+    op             ``torch.ops.weave.fused_allreduce_rmsnorm`` (what a fuse-only graph calls)
+    async_op       ``torch.ops.weave.fused_allreduce_rmsnorm_async`` + ``wait_tensor`` on both
+                   outputs (what a split graph calls, per half and site)
+
+Ranks are aligned with a barrier before each loop. Output: a table on stdout and
+``<out>/bench_host_overhead.csv``. Run: ``python3 benchmarks/bench_host_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import time
+from pathlib import Path
+
+import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
+import torch
+import torch.distributed as dist
+
+WAYS = ("nccl_unfused", "lowering", "op", "async_op")
+
+
+def _callables(group_name: str):
+    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+    from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+
+    funcol = torch.ops._c10d_functional
+
+    def nccl_unfused(p, r, w):
+        total = funcol.wait_tensor(funcol.all_reduce(p, "sum", group_name)) + r
+        var = total.float().pow(2).mean(-1, keepdim=True)
+        return (total.float() * torch.rsqrt(var + 1e-5)).to(p.dtype) * w, total
+
+    def lowering(p, r, w):
+        return fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group_name, p.dtype)
+
+    def op(p, r, w):
+        return FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm")
+
+    def async_op(p, r, w):
+        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", 0)
+        return WAIT_TENSOR(normed), WAIT_TENSOR(res)
+
+    return {"nccl_unfused": nccl_unfused, "lowering": lowering, "op": op, "async_op": async_op}
+
+
+def _measure(fn, args, calls: int, repeats: int) -> tuple[float, float]:
+    """Median over ``repeats`` loops of (host us per call, GPU us per call)."""
+    host, gpu = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(calls):
+            fn(*args)
+        end.record()
+        host.append((time.perf_counter() - t0) * 1e6 / calls)
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(host), statistics.median(gpu)
+
+
+def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
+    device = torch.device("cuda", rank)
+    group_name = dist.group.WORLD.group_name
+    ways = _callables(group_name)
+    rows = []
+    with torch.no_grad():
+        for tokens in config["tokens"]:
+            gen = torch.Generator(device=device).manual_seed(tokens)
+            p = torch.randn(tokens, 8192, device=device, dtype=torch.bfloat16, generator=gen)
+            r = torch.randn_like(p)
+            w = torch.ones(8192, device=device, dtype=torch.bfloat16)
+            for name in config["ways"]:
+                fn = ways[name]
+                for _ in range(5):  # warm up: Triton compile, workspace, NCCL communicator
+                    fn(p, r, w)
+                host_us, gpu_us = _measure(fn, (p, r, w), config["calls"], config["repeats"])
+                rows.append({"way": name, "tokens": tokens, "host_us": host_us, "gpu_us": gpu_us,
+                             "host_bound": host_us > gpu_us})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 8192])
+    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("bench_host_overhead needs 2 GPUs")
+    from weavepass.testing import spawn
+
+    config = {"tokens": args.tokens, "ways": args.ways.split(","), "calls": args.calls,
+              "repeats": args.repeats}
+    rows = spawn(_run_rank, 2, "nccl", config, timeout_s=600.0)[0]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "bench_host_overhead.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"{'way':>14} {'tokens':>6} {'host us/call':>13} {'GPU us/call':>12}  bound")
+    for r in rows:
+        bound = "host" if r["host_bound"] else "GPU"
+        print(f"{r['way']:>14} {r['tokens']:>6} {r['host_us']:13.1f} {r['gpu_us']:12.1f}  {bound}")
+    print(f"wrote {out / 'bench_host_overhead.csv'}")
+
+
+if __name__ == "__main__":
+    main()
