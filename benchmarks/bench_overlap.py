@@ -11,6 +11,9 @@ Per rank: hidden 8192, 32 query / 4 kv heads of 128, MLP 14336 (SwiGLU). For eac
     weave_auto     backend weave, overlap="auto": the per-size strategy (split, fuse-only or plain
                    all_reduce, whichever the scheduler picks for the batch), what a user gets
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
+    weave_overlap_smN  (N in 8, 16, 32) weave_overlap with the fused kernel on N CTAs and N SMs
+                   carved out of every cuBLAS matmul (``torch._C._set_sm_carveout_experimental``),
+                   so the GEMMs never hold the SMs the communication needs (an experiment)
     inductor_cg, weave_fuse_cg, weave_overlap_cg
                    the same as inductor, weave_fuse and weave_overlap with mode="reduce-overhead"
                    (Inductor CUDA graphs: no host cost per kernel; one graph recorded per size)
@@ -39,7 +42,9 @@ import torch.distributed as dist
 from timing import cuda_event_times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_auto", "no_comm",
-            "inductor_cg", "weave_fuse_cg", "weave_overlap_cg")
+            "inductor_cg", "weave_fuse_cg", "weave_overlap_cg",
+            "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32")
+CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
 DEFAULT_VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_auto", "no_comm")
 
 
@@ -130,6 +135,9 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
         "weave_overlap_cg": lambda layout: torch.compile(
             model, backend=WeaveBackend(WeaveConfig(overlap="force")), mode="reduce-overhead"),
     }
+    for name, sms in CARVEOUT.items():
+        compiled[name] = lambda layout, sms=sms: torch.compile(
+            model, backend=WeaveBackend(WeaveConfig(overlap="force", overlap_comm_ctas=sms)))
     rows = []
     work = [(v, seqs, t) for v in args["variants"] for seqs in args["layouts"] for t in args["tokens"]]
     progress = None
@@ -142,6 +150,7 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
     for variant in args["variants"]:
         for seqs in args["layouts"]:
             torch._dynamo.reset()
+            torch._C._set_sm_carveout_experimental(CARVEOUT.get(variant))
             fn = compiled[variant](seqs)
             for tokens in args["tokens"]:
                 ids = torch.randint(0, 2 * 4096, (seqs, tokens // seqs), device=device)
@@ -155,6 +164,7 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                         print(f"\n[profile] {variant}, {seqs} seq, {tokens} tokens: {ms:.3f} ms\n{summary}", flush=True)
                 if progress is not None:
                     progress.update()
+    torch._C._set_sm_carveout_experimental(None)
     return rows
 
 

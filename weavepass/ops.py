@@ -7,16 +7,40 @@ Shapes: ``partial`` and ``residual`` are ``[..., H]`` with the same shape, ``wei
 scale); both outputs have ``partial``'s shape, ``normed`` in ``out_dtype`` and ``residual_out`` in
 ``partial.dtype``. ``residual_out`` is the all-reduced sum plus the residual: the tensor the model
 carries on as its residual stream. The op is functional: it mutates nothing and aliases nothing.
+
+The ops a compiled graph calls once per site (this one and ``fused_allreduce_rmsnorm_async``) are
+registered with ``define_hot_op``: a schema and one ``CompositeExplicitAutograd`` kernel, without
+``torch.library.custom_op``'s Python autograd wrapper and per-call alias checks. Measured on the CPU
+dev machine: 8.8 us per call against 24.9 us, where the body itself costs 2.3 us. They are
+inference ops (no backward).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from weavepass.lowering import get_lowering
 
+_LIB = torch.library.Library("weave", "FRAGMENT")
 
-@torch.library.custom_op("weave::fused_allreduce_rmsnorm", mutates_args=())
+
+def define_hot_op(name: str, schema: str, impl: Callable, fake: Callable):
+    """Define ``weave::<name><schema>`` with ``impl`` for every device and ``fake`` for tracing;
+    returns the op's default overload. For functional ops called once per site at run time."""
+    _LIB.define(name + schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"weave::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.weave, name).default
+
+
+FUSED_SCHEMA_ARGS = (
+    "Tensor partial, Tensor? residual, Tensor? weight, float eps, str group_name, "
+    "ScalarType out_dtype, str lowering"
+)
+
+
 def fused_allreduce_rmsnorm(
     partial: torch.Tensor,
     residual: torch.Tensor | None,
@@ -29,12 +53,13 @@ def fused_allreduce_rmsnorm(
     return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype)
 
 
-@fused_allreduce_rmsnorm.register_fake
-def _(partial, residual, weight, eps, group_name, out_dtype, lowering):
+def _fake(partial, residual, weight, eps, group_name, out_dtype, lowering):
     return (
         partial.new_empty(partial.shape, dtype=out_dtype),
         partial.new_empty(partial.shape),
     )
 
 
-FUSED_ALLREDUCE_RMSNORM = torch.ops.weave.fused_allreduce_rmsnorm.default
+FUSED_ALLREDUCE_RMSNORM = define_hot_op(
+    "fused_allreduce_rmsnorm", f"({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor)", fused_allreduce_rmsnorm, _fake
+)

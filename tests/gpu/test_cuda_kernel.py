@@ -99,17 +99,19 @@ def _same_on_all_ranks(label, tensor):
     return [] if torch.equal(mine, first) else [f"{label}: differs from rank 0"]
 
 
-def _check_call(rank, world, seed, tokens, hidden, dtype, with_residual, out_dtype, **kwargs):
+def _check_call(rank, world, seed, tokens, hidden, dtype, with_residual, out_dtype, with_weight=True,
+                **kwargs):
     from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
 
     partials, residual, weight = _make_inputs(seed, tokens, hidden, dtype, with_residual, world)
+    weight = weight if with_weight else None  # a norm without scale
     want_normed, want_res = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, out_dtype)
     _poison(tokens, hidden, dtype, out_dtype)
     group = dist.group.WORLD.group_name
     normed, res_out = fused_allreduce_rmsnorm_cuda(
         partials[rank], residual, weight, EPS, group, out_dtype, **kwargs
     )
-    label = f"T={tokens} H={hidden} {dtype} residual={with_residual} out={out_dtype} {kwargs}"
+    label = f"T={tokens} H={hidden} {dtype} residual={with_residual} weight={with_weight} out={out_dtype} {kwargs}"
     errors = _compare(label + " residual_out", res_out, want_res, RESIDUAL_TOL[dtype])
     errors += _compare(label + " normed", normed, want_normed, NORMED_TOL[out_dtype])
     assert normed.dtype == out_dtype and res_out.dtype == dtype
@@ -129,7 +131,8 @@ def _matches_reference_worker(rank, world, dtype):
     if dtype == torch.bfloat16:  # normed in another dtype than the residual stream
         for tokens in (3, 1024):
             errors += _check_call(rank, world, 7 + tokens, tokens, 4096, dtype, True, torch.float32)
-            cases += 1
+            errors += _check_call(rank, world, 9 + tokens, tokens, 4096, dtype, True, dtype, with_weight=False)
+            cases += 2
     for tokens, hidden in ((4097, 8192), (1024, 4096)):  # the pipelined kernel, forced, every dtype
         for ctas in (16, 32):
             errors += _check_call(rank, world, 11 * tokens + ctas, tokens, hidden, dtype, True, dtype,
@@ -287,7 +290,7 @@ def small_case_worker(rank, world):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_matches_reference(dtype):
     cases = spawn(_matches_reference_worker, WORLD, "nccl", dtype, timeout_s=420)
-    assert cases[0] == len(TOKENS) * len(HIDDENS) * 2 + (2 if dtype == torch.bfloat16 else 0) + 4
+    assert cases[0] == len(TOKENS) * len(HIDDENS) * 2 + (4 if dtype == torch.bfloat16 else 0) + 4
 
 
 def test_every_algorithm_and_cta_count():

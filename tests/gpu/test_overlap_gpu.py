@@ -92,8 +92,12 @@ def test_overlap_captures_and_replays_in_cuda_graph(lowering):
     spawn(_cuda_graph, 2, "nccl", lowering)
 
 
-TRACE_CFG = TPConfig(vocab=512, hidden=2048, n_layers=4, n_heads=16, n_kv_heads=4, head_dim=128,
-                     intermediate=8192)
+# Large enough that the GPU, not the host, sets the pace (each half's layer is ~1.5 ms of GEMMs at
+# 8192 tokens): with a host-bound run every kernel finishes before the next is launched and nothing
+# can overlap (seen on 2 x H200 with hidden 2048 at 4096 tokens: 2.9 ms of kernels in 21.7 ms).
+TRACE_CFG = TPConfig(vocab=512, hidden=4096, n_layers=2, n_heads=32, n_kv_heads=8, head_dim=128,
+                     intermediate=14336)
+TRACE_TOKENS = 8192
 
 
 def _trace(rank, world):
@@ -104,7 +108,7 @@ def _trace(rank, world):
     model = build_tp_model(TRACE_CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     backend = WeaveBackend(WeaveConfig(overlap="force"))
     compiled = torch.compile(model, backend=backend)
-    ids = random_token_ids(TRACE_CFG, 1, 4096, device=device)
+    ids = random_token_ids(TRACE_CFG, 1, TRACE_TOKENS, device=device)
     with torch.no_grad():
         for _ in range(2):
             compiled(ids)
@@ -117,13 +121,17 @@ def _trace(rank, world):
 
 def test_trace_shows_fused_op_on_second_stream_overlapping_compute():
     """The profiler's kernel timeline, not the FX graph: the fused kernels run on a stream of their
-    own, and part of their time other kernels run beside them."""
+    own, and at least a quarter of their time other kernels run beside them. In the schedule every
+    fused op of half A is launched right before half B's segment (and vice versa), so on a GPU-bound
+    run most of the communication should find compute beside it; measured on the benchmark model
+    (2 x H200): 65-88 %. A quarter leaves room for the first and last sites, which have nothing to
+    hide behind."""
     result = spawn(_trace, 2, "nccl")[0]
     print(result.summary())
     names = [name for _, _, name in result.top]
     assert any("fused_allreduce_rmsnorm" in n for n in names), names
     assert result.comm_streams and not (result.comm_streams & result.compute_streams), result.summary()
-    assert result.comm_overlapped_us > 0, result.summary()
+    assert result.overlap_fraction >= 0.25, result.summary()
 
 
 def _attend(op, q, k, v, causal):

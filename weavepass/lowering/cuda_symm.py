@@ -257,10 +257,35 @@ def _workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: 
     return ws
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """Everything one call of a given signature needs besides its tensors: worked out on the first
+    call (validation, plan, workspace, kernel) and reused, so a call costs two output allocations
+    and the Triton launch."""
+
+    kernel: object
+    grid: tuple[int]
+    tail: tuple  # ws buffer, pad, 2 x MAX_WORLD deltas, tokens, rows per rank, capacity
+    meta: dict  # constexprs and num_warps
+    hidden: int
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _ones(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The weight of a norm without scale (multiplying by 1.0 in fp32 is exact)."""
+    key = (hidden, dtype, device)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(hidden, dtype=dtype, device=device)
+    return _ONES[key]
+
+
 def fused_allreduce_rmsnorm_cuda(
     partial: torch.Tensor,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
@@ -279,36 +304,62 @@ def fused_allreduce_rmsnorm_cuda(
     writing the producing matmul straight into symmetric memory is a later optimisation. Outputs are
     fresh tensors, never views of the workspace, which the next call reuses. Unsupported inputs and
     batches larger than ``max_workspace_tokens`` (default ``DEFAULT_WORKSPACE_TOKENS``) run the portable
-    lowering instead, with a one-time warning.
-    """
-    reason = cuda_unsupported_reason(partial, residual, weight, group_name)
-    if reason is not None:
-        _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
-        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"out_dtype {out_dtype} is not bf16, fp16 or fp32")
+    lowering instead, with a one-time warning. A norm without weight (``weight=None``) scales by 1.
 
-    hidden = partial.shape[-1]
-    rows = partial.reshape(-1, hidden).contiguous()
-    num_tokens = rows.shape[0]
+    The first call of each signature (shapes, dtypes, devices, group, options) validates and plans;
+    later ones reuse that (``_LAUNCHES``): this op runs once per site and forward pass, and at small
+    batches its host cost, not the kernel, sets the time (benchmarks/bench_host_overhead.py).
+    """
+    key = (
+        partial.shape, partial.dtype, partial.device, partial.is_contiguous(),
+        None if residual is None else (residual.shape, residual.device),
+        None if weight is None else (weight.shape, weight.device),
+        group_name, out_dtype, max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS,
+        num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles,
+    )
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _prepare(key, partial, residual, weight, group_name, out_dtype)
+        if launch is None:  # unsupported here, or no workspace: the reason was warned once
+            return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
+    hidden = launch.hidden
+    rows = partial.reshape(-1, hidden)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
     normed = torch.empty(partial.shape, dtype=out_dtype, device=partial.device)
     residual_out = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
-    if num_tokens == 0:
+    if rows.shape[0] == 0:
         return normed, residual_out
+    res = rows if residual is None else residual.reshape(-1, hidden).contiguous()
+    w = _ones(hidden, partial.dtype, partial.device) if weight is None else weight.contiguous()
+    launch.kernel[launch.grid](rows, res, w, normed, residual_out, *launch.tail, eps, **launch.meta)
+    return normed, residual_out
 
+
+def _prepare(key, partial, residual, weight, group_name, out_dtype) -> _Launch | None:
+    """Validate a new call signature and plan its launch; cache and return it (None: fall back)."""
+    hidden = partial.shape[-1] if partial.dim() else 0
+    reason = cuda_unsupported_reason(
+        partial, residual, _ones(hidden, partial.dtype, partial.device) if weight is None else weight,
+        group_name,
+    )
+    if reason is not None:
+        _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
+        return None
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not bf16, fp16 or fp32")
+    num_tokens = partial.numel() // hidden
+    max_tokens = key[8]
+    num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles = key[9:]
     world = resolve_group(group_name).size()
-    max_tokens = max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS
     overrides = dict(
         num_ctas=num_ctas, tile_elements=tile_elements, num_warps=num_warps,
         pipelined=pipelined, chunk_tiles=chunk_tiles,
     )
-    plan = choose_launch_plan(
-        num_tokens, hidden, partial.element_size(), world, one_shot=one_shot, **overrides
-    )
+    elem = partial.element_size()
+    plan = choose_launch_plan(num_tokens, hidden, elem, world, one_shot=one_shot, **overrides)
     if plan.one_shot and world * num_tokens > max_tokens and one_shot is None:
-        plan = choose_launch_plan(
-            num_tokens, hidden, partial.element_size(), world, one_shot=False, **overrides
-        )
+        plan = choose_launch_plan(num_tokens, hidden, elem, world, one_shot=False, **overrides)
     owned = num_tokens if plan.one_shot else rows_per_rank(num_tokens, world)
     needed = max(world * owned, num_tokens) * hidden
     ws = _workspace(group_name, partial.dtype, partial.device, needed, hidden, max_tokens)
@@ -319,34 +370,20 @@ def fused_allreduce_rmsnorm_cuda(
             f"{needed} workspace elements, more than the {max_tokens}-token workspace holds (or a new "
             "workspace would be allocated inside CUDA-graph capture); raise the workspace limit",
         )
-        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
+        return None  # not cached: outside capture a later call may allocate it
 
     from weavepass.lowering.cuda_kernels import (
         fused_allreduce_rmsnorm_kernel,
         fused_allreduce_rmsnorm_pipelined_kernel,
     )
 
-    res = rows if residual is None else residual.reshape(-1, hidden).contiguous()
     if plan.pipelined:
         kernel = fused_allreduce_rmsnorm_pipelined_kernel
         variant = dict(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows)
     else:
         kernel = fused_allreduce_rmsnorm_kernel
         variant = dict(ONE_SHOT=plan.one_shot)
-    kernel[(plan.num_ctas,)](
-        rows,
-        res,
-        weight.contiguous(),
-        normed,
-        residual_out,
-        ws.buffer,
-        ws.pad,
-        *ws.buffer_deltas,
-        *ws.pad_deltas,
-        num_tokens,
-        rows_per_rank(num_tokens, world),
-        ws.capacity,
-        eps,
+    meta = dict(
         RANK=ws.rank,
         WORLD=world,
         HIDDEN=hidden,
@@ -357,4 +394,10 @@ def fused_allreduce_rmsnorm_cuda(
         num_warps=plan.num_warps,
         **variant,
     )
-    return normed, residual_out
+    tail = (
+        ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas,
+        num_tokens, rows_per_rank(num_tokens, world), ws.capacity,
+    )
+    launch = _Launch(kernel, (plan.num_ctas,), tail, meta, hidden)
+    _LAUNCHES[key] = launch
+    return launch

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from weavepass.lowering import get_lowering
+from weavepass.ops import FUSED_SCHEMA_ARGS, define_hot_op
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -41,18 +42,16 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 class _StreamJoin(dist.Work):
     """``wait()`` makes the waiting thread's current stream wait for ``event`` (no host sync)."""
 
-    def __init__(self, event: torch.cuda.Event):
+    def __init__(self, event: torch.cuda.Event, device: torch.device):
         super().__init__()
         self.event = event
+        self.device = device
 
     def wait(self, timeout=None) -> bool:
-        torch.cuda.current_stream(self.event_device).wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
         return True
 
-    event_device: torch.device | None = None
 
-
-@torch.library.custom_op("weave::fused_allreduce_rmsnorm_async", mutates_args=())
 def fused_allreduce_rmsnorm_async(
     partial: torch.Tensor,
     residual: torch.Tensor | None,
@@ -65,34 +64,43 @@ def fused_allreduce_rmsnorm_async(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weave.fused_allreduce_rmsnorm`` on the communication stream; wait on each output with
     ``_c10d_functional.wait_tensor`` before reading it (a no-op off CUDA). ``num_ctas`` > 0 sets
-    the CUDA kernel's grid (``WeaveConfig.overlap_comm_ctas``); other lowerings ignore it."""
+    the CUDA kernel's grid (``WeaveConfig.overlap_comm_ctas``); other lowerings ignore it.
+
+    Host cost matters here (one call per half and site, every forward pass): no context managers,
+    one join object for both outputs (benchmarks/bench_host_overhead.py measures it)."""
     run = get_lowering(lowering)
     if num_ctas and lowering == "cuda_symm":
         run = functools.partial(run, num_ctas=num_ctas)
-    if partial.device.type != "cuda":
+    device = partial.device
+    if device.type != "cuda":
         return run(partial, residual, weight, eps, group_name, out_dtype)
-    main = torch.cuda.current_stream(partial.device)
-    side = comm_stream(partial.device)
+    main = torch.cuda.current_stream(device)
+    side = _COMM_STREAMS.get(device.index) or comm_stream(device)
     side.wait_stream(main)  # fork: the inputs are ready
-    with torch.cuda.stream(side):
+    torch.cuda.set_stream(side)
+    try:
         normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype)
-        done = torch.cuda.Event()
-        done.record(side)
+        done = side.record_event()
+    finally:
+        torch.cuda.set_stream(main)
     for t in (partial, residual, weight):
         if t is not None:
             t.record_stream(side)  # main-stream blocks read on side: not reused before side is done
+    join = _StreamJoin(done, device)
     for out in (normed, residual_out):
         out.record_stream(main)  # side-stream blocks read and freed on main
-        join = _StreamJoin(done)
-        join.event_device = partial.device
         torch._C._distributed_c10d._register_work(out, join)
     return normed, residual_out
 
 
-@fused_allreduce_rmsnorm_async.register_fake
-def _(partial, residual, weight, eps, group_name, out_dtype, lowering, num_ctas=0):
+def _fake(partial, residual, weight, eps, group_name, out_dtype, lowering, num_ctas=0):
     return partial.new_empty(partial.shape, dtype=out_dtype), partial.new_empty(partial.shape)
 
 
-FUSED_ALLREDUCE_RMSNORM_ASYNC = torch.ops.weave.fused_allreduce_rmsnorm_async.default
+FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
+    "fused_allreduce_rmsnorm_async",
+    f"({FUSED_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
+    fused_allreduce_rmsnorm_async,
+    _fake,
+)
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
