@@ -11,8 +11,9 @@ like a functional collective, which Inductor already knows how to order:
   has it, and never moves reads of ``buf`` above it (the wait is a mutation of ``buf`` to Inductor).
 
 Events and stream waits are recorded into a CUDA graph during capture, so the fork/join replays.
-The caching allocator is told about the cross-stream uses (``record_stream``) so neither stream
-reuses a block the other still reads. On CPU (and every non-CUDA device) the op is the plain fused
+No stream reuses a block the other still reads: the join holds the inputs until the outputs are
+waited on, and the outputs' blocks are only reused on the communication stream after a later fork
+(``_StreamJoin`` says why this, not ``record_stream``). On CPU (and every non-CUDA device) the op is the plain fused
 op and ``wait_tensor`` finds no work: both are no-ops around the same math.
 """
 
@@ -40,12 +41,20 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class _StreamJoin(dist.Work):
-    """``wait()`` makes the waiting thread's current stream wait for ``event`` (no host sync)."""
+    """``wait()`` makes the waiting thread's current stream wait for ``event`` (no host sync).
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device):
+    It also holds the op's inputs until the last output is waited on: their blocks belong to the
+    main stream, and the communication stream reads them, so they must not go back to the caching
+    allocator (and be handed to a later main-stream kernel) before the main stream has waited for
+    that read. Holding them is how c10d's own collectives protect their inputs; ``record_stream``
+    would also be safe, but it keeps freed blocks allocated until the allocator polls an event,
+    which CUDA-graph trees report as live tensors not tracked as outputs."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device, keep: tuple):
         super().__init__()
         self.event = event
         self.device = device
+        self.keep = keep
 
     def wait(self, timeout=None) -> bool:
         torch.cuda.current_stream(self.device).wait_event(self.event)
@@ -83,12 +92,11 @@ def fused_allreduce_rmsnorm_async(
         done = side.record_event()
     finally:
         torch.cuda.set_stream(main)
-    for t in (partial, residual, weight):
-        if t is not None:
-            t.record_stream(side)  # main-stream blocks read on side: not reused before side is done
-    join = _StreamJoin(done, device)
+    # The outputs' blocks come from the communication stream's pool and are freed on the main
+    # stream after its wait; the side stream only reuses such a block in a later call, after that
+    # call's fork has made it wait for everything the main stream had queued (the reads included).
+    join = _StreamJoin(done, device, (partial, residual, weight))
     for out in (normed, residual_out):
-        out.record_stream(main)  # side-stream blocks read and freed on main
         torch._C._distributed_c10d._register_work(out, join)
     return normed, residual_out
 
