@@ -170,18 +170,27 @@ def test_token_counts_do_not_multiply_compiles():
     assert "run time from the symbolic size" in notes[-1], notes
 
 
-def _auto_threshold(rank, world, sizes):
+def _int_valued_nodes(graph) -> list[str]:
+    """Nodes whose value is a plain int: Inductor's fake-tensor update after the post-grad passes
+    rejects them (seen with torch 2.11 on CUDA)."""
+    return [n.name for n in graph.nodes if type(n.meta.get("val")) is int]
+
+
+def _auto_threshold(rank, world, sizes, low=24, high=45):
     torch._dynamo.reset()
-    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=24, overlap_min_tokens_moe=24,
-                                       overlap_max_tokens=45))
+    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=low, overlap_min_tokens_moe=low,
+                                       overlap_max_tokens=high))
     model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
-    compiled = torch.compile(model, backend=backend)
+    int_nodes = []
+    compiled = torch.compile(model, backend=backend,
+                             options={"post_grad_custom_post_pass": lambda g: int_nodes.extend(_int_valued_nodes(g))})
     worst, graphs_after = 0.0, []
     for seq in sizes:
         ids = random_token_ids(DENSE, 1, seq, seed=seq)
         with torch.no_grad():
             worst = max(worst, (compiled(ids) - model(ids)).abs().max().item())
         graphs_after.append(len(backend.report.graphs))
+    assert not int_nodes, int_nodes
     return graphs_after, [g.note for g in backend.report.graphs], worst
 
 
@@ -197,6 +206,18 @@ def test_auto_threshold_is_a_guard_on_symbolic_sizes():
     assert notes[1].startswith("fuse-only") and "below the overlap threshold 24" in notes[1], notes
     assert notes[2].startswith("token split") and "run time" in notes[2], notes
     assert notes[3].startswith("fuse-only") and "above overlap_max_tokens 45" in notes[3], notes
+
+
+def test_auto_window_of_one_size():
+    """A window of one size (the default: 16384 to 16384). Both guards pin the symbolic token count
+    to that size, so its graph is compiled as if static: the split point must come out as a plain
+    number, not as symbolic arithmetic on a pinned size (Inductor rejected that, seen on 2 H200s)."""
+    sizes = [5, 9, 32, 40, 32, 31]
+    graphs_after, notes, worst = spawn(_auto_threshold, 2, "gloo", sizes, 32, 32)[0]
+    assert worst < 1e-5
+    assert graphs_after == [1, 2, 3, 4, 4, 4], (graphs_after, notes)
+    assert notes[2].startswith("token split"), notes
+    assert "above overlap_max_tokens 32" in notes[3], notes
 
 
 class _TokenMixer(torch.nn.Module):

@@ -414,10 +414,19 @@ class TokenSplit:
         for node in reversed(list(info.token)):
             g.erase_node(node)
 
-    def _emit_new(self, target, args, kwargs=None) -> Node:
-        node = self.graph.call_function(target, args, kwargs or {})
-        args_v, kwargs_v = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        node.meta["val"] = _fake_call(target, args_v, kwargs_v)
+    def _emit_new(self, target, args, kwargs=None) -> Node | int:
+        """A new node computing ``target(*args)``, or the plain int when it computes a number.
+
+        Size arithmetic on a token count that guards have pinned to one value (``overlap="auto"``
+        with ``overlap_min_tokens == overlap_max_tokens``) yields ints, and Inductor rejects graph
+        nodes whose value is a plain int, so those are folded into their users' arguments."""
+        kwargs = kwargs or {}
+        args_v, kwargs_v = map_arg((args, kwargs), lambda n: n.meta["val"])
+        val = _fake_call(target, args_v, kwargs_v)
+        if type(val) is int:
+            return val
+        node = self.graph.call_function(target, args, kwargs)
+        node.meta["val"] = val
         return node
 
     def _emit_split_point(self):

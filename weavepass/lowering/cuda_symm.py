@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -238,6 +239,31 @@ def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     return _Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
 
 
+def _outside_graph_pools(make, device: torch.device):
+    """``make()`` run on a helper thread, then synchronised: what it allocates must outlive every
+    CUDA graph. During a CUDA-graph tree's warm-up run Inductor sends every allocation *of the
+    calling thread* into the graph's private pool and afterwards checks that nothing but the graph's
+    outputs stayed alive there; the workspace and the small device tables the symmetric-memory
+    rendezvous allocates stay alive by design (seen on 2 H200s: "2 tensors in the cudagraph pool
+    not tracked as outputs"). Another thread allocates from the ordinary pools."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            result["value"] = make()
+            torch.cuda.synchronize(device)  # its fills are done before any stream reads them
+        except BaseException as error:  # re-raised on the calling thread
+            result["error"] = error
+
+    worker = threading.Thread(target=run, name="weave-workspace")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def _workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: int):
     """The smallest cached workspace with ``needed`` elements per region; allocates the next size class
     (power-of-two tokens, at most ``max_tokens``) when none fits. None when the batch is too large, or
@@ -252,7 +278,8 @@ def _workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: 
     if torch.cuda.is_current_stream_capturing():
         return None
     tokens = max(MIN_WORKSPACE_TOKENS, triton_next_power_of_2(-(-needed // hidden)))
-    ws = _new_workspace(group_name, dtype, device, min(tokens * hidden, limit))
+    capacity = min(tokens * hidden, limit)
+    ws = _outside_graph_pools(lambda: _new_workspace(group_name, dtype, device, capacity), device)
     cached.append(ws)
     return ws
 
@@ -278,7 +305,8 @@ def _ones(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     """The weight of a norm without scale (multiplying by 1.0 in fp32 is exact)."""
     key = (hidden, dtype, device)
     if key not in _ONES:
-        _ONES[key] = torch.ones(hidden, dtype=dtype, device=device)
+        make = lambda: torch.ones(hidden, dtype=dtype, device=device)  # noqa: E731
+        _ONES[key] = _outside_graph_pools(make, device) if device.type == "cuda" else make()
     return _ONES[key]
 
 
