@@ -129,6 +129,33 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
         None, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
 
 
+def test_inductor_cuda_graphs_leave_cuda_sites_alone_unless_allowed(monkeypatch):
+    """Under mode="reduce-overhead" (Inductor CUDA-graph trees) weave has not passed its GPU tests:
+    CUDA sites stay all_reduce with the reason, whatever the lowering or size; CPU sites (no CUDA
+    graphs there) and an explicit allow_inductor_cudagraphs=True are rewritten."""
+    import types
+
+    import torch
+    from torch._inductor import config as inductor_config
+
+    from weavepass import scheduler
+
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
+
+    def site(device):
+        return types.SimpleNamespace(device=torch.device(device),
+                                     partial=types.SimpleNamespace(meta={"val": torch.empty(4096, 8)}))
+
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        for config in (WeaveConfig(), WeaveConfig(lowering="portable"), WeaveConfig(overlap="force")):
+            assert scheduler.choose_lowering(site("cuda:0"), config) == (None, scheduler.INDUCTOR_CUDAGRAPHS_NOTE)
+        assert "reduce-overhead" in scheduler.INDUCTOR_CUDAGRAPHS_NOTE
+        assert scheduler.choose_lowering(site("cpu"), WeaveConfig())[0] == "portable"
+        allowed = WeaveConfig(allow_inductor_cudagraphs=True)
+        assert scheduler.choose_lowering(site("cuda:0"), allowed)[0] == "cuda_symm"
+    assert scheduler.choose_lowering(site("cuda:0"), WeaveConfig())[0] == "cuda_symm"  # graphs off
+
+
 def _plans_on_rank(rank: int, world_size: int) -> list:
     plans = [plan_token_split(b, s, LLAMA70B_TP2, AUTO, H200) for b in (1, 2, 8) for s in (1, 7, 700, 5000)]
     gathered = [None] * world_size
@@ -144,8 +171,8 @@ def test_same_plan_on_every_rank():
 
 def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
     """Below cuda_min_tokens, without Inductor CUDA graphs, the host cost of the fused op measured
-    slower than NCCL: auto leaves the all_reduce and says why; under reduce-overhead, or with the
-    knob lowered, or when the user asked for cuda_symm, the site is fused."""
+    slower than NCCL: auto leaves the all_reduce and says why; with the knob lowered, when the user
+    asked for cuda_symm, or under Inductor CUDA graphs that the config allows, the site is fused."""
     import types
 
     import torch
@@ -160,11 +187,12 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
                                      partial=types.SimpleNamespace(meta={"val": torch.empty(*shape)}))
 
     lowering, reason = scheduler.choose_lowering(site(512, 8), WeaveConfig())
-    assert lowering is None and "512 tokens < cuda_min_tokens=1024" in reason and "reduce-overhead" in reason
+    assert lowering is None and "512 tokens < cuda_min_tokens=1024" in reason and "torch.cuda.graph" in reason
     assert scheduler.choose_lowering(site(1, 1024, 8), WeaveConfig())[0] == "cuda_symm"  # at the bound
     assert scheduler.choose_lowering(site(512, 8), WeaveConfig(cuda_min_tokens=1))[0] == "cuda_symm"
     assert scheduler.choose_lowering(site(512, 8), WeaveConfig(lowering="cuda_symm"))[0] == "cuda_symm"
     with inductor_config.patch({"triton.cudagraphs": True}):
-        assert scheduler.choose_lowering(site(1, 8), WeaveConfig())[0] == "cuda_symm"
+        allowed = WeaveConfig(allow_inductor_cudagraphs=True)
+        assert scheduler.choose_lowering(site(1, 8), allowed)[0] == "cuda_symm"
     with pytest.raises(ValueError, match="cuda_min_tokens"):
         WeaveConfig(cuda_min_tokens=0)

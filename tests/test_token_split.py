@@ -208,16 +208,30 @@ def test_auto_threshold_is_a_guard_on_symbolic_sizes():
     assert notes[3].startswith("fuse-only") and "above overlap_max_tokens 45" in notes[3], notes
 
 
+def _one_size_window(rank, world):
+    """The default-style window of one size: dynamic sizes (automatic dynamic after the second
+    call) are never split and keep one graph; a static compile at exactly that size splits."""
+    graphs_after, notes, worst = _auto_threshold(rank, world, [5, 9, 32, 40, 31], 32, 32)
+    torch._dynamo.reset()
+    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=32, overlap_min_tokens_moe=32,
+                                       overlap_max_tokens=32))
+    model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
+    ids = random_token_ids(DENSE, 1, 32, seed=32)
+    with torch.no_grad():
+        worst = max(worst, (torch.compile(model, backend=backend, dynamic=False)(ids) - model(ids)).abs().max().item())
+    return graphs_after, notes, worst, backend.report.graphs[0].note
+
+
 def test_auto_window_of_one_size():
-    """A window of one size (the default: 16384 to 16384). Both guards pin the symbolic token count
-    to that size, so its graph is compiled as if static: the split point must come out as a plain
-    number, not as symbolic arithmetic on a pinned size (Inductor rejected that, seen on 2 H200s)."""
-    sizes = [5, 9, 32, 40, 32, 31]
-    graphs_after, notes, worst = spawn(_auto_threshold, 2, "gloo", sizes, 32, 32)[0]
+    """overlap="auto" with overlap_min_tokens == overlap_max_tokens (the defaults). Guards for a
+    one-size window would pin a dynamic token count to that size (a ConstraintViolationError for
+    ``mark_dynamic`` inputs, seen on 2 H200s), so a symbolic count is not split and is not guarded:
+    one graph serves 9, 32, 40 and 31 tokens. A static batch of exactly the size is split."""
+    graphs_after, notes, worst, static_note = spawn(_one_size_window, 2)[0]
     assert worst < 1e-5
-    assert graphs_after == [1, 2, 3, 4, 4, 4], (graphs_after, notes)
-    assert notes[2].startswith("token split"), notes
-    assert "above overlap_max_tokens 32" in notes[3], notes
+    assert graphs_after == [1, 2, 2, 2, 2], (graphs_after, notes)
+    assert "window of one size (32 tokens" in notes[1], notes
+    assert static_note.startswith("token split"), static_note
 
 
 class _TokenMixer(torch.nn.Module):

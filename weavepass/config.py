@@ -38,8 +38,17 @@ class WeaveConfig:
     count is below this stay plain all_reduce, with the reason in the report. Measured on 2 H200s
     (docs/cuda_kernel.md): at 512 tokens the fused kernel's host cost (Python custom op and Triton
     launch, per site) made a 4-layer model 1.11x slower than plain Inductor, although the kernel
-    itself is 0.63x of NCCL's time; at 1024 it was a tie. Under ``mode="reduce-overhead"`` every
-    size is fused. If you capture CUDA graphs yourself, set this to 1."""
+    itself is 0.63x of NCCL's time; at 1024 it was a tie. If you capture CUDA graphs yourself
+    (``torch.cuda.graph``), set this to 1. Under Inductor's CUDA graphs (with
+    ``allow_inductor_cudagraphs``) every size is fused."""
+
+    allow_inductor_cudagraphs: bool = False
+    """Rewrite CUDA graphs that Inductor wraps in CUDA-graph trees (``mode="reduce-overhead"``).
+    Off by default: such graphs stay plain Inductor, and every site's report line says why. On 2
+    H200s (2026-11-30) the token split under CUDA-graph trees gave wrong answers
+    (``tests/gpu/test_overlap_gpu.py::test_overlap_under_reduce_overhead_mode``), and fuse-only has
+    not yet run there. Capturing the compiled model yourself with ``torch.cuda.graph`` is tested and
+    supported (split and fuse-only). Turn this on only to test the combination."""
 
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
@@ -52,7 +61,10 @@ class WeaveConfig:
     overlap_min_tokens: int = 16384
     """With ``overlap="auto"``: smallest token count (batch x sequence) a dense model is split at.
     Measured (docs/overlap.md): below 16K the split did not pay on 2 H200s (host overhead of the
-    doubled launches below 2K, a tie at 8K). On a symbolic token count the comparison is a guard."""
+    doubled launches below 2K, a tie at 8K). On a symbolic token count the comparison is a guard.
+    A window of one size (``overlap_min_tokens == overlap_max_tokens``, the default) splits only
+    static batches of exactly that size: guards for it would pin a dynamic token count to one value
+    (an error for ``mark_dynamic`` inputs), so a symbolic count is not split, and the report says so."""
 
     overlap_max_tokens: int = 16384
     """With ``overlap="auto"``: largest token count split. Measured: at 32K tokens the split ran

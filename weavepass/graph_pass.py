@@ -17,7 +17,7 @@ from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.patterns import find_allreduce_rmsnorm_sites
 from weavepass.report import AllReduceRecord, GraphReport
-from weavepass.scheduler import CUDA_COPY_NOTE, plan_sites
+from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 
 log = logging.getLogger("weavepass")
 
@@ -95,7 +95,8 @@ class WeavePass(CustomGraphPass):
         for plan in plans:
             record = by_name[plan.site.all_reduce.name]
             if plan.lowering is None:
-                log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
+                level = logging.WARNING if plan.reason == INDUCTOR_CUDAGRAPHS_NOTE else logging.INFO
+                log.log(level, "weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
             fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))

@@ -54,6 +54,14 @@ CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspa
 """Said on every ``cuda_symm`` site: one extra read of the partial per site (docs/cuda_kernel.md)."""
 
 
+INDUCTOR_CUDAGRAPHS_NOTE = (
+    "left as all_reduce: Inductor CUDA graphs (mode='reduce-overhead') are on, and weave has not "
+    "passed its GPU tests under CUDA-graph trees (the split gave wrong answers on 2 H200s); capture "
+    "the compiled model with torch.cuda.graph instead, or set allow_inductor_cudagraphs=True to test it"
+)
+"""Said on every CUDA site of a graph Inductor wraps in CUDA-graph trees, unless the config allows it."""
+
+
 def _static_tokens(site: FusedAllReduceRMSNormSite) -> int | None:
     """The site's token count (rows of the partial) when static, else None (read guard-free)."""
     shape = site.partial.meta["val"].shape[:-1]
@@ -77,6 +85,8 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     (fp32 reduce_scatter + all_gather through NCCL) moves twice the bytes of the model's own
     all_reduce, and a rewrite must never make a batch slower than the plain compiled model.
     """
+    if site.device.type == "cuda" and _inductor_cudagraphs() and not config.allow_inductor_cudagraphs:
+        return None, INDUCTOR_CUDAGRAPHS_NOTE
     auto = config.lowering == "auto"
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
     if wanted != "cuda_symm":
@@ -88,8 +98,7 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
             return None, (
                 f"left as all_reduce: {tokens} tokens < cuda_min_tokens={config.cuda_min_tokens} "
                 "without CUDA graphs (host-bound: the fused op's launch costs more than it saves); "
-                "compile with mode='reduce-overhead', or set cuda_min_tokens=1 if you capture CUDA "
-                "graphs yourself"
+                "set cuda_min_tokens=1 if you capture CUDA graphs yourself (torch.cuda.graph)"
             )
         return wanted, CUDA_COPY_NOTE
     if auto:
@@ -229,6 +238,10 @@ def overlap_window_reason(tokens, config: WeaveConfig, moe: bool = False) -> str
     low = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
     kind = "MoE" if moe else "dense"
     symbolic = not isinstance(tokens, int)
+    if symbolic and low == config.overlap_max_tokens:  # no comparison: it would pin the size
+        return (f"symbolic token count and a window of one size ({low} tokens, {kind}): guards for "
+                "it would pin the dynamic size to one value, so only a static batch of that size "
+                "is split (widen overlap_min_tokens..overlap_max_tokens to split dynamic batches)")
     if tokens < low:
         if symbolic:
             return (f"symbolic token count below the overlap threshold {low} ({kind}); guarded, so "

@@ -169,13 +169,13 @@ def test_cut_sequence_attention_by_log_sum_exp(op):
     torch.testing.assert_close(merged.float(), want[:, :, s_a:], atol=2**-6, rtol=2**-6)
 
 
-def _reduce_overhead(rank, world):
+def _reduce_overhead(rank, world, overlap):
     from torch._dynamo.utils import counters
 
     _no_multicast()
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap="force", cuda_min_tokens=1))
+    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, allow_inductor_cudagraphs=True))
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
     worst = 0.0
@@ -186,13 +186,27 @@ def _reduce_overhead(rank, world):
             want = model(ids)
             torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
             worst = max(worst, (got.float() - want.float()).abs().max().item())
-    assert backend.report.graphs[0].note.startswith("token split"), backend.report.graphs[0].note
+    graph = backend.report.graphs[0]
+    if overlap == "force":
+        assert graph.note.startswith("token split"), graph.note
+    assert graph.ops_after.get("weave.fused_allreduce_rmsnorm.default", 0) + graph.ops_after.get(
+        "weave.fused_allreduce_rmsnorm_async.default", 0) > 0, graph.ops_after
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     return worst
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "2 x H200, 2026-11-30: wrong answers (max abs error 13 on 62% of elements); the manual "
+    "torch.cuda.graph capture of the same split model passes. Until this passes, weave leaves "
+    "graphs under Inductor CUDA graphs alone (WeaveConfig.allow_inductor_cudagraphs=False)"))
 def test_overlap_under_reduce_overhead_mode():
     """``torch.compile(..., backend=weave, mode="reduce-overhead")``: Inductor's CUDA-graph trees
     capture the split model (fork/join through events inside the capture) and replays equal eager
     (same tolerance as the manual capture test: bf16 through 2 layers)."""
-    spawn(_reduce_overhead, 2, "nccl")
+    spawn(_reduce_overhead, 2, "nccl", "force")
+
+
+def test_fuse_only_under_reduce_overhead_mode():
+    """The same for the fused op without the split (no second stream): not yet run on GPUs, so
+    weave still leaves such graphs alone by default."""
+    spawn(_reduce_overhead, 2, "nccl", "off")
