@@ -36,6 +36,7 @@ step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to 
 step pytest_models "${E2E_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA --durations=10 \
     tests/gpu/test_model_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_flashcomm_gpu.py
 step bench_overlap "${OVERLAP_TIMEOUT_S:-300}" python3 benchmarks/bench_overlap.py --out "$OUT" $QUICK
+step bench_host_overhead "${HOST_TIMEOUT_S:-120}" python3 benchmarks/bench_host_overhead.py --out "$OUT"
 step pytest_kernel "${KERNEL_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -rA --durations=10 \
     tests/gpu/test_cuda_kernel.py
 step bench_fused_allreduce_rmsnorm "${BENCH_TIMEOUT_S:-300}" \

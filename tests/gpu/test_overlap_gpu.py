@@ -178,14 +178,16 @@ def _reduce_overhead(rank, world, overlap):
     backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, allow_inductor_cudagraphs=True))
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
-    worst = 0.0
+    errors = []  # per call, so a failure shows which phase of the tree goes wrong
     with torch.no_grad():
-        for seed in range(5):  # warm-up, recording, then replays of the CUDA graph on new inputs
+        for seed in range(5):  # call 0 warm-up, 1 recording, 2-4 replays on new inputs
             ids = random_token_ids(CFG, 1, 384, seed=seed, device=device)
             got = compiled(ids).clone()  # the tree reuses its output buffers on the next replay
             want = model(ids)
-            torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
-            worst = max(worst, (got.float() - want.float()).abs().max().item())
+            close = torch.allclose(got.float(), want.float(), atol=0.1, rtol=0.05)
+            errors.append((seed, round((got.float() - want.float()).abs().max().item(), 4), close))
+    assert all(close for _, _, close in errors), f"(call, max abs error, within tolerance): {errors}"
+    worst = max(err for _, err, _ in errors)
     graph = backend.report.graphs[0]
     if overlap == "force":
         assert graph.note.startswith("token split"), graph.note
