@@ -338,18 +338,20 @@ def fused_allreduce_rmsnorm_cuda(
     later ones reuse that (``_LAUNCHES``): this op runs once per site and forward pass, and at small
     batches its host cost, not the kernel, sets the time (benchmarks/bench_host_overhead.py).
     """
+    max_tokens = max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS
+    options = (num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles)
     key = (
         partial.shape, partial.dtype, partial.device, partial.is_contiguous(),
         None if residual is None else (residual.shape, residual.device),
         None if weight is None else (weight.shape, weight.device),
-        group_name, out_dtype, max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS,
-        num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles,
+        group_name, out_dtype, max_tokens, options,
     )
     launch = _LAUNCHES.get(key)
     if launch is None:
-        launch = _prepare(key, partial, residual, weight, group_name, out_dtype)
+        launch = _prepare(partial, residual, weight, group_name, out_dtype, max_tokens, *options)
         if launch is None:  # unsupported here, or no workspace: the reason was warned once
             return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
+        _LAUNCHES[key] = launch
     hidden = launch.hidden
     rows = partial.reshape(-1, hidden)
     if not rows.is_contiguous():
@@ -364,8 +366,11 @@ def fused_allreduce_rmsnorm_cuda(
     return normed, residual_out
 
 
-def _prepare(key, partial, residual, weight, group_name, out_dtype) -> _Launch | None:
-    """Validate a new call signature and plan its launch; cache and return it (None: fall back)."""
+def _prepare(
+    partial, residual, weight, group_name, out_dtype, max_tokens,
+    num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles,
+) -> _Launch | None:
+    """Validate a new call signature and plan its launch (None: fall back to portable)."""
     hidden = partial.shape[-1] if partial.dim() else 0
     reason = cuda_unsupported_reason(
         partial, residual, _ones(hidden, partial.dtype, partial.device) if weight is None else weight,
@@ -377,8 +382,6 @@ def _prepare(key, partial, residual, weight, group_name, out_dtype) -> _Launch |
     if out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not bf16, fp16 or fp32")
     num_tokens = partial.numel() // hidden
-    max_tokens = key[8]
-    num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles = key[9:]
     world = resolve_group(group_name).size()
     overrides = dict(
         num_ctas=num_ctas, tile_elements=tile_elements, num_warps=num_warps,
@@ -426,6 +429,4 @@ def _prepare(key, partial, residual, weight, group_name, out_dtype) -> _Launch |
         ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas,
         num_tokens, rows_per_rank(num_tokens, world), ws.capacity,
     )
-    launch = _Launch(kernel, (plan.num_ctas,), tail, meta, hidden)
-    _LAUNCHES[key] = launch
-    return launch
+    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden)
