@@ -173,6 +173,26 @@ def test_graph_under_threshold_is_left_to_the_fuse_path():
     assert graph.ops_after["weave.fused_allreduce_rmsnorm.default"] == 2 * DENSE.n_layers + 1
 
 
+def test_graph_stopped_under_inductor_cuda_graphs_stays_unchanged(monkeypatch):
+    """The CUDA-graph-tree stop is graph-wide: with FlashComm and the split both asked for, a graph
+    the scheduler stops keeps every all_reduce and gains no weave op, and the report says why. (The
+    stop itself needs CUDA sites; here the scheduler's decision is stubbed on a CPU graph.)"""
+    from weavepass import scheduler
+
+    monkeypatch.setattr(scheduler, "inductor_cudagraphs_reason",
+                        lambda sites, config: scheduler.INDUCTOR_CUDAGRAPHS_NOTE)
+    with fake_process_group(2):
+        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
+        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8, "overlap": "force"}))
+        with torch.no_grad():
+            compile_fn(model)(random_token_ids(DENSE, 2, 5))
+    graph = backend.report.graphs[0]
+    assert graph.ops_after == graph.ops_before
+    assert not any(op.startswith("weave.") for op in graph.ops_after)
+    assert graph.note == f"not rewritten: {scheduler.INDUCTOR_CUDAGRAPHS_NOTE}"
+    assert [r.reason for r in graph.records] == [scheduler.INDUCTOR_CUDAGRAPHS_NOTE] * (2 * DENSE.n_layers + 1)
+
+
 def test_broken_residual_stream_names_the_boundary():
     with fake_process_group(2):
         backend, compile_fn = _compile(WeaveConfig(**ON))

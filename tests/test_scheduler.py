@@ -129,10 +129,10 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
         None, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
 
 
-def test_inductor_cuda_graphs_leave_cuda_sites_alone_unless_allowed(monkeypatch):
+def test_inductor_cuda_graphs_leave_cuda_sites_alone_unless_allowed():
     """Under mode="reduce-overhead" (Inductor CUDA-graph trees) weave has not passed its GPU tests:
-    CUDA sites stay all_reduce with the reason, whatever the lowering or size; CPU sites (no CUDA
-    graphs there) and an explicit allow_inductor_cudagraphs=True are rewritten."""
+    a graph with CUDA sites gets the reason on every site, whatever the lowering, size or strategy;
+    CPU graphs (no CUDA graphs there) and an explicit allow_inductor_cudagraphs=True are not stopped."""
     import types
 
     import torch
@@ -140,20 +140,21 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_unless_allowed(monkeypatch)
 
     from weavepass import scheduler
 
-    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
-
     def site(device):
-        return types.SimpleNamespace(device=torch.device(device),
+        return types.SimpleNamespace(device=torch.device(device), group_name="0",
                                      partial=types.SimpleNamespace(meta={"val": torch.empty(4096, 8)}))
 
+    mixed = [site("cuda:0"), site("cuda:0")]
+    note = scheduler.INDUCTOR_CUDAGRAPHS_NOTE
+    assert "reduce-overhead" in note
     with inductor_config.patch({"triton.cudagraphs": True}):
-        for config in (WeaveConfig(), WeaveConfig(lowering="portable"), WeaveConfig(overlap="force")):
-            assert scheduler.choose_lowering(site("cuda:0"), config) == (None, scheduler.INDUCTOR_CUDAGRAPHS_NOTE)
-        assert "reduce-overhead" in scheduler.INDUCTOR_CUDAGRAPHS_NOTE
-        assert scheduler.choose_lowering(site("cpu"), WeaveConfig())[0] == "portable"
-        allowed = WeaveConfig(allow_inductor_cudagraphs=True)
-        assert scheduler.choose_lowering(site("cuda:0"), allowed)[0] == "cuda_symm"
-    assert scheduler.choose_lowering(site("cuda:0"), WeaveConfig())[0] == "cuda_symm"  # graphs off
+        for config in (WeaveConfig(), WeaveConfig(lowering="portable"), WeaveConfig(overlap="force"),
+                       WeaveConfig(enable_flashcomm=True)):
+            assert scheduler.inductor_cudagraphs_reason(mixed, config) == note
+            assert [(p.lowering, p.reason) for p in scheduler.plan_sites(mixed, config)] == [(None, note)] * 2
+        assert scheduler.inductor_cudagraphs_reason([site("cpu")], WeaveConfig()) is None
+        assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig(allow_inductor_cudagraphs=True)) is None
+    assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig()) is None  # graphs off
 
 
 def _plans_on_rank(rank: int, world_size: int) -> list:

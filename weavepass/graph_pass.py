@@ -83,6 +83,10 @@ class WeavePass(CustomGraphPass):
             )
         report.records = [records[i] for i in sorted(records)]
         by_name = {r.node: r for r in report.records}
+        if plans and plans[0].reason == INDUCTOR_CUDAGRAPHS_NOTE:  # graph-wide: no strategy runs
+            report.add_note(f"not rewritten: {INDUCTOR_CUDAGRAPHS_NOTE}")
+            log.warning("weavepass: graph %d %s", report.graph_index, report.notes[-1])
+            return
 
         if self.config.enable_flashcomm:
             from weavepass.flashcomm import apply_flashcomm
@@ -95,8 +99,7 @@ class WeavePass(CustomGraphPass):
         for plan in plans:
             record = by_name[plan.site.all_reduce.name]
             if plan.lowering is None:
-                level = logging.WARNING if plan.reason == INDUCTOR_CUDAGRAPHS_NOTE else logging.INFO
-                log.log(level, "weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
+                log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
             fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))

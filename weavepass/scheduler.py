@@ -85,8 +85,6 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     (fp32 reduce_scatter + all_gather through NCCL) moves twice the bytes of the model's own
     all_reduce, and a rewrite must never make a batch slower than the plain compiled model.
     """
-    if site.device.type == "cuda" and _inductor_cudagraphs() and not config.allow_inductor_cudagraphs:
-        return None, INDUCTOR_CUDAGRAPHS_NOTE
     auto = config.lowering == "auto"
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
     if wanted != "cuda_symm":
@@ -106,7 +104,19 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     return "portable", f"portable instead of cuda_symm: {reason}"
 
 
+def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> str | None:
+    """``INDUCTOR_CUDAGRAPHS_NOTE`` when Inductor wraps this graph in CUDA-graph trees, the graph has
+    CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops
+    every strategy (fused sites, the token split and FlashComm), not one lowering."""
+    if config.allow_inductor_cudagraphs or not _inductor_cudagraphs():
+        return None
+    return INDUCTOR_CUDAGRAPHS_NOTE if any(site.device.type == "cuda" for site in sites) else None
+
+
 def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> list[SitePlan]:
+    blocked = inductor_cudagraphs_reason(sites, config)
+    if blocked is not None:
+        return [SitePlan(site, None, blocked) for site in sites]
     plans = []
     for site in sites:
         size = group_size(site.group_name)

@@ -417,9 +417,10 @@ class TokenSplit:
     def _emit_new(self, target, args, kwargs=None) -> Node | int:
         """A new node computing ``target(*args)``, or the plain int when it computes a number.
 
-        Size arithmetic on a token count that guards have pinned to one value (``overlap="auto"``
-        with ``overlap_min_tokens == overlap_max_tokens``) yields ints, and Inductor rejects graph
-        nodes whose value is a plain int, so those are folded into their users' arguments."""
+        Size arithmetic on a symbolic token count that guards have pinned to one value yields ints,
+        and Inductor rejects graph nodes whose value is a plain int, so those are folded into their
+        users' arguments. (The one-size ``auto`` window used to pin it; it no longer compares a
+        symbolic count at all, but guards from the model itself can still pin one.)"""
         kwargs = kwargs or {}
         args_v, kwargs_v = map_arg((args, kwargs), lambda n: n.meta["val"])
         val = _fake_call(target, args_v, kwargs_v)
