@@ -297,7 +297,9 @@ class _Launch:
     hidden: int
 
 
-_LAUNCHES: dict[tuple, _Launch] = {}
+_PORTABLE = "portable"
+"""Cached for a call signature the kernel can never serve: later calls go straight to portable."""
+_LAUNCHES: dict[tuple, _Launch | str] = {}
 _ONES: dict[tuple, torch.Tensor] = {}
 
 
@@ -349,9 +351,10 @@ def fused_allreduce_rmsnorm_cuda(
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _prepare(partial, residual, weight, group_name, out_dtype, max_tokens, *options)
-        if launch is None:  # unsupported here, or no workspace: the reason was warned once
-            return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
-        _LAUNCHES[key] = launch
+        if launch is not None:
+            _LAUNCHES[key] = launch
+    if not isinstance(launch, _Launch):  # unsupported or no workspace: the reason was warned once
+        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
     hidden = launch.hidden
     rows = partial.reshape(-1, hidden)
     if not rows.is_contiguous():
@@ -369,8 +372,10 @@ def fused_allreduce_rmsnorm_cuda(
 def _prepare(
     partial, residual, weight, group_name, out_dtype, max_tokens,
     num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles,
-) -> _Launch | None:
-    """Validate a new call signature and plan its launch (None: fall back to portable)."""
+) -> _Launch | str | None:
+    """Validate a new call signature and plan its launch. ``_PORTABLE`` when the kernel cannot
+    serve it; None when no workspace fits now (not cached: the batch may fit later outside
+    CUDA-graph capture, or never: then the warning is not repeated)."""
     hidden = partial.shape[-1] if partial.dim() else 0
     reason = cuda_unsupported_reason(
         partial, residual, _ones(hidden, partial.dtype, partial.device) if weight is None else weight,
@@ -378,7 +383,7 @@ def _prepare(
     )
     if reason is not None:
         _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
-        return None
+        return _PORTABLE
     if out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not bf16, fp16 or fp32")
     num_tokens = partial.numel() // hidden

@@ -84,7 +84,7 @@ def fused_allreduce_rmsnorm_async(
     if device.type != "cuda":
         return run(partial, residual, weight, eps, group_name, out_dtype)
     main = torch.cuda.current_stream(device)
-    side = _COMM_STREAMS.get(device.index) or comm_stream(device)
+    side = comm_stream(device)
     side.wait_stream(main)  # fork: the inputs are ready
     torch.cuda.set_stream(side)
     try:
