@@ -7,6 +7,7 @@ Usage: python3 scripts/diag_reduce_overhead.py [variant ...]
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -75,6 +76,8 @@ def _run(rank, world, names):
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     out = [f"graph_partition default: {torch._inductor.config.graph_partition}"]
+    if rank == 0 and os.environ.get("DIAG_LOGS"):  # generated code and partition decisions
+        torch._logging.set_logs(output_code=True, cudagraphs=True)
     for name in names:
         dist.barrier()
         out.append(f"== {name}")
