@@ -121,11 +121,16 @@ def _generated_code(rank, world):
     return code[0]
 
 
-def test_generated_code_interleaves_halves():
+@pytest.fixture(scope="module")
+def generated_code() -> str:
+    code = spawn(_generated_code, 2)[0]
+    return code[code.index("def call("):]
+
+
+def test_generated_code_interleaves_halves(generated_code):
     """Inductor keeps the schedule: A's fused op, B's compute, B's fused op, then A's next compute
     after a wait, for every site (cut 4 / 5 tokens: the halves are told apart by their rows)."""
-    code = spawn(_generated_code, 2)[0]
-    body = code[code.index("def call("):]
+    body = generated_code
     events = []
     for line in body.splitlines():
         fused = re.search(r"fused_allreduce_rmsnorm_async\.default\(reinterpret_tensor\(\w+, \(1, (\d), 64\)", line)
@@ -144,6 +149,52 @@ def test_generated_code_interleaves_halves():
     for a, b in list(zip(a_positions, b_positions))[1:]:
         assert "mm" in events[a:b], events[a:b]
     assert "fused_allreduce_rmsnorm.default(" not in body
+
+
+def _top_level_args(call: str) -> list[str]:
+    """The arguments of the first call in ``call`` (text), split at top-level commas."""
+    args, depth, current = [], 0, ""
+    for char in call[call.index("(") + 1:]:
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            if depth == 0:
+                break
+            depth -= 1
+        if char == "," and depth == 0:
+            args.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return args + [current.strip()]
+
+
+def test_generated_code_keeps_async_inputs_until_the_wait(generated_code):
+    """The communication stream reads an async op's partial and residual after the op returns, so
+    Inductor must neither free nor reuse their buffers (``del bufN``, ``bufM = bufN; del bufN  #
+    reuse``) before the wait that joins the stream. ``hold_inputs`` right after the first wait is
+    their last reader. Without it, Inductor's CUDA-graph partitions reused a partial's buffer for the
+    next GEMM (wrong answers under mode="reduce-overhead" on 2 x H200); here on CPU, the partial of
+    every op was ``del``-ed on the line after the op."""
+    lines = generated_code.splitlines()
+    calls = [i for i, line in enumerate(lines) if "fused_allreduce_rmsnorm_async.default(" in line]
+    assert len(calls) == 2 * 3, len(calls)
+    for i in calls:
+        args = [arg for arg in _top_level_args(lines[i])[:2] if "buf" in arg]  # partial, residual
+        inputs = {name for arg in args for name in re.findall(r"\bbuf\d+\b", arg)}
+        assert inputs, lines[i]
+        holds = [j for j in range(i + 1, len(lines)) if "hold_inputs.default(" in lines[j]
+                 and all(arg in _top_level_args(lines[j])[1] for arg in args)]
+        assert holds, f"no hold_inputs reads {inputs} after: {lines[i].strip()}"
+        released = [lines[j].strip() for j in range(i + 1, holds[0]) for name in inputs
+                    if re.search(rf"\bdel {name}\b", lines[j])]
+        assert not released, (lines[i].strip(), released)
+        result = re.match(r"\s*(buf\d+) = ", lines[i]).group(1)
+        outputs = {m.group(1) for line in lines[i + 1:i + 12]
+                   if (m := re.match(rf"\s*(buf\d+) = {result}\[[01]\]", line))}
+        joined = _top_level_args(lines[holds[0]])[0]
+        assert joined in outputs, (joined, outputs)  # it reads one of this op's own outputs ...
+        assert any(f"wait_tensor.default({joined})" in lines[j] for j in range(i + 1, holds[0]))  # waited
 
 
 def _recompiles(rank, world, sizes):

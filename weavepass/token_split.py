@@ -39,7 +39,7 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from weavepass.config import WeaveConfig
-from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, HOLD_INPUTS, WAIT_TENSOR
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.report import GraphReport
 from weavepass.scheduler import (
@@ -384,6 +384,7 @@ class TokenSplit:
             anchor = anchor.next
         self.copies: dict[str, dict[Node, Node]] = {h: {} for h in HALVES}
         self.waited: dict[Node, Node] = {}
+        self.held: set[Node] = set()  # async ops whose inputs a hold_inputs already reads
         self.slices: dict[tuple, Node] = {}
         self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
         with g.inserting_before(anchor):
@@ -475,6 +476,11 @@ class TokenSplit:
         if copy.target is operator.getitem and copy.args[0].target is FUSED_ALLREDUCE_RMSNORM_ASYNC:
             if copy not in self.waited:
                 self.waited[copy] = self._emit_new(WAIT_TENSOR, (copy,))
+                fork = copy.args[0]
+                if fork not in self.held:  # the first wait joins the stream: inputs free after it
+                    self.held.add(fork)
+                    inputs = [a for a in fork.args[:2] if isinstance(a, Node)]  # partial, residual
+                    self._emit_new(HOLD_INPUTS, (self.waited[copy], inputs))
             return self.waited[copy]
         return copy
 

@@ -11,10 +11,23 @@ like a functional collective, which Inductor already knows how to order:
   has it, and never moves reads of ``buf`` above it (the wait is a mutation of ``buf`` to Inductor).
 
 Events and stream waits are recorded into a CUDA graph during capture, so the fork/join replays.
-No stream reuses a block the other still reads: the join holds the inputs until the outputs are
-waited on, and the outputs' blocks are only reused on the communication stream after a later fork
-(``_StreamJoin`` says why this, not ``record_stream``). On CPU (and every non-CUDA device) the op is the plain fused
-op and ``wait_tensor`` finds no work: both are no-ops around the same math.
+No stream reuses a block the other still reads:
+
+* the caching allocator: the join holds the inputs until the outputs are waited on, and the
+  outputs' blocks are only reused on the communication stream after a later fork (``_StreamJoin``
+  says why this, not ``record_stream``);
+* Inductor: it reuses a buffer in place (``bufN = bufM; del bufM  # reuse``) as soon as its last
+  reader in the graph has been *launched*, which for the async op is long before the
+  communication stream has read it. Only functional collectives get their inputs kept alive up
+  to the wait; this op is a plain fallback kernel to Inductor. So the split puts
+  ``weave::hold_inputs(waited, [partial, residual])`` right after the first wait of each async op:
+  a later reader of the inputs, which Inductor must keep them for. Without it, Inductor's graph
+  partitions (the default under ``mode="reduce-overhead"`` since torch 2.9) reused the partial's
+  buffer for the next GEMM while the fused kernel was still reading it (wrong answers on
+  2 x H200, 2026-11-30).
+
+On CPU (and every non-CUDA device) the op is the plain fused op and ``wait_tensor`` finds no
+work: both are no-ops around the same math.
 """
 
 from __future__ import annotations
@@ -112,3 +125,18 @@ FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
     _fake,
 )
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+def hold_inputs(joined: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """Does nothing at run time. In a graph it reads the async op's ``inputs`` after the wait on
+    ``joined`` (an output of the same op), so Inductor keeps their buffers, and reuses none of them
+    in place, until the communication stream is done with them (module docstring). ``joined`` is
+    declared mutated so that the op stays in the graph (no dead-code elimination in any supported
+    torch) and after the wait that produced it."""
+
+
+def _hold_fake(joined, inputs):
+    return None
+
+
+HOLD_INPUTS = define_hot_op("hold_inputs", "(Tensor(a!) joined, Tensor[] inputs) -> ()", hold_inputs, _hold_fake)
