@@ -129,10 +129,10 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
         None, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
 
 
-def test_inductor_cuda_graphs_leave_cuda_sites_alone_unless_allowed():
-    """Under mode="reduce-overhead" (Inductor CUDA-graph trees) weave has not passed its GPU tests:
+def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
+    """With allow_inductor_cudagraphs=False, under mode="reduce-overhead" (Inductor CUDA-graph trees)
     a graph with CUDA sites gets the reason on every site, whatever the lowering, size or strategy;
-    CPU graphs (no CUDA graphs there) and an explicit allow_inductor_cudagraphs=True are not stopped."""
+    CPU graphs (no CUDA graphs there) and the default (allowed) are not stopped."""
     import types
 
     import torch
@@ -148,13 +148,14 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_unless_allowed():
     note = scheduler.INDUCTOR_CUDAGRAPHS_NOTE
     assert "reduce-overhead" in note
     with inductor_config.patch({"triton.cudagraphs": True}):
-        for config in (WeaveConfig(), WeaveConfig(lowering="portable"), WeaveConfig(overlap="force"),
-                       WeaveConfig(enable_flashcomm=True)):
+        for fields in ({}, {"lowering": "portable"}, {"overlap": "force"}, {"enable_flashcomm": True}):
+            config = WeaveConfig(allow_inductor_cudagraphs=False, **fields)
             assert scheduler.inductor_cudagraphs_reason(mixed, config) == note
             assert [(p.lowering, p.reason) for p in scheduler.plan_sites(mixed, config)] == [(None, note)] * 2
-        assert scheduler.inductor_cudagraphs_reason([site("cpu")], WeaveConfig()) is None
-        assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig(allow_inductor_cudagraphs=True)) is None
-    assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig()) is None  # graphs off
+        forbidden = WeaveConfig(allow_inductor_cudagraphs=False)
+        assert scheduler.inductor_cudagraphs_reason([site("cpu")], forbidden) is None
+        assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig()) is None  # the default allows
+    assert scheduler.inductor_cudagraphs_reason(mixed, forbidden) is None  # graphs off
 
 
 def _plans_on_rank(rank: int, world_size: int) -> list:

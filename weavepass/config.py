@@ -42,13 +42,13 @@ class WeaveConfig:
     (``torch.cuda.graph``), set this to 1. Under Inductor's CUDA graphs (with
     ``allow_inductor_cudagraphs``) every size is fused."""
 
-    allow_inductor_cudagraphs: bool = False
-    """Rewrite CUDA graphs that Inductor wraps in CUDA-graph trees (``mode="reduce-overhead"``).
-    Off by default: such graphs stay plain Inductor, and every site's report line says why. On 2
-    H200s (2026-11-30) the token split under CUDA-graph trees gave wrong answers
-    (``tests/gpu/test_overlap_gpu.py::test_overlap_under_reduce_overhead_mode``), and fuse-only has
-    not yet run there. Capturing the compiled model yourself with ``torch.cuda.graph`` is tested and
-    supported (split and fuse-only). Turn this on only to test the combination."""
+    allow_inductor_cudagraphs: bool = True
+    """Rewrite graphs that Inductor wraps in CUDA-graph trees (``mode="reduce-overhead"``). On by
+    default since the split, fuse-only and FlashComm passed their reduce-overhead GPU tests on 2
+    H200s (2026-11-30, tests/gpu). Set False to leave such graphs plain Inductor as a whole (every
+    site's report line then says why), e.g. to rule weave out when a CUDA-graph run misbehaves.
+    History: the split gave wrong answers there until ``weave::hold_inputs`` kept its inputs from
+    Inductor's in-place buffer reuse (weavepass/lowering/streams.py)."""
 
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never

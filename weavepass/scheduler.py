@@ -55,11 +55,10 @@ CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspa
 
 
 INDUCTOR_CUDAGRAPHS_NOTE = (
-    "left as all_reduce: Inductor CUDA graphs (mode='reduce-overhead') are on, and weave has not "
-    "passed its GPU tests under CUDA-graph trees (the split gave wrong answers on 2 H200s); capture "
-    "the compiled model with torch.cuda.graph instead, or set allow_inductor_cudagraphs=True to test it"
+    "left as all_reduce: Inductor CUDA graphs (mode='reduce-overhead') are on and "
+    "WeaveConfig.allow_inductor_cudagraphs is False"
 )
-"""Said on every CUDA site of a graph Inductor wraps in CUDA-graph trees, unless the config allows it."""
+"""Said on every CUDA site of a graph Inductor wraps in CUDA-graph trees when the config forbids it."""
 
 
 def _static_tokens(site: FusedAllReduceRMSNormSite) -> int | None:

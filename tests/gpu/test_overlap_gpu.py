@@ -176,7 +176,7 @@ def _reduce_overhead(rank, world, overlap):
     _no_multicast()
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, allow_inductor_cudagraphs=True))
+    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1))  # CUDA graphs allowed by default
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
     errors = []  # per call, so a failure shows which phase of the tree goes wrong
@@ -208,6 +208,5 @@ def test_overlap_under_reduce_overhead_mode():
 
 
 def test_fuse_only_under_reduce_overhead_mode():
-    """The same for the fused op without the split (no second stream): not yet run on GPUs, so
-    weave still leaves such graphs alone by default."""
+    """The same for the fused op without the split (no second stream)."""
     spawn(_reduce_overhead, 2, "nccl", "off")
