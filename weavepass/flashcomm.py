@@ -46,9 +46,16 @@ from weavepass.lowering.portable import resolve_group
 from weavepass.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.patterns.rmsnorm import is_target, val
 from weavepass.report import GraphReport
-from weavepass.scheduler import SitePlan, group_size
+from weavepass.scheduler import SitePlan, _inductor_cudagraphs, group_size
 
 log = logging.getLogger("weavepass")
+
+SYMM_MEM_CUDAGRAPHS_NOTE = (
+    "Inductor CUDA graphs are on: PyTorch's symm_mem fused matmul ops allocate their symmetric "
+    "workspace on first use, inside the CUDA-graph pool, which CUDA-graph trees reject ('tensors in "
+    "the cudagraph pool not tracked as outputs', 2 x H200, 2026-11-30); plain reduce_scatter and "
+    "all_gather instead"
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -298,9 +305,8 @@ class _FlashCommRewrite:
         self.new_nodes: list[Node] = []
         self.symm_reason = None
         if kind == "cuda" and config.enable_mmrs_fusion:
-            self.symm_reason = flashcomm_cuda.symm_mem_unavailable_reason(
-                decision.group_name, torch.device("cuda")
-            )
+            self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if _inductor_cudagraphs() else (
+                flashcomm_cuda.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
 
     # -- small graph helpers (insert at the current insertion point, fake values set later)
 
