@@ -252,6 +252,27 @@ def test_cuda_graph_uses_fused_matmul_reduce_scatter_and_all_gather_matmul():
     assert not any("all_reduce" in op for op in graph.ops_after)
 
 
+def test_cuda_graph_under_inductor_cuda_graphs_uses_plain_collectives(monkeypatch):
+    """Under mode="reduce-overhead" the symm_mem fused matmul ops are not used (their workspace
+    lands in the CUDA-graph pool and the trees raise, seen on 2 H200s): every site reduce-scatters
+    and gathers with plain collectives and says why."""
+    import weavepass.flashcomm as flashcomm
+
+    monkeypatch.setattr(flashcomm, "_inductor_cudagraphs", lambda: True)
+    with fake_process_group(2), symm_mem_on_cpu(), force_device_kind("cuda"):
+        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
+        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
+        with torch.no_grad():
+            compile_fn(model)(random_token_ids(DENSE, 1, 7))
+    graph = backend.report.graphs[0]
+    sites = 2 * DENSE.n_layers + 1
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * sites
+    assert not any(op.startswith("symm_mem.") for op in graph.ops_after), graph.ops_after
+    assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == sites
+    assert all(flashcomm.SYMM_MEM_CUDAGRAPHS_NOTE in r.reason for r in graph.records), (
+        [r.reason for r in graph.records])
+
+
 # ---------------------------------------------------------------------------------------------
 # Numerics on gloo
 
