@@ -236,13 +236,19 @@ def test_npu_graph_calls_mmrs_and_add_rms_norm():
     assert norms[0]["x1"] == ((16, 64), torch.bfloat16) and norms[0]["epsilon"] == 1e-5
 
 
-def test_cuda_graph_uses_fused_matmul_reduce_scatter_and_all_gather_matmul():
+def _cuda_mmrs_graph():
+    """The dense model's graph report, compiled as a CUDA graph (symm_mem emulated on CPU) with
+    FlashComm and MMRS fusion asked for."""
     with fake_process_group(2), symm_mem_on_cpu(), force_device_kind("cuda"):
         model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
         backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
         with torch.no_grad():
             compile_fn(model)(random_token_ids(DENSE, 1, 7))
-    graph = backend.report.graphs[0]
+    return backend.report.graphs[0]
+
+
+def test_cuda_graph_uses_fused_matmul_reduce_scatter_and_all_gather_matmul():
+    graph = _cuda_mmrs_graph()
     sites = 2 * DENSE.n_layers + 1
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] + ["flashcomm:cuda_symm"] * (sites - 1)
     assert graph.ops_after["symm_mem.fused_matmul_reduce_scatter.default"] == sites - 1
@@ -258,13 +264,8 @@ def test_cuda_graph_under_inductor_cuda_graphs_uses_plain_collectives(monkeypatc
     and gathers with plain collectives and says why."""
     import weavepass.flashcomm as flashcomm
 
-    monkeypatch.setattr(flashcomm, "_inductor_cudagraphs", lambda: True)
-    with fake_process_group(2), symm_mem_on_cpu(), force_device_kind("cuda"):
-        model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
-        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
-        with torch.no_grad():
-            compile_fn(model)(random_token_ids(DENSE, 1, 7))
-    graph = backend.report.graphs[0]
+    monkeypatch.setattr(flashcomm, "inductor_cudagraphs_on", lambda: True)
+    graph = _cuda_mmrs_graph()
     sites = 2 * DENSE.n_layers + 1
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * sites
     assert not any(op.startswith("symm_mem.") for op in graph.ops_after), graph.ops_after

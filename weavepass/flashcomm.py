@@ -46,7 +46,7 @@ from weavepass.lowering.portable import resolve_group
 from weavepass.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.patterns.rmsnorm import is_target, val
 from weavepass.report import GraphReport
-from weavepass.scheduler import SitePlan, _inductor_cudagraphs, group_size
+from weavepass.scheduler import SitePlan, group_size, inductor_cudagraphs_on
 
 log = logging.getLogger("weavepass")
 
@@ -305,7 +305,7 @@ class _FlashCommRewrite:
         self.new_nodes: list[Node] = []
         self.symm_reason = None
         if kind == "cuda" and config.enable_mmrs_fusion:
-            self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if _inductor_cudagraphs() else (
+            self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
                 flashcomm_cuda.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
 
     # -- small graph helpers (insert at the current insertion point, fake values set later)

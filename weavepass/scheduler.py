@@ -69,7 +69,7 @@ def _static_tokens(site: FusedAllReduceRMSNormSite) -> int | None:
     return math.prod(int(s) for s in shape)
 
 
-def _inductor_cudagraphs() -> bool:
+def inductor_cudagraphs_on() -> bool:
     """Whether Inductor wraps this compile in CUDA graphs (``mode="reduce-overhead"``)."""
     from torch._inductor import config as inductor_config
 
@@ -91,7 +91,7 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     reason = _cuda_unsupported_reason(site, config)
     if reason is None:
         tokens = _static_tokens(site)
-        if auto and tokens is not None and tokens < config.cuda_min_tokens and not _inductor_cudagraphs():
+        if auto and tokens is not None and tokens < config.cuda_min_tokens and not inductor_cudagraphs_on():
             return None, (
                 f"left as all_reduce: {tokens} tokens < cuda_min_tokens={config.cuda_min_tokens} "
                 "without CUDA graphs (host-bound: the fused op's launch costs more than it saves); "
@@ -107,7 +107,7 @@ def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: W
     """``INDUCTOR_CUDAGRAPHS_NOTE`` when Inductor wraps this graph in CUDA-graph trees, the graph has
     CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops
     every strategy (fused sites, the token split and FlashComm), not one lowering."""
-    if config.allow_inductor_cudagraphs or not _inductor_cudagraphs():
+    if config.allow_inductor_cudagraphs or not inductor_cudagraphs_on():
         return None
     return INDUCTOR_CUDAGRAPHS_NOTE if any(site.device.type == "cuda" for site in sites) else None
 

@@ -22,7 +22,7 @@ No stream reuses a block the other still reads:
   to the wait; this op is a plain fallback kernel to Inductor. So the split puts
   ``weave::hold_inputs(waited, [partial, residual])`` right after the first wait of each async op:
   a later reader of the inputs, which Inductor must keep them for. Without it, Inductor's graph
-  partitions (the default under ``mode="reduce-overhead"`` since torch 2.9) reused the partial's
+  partitions (on by default under ``mode="reduce-overhead"`` in torch 2.11) reused the partial's
   buffer for the next GEMM while the fused kernel was still reading it (wrong answers on
   2 x H200, 2026-11-30).
 
