@@ -1,7 +1,7 @@
 """Host cost of one fused op call, next to its GPU time: is a small batch host-bound?
 
-Per rank (2 GPUs, NCCL), for a bf16 ``[tokens, 8192]`` partial, it enqueues ``--calls`` calls back to
-back without synchronising and reports, per call:
+Per rank (``--world`` GPUs, NCCL; 2 by default), for a bf16 ``[tokens, 8192]`` partial, it enqueues
+``--calls`` calls back to back without synchronising and reports, per call:
 
     host_us   wall time of the enqueue loop / calls (what the Python side costs)
     gpu_us    CUDA-event time of the same loop / calls (when host_us > gpu_us the GPU waits on the host)
@@ -9,12 +9,17 @@ back without synchronising and reports, per call:
 for these ways of running all_reduce + add + RMSNorm:
 
     nccl_unfused   functional all_reduce + wait, then add and RMSNorm in eager ops (what eager runs)
+    dispatch       an op defined like the fused op (``define_hot_op``, same schema) whose body does
+                   nothing: the floor of a call through ``torch.ops`` from Python
     lowering       ``weavepass.lowering.cuda_symm.fused_allreduce_rmsnorm_cuda`` called directly
+    lowering_triton  the same with every launch through Triton's ``JITFunction`` dispatch (the path
+                   before the cached direct launch)
     op             ``torch.ops.weave.fused_allreduce_rmsnorm`` (what a fuse-only graph calls)
     async_op       ``torch.ops.weave.fused_allreduce_rmsnorm_async`` + ``wait_tensor`` on both
                    outputs (what a split graph calls, per half and site)
 
-Ranks are aligned with a barrier before each loop. Output: a table on stdout and
+``--world 1`` runs on one GPU: the kernel then has no peers (add + RMSNorm), but the host side is the
+same code, so the host column is the real one. Ranks are aligned with a barrier before each loop. Output: a table on stdout and
 ``<out>/bench_host_overhead.csv``. Run: ``python3 benchmarks/bench_host_overhead.py``.
 """
 
@@ -31,10 +36,11 @@ import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sy
 import torch
 import torch.distributed as dist
 
-WAYS = ("nccl_unfused", "lowering", "op", "async_op")
+WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op")
 
 
 def _callables(group_name: str):
+    from weavepass.lowering import cuda_symm
     from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
     from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
     from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
@@ -49,6 +55,16 @@ def _callables(group_name: str):
     def lowering(p, r, w):
         return fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group_name, p.dtype)
 
+    def lowering_triton(p, r, w):
+        cuda_symm._DIRECT_LAUNCH = False
+        try:
+            return fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group_name, p.dtype)
+        finally:
+            cuda_symm._DIRECT_LAUNCH = True
+
+    def dispatch(p, r, w):
+        return _empty_op()(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm")
+
     def op(p, r, w):
         return FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm")
 
@@ -56,7 +72,32 @@ def _callables(group_name: str):
         normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", 0)
         return WAIT_TENSOR(normed), WAIT_TENSOR(res)
 
-    return {"nccl_unfused": nccl_unfused, "lowering": lowering, "op": op, "async_op": async_op}
+    return {"nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
+            "lowering_triton": lowering_triton, "op": op, "async_op": async_op}
+
+
+_EMPTY_OP = []
+
+
+def _empty_op():
+    """``weave_bench::empty``: the fused op's schema, registered the way the fused op is, returning
+    two preallocated tensors (defined once per process, on first use)."""
+    if not _EMPTY_OP:
+        from weavepass.ops import FUSED_SCHEMA_ARGS
+
+        lib = torch.library.Library("weave_bench", "DEF")
+        outs = {}
+
+        def impl(partial, residual, weight, eps, group_name, out_dtype, lowering):
+            key = (partial.shape, partial.dtype, partial.device)
+            if key not in outs:
+                outs[key] = (torch.empty_like(partial), torch.empty_like(partial))
+            return outs[key]
+
+        lib.define(f"empty({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor)")
+        lib.impl("empty", impl, "CompositeExplicitAutograd")
+        _EMPTY_OP.extend([lib, torch.ops.weave_bench.empty.default])
+    return _EMPTY_OP[1]
 
 
 def _measure(fn, args, calls: int, repeats: int) -> tuple[float, float]:
@@ -105,14 +146,17 @@ def main() -> None:
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--world", type=int, default=2, help="GPUs (ranks); 1: host cost on one GPU")
     args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("bench_host_overhead needs 2 GPUs")
+    if torch.cuda.device_count() < args.world:
+        raise SystemExit(f"bench_host_overhead --world {args.world} needs {args.world} GPUs")
     from weavepass.testing import spawn
 
     config = {"tokens": args.tokens, "ways": args.ways.split(","), "calls": args.calls,
               "repeats": args.repeats}
-    rows = spawn(_run_rank, 2, "nccl", config, timeout_s=600.0)[0]
+    rows = spawn(_run_rank, args.world, "nccl", config, timeout_s=600.0)[0]
+    for row in rows:
+        row["world"] = args.world
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench_host_overhead.csv", "w", newline="") as f:
