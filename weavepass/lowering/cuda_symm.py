@@ -307,9 +307,12 @@ class _Launch:
     tail: tuple  # ws buffer, pad, 2 x MAX_WORLD deltas, tokens, rows per rank, capacity
     meta: dict  # constexprs and num_warps
     hidden: int
+    ones: torch.Tensor | None = None  # the weight of a norm without scale
+    empty: bool = False  # no rows: nothing to launch
     compiled: object = None  # triton CompiledKernel, after the first launch
     constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
     aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
+    runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
 
 
 _PORTABLE = "portable"
@@ -357,10 +360,12 @@ def fused_allreduce_rmsnorm_cuda(
     """
     max_tokens = max_workspace_tokens or DEFAULT_WORKSPACE_TOKENS
     options = (num_ctas, one_shot, tile_elements, num_warps, pipelined, chunk_tiles)
+    # Every property the compiled kernel depends on is in the key (the direct launch trusts it):
+    # dtypes (Triton specialises on pointer types), shapes (integer arguments) and contiguity.
     key = (
         partial.shape, partial.dtype, partial.device, partial.is_contiguous(),
-        None if residual is None else (residual.shape, residual.device),
-        None if weight is None else (weight.shape, weight.device),
+        None if residual is None else (residual.shape, residual.dtype, residual.device, residual.is_contiguous()),
+        None if weight is None else (weight.shape, weight.dtype, weight.device, weight.is_contiguous()),
         group_name, out_dtype, max_tokens, options,
     )
     launch = _LAUNCHES.get(key)
@@ -370,16 +375,21 @@ def fused_allreduce_rmsnorm_cuda(
             _LAUNCHES[key] = launch
     if not isinstance(launch, _Launch):  # unsupported or no workspace: the reason was warned once
         return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
-    hidden = launch.hidden
-    rows = partial.reshape(-1, hidden)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    normed = torch.empty(partial.shape, dtype=out_dtype, device=partial.device)
-    residual_out = torch.empty(partial.shape, dtype=partial.dtype, device=partial.device)
-    if rows.shape[0] == 0:
+    # The kernel reads rows through raw pointers: a contiguous tensor of any shape [..., H] is its
+    # [T, H] matrix already (no reshape needed); others are copied once.
+    rows = partial if key[3] else partial.contiguous()
+    normed = torch.empty_like(rows, dtype=out_dtype)
+    residual_out = torch.empty_like(rows)
+    if launch.empty:
         return normed, residual_out
-    res = rows if residual is None else residual.reshape(-1, hidden).contiguous()
-    w = _ones(hidden, partial.dtype, partial.device) if weight is None else weight.contiguous()
+    if residual is None:
+        res = rows
+    else:
+        res = residual if key[4][3] else residual.contiguous()
+    if weight is None:
+        w = launch.ones
+    else:
+        w = weight if key[5][3] else weight.contiguous()
     _launch(launch, (rows, res, w, normed, residual_out, *launch.tail, eps))
     return normed, residual_out
 
@@ -393,19 +403,25 @@ def _aligned(args: tuple) -> bool:
 def _launch(launch: _Launch, args: tuple) -> None:
     """Launch ``launch.kernel`` on ``args`` (its non-constexpr arguments, in order): straight through
     the compiled kernel's launcher when the first launch's specialisation still holds, else through
-    Triton's ``JITFunction`` (which also records the compiled kernel on the first call)."""
+    Triton's ``JITFunction`` (which also records the compiled kernel on the first call). Launch hooks
+    (profilers) get what Triton's own path gives them."""
     compiled = launch.compiled
-    if compiled is not None and _DIRECT_LAUNCH and _launch_hooks_off() and _aligned(args) == launch.aligned:
+    if compiled is not None and _DIRECT_LAUNCH and _aligned(args) == launch.aligned:
+        runtime = launch.runtime
         stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+        enter = runtime.launch_enter_hook
+        metadata = None if enter is None else compiled.launch_metadata(launch.grid, stream, *args)
         compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *launch.constexprs)
+                     metadata, enter, runtime.launch_exit_hook, *args, *launch.constexprs)
         return
     result = launch.kernel[launch.grid](*args, **launch.meta)
-    if compiled is None and result is not None and hasattr(result, "packed_metadata"):
+    runtime = _triton_runtime_knobs()
+    if compiled is None and runtime is not None and hasattr(result, "packed_metadata"):
         names = launch.kernel.arg_names[len(args):]
         if set(names) <= set(launch.meta):  # every remaining parameter is a constexpr we pass
             launch.constexprs = tuple(launch.meta[name] for name in names)
             launch.aligned = _aligned(args)
+            launch.runtime = runtime
             launch.compiled = result
 
 
@@ -415,18 +431,13 @@ _DIRECT_LAUNCH = os.environ.get("WEAVE_TRITON_DIRECT_LAUNCH", "1") != "0"
 
 @functools.cache
 def _triton_runtime_knobs():
-    """``triton.knobs.runtime`` (where launch hooks are set), or None in a Triton without it."""
+    """``triton.knobs.runtime`` (where launch hooks live), or None in a Triton without it (then
+    every launch goes through Triton's dispatch)."""
     try:
         from triton import knobs
     except ImportError:
         return None
     return getattr(knobs, "runtime", None)
-
-
-def _launch_hooks_off() -> bool:
-    """Profilers (e.g. proton) hook Triton launches; with a hook set, launches go through Triton."""
-    runtime = _triton_runtime_knobs()
-    return runtime is not None and runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
 
 
 def _prepare(
@@ -494,4 +505,5 @@ def _prepare(
         ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas,
         num_tokens, rows_per_rank(num_tokens, world), ws.capacity,
     )
-    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden)
+    ones = _ones(hidden, partial.dtype, partial.device) if weight is None else None
+    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0)

@@ -1,0 +1,112 @@
+"""Where the host time of one fused-op call goes, on one GPU (a group of one rank).
+
+Prints (1) the cost of each step of ``fused_allreduce_rmsnorm_cuda`` timed in isolation, per call,
+and (2) a cProfile of many calls of the lowering and of the op, by own time. Run on a GPU machine:
+``python3 scripts/profile_host_cost.py [--tokens 256] [--calls 2000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_name] = _value
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    from weavepass.lowering import cuda_symm
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+
+    group = dist.group.WORLD.group_name
+    p = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+    r, w = torch.randn_like(p), torch.ones(args.hidden, device="cuda", dtype=torch.bfloat16)
+    lowering = lambda: cuda_symm.fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group, p.dtype)  # noqa: E731
+    op = lambda: FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group, p.dtype, "cuda_symm")  # noqa: E731
+    from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+
+    def async_op():
+        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group, p.dtype, "cuda_symm", 0)
+        return WAIT_TENSOR(normed), WAIT_TENSOR(res)
+
+    lowering()
+    launch = next(v for k, v in cuda_symm._LAUNCHES.items() if k[0] == p.shape)
+    runtime = cuda_symm._triton_runtime_knobs()
+    print("direct launch recorded:", launch.compiled is not None, "aligned:", launch.aligned,
+          "launch hooks:", runtime.launch_enter_hook, runtime.launch_exit_hook)
+    n_out = torch.empty_like(p)
+    o_out = torch.empty_like(p)
+    call_args = (p, r, w, n_out, o_out, *launch.tail, 1e-5)
+    c = launch.compiled
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    steps = {
+        "torch.empty(shape, dtype, device)": lambda: torch.empty(p.shape, dtype=p.dtype, device=p.device),
+        "torch.empty_like(p)": lambda: torch.empty_like(p),
+        "torch.empty_like(p, dtype=)": lambda: torch.empty_like(p, dtype=torch.bfloat16),
+        "p.new_empty(p.shape)": lambda: p.new_empty(p.shape),
+        "p.shape, p.dtype, p.device, is_contiguous": lambda: (p.shape, p.dtype, p.device, p.is_contiguous()),
+        "p.reshape(-1, H)": lambda: p.reshape(-1, args.hidden),
+        "r.reshape(-1, H).contiguous()": lambda: r.reshape(-1, args.hidden).contiguous(),
+        "5 x data_ptr": lambda: cuda_symm._aligned(call_args),
+        "_cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "compiled.run (launcher)": lambda: c.run(launch.grid[0], 1, 1, stream, c.function, c.packed_metadata,
+                                                  None, None, None, *call_args, *launch.constexprs),
+        "compiled.launch_metadata": lambda: c.launch_metadata(launch.grid, stream, *call_args),
+        "launcher.launch (C, no scratch)": lambda: c.run.launch(launch.grid[0], 1, 1, stream, c.function,
+                                                                 c.run.launch_cooperative_grid, c.run.launch_pdl,
+                                                                 None, None, c.packed_metadata, None, None, None,
+                                                                 *call_args, *launch.constexprs),
+        "JITFunction[grid](...)": lambda: launch.kernel[launch.grid](*call_args, **launch.meta),
+        "_launch (direct)": lambda: cuda_symm._launch(launch, call_args),
+        "lowering": lowering,
+        "op (torch.ops)": op,
+        "async op + 2 wait_tensor": async_op,
+    }
+    print(f"T={args.tokens} H={args.hidden}, us per call (median of 5 loops of {args.calls}):")
+    for name, fn in steps.items():
+        runs = sorted(per_call_us(fn, args.calls) for _ in range(5))
+        print(f"  {name:<40} {runs[2]:8.2f}")
+    for name, fn in (("lowering", lowering), ("op", op), ("async op", async_op)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- cProfile of {args.calls} calls of {name}, by own time")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
