@@ -29,8 +29,8 @@ range, fp32, world size, the chip's rules, ...) falls back to ``mm -> reduce_sca
 
 The decision (``decide_flashcomm``) depends only on the config, shapes and the group's size, so
 every rank decides the same; on NPU the fused ops also read the chip name, the same on every rank
-of a job (``weavepass.lowering.npu``). Dynamic shapes: the decision is guard-free, so only a static token
-count qualifies; a symbolic one leaves the graph to the normal fuse path with that reason.
+of a job (``weavepass.lowering.npu``). Dynamic shapes: the decision is guard-free, so only a static
+token count qualifies; a symbolic one leaves the graph to the normal fuse path with that reason.
 """
 
 from __future__ import annotations
@@ -462,7 +462,8 @@ class _FlashCommRewrite:
 
     def gather_normed(self, site, normed: Node) -> tuple[Node | None, str]:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when
-        ``fused_all_gather_matmul`` took over every consumer."""
+        ``fused_all_gather_matmul`` took over every consumer (CUDA). On NPU the rows come from
+        ``npu_all_gather_base_mm`` where it can take one consumer matmul."""
         if self.npu_target is not None:
             found = self.npu_all_gather_mm(site, normed)
             if not isinstance(found, str):
@@ -550,9 +551,10 @@ class _FlashCommRewrite:
                     and tuple(val(rows).shape) == rows_shape):
                 continue
             wv, xv = val(mm.args[1]), val(normed)
-            reason = npu.matmul_comm_unsupported_reason(
-                npu.AGMM, self.npu_target, tuple(xv.shape), tuple(xv.stride()), xv.dtype,
-                tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False)
+            reason = "the matmul operands have no tensor metadata" if wv is None or xv is None else \
+                npu.matmul_comm_unsupported_reason(
+                    npu.AGMM, self.npu_target, tuple(xv.shape), tuple(xv.stride()), xv.dtype,
+                    tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False)
             w = self.weight_before(mm, point) if reason is None else None
             if w is None:
                 first_reason = first_reason or reason or f"the weight of {mm.name} is computed after the norm"
