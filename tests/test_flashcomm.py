@@ -3,10 +3,13 @@
 Graph tests trace on a fake process group (no communication). Numeric tests spawn gloo worlds of 2
 and 3 ranks and compare each compiled model with its eager self against an fp32 eager reference of
 the same TP model (``check_against_eager``: ``err_compiled <= 2 * err_eager + atol[dtype] *
-max(1, max|ref|)``, atol = 2^-7 for bf16 (one bf16 ulp: the shard's norm may round once
-differently from eager, and npu_add_rms_norm keeps the weight multiply in fp32), 1e-4 for fp32).
-The NPU path runs against ``weavepass.testing.npu_emulator`` (the documented torch_npu API).
-Every compile uses ``dynamic=False``: FlashComm qualifies static token counts only.
+max(1, max|ref|)``, atol = 2^-7 for bf16, 2^-10 for fp16 (one ulp: the shard's norm may round once
+differently from eager), 1e-4 for fp32). The NPU path runs against
+``weavepass.testing.npu_emulator``: the real torch_npu schemas, the wrapper's and CANN's documented
+checks per chip, and CANN's reference rounding for ``npu_add_rms_norm`` (on Ascend910B/910_93 it
+rounds ``x * rstd`` to bf16 before the gamma multiply, or multiplies gamma in fp16, as eager's
+``w * normed.to(dtype)`` does; on Ascend950 it rounds once from fp32). Every compile uses
+``dynamic=False``: FlashComm qualifies static token counts only.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ from weavepass.testing import (
     random_token_ids,
     spawn,
 )
-from weavepass.testing.npu_emulator import emulated_torch_npu
+from weavepass.testing.npu_emulator import (
+    TORCH_NPU_SCHEMAS,
+    EmulatedTorchNPU,
+    add_rms_norm_reference,
+    bind,
+    emulated_torch_npu,
+)
 
 # o_proj's k = 4 * 128 / world and down_proj's k = 512 / world are >= 256 for world 2, so MMRS
 # applies there; at world 3 the emulated op refuses the world size and everything falls back.
@@ -61,6 +70,7 @@ class TwoSites(nn.Module):
     """
 
     def __init__(self, ks, biases, dtype, rank: int, world: int, hidden: int = 64):
+        # hidden >= 256 lets npu_all_gather_base_mm take the gather before up[1] (k = hidden)
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         p = lambda t: nn.Parameter(t.to(dtype), requires_grad=False)  # noqa: E731
@@ -127,21 +137,147 @@ def test_padding_rule():
     assert padded_token_count(8192, 8) == 8192
 
 
-def test_mmrs_conditions():
-    ok = dict(x_shape=(64, 256), x_stride=(256, 1), x_dtype=torch.bfloat16, w_shape=(256, 32),
-              w_dtype=torch.bfloat16, world_size=2, has_bias=False)
-    assert npu.mmrs_unsupported_reason(**ok) is None
-    for change, words in [
-        (dict(x_shape=(64, 128), w_shape=(128, 32)), "k=128"),
-        (dict(has_bias=True), "bias"),
-        (dict(x_dtype=torch.float32, w_dtype=torch.float32), "float32"),
-        (dict(w_dtype=torch.float16), "fp16 or bf16"),
-        (dict(world_size=3), "world size 3"),
-        (dict(x_shape=(63, 256)), "divisible"),
-        (dict(x_stride=(1, 64)), "transposed"),
-        (dict(x_shape=(64, 65535), w_shape=(65535, 32), x_stride=(65535, 1)), "outside"),
+A2, A3, A950 = "Ascend910B3", "Ascend910_9382", "Ascend950PR"
+
+
+def _target(chip: str, mode: str = "auto") -> npu.FusedCommTarget:
+    with emulated_torch_npu(chip):
+        return npu.fused_comm_target(mode)
+
+
+@pytest.mark.parametrize("chip, mode, resolved, words", [
+    (A2, "auto", "aiv", None),
+    (A3, "auto", "aiv", None),
+    (A950, "auto", "ccu", None),
+    (A2, "ai_cpu", "ai_cpu", None),
+    (A2, "none", "none", None),
+    (A950, "ccu", "ccu", None),
+    (A2, "ccu", "ccu", "comm_mode 'ccu' is not taken on Atlas A2"),
+    (A950, "aiv", "aiv", "comm_mode 'aiv' is not taken on Ascend 950"),
+    (A950, "none", "none", "comm_mode 'none' is not taken on Ascend 950"),
+    ("Ascend310P3", "auto", "auto", "chip 'Ascend310P3' is not one weavepass has fused-op rules for"),
+])
+def test_comm_mode_per_chip(chip, mode, resolved, words):
+    target = _target(chip, mode)
+    assert (target.device_name, target.comm_mode) == (chip, resolved)
+    assert target.reason is None if words is None else words in target.reason
+
+
+def test_unreadable_chip_name_turns_the_fused_ops_off(monkeypatch):
+    monkeypatch.setattr(npu, "resolve_torch_npu", lambda: (_ for _ in ()).throw(RuntimeError("no torch_npu")))
+    assert "cannot read the NPU chip name: no torch_npu" in npu.fused_comm_target("auto").reason
+
+
+_OK = dict(x_shape=(64, 256), x_stride=(256, 1), x_dtype=torch.bfloat16, w_shape=(256, 32),
+           w_stride=(32, 1), w_dtype=torch.bfloat16, world_size=2, has_bias=False)
+
+
+@pytest.mark.parametrize("op", [npu.MMRS, npu.AGMM])
+def test_matmul_comm_conditions(op):
+    a2 = _target(A2)
+    assert npu.matmul_comm_unsupported_reason(op, a2, **_OK) is None
+    assert npu.matmul_comm_unsupported_reason(op, a2, **{**_OK, "w_stride": (1, 256)}) is None  # w.t()
+    for chip, change, words in [
+        (A2, dict(x_shape=(64, 128), x_stride=(128, 1), w_shape=(128, 32)), "k=128"),
+        (A2, dict(has_bias=True), "bias"),
+        (A2, dict(x_dtype=torch.float32, w_dtype=torch.float32), "float32"),
+        (A2, dict(w_dtype=torch.float16), "fp16 or bf16"),
+        (A2, dict(world_size=3), "world size 3 is not one of (2, 4, 8) documented"),
+        (A2, dict(world_size=16), "world size 16 is not one of (2, 4, 8) documented"),
+        (A3, dict(world_size=16), "off from 16 ranks"),
+        (A3, dict(world_size=32), "off from 16 ranks"),
+        (A950, dict(world_size=16), "off from 16 ranks"),
+        (A2, dict(x_stride=(1, 64)), "x1 is a transposed"),
+        (A2, dict(w_stride=(64, 1)), "neither contiguous nor a plain transpose"),
+        (A2, dict(w_stride=(1, 512)), "neither contiguous nor a plain transpose"),
+        (A2, dict(x_shape=(64, 65535), w_shape=(65535, 32), x_stride=(65535, 1)), "outside"),
     ]:
-        assert words in npu.mmrs_unsupported_reason(**{**ok, **change}), change
+        assert words in npu.matmul_comm_unsupported_reason(op, _target(chip), **{**_OK, **change}), (chip, change)
+    odd_m = npu.matmul_comm_unsupported_reason(op, a2, **{**_OK, "x_shape": (63, 256)})
+    assert (odd_m is not None and "divisible" in odd_m) if op == npu.MMRS else odd_m is None
+    huge = dict(x_shape=(2**20, 4096), x_stride=(4096, 1), w_shape=(4096, 32))  # 16 GiB gathered on 2
+    assert "over CANN's" in npu.matmul_comm_unsupported_reason(npu.AGMM, _target(A950), **{**_OK, **huge})
+
+
+@pytest.mark.parametrize("op", [npu.MMRS, npu.AGMM])
+def test_chip_rules_agree_with_the_emulated_op(op):
+    """Every (chip, comm_mode, world size) the policy accepts runs on the emulated op, and every one
+    the emulator (torch_npu's wrapper + CANN's docs, written independently) rejects is refused. The
+    one stricter policy rule is vllm-ascend's 16-rank limit."""
+    refused_by_field_rule = 0
+    for chip in (A2, A3, A950):
+        for mode in ("aiv", "ai_cpu", "ccu", "none"):
+            for world in (2, 4, 8, 16, 32):
+                target = _target(chip, mode)
+                reason = npu.matmul_comm_unsupported_reason(op, target, **{**_OK, "world_size": world})
+                with fake_process_group(world) as group:
+                    emulator = EmulatedTorchNPU(chip)
+                    x, w = torch.ones(64, 256, dtype=torch.bfloat16), torch.ones(256, 32, dtype=torch.bfloat16)
+                    kwargs = {} if mode == "none" else {"comm_mode": mode}
+                    try:
+                        getattr(emulator, op)(x, w, emulator.hccl_comm_name(group), world, **kwargs)
+                        emulated_error = None
+                    except RuntimeError as error:
+                        emulated_error = str(error)
+                if reason is None:
+                    assert emulated_error is None, (chip, mode, world, emulated_error)
+                elif emulated_error is None:
+                    assert "off from 16 ranks" in reason, (chip, mode, world, reason)
+                    refused_by_field_rule += 1
+    assert refused_by_field_rule == 2 * 2 + 2  # A3 ai_cpu/none at 16 and 32, A950 ccu at 16 and 32
+
+
+def test_emulator_binds_by_the_real_schema():
+    x, w = torch.ones(64, 256, dtype=torch.bfloat16), torch.ones(256, 32, dtype=torch.bfloat16)
+    assert set(TORCH_NPU_SCHEMAS) == {"npu_mm_reduce_scatter_base", "npu_all_gather_base_mm", "npu_add_rms_norm"}
+    bound = bind("npu_mm_reduce_scatter_base", (x, w, "hcom", 2), {"comm_mode": "aiv"})
+    assert (bound["reduce_op"], bound["bias"], bound["comm_turn"], bound["comm_mode"]) == ("sum", None, 0, "aiv")
+    assert bind("npu_add_rms_norm", (x, x, w[:, 0]), {})["epsilon"] == 1e-6
+    with pytest.raises(TypeError, match="unexpected keyword argument 'input'"):
+        bind("npu_mm_reduce_scatter_base", (), dict(input=x, x2=w, hcom="h", world_size=2))
+    with pytest.raises(TypeError, match="positional"):  # reduce_op is keyword-only
+        bind("npu_mm_reduce_scatter_base", (x, w, "h", 2, "sum"), {})
+    with pytest.raises(TypeError, match="'world_size' must be int"):
+        bind("npu_all_gather_base_mm", (x, w, "h", "2"), {})
+    with pytest.raises(TypeError, match="missing required argument 'gamma'"):
+        bind("npu_add_rms_norm", (x, x), {})
+
+
+def _ulp_errors(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|y - ref| / (u |ref|), u the unit roundoff of y's dtype, where ref is a normal number of
+    that dtype (below, fp16 subnormals round with a fixed absolute step, not a relative one)."""
+    info = torch.finfo(y.dtype)
+    normal = ref.abs() >= 2 * info.tiny
+    return (y.double() - ref).abs()[normal] / (ref.abs()[normal] * info.eps / 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_rms_norm_rounds_like_cann(dtype):
+    """On Ascend910B/910_93 y rounds twice (``x * rstd``, then the gamma product); on Ascend950
+    once. Either way each rounding is at most half an ulp, so y is within 2 unit roundoffs (u) of
+    the exact ``x * rstd * gamma`` (of the op's rounded ``x`` on A2/A3, of the exact sum on
+    Ascend950; plus u^2); the two-rounding chip
+    must exceed 1 u somewhere (a single rounding never does), or the rule is not in force."""
+    gen = torch.Generator().manual_seed(0)
+    x1, x2 = (torch.randn(64, 256, generator=gen).to(dtype) for _ in range(2))
+    gamma = (1 + 0.5 * torch.randn(256, generator=gen)).to(dtype)
+    worst = {}
+    for chip in (A2, A3, A950):
+        y, rstd, x = EmulatedTorchNPU(chip).npu_add_rms_norm(x1, x2, gamma, epsilon=1e-5)
+        assert y.dtype == x.dtype == dtype and rstd.dtype == torch.float32 and rstd.shape == (64, 1)
+        # A2/A3 normalise the op's rounded x; Ascend950 the unrounded sum
+        xd = x.double() if chip != A950 else x1.double() + x2.double()
+        exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.double()
+        worst[chip] = _ulp_errors(y, exact).max().item()
+        assert torch.equal(y, add_rms_norm_reference(x1, x2, gamma, 1e-5, chip)[0])
+    u = torch.finfo(dtype).eps / 2
+    assert worst[A2] <= 2 + 4 * u and worst[A3] == worst[A2], worst
+    assert worst[A2] > 1.0, worst  # two roundings
+    assert worst[A950] <= 1.0 + 1e-3, worst  # one rounding (rstd itself is fp32: ~2^-24 slack)
+    single = (x1.float() + x2.float())
+    single = (single * torch.rsqrt(single.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()).to(dtype)
+    legacy = EmulatedTorchNPU(A2).npu_add_rms_norm(x1, x2, gamma, 1e-5)[0]
+    assert (legacy != single).float().mean() > 0.05  # the old single-rounding emulator was off here
 
 
 def _dense_graph(min_prefill_tokens: int):
@@ -215,25 +351,65 @@ def test_symbolic_token_count_is_declined():
     assert "symbolic" in note and "static" in note, note
 
 
-def test_npu_graph_calls_mmrs_and_add_rms_norm():
-    with fake_process_group(2), force_device_kind("npu"), emulated_torch_npu() as emulator:
-        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
+def _npu_graph(chip: str = A2, world: int = 2, dtype=torch.bfloat16, **config):
+    """TwoSites (hidden 320; down-projection k of 256 and 384) compiled for NPU on a fake group of
+    ``world`` with MMRS on; returns the graph report and the emulated torch_npu calls."""
+    with fake_process_group(world), force_device_kind("npu"), emulated_torch_npu(chip) as emulator:
+        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True, **config))
         with torch.no_grad():
-            compile_fn(TwoSites((256, 256), (False, False), torch.bfloat16, 0, 2))(torch.randn(20, 64).bfloat16())
-    graph = backend.report.graphs[0]
+            compile_fn(TwoSites((256, 384), (False, False), dtype, 0, world, hidden=320))(
+                torch.randn(20, 320).to(dtype))
+    return backend.report.graphs[0], emulator.calls
+
+
+def _calls(calls, op):
+    return [args for name, args in calls if name == op]
+
+
+def test_npu_graph_calls_mmrs_all_gather_mm_and_add_rms_norm():
+    graph, calls = _npu_graph()
     assert graph.ops_after["weave.npu_mm_reduce_scatter.default"] == 2
+    assert graph.ops_after["weave.npu_all_gather_mm.default"] == 1  # up[1] reads site 0's norm
     assert graph.ops_after["weave.npu_add_rms_norm.default"] == 2
     assert graph.ops_after["weave.flashcomm_shard_rows.default"] == 1  # the input residual
+    assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == 1  # the output norm
     assert "_c10d_functional.reduce_scatter_tensor.default" not in graph.ops_after
     assert [r.lowering for r in graph.records] == ["flashcomm:npu_mmrs"] * 2
-    mmrs = [args for name, args in emulator.calls if name == "npu_mm_reduce_scatter_base"]
-    assert len(mmrs) == 2
-    assert mmrs[0]["input"] == ((32, 256), torch.bfloat16)  # 20 tokens padded to 32
-    assert mmrs[0]["x2"] == ((256, 64), torch.bfloat16)
-    assert (mmrs[0]["world_size"], mmrs[0]["reduce_op"], mmrs[0]["bias"], mmrs[0]["comm_turn"],
-            mmrs[0]["comm_mode"]) == (2, "sum", None, 0, "aiv")
-    norms = [args for name, args in emulator.calls if name == "npu_add_rms_norm"]
-    assert norms[0]["x1"] == ((16, 64), torch.bfloat16) and norms[0]["epsilon"] == 1e-5
+    assert "consumers: npu_all_gather_base_mm (mm_2)" in graph.records[0].reason, graph.records[0].reason
+    assert "all_gather+matmul not fused: no mm reads the normed rows" in graph.records[1].reason
+    mmrs = _calls(calls, "npu_mm_reduce_scatter_base")
+    assert [(a["self"], a["x2"]) for a in mmrs] == [
+        (((32, 256), torch.bfloat16), ((256, 320), torch.bfloat16)),  # 20 tokens padded to 32
+        (((32, 384), torch.bfloat16), ((384, 320), torch.bfloat16))]
+    assert {(a["world_size"], a["reduce_op"], a["bias"], a["comm_turn"], a["comm_mode"]) for a in mmrs} == \
+        {(2, "sum", None, 0, "aiv")}
+    (agmm,) = _calls(calls, "npu_all_gather_base_mm")
+    assert (agmm["self"], agmm["x2"]) == (((16, 320), torch.bfloat16), ((320, 384), torch.bfloat16))
+    assert (agmm["gather_index"], agmm["gather_output"], agmm["comm_mode"]) == (0, True, "aiv")
+    norms = _calls(calls, "npu_add_rms_norm")
+    assert norms[0]["x1"] == ((16, 320), torch.bfloat16) and norms[0]["epsilon"] == 1e-5
+
+
+def test_npu_graph_on_ascend950_uses_ccu():
+    _, calls = _npu_graph(A950)
+    fused = _calls(calls, "npu_mm_reduce_scatter_base") + _calls(calls, "npu_all_gather_base_mm")
+    assert len(fused) == 3 and {a["comm_mode"] for a in fused} == {"ccu"}
+
+
+@pytest.mark.parametrize("chip, world, config, words", [
+    (A950, 2, dict(mmrs_comm_mode="aiv"), "comm_mode 'aiv' is not taken on Ascend 950"),
+    (A2, 2, dict(mmrs_comm_mode="ccu"), "comm_mode 'ccu' is not taken on Atlas A2"),
+    (A3, 16, {}, "world size 16: npu_mm_reduce_scatter_base is off from 16 ranks"),
+    (A2, 16, {}, "world size 16 is not one of (2, 4, 8) documented for npu_mm_reduce_scatter_base on Atlas A2"),
+])
+def test_npu_chip_rule_refusals_fall_back_with_the_reason(chip, world, config, words):
+    graph, calls = _npu_graph(chip, world, **config)
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2
+    assert all(f"MMRS skipped: {words}" in r.reason for r in graph.records), [r.reason for r in graph.records]
+    assert "all_gather+matmul not fused" in graph.records[0].reason
+    assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert not any(name.startswith(("npu_mm", "npu_all_gather")) for name, _ in calls), calls
+    assert len(_calls(calls, "npu_add_rms_norm")) == 2  # the norm does not depend on the chip rules
 
 
 def _cuda_mmrs_graph():
@@ -278,10 +454,11 @@ def test_cuda_graph_under_inductor_cuda_graphs_uses_plain_collectives(monkeypatc
 # Numerics on gloo
 
 
-def _check(model_fn, inputs, config, kind):
-    """Compile ``model_fn(dtype)`` with ``config`` as device ``kind``; return (report, npu calls)."""
+def _check(model_fn, inputs, config, kind, chip=A2):
+    """Compile ``model_fn(dtype)`` with ``config`` as device ``kind`` (NPU: the emulated ``chip``);
+    return (report, npu calls)."""
     backend, compile_fn = _compile(config)
-    with force_device_kind(kind), emulated_torch_npu() as emulator:
+    with force_device_kind(kind), emulated_torch_npu(chip) as emulator:
         check_against_eager(model_fn(None), inputs, compile_fn, model_fn(torch.float32))
     return backend.report, [name for name, _ in emulator.calls]
 
@@ -304,6 +481,12 @@ def _numerics_world_2(rank, world):
     with symm_mem_on_cpu():  # the CUDA rewrite, its fused ops run as their reference fallbacks
         ids = random_token_ids(DENSE, 1, 7, seed=7)
         results["dense-7-cuda"] = _check(_tp(DENSE, rank, world), ids, mmrs, "cuda")
+    # All three NPU ops (MMRS, all-gather + matmul, add + RMSNorm) in bf16 on A2 and fp16 on A950:
+    # the two add_rms_norm roundings of CANN's reference.
+    for name, dtype, chip in [("agmm-bf16-a2", torch.bfloat16, A2), ("agmm-fp16-a950", torch.float16, A950)]:
+        h = torch.randn(5, 320, generator=torch.Generator().manual_seed(2)).to(dtype)
+        model_fn = lambda d, dtype=dtype: TwoSites((256, 384), (False, False), d or dtype, rank, world, hidden=320)  # noqa: E731
+        results[name] = _check(model_fn, h, mmrs, "npu", chip)
     # Fallbacks: each site falls back to mm -> reduce_scatter with its reason, and stays correct.
     for name, ks, biases, dtype in [("k128+bias", (128, 256), (False, True), torch.bfloat16),
                                     ("fp32", (256, 256), (False, False), torch.float32)]:
@@ -339,6 +522,11 @@ def test_numerics_world_2_gloo():
     assert results["dense-7"][1] == ["flashcomm:portable"] * sites
     assert results["dense-7-cuda"][1] == ["flashcomm:portable"] + ["flashcomm:cuda_symm"] * (sites - 1)
     assert "flashcomm:npu_mmrs" in results["moe-3-mmrs"][1]
+    for name in ("agmm-bf16-a2", "agmm-fp16-a950"):
+        _, lowerings, reasons, calls = results[name]
+        assert lowerings == ["flashcomm:npu_mmrs"] * 2, (name, reasons)
+        assert [calls.count(op) for op in ("npu_mm_reduce_scatter_base", "npu_all_gather_base_mm",
+                                           "npu_add_rms_norm")] == [2, 1, 2], (name, calls)
     for name, words in [("k128+bias", ["k=128 is outside [256, 65535)", "the matmul adds a bias"]),
                         ("fp32", ["dtypes torch.float32", "dtypes torch.float32"])]:
         _, lowerings, reasons, calls = results[name]

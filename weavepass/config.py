@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 LOWERINGS = ("auto", "portable", "cuda_symm")
 OVERLAP_MODES = ("off", "auto", "force")
-MMRS_COMM_MODES = ("aiv", "ai_cpu", "none")
+MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,12 @@ class WeaveConfig:
     [256, 65535), unsupported world size, ...) falls back to mm + reduce_scatter, with the reason in
     the report and a ``FlashComm MMRS skipped`` warning."""
 
-    mmrs_comm_mode: str = "aiv"
-    """torch_npu MMRS communication mode (``comm_mode``): ``"aiv"``, ``"ai_cpu"`` (a workaround
-    when a shape fails on AIV), or ``"none"`` (the argument is not passed: the op's default)."""
+    mmrs_comm_mode: str = "auto"
+    """``comm_mode`` of torch_npu's fused matmul + communication ops (MMRS and all-gather + matmul).
+    ``"auto"`` picks the chip's mode: ``"aiv"`` on Atlas A2/A3, ``"ccu"`` on Ascend 950. Explicit:
+    ``"aiv"``, ``"ai_cpu"`` (A2/A3; documented for training only), ``"ccu"`` (Ascend 950), or
+    ``"none"`` (not passed; torch_npu then uses ``"ai_cpu"``). A mode the chip does not take turns
+    the fused ops off with the reason (``weavepass.lowering.npu.CHIPS``)."""
 
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's

@@ -19,14 +19,18 @@ is gathered once for those readers.
 
 With ``enable_mmrs_fusion`` the producer matmul of each partial sum joins its reduce_scatter:
 ``torch_npu.npu_mm_reduce_scatter_base`` on NPU (``weavepass.lowering.npu``) and symmetric-memory
-``fused_matmul_reduce_scatter`` on CUDA, which there also turns ``all_gather -> mm`` into
-``fused_all_gather_matmul`` (``weavepass.lowering.flashcomm_cuda``). A matmul that the fused op
-cannot take (bias, k out of range, fp32, world size, ...) falls back to ``mm -> reduce_scatter``
-with the reason in the report and a ``FlashComm MMRS skipped`` warning on the ``weavepass`` logger.
+``fused_matmul_reduce_scatter`` on CUDA. The gather after each norm joins a matmul that reads the
+gathered rows: ``torch_npu.npu_all_gather_base_mm`` for one such matmul on NPU (the other readers
+use its gathered rows), ``fused_all_gather_matmul`` on CUDA when every reader is such a matmul
+(``weavepass.lowering.flashcomm_cuda``). A matmul that the fused op cannot take (bias, k out of
+range, fp32, world size, the chip's rules, ...) falls back to ``mm -> reduce_scatter`` (or
+``all_gather -> mm``) with the reason in the report and a ``FlashComm MMRS skipped`` warning on the
+``weavepass`` logger.
 
 The decision (``decide_flashcomm``) depends only on the config, shapes and the group's size, so
-every rank decides the same. Dynamic shapes: the decision is guard-free, so only a static token
-count qualifies; a symbolic one leaves the graph to the normal fuse path with that reason.
+every rank decides the same; on NPU the fused ops also read the chip name, the same on every rank
+of a job (``weavepass.lowering.npu``). Dynamic shapes: the decision is guard-free, so only a static
+token count qualifies; a symbolic one leaves the graph to the normal fuse path with that reason.
 """
 
 from __future__ import annotations
@@ -104,6 +108,21 @@ def npu_mm_reduce_scatter(
 @npu_mm_reduce_scatter.register_fake
 def _(x, w, group_name, world_size, comm_mode):
     return x.new_empty((x.shape[0] // world_size, w.shape[1]))
+
+
+@torch.library.custom_op("weave::npu_all_gather_mm", mutates_args=())
+def npu_all_gather_mm(
+    x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int, comm_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(all_gather(x) @ w, all_gather(x))``: ``[R, k], [k, n] -> [R N, n], [R N, k]`` via
+    ``npu_all_gather_base_mm``."""
+    return npu.all_gather_mm(x, w, group_name, world_size, comm_mode)
+
+
+@npu_all_gather_mm.register_fake
+def _(x, w, group_name, world_size, comm_mode):
+    rows = x.shape[0] * world_size
+    return x.new_empty((rows, w.shape[1])), x.new_empty((rows, x.shape[1]))
 
 
 @torch.library.custom_op("weave::npu_add_rms_norm", mutates_args=())
@@ -304,6 +323,9 @@ class _FlashCommRewrite:
         self.carried_shard: dict[Node, Node] = {}  # original stream node -> its [R, H] shard
         self.new_nodes: list[Node] = []
         self.symm_reason = None
+        self.npu_target = None  # the chip and comm_mode of the NPU fused ops, read once per graph
+        if kind == "npu" and config.enable_mmrs_fusion:
+            self.npu_target = npu.fused_comm_target(config.mmrs_comm_mode)
         if kind == "cuda" and config.enable_mmrs_fusion:
             self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
                 flashcomm_cuda.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
@@ -328,7 +350,11 @@ class _FlashCommRewrite:
         """``[R, H]`` shards -> all_gather -> drop padding rows -> reshape to ``shape``."""
         d = self.d
         full = self.call(c10d.all_gather_into_tensor.default, shard, d.world_size, d.group_name)
-        full = self.call(c10d.wait_tensor.default, full)
+        return self.unpad_rows(self.call(c10d.wait_tensor.default, full), shape)
+
+    def unpad_rows(self, full: Node, shape) -> Node:
+        """Gathered ``[T_pad, H]`` rows -> drop padding rows -> reshape to ``shape``."""
+        d = self.d
         if d.padded_tokens != d.num_tokens:
             full = self.call(aten.slice.Tensor, full, 0, 0, d.num_tokens)
         if list(shape) != [d.num_tokens, shape[-1]]:
@@ -371,7 +397,7 @@ class _FlashCommRewrite:
                 x = self.pad_rows(mm.x)
                 if self.kind == "npu":
                     out = self.call(torch.ops.weave.npu_mm_reduce_scatter.default, x, mm.w,
-                                    d.group_name, d.world_size, self.config.mmrs_comm_mode)
+                                    d.group_name, d.world_size, self.npu_target.comm_mode)
                     label = "npu_mmrs"
                 else:
                     out = self.call(flashcomm_cuda.symm_mem_op(flashcomm_cuda.FUSED_MATMUL_REDUCE_SCATTER),
@@ -394,8 +420,9 @@ class _FlashCommRewrite:
         x_shape = (self.d.padded_tokens, *xv.shape[1:])
         if self.kind == "npu":
             x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
-            return npu.mmrs_unsupported_reason(x_shape, x_stride, xv.dtype, tuple(wv.shape), wv.dtype,
-                                               self.d.world_size, mm.bias is not None)
+            return npu.matmul_comm_unsupported_reason(
+                npu.MMRS, self.npu_target, x_shape, x_stride, xv.dtype, tuple(wv.shape),
+                tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None)
         if self.kind == "cuda":
             if self.symm_reason is not None:
                 return self.symm_reason
@@ -435,7 +462,16 @@ class _FlashCommRewrite:
 
     def gather_normed(self, site, normed: Node) -> tuple[Node | None, str]:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when
-        ``fused_all_gather_matmul`` took over every consumer."""
+        ``fused_all_gather_matmul`` took over every consumer (CUDA). On NPU the rows come from
+        ``npu_all_gather_base_mm`` where it can take one consumer matmul."""
+        if self.npu_target is not None:
+            found = self.npu_all_gather_mm(site, normed)
+            if not isinstance(found, str):
+                return found
+            log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
+                     site.all_reduce.name, found)
+            return self.gather_rows(normed, val(site.norm.output).shape), \
+                f"all_gather+matmul not fused: {found}"
         if self.kind == "cuda" and self.config.enable_mmrs_fusion:
             reason = self.symm_reason or self.all_gather_matmul(site, normed)
             if reason is None:
@@ -468,14 +504,10 @@ class _FlashCommRewrite:
             return "no mm reads the normed rows"
         weights = []
         for mm in mms:
-            w = mm.args[1]
-            if self.position.get(w, point) < point:
-                weights.append(w)
-            elif is_target(w, {aten.permute.default, aten.t.default}) and \
-                    self.position.get(w.args[0], point) < point:
-                weights.append(self.graph.node_copy(w))  # a transposed weight defined after the norm
-            else:
+            w = self.weight_before(mm, point)
+            if w is None:
                 return f"the weight of {mm.name} is computed after the norm"
+            weights.append(w)
         fused = self.call(flashcomm_cuda.symm_mem_op(flashcomm_cuda.FUSED_ALL_GATHER_MATMUL),
                           normed, weights, 0, d.group_name, return_A=True)
         outputs = self.call(operator.getitem, fused, 1)
@@ -490,6 +522,56 @@ class _FlashCommRewrite:
             mm.replace_all_uses_with(rows)
         self.dead.update([*mms, *views])
         return None
+
+    def weight_before(self, mm: Node, point: int) -> Node | None:
+        """``mm``'s weight as a node the fused op at ``point`` can read, or None (computed later)."""
+        w = mm.args[1]
+        if self.position.get(w, point) < point:
+            return w
+        if is_target(w, {aten.permute.default, aten.t.default}) and self.position.get(w.args[0], point) < point:
+            return self.graph.node_copy(w)  # a transposed weight defined after the norm: move it up
+        return None
+
+    def npu_all_gather_mm(self, site, normed: Node) -> tuple[Node, str] | str:
+        """Gather the normed shard through ``npu_all_gather_base_mm`` with the first
+        ``[tokens, hidden] @ w`` reader: ``(gathered rows for the other readers, note)``, or why not.
+
+        The op multiplies by one weight only; the other readers take its gathered rows.
+        """
+        d, out = self.d, site.norm.output
+        point = self.position[site.insertion_point()]
+        rows_shape = (d.num_tokens, site.hidden)
+        candidates = [(user, None) for user in out.users]
+        candidates += [(reader, view) for view in out.users if is_target(view, VIEWS)
+                       for reader in view.users]
+        first_reason = None
+        for mm, view in candidates:
+            rows = out if view is None else view
+            if not (is_target(mm, {aten.mm.default}) and mm.args[0] is rows
+                    and tuple(val(rows).shape) == rows_shape):
+                continue
+            wv, xv = val(mm.args[1]), val(normed)
+            reason = "the matmul operands have no tensor metadata" if wv is None or xv is None else \
+                npu.matmul_comm_unsupported_reason(
+                    npu.AGMM, self.npu_target, tuple(xv.shape), tuple(xv.stride()), xv.dtype,
+                    tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False)
+            w = self.weight_before(mm, point) if reason is None else None
+            if w is None:
+                first_reason = first_reason or reason or f"the weight of {mm.name} is computed after the norm"
+                continue
+            fused = self.call(torch.ops.weave.npu_all_gather_mm.default, normed, w, d.group_name,
+                              d.world_size, self.npu_target.comm_mode)
+            product = self.call(operator.getitem, fused, 0)
+            if d.padded_tokens != d.num_tokens:
+                product = self.call(aten.slice.Tensor, product, 0, 0, d.num_tokens)
+            gathered = self.unpad_rows(self.call(operator.getitem, fused, 1), val(out).shape)
+            self.flush()
+            mm.replace_all_uses_with(product)
+            self.dead.add(mm)
+            if view is not None and len(view.users) == 1:
+                self.dead.add(view)
+            return gathered, f"consumers: npu_all_gather_base_mm ({mm.name})"
+        return first_reason or "no mm reads the normed rows as [tokens, hidden]"
 
     # -- after every site
 

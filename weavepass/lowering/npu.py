@@ -1,36 +1,80 @@
 """The torch_npu adapter: the only module of weavepass that ever imports ``torch_npu``.
 
-FlashComm on Ascend NPUs uses two torch_npu ops, both through this module:
+FlashComm on Ascend NPUs uses three torch_npu ops, all through this module:
 
-* ``torch_npu.npu_mm_reduce_scatter_base(input, x2, hcom, world_size, *, reduce_op="sum",
-  bias=None, comm_turn=0, comm_mode=...)``: ``reduce_scatter(input @ x2)`` over the HCCL group
-  ``hcom``, with the matmul and the communication pipelined inside one op (MMRS).
+* ``torch_npu.npu_mm_reduce_scatter_base(self, x2, hcom, world_size, *, reduce_op="sum",
+  bias=None, ..., comm_turn=0, ..., comm_mode=None)``: ``reduce_scatter(self @ x2)`` over the HCCL
+  group ``hcom``, the matmul and the communication pipelined inside one op (MMRS);
+* ``torch_npu.npu_all_gather_base_mm(self, x2, hcom, world_size, *, bias=None, ..., gather_index=0,
+  gather_output=True, comm_turn=0, ..., comm_mode=None) -> (all_gather(self) @ x2, all_gather(self))``
+  (AGMM);
 * ``torch_npu.npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x)``: ``x = x1 + x2`` and
   ``y = x * rsqrt(mean(x^2, -1) + epsilon) * gamma``, in one kernel.
 
 ``torch_npu`` is imported lazily, on the first call that needs it, through ``resolve_torch_npu()``;
-tests replace that function (and ``hccl_comm_name``) with an emulator of the documented API
-(``weavepass.testing.npu_emulator``), so this path is verified against the documentation, not on
-hardware.
+tests replace that function (and ``hccl_comm_name``) with an emulator bound to the real schema
+strings (``weavepass.testing.npu_emulator``), so this path is verified against the package text and
+CANN's documentation, not on hardware.
 
-``mmrs_unsupported_reason`` states the documented preconditions of ``npu_mm_reduce_scatter_base``
-(torch_npu / op-plugin docs): 2-D operands ``(m, k) @ (k, n)``; fp16 or bf16, both the same dtype;
-``k`` in ``[256, 65535)``; ``m`` divisible by ``world_size``; ``world_size`` in {2, 4, 8, 16, 32}
-(2/4/8 on Atlas A2); ``input`` not a transposed view (``x2`` may be one); no bias (the op's
-``bias`` must be None in current releases); ``reduce_op="sum"`` and ``comm_turn=0`` only.
+Which fused communication op a chip takes is a per-chip rule (``CHIPS``, read from
+``torch_npu.npu.get_device_name()``); ``fused_comm_target`` resolves the chip and ``comm_mode`` once
+per graph, ``matmul_comm_unsupported_reason`` checks one matmul against that target. Every rank of a
+job is assumed to run on the same chip (true of every Ascend job in practice: HCCL groups do not mix
+chip generations); the decision reads only that name, the config and shapes, so all ranks agree.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-MMRS_DTYPES = (torch.float16, torch.bfloat16)
-MMRS_WORLD_SIZES = (2, 4, 8, 16, 32)
-MMRS_MIN_K, MMRS_MAX_K = 256, 65535  # k in [256, 65535)
+MMRS = "npu_mm_reduce_scatter_base"
+AGMM = "npu_all_gather_base_mm"
+FUSED_COMM_DTYPES = (torch.float16, torch.bfloat16)
+MIN_K, MAX_K = 256, 65535  # k in [256, 65535): torch_npu and CANN docs of both ops
+FIELD_FAILING_WORLD_SIZE = 16
+"""vllm-ascend found ``npu_mm_reduce_scatter_base`` raising at TP 16 and, on the operator
+developers' advice, turns it off from 16 ranks up (vllm-ascend PR 6167/6168, 2026-01). weavepass does
+the same, on every chip and for AGMM too (same MC2 family; a refusal only costs the fusion)."""
 ADD_RMS_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ChipRules:
+    """What torch_npu's fused matmul + communication ops accept on one chip family."""
+
+    family: str
+    name_prefix: str
+    """``torch_npu.npu.get_device_name()`` starts with this (e.g. ``Ascend910B3``)."""
+    world_sizes: tuple[int, ...]
+    """Documented rank counts (torch_npu / CANN docs, intersected with the wrapper's own check)."""
+    comm_modes: tuple[str, ...]
+    """``WeaveConfig.mmrs_comm_mode`` values the op takes here (``"none"``: the argument is not
+    passed and torch_npu sends ``"ai_cpu"``)."""
+    default_comm_mode: str
+    """What ``"auto"`` resolves to."""
+    agmm_max_gather_bytes: int | None = None
+    """CANN's cap on ``m * k * itemsize * world_size`` for all-gather + matmul, where documented."""
+
+
+CHIPS = (
+    # A2 (910B): V1 (ai_cpu) and V2 (aiv) docs both list 2/4/8 ranks; V2 takes only "aiv".
+    ChipRules("Atlas A2", "Ascend910B", (2, 4, 8), ("aiv", "ai_cpu", "none"), "aiv"),
+    # A3 (910_93): V1 docs list 2..32 ranks, V2 (aiv) docs 2/4/8; 16+ is off (FIELD_FAILING_WORLD_SIZE).
+    ChipRules("Atlas A3", "Ascend910_93", (2, 4, 8, 16, 32), ("aiv", "ai_cpu", "none"), "aiv"),
+    # Ascend 950: torch_npu always calls V2, whose docs take only "ccu" there; 2..64 ranks documented,
+    # the wrapper checks 2..32.
+    ChipRules("Ascend 950", "Ascend950", (2, 4, 8, 16, 32), ("ccu",), "ccu",
+              agmm_max_gather_bytes=16 * 256 * 2**20),
+)
+
+
+def chip_rules(device_name: str) -> ChipRules | None:
+    """The rules for the chip called ``device_name``, or None for a chip weavepass has none for."""
+    return next((c for c in CHIPS if device_name.startswith(c.name_prefix)), None)
 
 
 def resolve_torch_npu() -> Any:
@@ -61,34 +105,104 @@ def _hcom_for(group_name: str) -> str:
     return hccl_comm_name(resolve_group(group_name))
 
 
-def mmrs_unsupported_reason(
+@dataclass(frozen=True)
+class FusedCommTarget:
+    """The chip and ``comm_mode`` the fused matmul + communication ops of one graph use."""
+
+    device_name: str
+    rules: ChipRules | None
+    comm_mode: str
+    """Resolved: never ``"auto"``."""
+    reason: str | None
+    """Why no fused communication op can run on this chip with this mode (None: they can)."""
+
+
+def fused_comm_target(configured_mode: str) -> FusedCommTarget:
+    """Read the chip name (``torch_npu.npu.get_device_name()``) and resolve ``configured_mode``."""
+    try:
+        name = str(resolve_torch_npu().npu.get_device_name())
+    except Exception as error:  # noqa: BLE001  (any failure to read the chip turns the fusion off)
+        return FusedCommTarget("", None, configured_mode, f"cannot read the NPU chip name: {error}")
+    rules = chip_rules(name)
+    if rules is None:
+        known = ", ".join(f"{c.family} ({c.name_prefix}*)" for c in CHIPS)
+        return FusedCommTarget(name, None, configured_mode,
+                               f"chip {name!r} is not one weavepass has fused-op rules for ({known})")
+    mode = rules.default_comm_mode if configured_mode == "auto" else configured_mode
+    reason = None
+    if mode not in rules.comm_modes:
+        reason = (f"comm_mode {mode!r} is not taken on {rules.family} ({name}); it takes "
+                  f"{rules.comm_modes}")
+    return FusedCommTarget(name, rules, mode, reason)
+
+
+def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    (rows, cols), (s0, s1) = shape, stride
+    return (cols <= 1 or s1 == 1) and (rows <= 1 or s0 == cols)
+
+
+def _transposed(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """A ``.t()`` of a row-major tensor: the one non-contiguous x2 CANN takes."""
+    (rows, cols), (s0, s1) = shape, stride
+    return (rows <= 1 or s0 == 1) and (cols <= 1 or s1 == rows)
+
+
+def matmul_comm_unsupported_reason(
+    op: str,
+    target: FusedCommTarget,
     x_shape: tuple[int, ...],
     x_stride: tuple[int, ...],
     x_dtype: torch.dtype,
     w_shape: tuple[int, ...],
+    w_stride: tuple[int, ...],
     w_dtype: torch.dtype,
     world_size: int,
     has_bias: bool,
 ) -> str | None:
-    """Why ``npu_mm_reduce_scatter_base(x, w, ...)`` cannot take these operands, or None."""
+    """Why ``op`` (``MMRS`` or ``AGMM``) cannot take ``x @ w`` on ``target``, or None.
+
+    torch_npu's wrapper checks (C++): 2-D operands, equal k, world size in {2, 4, 8, 16, 32}, and for
+    MMRS ``m % world_size == 0``. CANN's docs add: fp16/bf16 of one dtype; ``k`` in [256, 65535);
+    ``x`` (x1) row-major; ``w`` (x2) row-major or a plain transpose; no (non-zero) bias; the chip's
+    rank counts and ``comm_mode``. ``x_shape`` is the op's x1: ``[T_pad, k]`` for MMRS, the shard
+    ``[T_pad / N, k]`` for AGMM.
+    """
+    if target.reason is not None:
+        return target.reason
+    rules = target.rules
     if has_bias:
-        return "the matmul adds a bias (addmm); npu_mm_reduce_scatter_base takes no bias"
+        return f"the matmul adds a bias (addmm); {op} takes no bias"
     if len(x_shape) != 2 or len(w_shape) != 2:
-        return f"operands are {len(x_shape)}-D and {len(w_shape)}-D; MMRS needs 2-D (m, k) @ (k, n)"
-    if x_dtype not in MMRS_DTYPES or w_dtype != x_dtype:
-        return f"dtypes {x_dtype} @ {w_dtype}; MMRS needs fp16 or bf16, both the same"
-    if world_size not in MMRS_WORLD_SIZES:
-        return f"world size {world_size} is not one of {MMRS_WORLD_SIZES}"
+        return f"operands are {len(x_shape)}-D and {len(w_shape)}-D; {op} needs 2-D (m, k) @ (k, n)"
+    if x_dtype not in FUSED_COMM_DTYPES or w_dtype != x_dtype:
+        return f"dtypes {x_dtype} @ {w_dtype}; {op} needs fp16 or bf16, both the same"
+    if world_size not in rules.world_sizes:
+        return (f"world size {world_size} is not one of {rules.world_sizes} documented for {op} on "
+                f"{rules.family} ({target.device_name})")
+    if world_size >= FIELD_FAILING_WORLD_SIZE:
+        return (f"world size {world_size}: {op} is off from {FIELD_FAILING_WORLD_SIZE} ranks "
+                "(vllm-ascend found npu_mm_reduce_scatter_base failing at TP 16)")
     (m, k), (k2, _n) = x_shape, w_shape
     if k != k2:
         return f"inner dims differ ({k} vs {k2})"
-    if not MMRS_MIN_K <= k < MMRS_MAX_K:
-        return f"k={k} is outside [{MMRS_MIN_K}, {MMRS_MAX_K})"
-    if m % world_size:
+    if not MIN_K <= k < MAX_K:
+        return f"k={k} is outside [{MIN_K}, {MAX_K})"
+    if op == MMRS and m % world_size:
         return f"m={m} is not divisible by the world size {world_size}"
-    if x_stride[-1] != 1 or (m > 1 and x_stride[0] != k):
-        return f"x1 is a transposed or strided view (strides {tuple(x_stride)}); MMRS needs it row-major"
+    if not _row_major(x_shape, x_stride):
+        return f"x1 is a transposed or strided view (strides {tuple(x_stride)}); {op} needs it row-major"
+    if not (_row_major(w_shape, w_stride) or _transposed(w_shape, w_stride)):
+        return (f"x2 {tuple(w_shape)} has strides {tuple(w_stride)}: neither contiguous nor a plain "
+                f"transpose, the only layouts {op} takes")
+    gather_bytes = m * k * x_dtype.itemsize * world_size
+    if op == AGMM and rules.agmm_max_gather_bytes and gather_bytes > rules.agmm_max_gather_bytes:
+        return (f"the gather moves {gather_bytes} bytes, over CANN's {rules.agmm_max_gather_bytes} on "
+                f"{rules.family}")
     return None
+
+
+def _comm_mode_kwargs(comm_mode: str) -> dict[str, str]:
+    return {} if comm_mode == "none" else {"comm_mode": comm_mode}
 
 
 def mm_reduce_scatter(
@@ -96,13 +210,21 @@ def mm_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter(x @ w, "sum")`` over the group: ``[m, k] @ [k, n] -> [m / world_size, n]``.
 
-    ``comm_mode`` is ``WeaveConfig.mmrs_comm_mode``; ``"none"`` leaves the op's default.
+    ``comm_mode`` is ``FusedCommTarget.comm_mode``; ``"none"`` leaves the op's default.
     """
-    kwargs = {"reduce_op": "sum", "bias": None, "comm_turn": 0}
-    if comm_mode != "none":
-        kwargs["comm_mode"] = comm_mode
     return resolve_torch_npu().npu_mm_reduce_scatter_base(
-        x, w, _hcom_for(group_name), world_size, **kwargs
+        x, w, _hcom_for(group_name), world_size, reduce_op="sum", bias=None, comm_turn=0,
+        **_comm_mode_kwargs(comm_mode),
+    )
+
+
+def all_gather_mm(
+    x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int, comm_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(all_gather(x) @ w, all_gather(x))``: ``[m, k], [k, n] -> [m * world_size, n], [m * world_size, k]``."""
+    return resolve_torch_npu().npu_all_gather_base_mm(
+        x, w, _hcom_for(group_name), world_size, bias=None, gather_index=0, gather_output=True,
+        comm_turn=0, **_comm_mode_kwargs(comm_mode),
     )
 
 
