@@ -233,7 +233,7 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     for add in [u for u in cur.users if is_target(u, {RESIDUAL_ADD})]:
         unfit = _unfit_residual_add(add, cur)
         if unfit is not None:
-            no_norm_reason = f"residual add {add.name}: {unfit}"
+            no_norm_reason = f"the residual add ({add.name}): {unfit}"
             continue
         found = _find_norm(add)
         if isinstance(found, str):
