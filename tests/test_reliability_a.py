@@ -226,6 +226,7 @@ def _dtype_rank(rank: int, world: int) -> None:
                                  lambda m: torch.compile(m, backend=backend, dynamic=False),
                                  reference_model=model)
     assert backend.report.rewritten == 1 and report.dtype == torch.float64
+    assert "against the fp64 reference" in str(report)
 
 
 def test_fp64_keeps_its_precision_and_fp16_overflows_as_in_eager():

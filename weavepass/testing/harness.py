@@ -109,13 +109,18 @@ class ComparisonReport:
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [
-            f"compiled vs eager, errors against the fp32 reference (dtype {self.dtype}; "
+            f"compiled vs eager, errors against the {_reference_dtype(self.dtype)} reference "
+            f"(dtype {self.dtype}; "
             f"allowed = {EAGER_ERROR_FACTOR:g} * err eager "
             f"+ {ATOL[self.dtype]:.3g} * max(1, max|ref|)):"
         ]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
+
+
+def _reference_dtype(dtype: torch.dtype) -> str:
+    return "fp64" if dtype == torch.float64 else "fp32"
 
 
 def check_against_eager(
