@@ -307,8 +307,17 @@ def test_training_rejection_says_saved_for_backward():
         return norm(ar(x @ w) + r, weight)
 
     graph = graph_report(f, x, w, r, weight, grad=True)
-    assert_left_alone(graph, "saved for backward")
+    assert_left_alone(graph, "rsqrt is saved for backward: this is a training graph")
     assert "torch.no_grad()" in graph.records[0].reason
+
+    def returns_rsqrt(x, w, r, weight):  # inference: the same output is the model's own
+        h = (ar(x @ w) + r).float()
+        inv = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+        return h * inv * weight, inv
+
+    inference = graph_report(returns_rsqrt, x, w, r, weight)
+    assert_left_alone(inference, "rsqrt is also used by output (the graph returns it)")
+    assert "backward" not in inference.records[0].reason
 
 
 def test_graph_without_sites_says_nothing_to_rewrite():

@@ -70,12 +70,28 @@ def add_alpha(node: Node):
     return node.kwargs.get("alpha", 1)
 
 
+def _saved_for_backward(node: Node, output: Node) -> bool:
+    """Whether the graph returns ``node`` only as a tensor saved for backward.
+
+    AOT autograd's forward graph of a training compile returns the model's outputs first and the
+    saved tensors after them; ``fw_metadata.num_forward`` counts the former.
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    num_forward = getattr(getattr(context, "fw_metadata", None), "num_forward", None)
+    returned = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    positions = [i for i, n in enumerate(returned) if n is node]
+    return num_forward is not None and bool(positions) and min(positions) >= num_forward
+
+
 def used_also_by(node: Node, user: Node) -> str:
     """Why ``node`` cannot be folded into a fused op: ``user`` reads it too."""
+    if user.op == "output" and _saved_for_backward(node, user):
+        return (f"{node.name} is saved for backward: this is a training graph, and weave rewrites "
+                "inference graphs (run the model under torch.no_grad() or torch.inference_mode())")
     if user.op == "output":
-        return (f"{node.name} is also an output of the graph (in a training graph: saved for "
-                "backward; weave rewrites inference graphs, so run under torch.no_grad() or "
-                "torch.inference_mode())")
+        return f"{node.name} is also used by output (the graph returns it)"
     return f"{node.name} is also used by {user.name}"
 
 
