@@ -6,6 +6,8 @@ entry point, so it works without importing weavepass first.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
 from weavepass.config import WeaveConfig
@@ -61,6 +63,15 @@ def inductor_patches(mode: str | None, options: dict | None) -> dict:
         name = key.replace("-", "_")
         if name not in current:
             raise ValueError(f"backend weave: unknown Inductor option {key!r} in options=")
+        # The check torch.compile(backend="inductor") makes (torch._TorchCompileInductorWrapper.
+        # apply_options): isinstance against the option's declared type, skipped for generic types
+        # such as Optional[int] that isinstance cannot take.
+        declared = inductor_config.get_type(name)
+        if typing.get_origin(declared) is None and not isinstance(value, declared):
+            raise TypeError(
+                f"backend weave: Inductor option {key!r} in options= must be "
+                f"{type(current[name]).__name__}, got {type(value).__name__} {value!r}"
+            )
         patches[name] = value
     if "post_grad_custom_pre_pass" in patches:
         raise ValueError("backend weave: options may not set post_grad_custom_pre_pass (weave's pass uses it)")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 LOWERINGS = ("auto", "portable", "cuda_symm")
 OVERLAP_MODES = ("off", "auto", "force")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
+# Field annotations are strings (``from __future__ import annotations``); every field is one of these.
+_FIELD_TYPES = {"bool": bool, "int": int, "str": str}
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class WeaveConfig:
     has no entries for that graph. Off by default so the report is always complete."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.lowering not in LOWERINGS:
             raise ValueError(f"WeaveConfig.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if self.overlap not in OVERLAP_MODES:
@@ -140,6 +143,17 @@ class WeaveConfig:
             raise ValueError(
                 f"WeaveConfig.cuda_workspace_tokens must be >= 1, got {self.cuda_workspace_tokens}"
             )
+
+    def _check_types(self) -> None:
+        """Each field holds its declared type: ``enabled="no"`` would otherwise be truthy (on),
+        and ``min_world_size="2"`` would fail later without naming the field. ``True`` is an
+        ``int`` to Python, but never a count here."""
+        for f in dataclasses.fields(self):
+            value, expected = getattr(self, f.name), _FIELD_TYPES[f.type]
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise TypeError(
+                    f"WeaveConfig.{f.name} must be {f.type}, got {type(value).__name__} {value!r}"
+                )
 
     def replace(self, **changes) -> "WeaveConfig":
         return dataclasses.replace(self, **changes)

@@ -25,6 +25,20 @@ _PACKAGE = Path(__file__).resolve().parent
 _graph_counter = itertools.count()
 
 
+FLASHCOMM_DROPS_OVERLAP_NOTE = (
+    "overlap={overlap!r} dropped: FlashComm took this graph, and the token split overlaps only "
+    "fused all_reduce sites, of which FlashComm leaves none"
+)
+
+
+def nothing_to_rewrite_note(num_all_reduces: int) -> str:
+    """The graph-wide note when no all_reduce of a graph is a site."""
+    if num_all_reduces == 0:
+        return "nothing to rewrite: the graph has no all_reduce"
+    return (f"nothing to rewrite: none of its {num_all_reduces} all_reduce(s) feeds an "
+            "[add residual ->] RMSNorm (each one's reason is listed)")
+
+
 def op_counts(graph: torch.fx.Graph) -> Counter:
     """``{"ns.op.overload": count}`` for every call_function in ``graph``."""
     counts = Counter()
@@ -83,6 +97,9 @@ class WeavePass(CustomGraphPass):
             )
         report.records = [records[i] for i in sorted(records)]
         by_name = {r.node: r for r in report.records}
+        if not sites:
+            report.add_note(nothing_to_rewrite_note(len(rejected)))
+            log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
         if plans and plans[0].reason == INDUCTOR_CUDAGRAPHS_NOTE:  # graph-wide: no strategy runs
             report.add_note(f"not rewritten: {INDUCTOR_CUDAGRAPHS_NOTE}")
             log.warning("weavepass: graph %d %s", report.graph_index, report.notes[-1])
@@ -92,6 +109,9 @@ class WeavePass(CustomGraphPass):
             from weavepass.flashcomm import apply_flashcomm
 
             if apply_flashcomm(graph, plans, self.config, report):
+                if self.config.overlap != "off":
+                    report.add_note(FLASHCOMM_DROPS_OVERLAP_NOTE.format(overlap=self.config.overlap))
+                    log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
                 graph.lint()
                 return
 

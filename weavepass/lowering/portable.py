@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from weavepass.lowering.reference import add_rmsnorm_local
+from weavepass.lowering.reference import accumulation_dtype, add_rmsnorm_local
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -42,8 +42,9 @@ def fused_allreduce_rmsnorm_portable(
 
     Tokens are the flattened leading dims (T rows). They are padded with zero rows to
     ``world * ceil(T / world)`` so every rank owns the same number of rows; the padding never
-    reaches the outputs. The reduction runs in fp32; the gather carries both outputs in one fp32
-    buffer ``[rows, 2H]`` (lossless, both were already rounded to their dtypes).
+    reaches the outputs. The reduction runs in ``accumulation_dtype`` (fp32, or fp64 for fp64
+    inputs); the gather carries both outputs in one buffer ``[rows, 2H]`` of a dtype that holds
+    both exactly (both were already rounded to their dtypes).
     """
     group = resolve_group(group_name)
     world, rank = group.size(), group.rank()
@@ -52,7 +53,7 @@ def fused_allreduce_rmsnorm_portable(
     num_tokens = rows.shape[0]
     per_rank = rows_per_rank(num_tokens, world)
 
-    padded = rows.new_zeros((per_rank * world, hidden), dtype=torch.float32)
+    padded = rows.new_zeros((per_rank * world, hidden), dtype=accumulation_dtype(partial.dtype))
     padded[:num_tokens] = rows
     shard = padded.new_empty((per_rank, hidden))
     _reduce_scatter(shard, padded, group=group)
@@ -67,7 +68,8 @@ def fused_allreduce_rmsnorm_portable(
     normed, residual_out = add_rmsnorm_local(
         shard, shard_residual, weight, eps, out_dtype, partial.dtype
     )
-    packed = torch.cat([normed.float(), residual_out.float()], dim=1)
+    carrier = torch.promote_types(padded.dtype, out_dtype)
+    packed = torch.cat([normed.to(carrier), residual_out.to(carrier)], dim=1)
     gathered = packed.new_empty((per_rank * world, 2 * hidden))
     _all_gather(gathered, packed, group=group)
     gathered = gathered[:num_tokens]

@@ -1,19 +1,28 @@
 """The math every lowering of ``weave.fused_allreduce_rmsnorm`` must agree with.
 
-Given the partial sums ``P_r`` of ``N`` ranks (shape ``[..., H]``), an optional residual ``R`` and a
-weight ``w`` of shape ``[H]``:
+Given the partial sums ``P_r`` of ``N`` ranks (shape ``[..., H]``, dtype ``d``), an optional
+residual ``R`` and a weight ``w`` of shape ``[H]``, with ``acc = promote(d, fp32)`` (fp32 for
+bf16/fp16/fp32, fp64 for fp64):
 
-    S          = sum_r P_r                                  (accumulated in fp32)
-    residual'  = round_to(dtype(P), S + R)                  (the new residual stream)
-    normed     = round_to(out_dtype, x * rsqrt(mean(x^2, -1) + eps) * w),  x = fp32(residual')
+    S          = round_to(d, sum_r P_r)                    (summed in acc, rounded once to d)
+    residual'  = round_to(d, acc(S) + acc(R))               (the new residual stream)
+    normed     = round_to(out_dtype, x * rsqrt(mean(x^2, -1) + eps) * w),  x = acc(residual')
 
-The norm reads the *rounded* residual, exactly as eager code does when it adds in bf16 and then
-upcasts for the norm; everything after that rounding stays in fp32 until the single final cast.
+``S`` is rounded to ``d`` before the add because eager code does exactly that: its all_reduce
+returns a tensor of dtype ``d``. So an fp16 sum beyond fp16's range is inf, as in eager, even
+where adding the residual would bring it back into range. The norm reads the *rounded* residual,
+exactly as eager code does when it adds in bf16 and then upcasts for the norm; everything after
+that rounding stays in ``acc`` until the single final cast.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and the norm run in: fp32, or the input's own dtype when it is wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def add_rmsnorm_local(
@@ -26,19 +35,21 @@ def add_rmsnorm_local(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add and RMSNorm over the last dim of already reduced rows.
 
-    ``summed`` [..., H] holds the reduced partial sums (any float dtype, fp32 preferred);
-    ``residual`` is None or has the same shape. Returns ``(normed, residual_out)`` with
-    ``normed.dtype == out_dtype`` and ``residual_out.dtype == residual_dtype``.
+    ``summed`` [..., H] holds the reduced partial sums (in ``accumulation_dtype(residual_dtype)``
+    or ``residual_dtype``); ``residual`` is None or has the same shape. Returns
+    ``(normed, residual_out)`` with ``normed.dtype == out_dtype`` and
+    ``residual_out.dtype == residual_dtype``.
     """
-    total = summed.float()
+    acc = accumulation_dtype(residual_dtype)
+    total = summed.to(residual_dtype).to(acc)  # eager's all_reduce output is in residual_dtype
     if residual is not None:
-        total = total + residual.float()
+        total = total + residual.to(acc)
     residual_out = total.to(residual_dtype)
-    x = residual_out.float()
+    x = residual_out.to(acc)
     inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     normed = x * inv_rms
     if weight is not None:
-        normed = normed * weight.float()
+        normed = normed * weight.to(torch.promote_types(acc, weight.dtype))
     normed = normed.to(out_dtype)
     return normed, residual_out
 
@@ -51,5 +62,6 @@ def fused_allreduce_rmsnorm_reference(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Single-process reference: ``partials`` holds every rank's partial sum."""
-    summed = torch.stack([p.float() for p in partials]).sum(0)
+    acc = accumulation_dtype(partials[0].dtype)
+    summed = torch.stack([p.to(acc) for p in partials]).sum(0)
     return add_rmsnorm_local(summed, residual, weight, eps, out_dtype, partials[0].dtype)

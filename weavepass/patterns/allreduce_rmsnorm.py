@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.patterns.rmsnorm import RMSNormMatch, is_target, match_rmsnorm, val
+from weavepass.patterns.rmsnorm import RMSNormMatch, add_alpha, is_target, match_rmsnorm, val
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -231,10 +231,9 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
         cur = next(iter(cur.users))
         views_to_add.append(cur)
     for add in [u for u in cur.users if is_target(u, {RESIDUAL_ADD})]:
-        residual = add.args[1] if add.args[0] is cur else add.args[0]
-        rv, av = val(residual), val(add)
-        if rv is None or rv.shape != av.shape or rv.shape != val(cur).shape \
-                or not rv.dtype == av.dtype == val(cur).dtype:
+        unfit = _unfit_residual_add(add, cur)
+        if unfit is not None:
+            no_norm_reason = f"the residual add ({add.name}): {unfit}"
             continue
         found = _find_norm(add)
         if isinstance(found, str):
@@ -251,6 +250,31 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
         )
         return _check_order(site, order) or site
     return reject(no_norm_reason)
+
+
+def _unfit_residual_add(add: Node, summed: Node) -> str | None:
+    """Why ``add`` is not ``summed + residual`` exactly as the fused op computes it, or None.
+
+    The op computes ``round(dtype, S + R)`` with ``R`` of ``S``'s shape and dtype, so the add may
+    not scale an operand (``alpha``), broadcast, or promote; either operand order is fine.
+    """
+    if add.args[0] is summed and add.args[1] is summed:
+        return "it adds the reduced sum to itself, so there is no residual"
+    alpha = add_alpha(add)
+    if alpha != 1:
+        scaled = "the reduced sum" if add.args[1] is summed else "the residual"
+        return f"alpha={alpha} scales {scaled}; only a plain add (alpha=1) is fused"
+    residual = add.args[1] if add.args[0] is summed else add.args[0]
+    rv, sv, av = val(residual), val(summed), val(add)
+    if rv is None:
+        return f"the residual {residual!r} is not a tensor"
+    if rv.shape != sv.shape:
+        return (f"the residual's shape {tuple(rv.shape)} is not the reduced sum's "
+                f"{tuple(sv.shape)} (broadcasting is not fused)")
+    if not rv.dtype == sv.dtype == av.dtype:
+        return (f"it adds {sv.dtype} and a {rv.dtype} residual into {av.dtype}; the fused op "
+                "needs one dtype (no type promotion)")
+    return None
 
 
 def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:

@@ -63,6 +63,50 @@ def _only_user(node: Node, targets) -> Node | None:
     return None
 
 
+def add_alpha(node: Node):
+    """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``."""
+    if len(node.args) > 2:
+        return node.args[2]
+    return node.kwargs.get("alpha", 1)
+
+
+def _saved_for_backward(node: Node, output: Node) -> bool:
+    """Whether the graph returns ``node`` only as a tensor saved for backward.
+
+    AOT autograd's forward graph of a training compile returns the model's outputs first and the
+    saved tensors after them; ``fw_metadata.num_forward`` counts the former.
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    num_forward = getattr(getattr(context, "fw_metadata", None), "num_forward", None)
+    returned = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    positions = [i for i, n in enumerate(returned) if n is node]
+    return num_forward is not None and bool(positions) and min(positions) >= num_forward
+
+
+def used_also_by(node: Node, user: Node) -> str:
+    """Why ``node`` cannot be folded into a fused op: ``user`` reads it too."""
+    if user.op == "output" and _saved_for_backward(node, user):
+        return (f"{node.name} is saved for backward: this is a training graph, and weave rewrites "
+                "inference graphs (run the model under torch.no_grad() or torch.inference_mode())")
+    if user.op == "output":
+        return f"{node.name} is also used by output (the graph returns it)"
+    return f"{node.name} is also used by {user.name}"
+
+
+def _sole_user_reason(node: Node, what: str, targets, wanted: str) -> Node | str:
+    """The single user of ``node`` in ``targets``, or why there is none (``what`` names ``node``)."""
+    found = _only_user(node, targets)
+    if found is not None:
+        return found
+    users = list(node.users)
+    if len(users) > 1 and any(is_target(u, targets) for u in users):
+        other = next(u for u in users if not is_target(u, targets))
+        return f"{what}: {used_also_by(node, other)}"
+    return f"{what} is not followed by {wanted}"
+
+
 def _other_operand(node: Node, operand: Node):
     """For a binary op with ``operand`` as one argument, the other argument."""
     a, b = node.args[0], node.args[1]
@@ -129,21 +173,23 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
 
 def _match_inv_rms(square: Node, xf: Node, ndim: int) -> tuple[Node, list[Node], float, bool] | str:
     """From ``square`` (= xf^2) to the node that scales xf: ``(scale, nodes, eps, is_rsqrt)``."""
-    mean = _only_user(square, MEAN)
-    if mean is None:
-        return "the squared input does not feed a mean"
+    mean = _sole_user_reason(square, "the squared input", MEAN, "a mean")
+    if isinstance(mean, str):
+        return mean
     dims = mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     if not _is_last_dim(dims, ndim):
         return f"the norm reduces over dims {list(dims)}, not the last dim"
     if not keepdim:
         return "the mean of squares drops its dim"
-    add_eps = _only_user(mean, ADDS)
-    if add_eps is None:
-        return "no eps is added to the mean of squares"
+    add_eps = _sole_user_reason(mean, "the mean of squares", ADDS, "an eps add")
+    if isinstance(add_eps, str):
+        return add_eps
     eps = _other_operand(add_eps, mean)
     if not isinstance(eps, (int, float)):
         return EPS_NOT_CONSTANT
+    if add_alpha(add_eps) != 1:  # mean + alpha * eps: refuse rather than guess which eps is meant
+        return f"the eps add scales eps by alpha={add_alpha(add_eps)}; only mean + eps is matched"
     rsqrt = _only_user(add_eps, {aten.rsqrt.default})
     if rsqrt is not None:
         return rsqrt, [square, mean, add_eps, rsqrt], float(eps), True
@@ -207,7 +253,7 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     for n in inner:
         extra = [u for u in n.users if u not in inner and u is not out]
         if extra:
-            return f"the norm's intermediate {n.name} is also used by {extra[0].name}"
+            return f"the norm's intermediate {used_also_by(n, extra[0])}"
     form = "decomposed" + ("+fp32-upcast" if xf is not x else "")
     return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out])
 

@@ -2,7 +2,8 @@
 
 A rewrite such as ``all_reduce -> add -> RMSNorm`` into one fused op may round at different points
 than eager code, so bit equality with eager is the wrong test in low precision. Instead both eager
-and compiled outputs are compared against an fp32 eager reference of the same model, and each
+and compiled outputs are compared against an fp32 eager reference of the same model (fp64 for an
+fp64 model), and each
 output must satisfy
 
     err_compiled <= 2 * err_eager + atol[dtype] * max(1, max|ref|)
@@ -35,6 +36,11 @@ ATOL: dict[torch.dtype, float] = {
     torch.bfloat16: 2.0**-7,
     # fp16 keeps 11 significant bits: one ulp is 2^-10 relative.
     torch.float16: 2.0**-10,
+    # fp64: the reference is the fp64 model itself (see ``check_against_eager``), so as for fp32
+    # only this term remains. The same margin over the unit roundoff as fp32's (1e-4 ~ 1700 *
+    # 2^-24) gives 1700 * 2^-53 ~ 2e-13; 1e-12 adds headroom and stays 10^5 below the ~1e-7
+    # relative error of a sum or norm done in fp32, which this tolerance exists to catch.
+    torch.float64: 1e-12,
 }
 EAGER_ERROR_FACTOR = 2.0
 
@@ -103,13 +109,18 @@ class ComparisonReport:
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [
-            f"compiled vs eager, errors against the fp32 reference (dtype {self.dtype}; "
+            f"compiled vs eager, errors against the {_reference_dtype(self.dtype)} reference "
+            f"(dtype {self.dtype}; "
             f"allowed = {EAGER_ERROR_FACTOR:g} * err eager "
             f"+ {ATOL[self.dtype]:.3g} * max(1, max|ref|)):"
         ]
         for row in [header, *rows]:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
+
+
+def _reference_dtype(dtype: torch.dtype) -> str:
+    return "fp64" if dtype == torch.float64 else "fp32"
 
 
 def check_against_eager(
@@ -128,10 +139,11 @@ def check_against_eager(
         inputs: a tuple of positional arguments (or a single tensor) for ``model``.
         compile_fn: turns ``model`` into the compiled callable, e.g.
             ``lambda m: torch.compile(m, backend="weave")``. Called once.
-        reference_model: the same model in fp32 (e.g. ``build_tp_model(cfg, dtype=torch.float32)``);
-            floating-point inputs are cast to fp32 for it.
+        reference_model: the same model in fp32 (e.g. ``build_tp_model(cfg, dtype=torch.float32)``),
+            or in fp64 for an fp64 model; floating-point inputs are cast to fp32 for it (fp64
+            inputs stay fp64).
         dtype: the dtype whose tolerance applies; default: the dtype of the first floating-point
-            output of the eager model. Must be a key of ``ATOL`` (fp32, bf16, fp16).
+            output of the eager model. Must be a key of ``ATOL`` (fp32, bf16, fp16, fp64).
         raise_on_failure: raise AssertionError (message: the report table) when an output fails.
 
     Every run is under ``torch.no_grad()``. Outputs may be any pytree of tensors; they are matched
@@ -145,8 +157,12 @@ def check_against_eager(
     """
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
+    # fp32 for the reference, except that fp64 stays fp64: an fp32 reference of an fp64 model
+    # would hide every precision loss below fp32's.
     reference_inputs = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, inputs
+        torch.Tensor,
+        lambda t: t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t,
+        inputs,
     )
     with torch.no_grad():
         expected = reference_model(*reference_inputs)
