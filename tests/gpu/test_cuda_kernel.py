@@ -22,9 +22,10 @@ TOKENS = (1, 2, 3, 127, 1024, 4097, 16384)
 HIDDENS = (128, 4096, 8192)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# (rtol, atol) for residual_out, by dtype. The kernel sums the partials and the residual in fp32 in
-# the reference's order, so the two can differ by at most one final rounding step (bf16 2^-7, fp16
-# 2^-10 relative); fp32 allows for FMA contraction.
+# (rtol, atol) for residual_out, by dtype. The kernel sums the partials in fp32 in the reference's
+# order, rounds the sum to the dtype, adds the residual in fp32 and rounds again, as the reference
+# does, so the two can differ by at most one final rounding step (bf16 2^-7, fp16 2^-10 relative);
+# fp32 allows for FMA contraction.
 RESIDUAL_TOL = {
     torch.bfloat16: (2**-7, 1e-5),
     torch.float16: (2**-10, 1e-5),
@@ -276,6 +277,26 @@ def _fallback_worker(rank, world):
     assert not errors, "\n".join(errors)
 
 
+def _fp16_overflow_worker(rank, world):
+    """An fp16 sum beyond 65504 is inf before the residual is added, as in eager (whose all_reduce
+    returns fp16), even where the residual would bring it back into range; -inf residual: NaN."""
+    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+
+    group = dist.group.WORLD.group_name
+    partial = torch.full((4, 64), 40000.0 / world * 2, dtype=torch.float16, device="cuda")
+    residual = torch.full((4, 64), -30000.0, dtype=torch.float16, device="cuda")
+    residual[1] = float("-inf")
+    partial[2:] = 1.0  # rows 2-3 stay in range: 2 + residual
+    normed, res_out = fused_allreduce_rmsnorm_cuda(partial, residual, None, EPS, group, torch.float16)
+    eager = (torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_reduce(partial, "sum", group)) + residual)
+    assert torch.equal(res_out.isinf(), eager.isinf()) and torch.equal(res_out.isnan(), eager.isnan()), (
+        res_out[:, 0], eager[:, 0])
+    assert res_out[0].isinf().all() and res_out[1].isnan().all()
+    torch.testing.assert_close(res_out[2:], eager[2:])
+    return "PASS"
+
+
 def small_case_worker(rank, world):
     """One decode-size and one prefill-size call (for compute-sanitizer runs)."""
     errors = _check_call(rank, world, 5, 127, 4096, torch.bfloat16, True, torch.bfloat16)
@@ -303,6 +324,10 @@ def test_back_to_back_calls_race_free():
 
 def test_cuda_graph_capture_and_replay():
     spawn(_cuda_graph_worker, WORLD, "nccl", timeout_s=300)
+
+
+def test_fp16_overflow_as_in_eager():
+    assert spawn(_fp16_overflow_worker, WORLD, "nccl", timeout_s=300) == ["PASS"] * WORLD
 
 
 def test_fallbacks_to_portable():

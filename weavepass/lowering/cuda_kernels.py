@@ -175,6 +175,9 @@ def fused_allreduce_rmsnorm_kernel(
                 slot = (src * owned + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
                 acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
+            # The sum is rounded to dtype(P) first, as eager's all_reduce output is (an fp16
+            # overflow stays inf); the reference's ``S = round(d, sum)`` step.
+            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, res, mask=mask)
@@ -298,6 +301,9 @@ def _reduce_chunk(
                 slot = (src * shard_rows + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
                 acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
+            # The sum is rounded to dtype(P) first, as eager's all_reduce output is (an fp16
+            # overflow stays inf); the reference's ``S = round(d, sum)`` step.
+            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         for dst in tl.static_range(WORLD):
