@@ -89,6 +89,34 @@ def test_norm_impls_agree():
     torch.testing.assert_close(llama, torch_norm, atol=1e-5, rtol=1e-5)
 
 
+def test_static_kv_cache_prefill_then_decode_matches_full_sequence():
+    # fp32, one process: prefill 5 tokens into the cache, then two decode steps of one token per
+    # sequence; each must equal the full-sequence forward at that position (same sums, but SDPA
+    # over the padded cache adds masked-out slots: 1e-5 as for TP vs unsharded). MoE covers the
+    # routed MLP beside the cached attention.
+    for cfg in (DENSE, MOE):
+        ids = random_token_ids(cfg, batch=3, seq=7)
+        with torch.no_grad():
+            full = build_tp_model(cfg)(ids)
+            cached = build_tp_model(cfg).attach_static_kv_cache(batch=3, max_len=9)
+            prefill = cached(ids[:, :5], cache_position=torch.arange(5))
+            steps = [cached(ids[:, t : t + 1], cache_position=torch.tensor([t])) for t in (5, 6)]
+        torch.testing.assert_close(prefill, full[:, :5], atol=TP_ATOL, rtol=TP_ATOL)
+        for t, step in zip((5, 6), steps):
+            assert step.shape == (3, 1, cfg.hidden)
+            torch.testing.assert_close(step[:, 0], full[:, t], atol=TP_ATOL, rtol=TP_ATOL)
+        # The cache holds what the steps wrote: a step at slot 6 that ignored slot 5 would differ.
+        layer = cached.layers[0].attention
+        assert layer.k_cache[:, :, :7].abs().sum(-1).gt(0).all()
+        assert layer.k_cache[:, :, 7:].abs().sum() == 0
+
+
+def test_static_kv_cache_needs_cache_position():
+    model = build_tp_model(DENSE).attach_static_kv_cache(batch=1, max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_position"):
+        model(random_token_ids(DENSE, batch=1, seq=2))
+
+
 def test_build_rejects_world_size_that_splits_heads():
     with fake_process_group(4) as group, pytest.raises(ValueError, match="must divide n_heads"):
         build_tp_model(DENSE, 0, 4, group)
