@@ -101,6 +101,8 @@ def test_static_kv_cache_prefill_then_decode_matches_full_sequence():
             cached = build_tp_model(cfg).attach_static_kv_cache(batch=3, max_len=9)
             prefill = cached(ids[:, :5], cache_position=torch.arange(5))
             steps = [cached(ids[:, t : t + 1], cache_position=torch.tensor([t])) for t in (5, 6)]
+            # A smaller batch uses the cache's first rows (slot 7 is still free in every row).
+            first = cached(ids[:1, 6:7], cache_position=torch.tensor([7]))
         torch.testing.assert_close(prefill, full[:, :5], atol=TP_ATOL, rtol=TP_ATOL)
         for t, step in zip((5, 6), steps):
             assert step.shape == (3, 1, cfg.hidden)
@@ -108,7 +110,9 @@ def test_static_kv_cache_prefill_then_decode_matches_full_sequence():
         # The cache holds what the steps wrote: a step at slot 6 that ignored slot 5 would differ.
         layer = cached.layers[0].attention
         assert layer.k_cache[:, :, :7].abs().sum(-1).gt(0).all()
-        assert layer.k_cache[:, :, 7:].abs().sum() == 0
+        assert layer.k_cache[0, :, 7].abs().sum() > 0 and layer.k_cache[1:, :, 7:].abs().sum() == 0
+        assert layer.k_cache[:, :, 8].abs().sum() == 0
+        assert torch.isfinite(first).all() and not torch.allclose(first[0, 0], steps[1][0, 0])
 
 
 def test_static_kv_cache_needs_cache_position():

@@ -222,7 +222,8 @@ class TPAttention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
 
     def attach_static_kv_cache(self, batch: int, max_len: int) -> None:
-        """Zeroed ``[batch, local kv heads, max_len, head_dim]`` key and value buffers.
+        """Zeroed ``[batch, local kv heads, max_len, head_dim]`` key and value buffers; calls with
+        fewer sequences use the first rows.
 
         Their addresses never change (``mark_static_address``), so Inductor's CUDA graphs can
         replay a step that updates them in place.
@@ -252,9 +253,11 @@ class TPAttention(nn.Module):
         if self.k_cache is not None:
             if cache_position is None:
                 raise ValueError("a model with a KV cache needs cache_position")
-            self.k_cache.index_copy_(2, cache_position, k)
-            self.v_cache.index_copy_(2, cache_position, v)
-            k, v = self.k_cache, self.v_cache
+            # The first ``batch`` rows of the cache: one cache serves every batch up to its size.
+            k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
+            k_cache.index_copy_(2, cache_position, k)
+            v_cache.index_copy_(2, cache_position, v)
+            k, v = k_cache, v_cache
             # Query i sees every slot up to its own: the prompt's causal mask, and all cached
             # tokens for a decode step.
             slots = torch.arange(k.shape[2], device=x.device)
