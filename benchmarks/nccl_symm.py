@@ -38,9 +38,14 @@ def nccl_backend(group: dist.ProcessGroup, device: torch.device):
 
 
 def window_pool(group: dist.ProcessGroup, device: torch.device) -> tuple[torch.cuda.MemPool, object]:
-    """An empty MemPool on NCCL's allocator, and the group's NCCL backend (route 1, step 1)."""
+    """An empty MemPool on NCCL's allocator, and the group's NCCL backend (route 1, step 1).
+
+    Collective: one all_reduce first, because ProcessGroupNCCL creates its communicator lazily and
+    the window is registered with that communicator.
+    """
     tried = "torch.cuda.MemPool(group._get_backend(device).mem_allocator)"
     try:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
         backend = nccl_backend(group, device)
         return torch.cuda.MemPool(backend.mem_allocator), backend
     except Exception as err:  # an older or differently built torch: say what failed
@@ -57,17 +62,17 @@ def register_window(backend, pool: torch.cuda.MemPool) -> str:
     return tried
 
 
-def symm_mem_nccl_buffers(group: dist.ProcessGroup, numel: int, dtype, count: int) -> list[torch.Tensor]:
-    """``count`` tensors of ``numel`` from the NCCL symmetric-memory backend, each rendezvoused
-    (route 2). Call only in a process that has allocated no symmetric memory before."""
+def symm_mem_nccl_buffers(group: dist.ProcessGroup, sizes: list[int], dtype) -> list[torch.Tensor]:
+    """One tensor per entry of ``sizes`` (elements) from the NCCL symmetric-memory backend, each
+    rendezvoused (route 2). Call only in a process that has allocated no symmetric memory before."""
     import torch.distributed._symmetric_memory as symm_mem
 
     steps = [('symm_mem.set_backend("NCCL")', lambda: symm_mem.set_backend("NCCL"))]
     out: list[torch.Tensor] = []
-    for i in range(count):
-        steps.append((f"symm_mem.empty({numel}) #{i}",
-                      lambda: out.append(symm_mem.empty(numel, dtype=dtype, device="cuda"))))
-        steps.append((f"symm_mem.rendezvous(#{i}, group)",
+    for i, numel in enumerate(sizes):
+        steps.append((f"symm_mem.empty({numel})",
+                      lambda numel=numel: out.append(symm_mem.empty(numel, dtype=dtype, device="cuda"))))
+        steps.append((f"symm_mem.rendezvous(buffer {i}, group)",
                       lambda i=i: symm_mem.rendezvous(out[i], group.group_name)))
     for tried, step in steps:
         try:
