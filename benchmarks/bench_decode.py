@@ -132,14 +132,14 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], out: Path, layers: int) -> None:
+def report(rows: list[dict], out: Path, layers: int, name: str = "bench_decode") -> None:
     """Table on stdout, CSV and PNG; ratios against Inductor in the same compile mode."""
     out.mkdir(parents=True, exist_ok=True)
     by_key = {(r["shape"], r["variant"], r["batch"]): r["ms"] for r in rows}
     for r in rows:
         ref = by_key.get((r["shape"], BASELINE.get(r["variant"], "inductor"), r["batch"]))
         r["vs_inductor_same_mode"] = round(r["ms"] / ref, 4) if ref else ""
-    with open(out / "bench_decode.csv", "w", newline="") as f:
+    with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["shape", "variant", "batch", "context", "ms",
                                                "vs_inductor_same_mode"])
         writer.writeheader()
@@ -162,7 +162,7 @@ def report(rows: list[dict], out: Path, layers: int) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot")
+        print(f"matplotlib missing: no plot; wrote {out / f'{name}.csv'}")
         return
     shapes = list(dict.fromkeys(s for s, _ in keys))
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
@@ -178,8 +178,8 @@ def report(rows: list[dict], out: Path, layers: int) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "bench_decode.png", dpi=110)
-    print(f"wrote {out / 'bench_decode.csv'} and {out / 'bench_decode.png'}")
+    fig.savefig(out / f"{name}.png", dpi=110)
+    print(f"wrote {out / f'{name}.csv'} and {out / f'{name}.png'}")
 
 
 def main() -> None:
@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
+    parser.add_argument("--name", default="bench_decode", help="file name of the CSV and PNG, without suffix")
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None,
                         help="per-rank width presets (default 8b_tp2 70b_tp8sim; tiny with --smoke)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 16; 2 with --smoke)")
@@ -219,7 +220,7 @@ def main() -> None:
         "iters": iters,
     }
     rows = spawn(_run_rank, 2, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
-    report(rows, Path(args.out), config["layers"])
+    report(rows, Path(args.out), config["layers"], args.name)
 
 
 if __name__ == "__main__":

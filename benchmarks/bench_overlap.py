@@ -263,6 +263,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
+    parser.add_argument("--name", default="bench_overlap", help="file name of the CSV and PNG, without suffix")
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None,
                         help="per-rank width presets (default 70b_tp2; tiny with --smoke)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 1 with --smoke)")
@@ -298,7 +299,7 @@ def main() -> None:
         "iters": iters,
     }
     rows = spawn(_run_rank, 2, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
-    report(rows, Path(args.out), config["layers"])
+    report(rows, Path(args.out), config["layers"], args.name)
 
 
 def hidden_fraction(ms: float, inductor: float | None, no_comm: float | None) -> float | None:
@@ -309,7 +310,7 @@ def hidden_fraction(ms: float, inductor: float | None, no_comm: float | None) ->
     return (inductor - ms) / (inductor - no_comm)
 
 
-def report(rows: list[dict], out: Path, layers: int) -> None:
+def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap") -> None:
     """Table on stdout, CSV and a PNG normalised to the ``inductor`` variant."""
     out.mkdir(parents=True, exist_ok=True)
     by_key = {(r["shape"], r["variant"], r["sequences"], r["tokens"]): r["ms"] for r in rows}
@@ -319,7 +320,7 @@ def report(rows: list[dict], out: Path, layers: int) -> None:
         r["vs_inductor"] = r["ms"] / ref if ref else float("nan")
         frac = hidden_fraction(r["ms"], ref, by_key.get((key[0], "no_comm", *key[1:])))
         r["hidden"] = "" if frac is None or not r["variant"].startswith("weave") else round(frac, 4)
-    with open(out / "bench_overlap.csv", "w", newline="") as f:
+    with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["shape", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
         writer.writeheader()
         writer.writerows(rows)
@@ -337,17 +338,17 @@ def report(rows: list[dict], out: Path, layers: int) -> None:
                 cell += f" [{r['hidden']:+.0%}]"
             cells.append(cell)
         print(f"{shape:>10} {seqs:>4} {tokens:>6} " + " ".join(f"{c:>28}" for c in cells))
-    _plot(rows, table, variants, keys, out, layers)
+    _plot(rows, table, variants, keys, out, layers, name)
 
 
-def _plot(rows, table, variants, keys, out: Path, layers: int) -> None:
+def _plot(rows, table, variants, keys, out: Path, layers: int, name: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot")
+        print(f"matplotlib missing: no plot; wrote {out / f'{name}.csv'}")
         return
     shapes = list(dict.fromkeys(k[0] for k in keys))
     layouts = sorted({k[1] for k in keys})
@@ -368,8 +369,8 @@ def _plot(rows, table, variants, keys, out: Path, layers: int) -> None:
             ax.set_title(f"{shape}, {layers} layers, {seqs} sequence(s)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "bench_overlap.png", dpi=110)
-    print(f"wrote {out / 'bench_overlap.csv'} and {out / 'bench_overlap.png'}")
+    fig.savefig(out / f"{name}.png", dpi=110)
+    print(f"wrote {out / f'{name}.csv'} and {out / f'{name}.png'}")
 
 
 if __name__ == "__main__":
