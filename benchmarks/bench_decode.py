@@ -120,6 +120,8 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                     ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
                     rows.append({"shape": shape_name, "variant": variant, "batch": batch,
                                  "context": context, "ms": ms})
+                    if rank == 0:  # in the log as it comes, should a time limit stop the run
+                        print(f"row: {rows[-1]}", flush=True)
                     if hasattr(call, "close"):
                         call.close()
                 if progress is not None:

@@ -199,6 +199,11 @@ def _nccl_symm_call(fn, ids, group, device, rank: int):
         if rank == 0:
             print(f"inductor_nccl_symm skipped: tried {err}", flush=True)
         return None
+    except Exception as err:  # e.g. use_mem_pool missing: the same on every rank; go on without it
+        if rank == 0:
+            print(f"inductor_nccl_symm skipped: running the compiled model in a pool on NCCL's "
+                  f"allocator failed: {type(err).__name__}: {err}", flush=True)
+        return None
     if rank == 0:
         print(f"inductor_nccl_symm, {ids.numel()} tokens: {call.registered}; NCCL kernels: {names}", flush=True)
     return call
@@ -239,6 +244,8 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                         ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
                         rows.append({"shape": shape_name, "variant": variant, "sequences": seqs,
                                      "tokens": tokens, "ms": ms})
+                        if rank == 0:  # in the log as it comes, should a time limit stop the run
+                            print(f"row: {rows[-1]}", flush=True)
                         if args["profile"] and variant != "eager" and not smoke:
                             summary = _profile(call, ids, rank)
                             if rank == 0:

@@ -12,17 +12,22 @@
 #              (--quick: inductor, weave_overlap, weave_auto, no_comm, inductor_nccl_symm; else
 #              all default variants + weave_fuse_cg / weave_overlap_cg / inductor_cg)
 #   overlap2   the same for 70b_tp2 and 8b_tp8sim (bench_overlap_2.csv / .png)
-#   decode     bench_decode, 8b_tp2 and 70b_tp8sim, 16 layers, 2K cached tokens
-#              (--quick: batches 1, 32, 256)
+#   decode     bench_decode at 8b_tp2, 16 layers, 2K cached tokens (--quick: batches 1, 32, 256;
+#              without the default-mode `weave` variant, which at these sizes compiles the same
+#              graph as inductor since cuda_min_tokens=1024 keeps them on plain all_reduce)
+#   decode70   the same at 70b_tp8sim (bench_decode_70b.csv / .png)
 #   fused      bench_fused_allreduce_rmsnorm, hidden 8192 and 4096 (--quick: fewer sizes and CTAs)
 #   flashcomm  bench_flashcomm
 # Splitting into calls of <= 600 s (sums of the step limits; typical runs should be shorter, but
-# compile times of the new presets and of the 16-layer decode model are not measured on the device):
-#   call 1: STEPS=tests,host                    (limits 330 + 200 + 60 s; tests took ~435 s on 2026-11-30)
-#   call 2: STEPS=overlap,decode --quick        (limits 240 + 270 s)
-#   call 3: STEPS=fused,flashcomm,overlap2 --quick  (limits 200 + 200 + 240 s: run what fits)
+# compile times of the new presets and of the 16-layer decode model, one compile per variant and
+# batch size, are not measured on the device yet):
+#   call 1: STEPS=tests,host                       (limits 330 + 200 + 60 s; tests took ~435 s on 2026-11-30)
+#   call 2: STEPS=overlap,decode --quick           (limits 240 + 300 s)
+#   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
+#   call 4: STEPS=overlap2 --quick
 # With only two calls, run 1 and 2: they cover issues 11 and 15 and the NCCL-symmetric variants of
-# issue 18 inside the models; `fused` (issue 18's kernel-level table) is the next to add.
+# issue 18 inside the models. Rows of bench_overlap / bench_decode are also printed to the log as
+# they are measured, so a step stopped by its limit still leaves its numbers in suite.log.
 # Each step is bounded by its own timeout (env *_TIMEOUT_S); a failing step is reported and the
 # suite goes on (the exit status says if any failed). Add a step with one `step NAME SECONDS
 # command...` line below and its name in ALL_STEPS.
@@ -33,7 +38,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks import weavepass from the checkout
 OUT="${OUT:-gpu_suite_out}"
 QUICK="${1:-}"
-ALL_STEPS="tests,host,overlap,overlap2,decode,fused,flashcomm"
+ALL_STEPS="tests,host,overlap,overlap2,decode,decode70,fused,flashcomm"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
@@ -89,8 +94,16 @@ wanted overlap && step bench_overlap "${OVERLAP_TIMEOUT_S:-240}" \
 wanted overlap2 && step bench_overlap_2 "${OVERLAP2_TIMEOUT_S:-240}" \
     python3 benchmarks/bench_overlap.py --out "$OUT" --name bench_overlap_2 $QUICK --shape 70b_tp2 8b_tp8sim \
     --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
-wanted decode && step bench_decode "${DECODE_TIMEOUT_S:-270}" \
-    python3 benchmarks/bench_decode.py --out "$OUT" $QUICK
+if [ -n "$QUICK" ]; then
+  DECODE_VARIANTS="eager,inductor,inductor_cg,weave_min1,weave_cg,inductor_nccl_symm"
+else
+  DECODE_VARIANTS="eager,inductor,inductor_cg,weave,weave_min1,weave_cg,inductor_nccl_symm"
+fi
+wanted decode && step bench_decode "${DECODE_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_decode.py --out "$OUT" $QUICK --shape 8b_tp2 --variants "$DECODE_VARIANTS"
+wanted decode70 && step bench_decode_70b "${DECODE70_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_decode.py --out "$OUT" --name bench_decode_70b $QUICK --shape 70b_tp8sim \
+    --variants "$DECODE_VARIANTS"
 wanted fused && step bench_fused_allreduce_rmsnorm "${FUSED_TIMEOUT_S:-200}" \
     python3 benchmarks/bench_fused_allreduce_rmsnorm.py --out "$OUT" \
     ${QUICK:+--tokens 1 8 128 1024 4096 16384 --ctas 16 32 --replays 10}
