@@ -26,7 +26,9 @@ to every cached token. Variants, in the same processes:
 Batches are static (``dynamic=False``): one compile per variant and batch size, which is what
 ``cuda_min_tokens`` needs (it applies only to static token counts). Times are medians of
 CUDA-event-timed steps (rank 0's). Output: a table (ms and the ratio to Inductor in the same
-mode), ``<out>/bench_decode.csv`` and ``<out>/bench_decode.png``.
+mode), ``<out>/bench_decode.csv`` (with ``sites_fused``: fused / all all_reduce sites of each weave
+variant's graph, from its report; the reasons for kept sites are printed) and
+``<out>/bench_decode.png``.
 ``--quick``: batches 1, 32, 256 and fewer iterations. ``--smoke``: the ``tiny`` shape, 2 layers,
 on 2 CPU processes (gloo), wall-clock timed, CUDA-only variants skipped with the reason.
 Run: ``python3 benchmarks/bench_decode.py --quick --shape 8b_tp2``.
@@ -58,23 +60,40 @@ BASELINE = {"inductor_cg": "inductor_cg", "weave_cg": "inductor_cg"}
 
 
 def compilers(model) -> dict:
-    """Variant name -> a function that compiles (or wraps) ``model`` for that variant."""
+    """Variant name -> a function returning the compiled (or plain) model and, for weave
+    variants, its backend (whose report says which sites were fused)."""
     from weavepass import WeaveConfig
     from weavepass.backend import WeaveBackend
 
+    def plain(**options):
+        return lambda: (torch.compile(model, dynamic=False, **options), None)
+
     def weave(mode=None, **config):
-        return lambda: torch.compile(model, backend=WeaveBackend(WeaveConfig(**config)), mode=mode,
-                                     dynamic=False)
+        def make():
+            backend = WeaveBackend(WeaveConfig(**config))
+            return torch.compile(model, backend=backend, mode=mode, dynamic=False), backend
+
+        return make
 
     return {
-        "eager": lambda: model,
-        "inductor": lambda: torch.compile(model, dynamic=False),
-        "inductor_cg": lambda: torch.compile(model, mode="reduce-overhead", dynamic=False),
+        "eager": lambda: (model, None),
+        "inductor": plain(),
+        "inductor_cg": plain(mode="reduce-overhead"),
         "weave": weave(),
         "weave_min1": weave(cuda_min_tokens=1),
         "weave_cg": weave("reduce-overhead", allow_inductor_cudagraphs=True),
-        "inductor_nccl_symm": lambda: torch.compile(model, dynamic=False),  # wrapped per batch
+        "inductor_nccl_symm": plain(),  # run in a window pool, per batch (_run_rank)
     }
+
+
+def _fused_sites(backend, seen: int) -> tuple[str, int]:
+    """``"fused/all"`` for the graphs ``backend`` compiled after the first ``seen``, the kept
+    sites' reasons printed; and the new count of graphs."""
+    graphs = backend.report.graphs[seen:]
+    records = [r for g in graphs for r in g.records]
+    kept = sorted({r.reason for r in records if not r.lowering})
+    fused = sum(g.rewritten for g in graphs)
+    return f"{fused}/{len(records)}" + (f" kept: {'; '.join(kept)}" if kept else ""), len(backend.report.graphs)
 
 
 def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
@@ -106,7 +125,8 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
         made = compilers(model)
         for variant in variants:
             torch._dynamo.reset()
-            compiled = made[variant]()
+            compiled, backend = made[variant]()
+            seen = 0
 
             def step(ids, compiled=compiled):
                 return compiled(ids, cache_position=position)
@@ -118,8 +138,13 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                     call = _nccl_symm_call(step, ids, group, device, rank)
                 if call is not None:
                     ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
+                    sites = ""
+                    if backend is not None:
+                        sites, seen = _fused_sites(backend, seen)
                     rows.append({"shape": shape_name, "variant": variant, "batch": batch,
-                                 "context": context, "ms": ms})
+                                 "context": context, "ms": ms, "sites_fused": sites.split(" kept")[0]})
+                    if rank == 0 and sites:
+                        print(f"{shape_name} {variant} batch {batch}: sites fused {sites}", flush=True)
                     if rank == 0:  # in the log as it comes, should a time limit stop the run
                         print(f"row: {rows[-1]}", flush=True)
                     if hasattr(call, "close"):
@@ -143,7 +168,7 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_decode")
         r["vs_inductor_same_mode"] = round(r["ms"] / ref, 4) if ref else ""
     with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["shape", "variant", "batch", "context", "ms",
-                                               "vs_inductor_same_mode"])
+                                               "vs_inductor_same_mode", "sites_fused"])
         writer.writeheader()
         writer.writerows(rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows))

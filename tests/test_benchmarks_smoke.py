@@ -45,6 +45,8 @@ def test_decode_smoke(tmp_path):
     text, rows = _smoke("bench_decode.py", tmp_path, "--variants", "eager,weave_min1,weave_cg",
                         "--layers", "1", "--batches", "2")
     assert {(r["variant"], r["batch"]) for r in rows} == {("eager", "2"), ("weave_min1", "2")}
+    # weave rewrote every site of the KV-cache decode step: 2 per layer + the embedding's.
+    assert {r["variant"]: r["sites_fused"] for r in rows} == {"eager": "", "weave_min1": "3/3"}
     assert all(float(r["ms"]) > 0 and r["context"] == "8" for r in rows)
     assert "weave_cg skipped on the CPU" in text
 

@@ -161,19 +161,27 @@ def test_harness_with_torch_compile():
     assert report.passed, report
 
 
-def _count_all_reduces(cfg: TPConfig, world_size: int) -> int:
+def _count_all_reduces(cfg: TPConfig, world_size: int, kv_cache: bool = False) -> int:
+    """All_reduces in the one graph Dynamo traces (``fullgraph``: a graph break fails); with
+    ``kv_cache``, of a decode step of 2 sequences with a static KV cache."""
     graphs = []
 
     def record(gm, example_inputs):
         graphs.append(gm)
         return gm
 
+    batch, seq = (2, 1) if kv_cache else (1, 4)
     with fake_process_group(world_size) as group:
         model = build_tp_model(cfg, 0, world_size, group)
+        kwargs = {}
+        if kv_cache:
+            model.attach_static_kv_cache(batch, max_len=8)
+            kwargs["cache_position"] = torch.tensor([5])
         torch._dynamo.reset()
         with torch.no_grad():
-            out = torch.compile(model, backend=record, fullgraph=True)(random_token_ids(cfg, 1, 4))
-    assert out.shape == (1, 4, cfg.hidden) and len(graphs) == 1
+            compiled = torch.compile(model, backend=record, fullgraph=True)
+            out = compiled(random_token_ids(cfg, batch, seq), **kwargs)
+    assert out.shape == (batch, seq, cfg.hidden) and len(graphs) == 1
     all_reduce = torch.ops._c10d_functional.all_reduce  # Dynamo records the overload packet
     return sum(node.target in (all_reduce, all_reduce.default) for node in graphs[0].graph.nodes)
 
@@ -182,6 +190,12 @@ def _count_all_reduces(cfg: TPConfig, world_size: int) -> int:
 def test_fake_process_group_traces_one_all_reduce_per_site(cfg):
     assert _count_all_reduces(cfg, world_size=6) == 2 * cfg.n_layers + 1
     assert not dist.is_initialized()
+
+
+def test_decode_step_with_static_kv_cache_traces_as_one_graph():
+    # The cache update (index_copy_ into a slice of a buffer) must not break the graph: the
+    # decode benchmark compiles the whole step, and every site must be in the graph weave sees.
+    assert _count_all_reduces(DENSE, world_size=2, kv_cache=True) == 2 * DENSE.n_layers + 1
 
 
 def _fail_on_rank_one(rank: int, world_size: int) -> int:
