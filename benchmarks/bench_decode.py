@@ -86,14 +86,13 @@ def compilers(model) -> dict:
     }
 
 
-def _fused_sites(backend, seen: int) -> tuple[str, int]:
-    """``"fused/all"`` for the graphs ``backend`` compiled after the first ``seen``, the kept
-    sites' reasons printed; and the new count of graphs."""
+def _fused_sites(backend, seen: int) -> tuple[str, list[str], int]:
+    """For the graphs ``backend`` compiled after its first ``seen``: ``"fused/all"`` sites, the
+    reasons of the kept ones, and the new count of graphs."""
     graphs = backend.report.graphs[seen:]
     records = [r for g in graphs for r in g.records]
     kept = sorted({r.reason for r in records if not r.lowering})
-    fused = sum(g.rewritten for g in graphs)
-    return f"{fused}/{len(records)}" + (f" kept: {'; '.join(kept)}" if kept else ""), len(backend.report.graphs)
+    return f"{sum(g.rewritten for g in graphs)}/{len(records)}", kept, len(backend.report.graphs)
 
 
 def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
@@ -138,13 +137,14 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                     call = _nccl_symm_call(step, ids, group, device, rank)
                 if call is not None:
                     ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
-                    sites = ""
+                    sites, kept = "", []
                     if backend is not None:
-                        sites, seen = _fused_sites(backend, seen)
+                        sites, kept, seen = _fused_sites(backend, seen)
+                        if rank == 0:
+                            print(f"{shape_name} {variant} batch {batch}: sites fused {sites}"
+                                  + (f"; kept because: {'; '.join(kept)}" if kept else ""), flush=True)
                     rows.append({"shape": shape_name, "variant": variant, "batch": batch,
-                                 "context": context, "ms": ms, "sites_fused": sites.split(" kept")[0]})
-                    if rank == 0 and sites:
-                        print(f"{shape_name} {variant} batch {batch}: sites fused {sites}", flush=True)
+                                 "context": context, "ms": ms, "sites_fused": sites})
                     if rank == 0:  # in the log as it comes, should a time limit stop the run
                         print(f"row: {rows[-1]}", flush=True)
                     if hasattr(call, "close"):
