@@ -1,8 +1,20 @@
-"""all_reduce + residual add + RMSNorm on 2 GPUs (one process per GPU), hidden 8192, bf16.
+"""all_reduce + residual add + RMSNorm on 2 GPUs (one process per GPU), hidden 8192 and 4096, bf16.
 
-Compared in the same run, per token count:
+Compared in the same run, per hidden size (``--hidden``) and token count:
 
 * ``nccl``: NCCL ``all_reduce`` + add + ``F.rms_norm`` (the unfused baseline, "(a)");
+* ``nccl_rs_ag``: its reduce-scatter form: NCCL ``reduce_scatter_tensor`` + add + ``F.rms_norm`` on
+  this rank's 1/N of the rows + ``all_gather_into_tensor`` (token counts divisible by N only);
+* ``nccl_symm`` / ``nccl_symm_rs_ag``: the same two with every collective buffer in an NCCL
+  symmetric window, so NCCL 2.27+ may run its symmetric kernels (``ncclSymk*``; SGLang's
+  ``--enable-symm-mem``). The windows come from ``ProcessGroupNCCL.register_mem_pool(pool,
+  symm=True)`` on a MemPool of NCCL's allocator, else from ``symm_mem.set_backend("NCCL")`` +
+  ``symm_mem.empty`` + ``rendezvous`` (benchmarks/nccl_symm.py says why these two, and why no
+  multicast kernel can run). They run in processes of their own, before the others, because the
+  symmetric-memory backend is process-wide. The normed rows are copied into a window before the
+  all_gather (a copy of 1/N of the rows, counted). The NCCL kernels that one call launched are in
+  the CSV column ``nccl_kernels`` (``ncclSymk...`` = the symmetric path ran). If no route works, what
+  was tried and how it failed is printed and the other baselines run as before;
 * ``symm_two_shot`` / ``symm_one_shot``: ``torch.ops.symm_mem.two_shot_all_reduce_`` /
   ``one_shot_all_reduce`` on a symmetric buffer + add + ``F.rms_norm`` ("(b)"; the partial is already in
   symmetric memory, a copy those ops would need in a model is not counted; multicast is off, so they
@@ -22,7 +34,12 @@ the same fixed number of replays: ``triton.testing.do_bench`` picks its repeat c
 estimate, which can differ between ranks and would deadlock the cross-rank barriers.
 
 Writes ``bench_fused_allreduce_rmsnorm.csv`` and ``.png`` under ``--out`` and prints a table with the
-median ms, algorithm bandwidth (S / time), the ratio to ``nccl`` and the multiple of ``p2p_bound``.
+median ms, algorithm bandwidth (S / time), the ratio to ``nccl``, to the fastest baseline (every
+method not named ``weave*`` or ``p2p*``) and the multiple of ``p2p_bound``.
+
+``--smoke`` runs ``nccl`` and ``nccl_rs_ag`` on 2 CPU processes (gloo, fp32, hidden 64, wall-clock
+timed, no CUDA graphs) and prints why every other method is skipped: it checks the script, not the
+speed.
 """
 
 from __future__ import annotations
@@ -31,19 +48,22 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 
 import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout on sys.path)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
+from timing import progress_bar  # noqa: E402  (benchmarks/timing.py)
 from weavepass.testing.distributed import spawn  # noqa: E402
 
-HIDDEN = 8192
+try:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+except ImportError:  # CPU-only installs (--smoke): the peer-store kernel needs Triton and CUDA
+    triton = None
+
+HIDDENS = (8192, 4096)
 DTYPE = torch.bfloat16
 EPS = 1e-6
 TOKENS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -52,8 +72,7 @@ BOUND_CTAS = (16, 32, 64, 132)
 FORCED_ONE_SHOT_MAX_TOKENS = 8192
 
 
-@triton.jit
-def _peer_store_kernel(
+def _peer_store_kernel_fn(
     src_ptr,  # local buffer, n elements
     dst_ptr,  # local view of the symmetric buffer
     peer_delta,  # peer's address of the symmetric buffer - local one, in elements
@@ -67,6 +86,9 @@ def _peer_store_kernel(
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst_ptr + peer_delta + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+_peer_store_kernel = triton.jit(_peer_store_kernel_fn) if triton is not None else None
 
 
 def _time_op(op, calls_per_graph: int, replays: int) -> float:
@@ -96,8 +118,127 @@ def _time_op(op, calls_per_graph: int, replays: int) -> float:
     return statistics.median(times)
 
 
+def _allreduce_norm(buf, residual, weight, hidden: int):
+    """NCCL all_reduce of ``buf`` in place, + residual, RMSNorm."""
+
+    def op():
+        dist.all_reduce(buf)
+        return F.rms_norm(buf + residual, (hidden,), weight, EPS)
+
+    return op
+
+
+def _rs_norm_ag(buf, shard, normed, full, residual_shard, weight, hidden: int):
+    """The reduce-scatter form: reduce_scatter ``buf`` [T, H] into ``shard`` [T/N, H], + residual
+    rows, RMSNorm into ``normed``, all_gather into ``full`` [T, H]."""
+
+    def op():
+        dist.reduce_scatter_tensor(shard, buf)
+        normed.copy_(F.rms_norm(shard + residual_shard, (hidden,), weight, EPS))
+        dist.all_gather_into_tensor(full, normed)
+        return full
+
+    return op
+
+
+def _time(op, calls: int, replays: int, smoke: bool) -> float:
+    """CUDA-graph replay timing on GPUs; wall clock of plain calls on the CPU (--smoke)."""
+    if not smoke:
+        return _time_op(op, calls, replays)
+    import time
+
+    op()
+    times = []
+    for _ in range(replays):
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _inputs(tokens: int, hidden: int, rank: int, device, dtype):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(tokens + 17 * rank + hidden)
+    partial = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    return partial, residual, torch.ones(hidden, device=device, dtype=dtype)
+
+
+def _nccl_symm_rank(rank: int, world: int, hiddens, tokens_list, replays: int):
+    """``nccl_symm`` and ``nccl_symm_rs_ag`` rows, and the notes on how the windows were made
+    (or what failed). Runs in processes of its own (see the module docstring)."""
+    import nccl_symm
+
+    group = dist.group.WORLD
+    device = torch.device("cuda", rank)
+    numel = max(tokens_list) * max(hiddens)
+    notes, bufs = [], None
+    try:  # route 1: a MemPool on NCCL's allocator, registered as symmetric windows
+        pool, backend = nccl_symm.window_pool(group, device)
+        with torch.cuda.use_mem_pool(pool):
+            bufs = [torch.empty(n, dtype=DTYPE, device=device) for n in (numel, numel // world, numel // world, numel)]
+        notes.append(f"windows: {nccl_symm.register_window(backend, pool)}")
+    except nccl_symm.SymmetricWindowUnavailable as err:
+        notes.append(f"route 1 failed: {err}")
+        bufs = None
+    if bufs is None:
+        try:  # route 2: the NCCL backend of torch symmetric memory
+            bufs = nccl_symm.symm_mem_nccl_buffers(group, [numel, numel // world, numel // world, numel], DTYPE)
+            notes.append('windows: symm_mem.set_backend("NCCL") + symm_mem.empty + rendezvous')
+        except nccl_symm.SymmetricWindowUnavailable as err:
+            notes.append(f"route 2 failed: {err}")
+            return [], notes
+    buf, shard, normed, full = bufs
+    rows = []
+    for hidden in hiddens:
+        for tokens in tokens_list:
+            partial, residual, weight = _inputs(tokens, hidden, rank, device, DTYPE)
+            size_bytes = tokens * hidden * partial.element_size()
+            calls = max(1, min(20, (256 << 20) // size_bytes))
+            n = tokens * hidden
+            window = buf[:n].view(tokens, hidden)
+            window.copy_(partial)
+            ops = {"nccl_symm": _allreduce_norm(window, residual, weight, hidden)}
+            if tokens % world == 0:
+                rows_per_rank = tokens // world
+                ops["nccl_symm_rs_ag"] = _rs_norm_ag(
+                    window, shard[: n // world].view(rows_per_rank, hidden),
+                    normed[: n // world].view(rows_per_rank, hidden), full[:n].view(tokens, hidden),
+                    residual[:rows_per_rank], weight, hidden)
+            for name, op in ops.items():
+                try:
+                    kernels = nccl_symm.nccl_kernel_names(op)
+                    ms = _time_op(op, calls, replays)
+                except Exception as err:  # same failure on every rank: say it, go on
+                    notes.append(f"{name} at H={hidden} T={tokens}: {type(err).__name__}: {err}".splitlines()[0])
+                    continue
+                rows.append({"hidden": hidden, "tokens": tokens, "method": name, "ctas": None, "ms": ms,
+                             "bytes": size_bytes, "nccl_kernels": " ".join(kernels)})
+            del partial, residual
+    return rows, notes
+
+
+def _smoke_rank(rank: int, world: int, hiddens, tokens_list, replays: int):
+    """CPU / gloo: the two NCCL-style baselines only, wall-clock timed."""
+    rows = []
+    for hidden in hiddens:
+        for tokens in tokens_list:
+            partial, residual, weight = _inputs(tokens, hidden, rank, "cpu", torch.float32)
+            ops = {"nccl": _allreduce_norm(partial.clone(), residual, weight, hidden)}
+            if tokens % world == 0:
+                rows_per_rank = tokens // world
+                ops["nccl_rs_ag"] = _rs_norm_ag(
+                    partial.clone(), torch.empty(rows_per_rank, hidden), torch.empty(rows_per_rank, hidden),
+                    torch.empty(tokens, hidden), residual[:rows_per_rank], weight, hidden)
+            for name, op in ops.items():
+                rows.append({"hidden": hidden, "tokens": tokens, "method": name, "ctas": None,
+                             "ms": _time(op, 1, replays, smoke=True), "bytes": tokens * hidden * 4})
+    return rows
+
+
 def _bench_rank(
-    rank: int, world: int, tokens_list, replays: int, tile_variants=(), sweep=SWEEP_CTAS,
+    rank: int, world: int, hiddens, tokens_list, replays: int, tile_variants=(), sweep=SWEEP_CTAS,
     compare_kernels=False, chunk_variants=(),
 ):
     import torch.distributed._symmetric_memory as symm_mem
@@ -109,43 +250,38 @@ def _bench_rank(
     rows = []
     progress = None
     if rank == 0:
-        from tqdm import tqdm
+        progress = progress_bar(len(tokens_list) * len(hiddens), "cases")
 
-        progress = tqdm(total=len(tokens_list), desc="token counts", file=sys.stdout)
-
-    scratch = symm_mem.empty(max_tokens * HIDDEN, dtype=DTYPE, device="cuda")
+    scratch = symm_mem.empty(max_tokens * max(hiddens), dtype=DTYPE, device="cuda")
     scratch_handle = symm_mem.rendezvous(scratch, group)
     peer = (rank + 1) % world
     peer_delta = (scratch_handle.buffer_ptrs[peer] - scratch_handle.buffer_ptrs[rank]) // scratch.element_size()
 
-    for tokens in tokens_list:
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(tokens + 17 * rank)
-        partial = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(DTYPE)
-        residual = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(DTYPE)
-        weight = torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
-        size_bytes = tokens * HIDDEN * partial.element_size()
+    for hidden, tokens in [(h, t) for h in hiddens for t in tokens_list]:
+        partial, residual, weight = _inputs(tokens, hidden, rank, "cuda", DTYPE)
+        size_bytes = tokens * hidden * partial.element_size()
         calls = max(1, min(20, (256 << 20) // size_bytes))
         results: dict[str, tuple[float, int | None]] = {}
 
         nccl_buf = partial.clone()
+        results["nccl"] = (_time_op(_allreduce_norm(nccl_buf, residual, weight, hidden), calls, replays), None)
+        if tokens % world == 0:
+            rows_per_rank = tokens // world
+            rs_ag = _rs_norm_ag(
+                partial.clone(), torch.empty_like(partial[:rows_per_rank]), torch.empty_like(partial[:rows_per_rank]),
+                torch.empty_like(partial), residual[:rows_per_rank], weight, hidden)
+            results["nccl_rs_ag"] = (_time_op(rs_ag, calls, replays), None)
 
-        def nccl():
-            dist.all_reduce(nccl_buf)
-            return F.rms_norm(nccl_buf + residual, (HIDDEN,), weight, EPS)
-
-        results["nccl"] = (_time_op(nccl, calls, replays), None)
-
-        symm_buf = scratch[: tokens * HIDDEN]
+        symm_buf = scratch[: tokens * hidden]
         symm_buf.copy_(partial.flatten())
 
         def symm_two_shot():
             torch.ops.symm_mem.two_shot_all_reduce_(symm_buf, "sum", group)
-            return F.rms_norm(symm_buf.view(tokens, HIDDEN) + residual, (HIDDEN,), weight, EPS)
+            return F.rms_norm(symm_buf.view(tokens, hidden) + residual, (hidden,), weight, EPS)
 
         def symm_one_shot():
             reduced = torch.ops.symm_mem.one_shot_all_reduce(symm_buf, "sum", group)
-            return F.rms_norm(reduced.view(tokens, HIDDEN) + residual, (HIDDEN,), weight, EPS)
+            return F.rms_norm(reduced.view(tokens, hidden) + residual, (hidden,), weight, EPS)
 
         for name, op in (("symm_two_shot", symm_two_shot), ("symm_one_shot", symm_one_shot)):
             try:
@@ -160,7 +296,7 @@ def _bench_rank(
                 max_workspace_tokens=max_tokens, num_ctas=ctas, one_shot=one_shot, **tile,
             )
 
-        plan = choose_launch_plan(tokens, HIDDEN, partial.element_size(), world)
+        plan = choose_launch_plan(tokens, hidden, partial.element_size(), world)
         results["weave"] = (_time_op(weave(), calls, replays), plan.num_ctas)
         if not (compare_kernels and tokens >= 128):  # else weave_ctaN is one of flat / pipe below
             for ctas in sweep:
@@ -184,7 +320,7 @@ def _bench_rank(
                 op = weave(ctas, tile_elements=tile, num_warps=warps)
                 results[name] = (_time_op(op, calls, replays), ctas)
 
-        move = 2 * (world - 1) * tokens * HIDDEN // world
+        move = 2 * (world - 1) * tokens * hidden // world
         best = None
         for ctas in BOUND_CTAS:
             def copy(ctas=ctas):
@@ -205,7 +341,8 @@ def _bench_rank(
         results["p2p_bound"] = (best, None)
 
         for name, (ms, ctas) in results.items():
-            rows.append({"tokens": tokens, "method": name, "ctas": ctas, "ms": ms, "bytes": size_bytes})
+            rows.append({"hidden": hidden, "tokens": tokens, "method": name, "ctas": ctas, "ms": ms,
+                         "bytes": size_bytes})
         del nccl_buf, partial, residual
         torch.cuda.empty_cache()
         if progress is not None:
@@ -215,50 +352,95 @@ def _bench_rank(
     return rows
 
 
+def _is_baseline(method: str) -> bool:
+    """What a user could pick instead of weave: every method but weave's and the P2P probes."""
+    return not method.startswith(("weave", "p2p"))
+
+
 def _annotate(rows):
-    by_key = {(r["tokens"], r["method"]): r["ms"] for r in rows}
+    """Bandwidth and the ratios to ``nccl``, to the fastest baseline and to ``p2p_bound``."""
+    by_key = {(r["hidden"], r["tokens"], r["method"]): r["ms"] for r in rows}
+    best = {}
     for r in rows:
+        if _is_baseline(r["method"]):
+            key = (r["hidden"], r["tokens"])
+            if key not in best or r["ms"] < best[key][0]:
+                best[key] = (r["ms"], r["method"])
+    for r in rows:
+        key = (r["hidden"], r["tokens"])
         r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-        r["vs_nccl"] = r["ms"] / by_key[(r["tokens"], "nccl")]
-        r["vs_bound"] = r["ms"] / by_key[(r["tokens"], "p2p_bound")]
+        r["vs_nccl"] = r["ms"] / by_key[(*key, "nccl")]
+        r["best_baseline"] = best[key][1]
+        r["vs_best_baseline"] = r["ms"] / best[key][0]
+        bound = by_key.get((*key, "p2p_bound"))
+        r["vs_bound"] = r["ms"] / bound if bound else float("nan")
+        r.setdefault("nccl_kernels", "")
     return rows
 
 
 def _print_table(rows):
-    print(f"{'tokens':>6} {'method':<22} {'ctas':>4} {'median ms':>10} {'GB/s':>7} {'/nccl':>6} {'/bound':>6}")
-    for r in rows:
+    print(f"{'hidden':>6} {'tokens':>6} {'method':<22} {'ctas':>4} {'median ms':>10} {'GB/s':>7} {'/nccl':>6} "
+          f"{'/best':>6} {'/bound':>6}  best baseline")
+    for r in sorted(rows, key=lambda r: (-r["hidden"], r["tokens"])):
         ctas = "" if r["ctas"] is None else r["ctas"]
         print(
-            f"{r['tokens']:>6} {r['method']:<22} {ctas:>4} {r['ms']:>10.4f} {r['gbps']:>7.1f} "
-            f"{r['vs_nccl']:>6.2f} {r['vs_bound']:>6.2f}"
+            f"{r['hidden']:>6} {r['tokens']:>6} {r['method']:<22} {ctas:>4} {r['ms']:>10.4f} {r['gbps']:>7.1f} "
+            f"{r['vs_nccl']:>6.2f} {r['vs_best_baseline']:>6.2f} {r['vs_bound']:>6.2f}  {r['best_baseline']}"
         )
 
 
-def _plot(rows, path):
-    import matplotlib
+def _plot(rows, path) -> bool:
+    """The PNG, one panel per hidden size; False where matplotlib is missing."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return False
 
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for method in ("nccl", "symm_two_shot", "symm_one_shot", "weave", "weave_cta16", "p2p_bound"):
-        points = sorted((r["tokens"], r["ms"]) for r in rows if r["method"] == method)
-        if points:
-            ax.plot(*zip(*points), marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens (hidden 8192, bf16)")
-    ax.set_ylabel("median ms per call")
-    ax.set_title("all_reduce + add + RMSNorm, 2 x H200")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    hiddens = sorted({r["hidden"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(hiddens), figsize=(9 * len(hiddens), 6), squeeze=False)
+    methods = ("nccl", "nccl_rs_ag", "nccl_symm", "nccl_symm_rs_ag", "symm_two_shot", "symm_one_shot",
+               "weave", "weave_cta16", "p2p_bound")
+    for ax, hidden in zip(axes[0], hiddens):
+        for method in methods:
+            points = sorted((r["tokens"], r["ms"]) for r in rows if r["method"] == method and r["hidden"] == hidden)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"tokens (hidden {hidden}, bf16)")
+        ax.set_ylabel("median ms per call")
+        ax.set_title(f"all_reduce + add + RMSNorm, hidden {hidden}, 2 x H200")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return True
+
+
+def _nccl_symm_rows(hiddens, tokens, replays, timeout_s) -> list[dict]:
+    """The NCCL-symmetric baselines from their own spawn; on any failure, say what and go on."""
+    try:
+        rows, notes = spawn(_nccl_symm_rank, 2, "nccl", hiddens, tokens, replays, timeout_s=timeout_s)[0]
+    except Exception as err:  # e.g. an NCCL error that killed the ranks
+        print(f"nccl_symm baselines failed, carrying on without them:\n{err}", flush=True)
+        return []
+    for note in notes:
+        print(f"nccl_symm: {note}", flush=True)
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="folder for the CSV and the PNG")
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 CPU processes (gloo): the NCCL-style baselines only, to check the script runs")
+    parser.add_argument("--hidden", type=int, nargs="+", default=None,
+                        help=f"hidden sizes (default {' '.join(map(str, HIDDENS))}; 64 with --smoke)")
+    parser.add_argument("--tokens", type=int, nargs="*", default=None,
+                        help=f"token counts (default {' '.join(map(str, TOKENS))}; 1 8 with --smoke)")
     parser.add_argument("--replays", type=int, default=25)
     parser.add_argument("--timeout-s", type=float, default=480)
     parser.add_argument(
@@ -271,23 +453,33 @@ def main():
                         help="also time the flat and the pipelined two-shot kernel at each swept CTA count")
     parser.add_argument("--chunk-variants", type=int, nargs="*", default=[], metavar="TILES",
                         help="tiles per chunk of the pipelined kernel to time at 16 and 32 CTAs")
+    parser.add_argument("--no-nccl-symm", action="store_true", help="skip the NCCL symmetric-window baselines")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    tiles = [tuple(int(x) for x in v.split(":")) for v in args.tile_variants]
-    rows = spawn(
-        _bench_rank, 2, "nccl", args.tokens, args.replays, tiles, tuple(args.ctas),
-        args.compare_kernels, tuple(args.chunk_variants), timeout_s=args.timeout_s,
-    )[0]
+    if args.smoke:
+        hiddens, tokens = args.hidden or [64], args.tokens or [1, 8]
+        for method in ("nccl_symm", "nccl_symm_rs_ag", "symm_two_shot", "symm_one_shot", "weave*", "p2p*"):
+            print(f"{method} skipped on the CPU: needs CUDA (NCCL windows, symmetric memory or Triton)")
+        rows = spawn(_smoke_rank, 2, "gloo", hiddens, tokens, 3, timeout_s=args.timeout_s)[0]
+    else:
+        hiddens, tokens = args.hidden or list(HIDDENS), args.tokens or list(TOKENS)
+        rows = [] if args.no_nccl_symm else _nccl_symm_rows(hiddens, tokens, args.replays, args.timeout_s)
+        tiles = [tuple(int(x) for x in v.split(":")) for v in args.tile_variants]
+        rows += spawn(
+            _bench_rank, 2, "nccl", hiddens, tokens, args.replays, tiles, tuple(args.ctas),
+            args.compare_kernels, tuple(args.chunk_variants), timeout_s=args.timeout_s,
+        )[0]
     rows = _annotate(rows)
     _print_table(rows)
     csv_path = os.path.join(args.out, "bench_fused_allreduce_rmsnorm.csv")
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    _plot(rows, os.path.join(args.out, "bench_fused_allreduce_rmsnorm.png"))
-    print(f"wrote {csv_path} and the PNG beside it")
+    plotted = _plot(rows, os.path.join(args.out, "bench_fused_allreduce_rmsnorm.png"))
+    print(f"wrote {csv_path}" + (" and the PNG beside it" if plotted else ""))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,16 @@
-"""TokenWeave overlap benchmark: 4 decoder layers at Llama-3-70B TP=2 widths, bf16, two GPUs.
+"""TokenWeave overlap benchmark: 4 decoder layers at per-rank Llama-3 widths, bf16, two GPUs.
 
-Per rank: hidden 8192, 32 query / 4 kv heads of 128, MLP 14336 (SwiGLU). For each token count
-(512 .. 16K) and layout (one sequence; 8 sequences) it times, in the same processes:
+Shapes (``--shape``, several at once; per-rank widths, heads of 128):
+
+    70b_tp2     hidden 8192, 32 q / 4 kv heads, MLP 14336  (Llama-3-70B split over 2 GPUs)
+    70b_tp8sim  hidden 8192,  8 q / 1 kv heads, MLP  3584  (70B's per-rank compute at TP=8, with
+                                                            the all_reduce of 2 GPUs)
+    8b_tp2      hidden 4096, 16 q / 4 kv heads, MLP  7168
+    8b_tp8sim   hidden 4096,  4 q / 1 kv heads, MLP  1792
+    tiny        hidden 64, 4 q / 2 kv heads of 16, MLP 128  (``--smoke`` only)
+
+For each shape, token count (512 .. 16K) and layout (one sequence; 8 sequences) it times, in the
+same processes:
 
     eager          the model as written (NCCL all_reduce, unfused)
     inductor       torch.compile default backend
@@ -18,15 +27,34 @@ Per rank: hidden 8192, 32 query / 4 kv heads of 128, MLP 14336 (SwiGLU). For eac
                    the same as inductor, weave_fuse and weave_overlap with mode="reduce-overhead"
                    (Inductor CUDA graphs: no host cost per kernel; one graph recorded per size).
                    (weave rewrites there by default, ``allow_inductor_cudagraphs``)
+    inductor_nccl_symm
+                   inductor, run with every allocation in a MemPool on NCCL's allocator that is
+                   registered as symmetric windows (``ProcessGroupNCCL.register_mem_pool(pool,
+                   symm=True)``, benchmarks/nccl_symm.py), so the graph's all_reduce buffers lie
+                   in windows and NCCL may use its symmetric kernels. Default mode only: under
+                   mode="reduce-overhead" the CUDA-graph trees allocate from their own private
+                   pool, which cannot be a window pool. If this torch cannot register windows the
+                   variant prints what failed and is skipped; the first call's NCCL kernel names
+                   are printed (``ncclSymk...`` proves the symmetric path).
+
+``hidden`` in the table and CSV is the fraction of the removable communication a weave variant
+hides: ``(inductor - variant) / (inductor - no_comm)`` (1 = as fast as without communication,
+above 1 = faster than that floor, below 0 = slower than Inductor; left empty where
+``inductor <= no_comm``, i.e. nothing measurable to hide). Always against default-mode Inductor
+and no_comm, also for the ``_cg`` variants.
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
 the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` and
-``<out>/bench_overlap.png`` (latency normalised to ``inductor``, like TokenWeave's Figure 11).
+``<out>/bench_overlap.png`` (latency normalised to ``inductor``, like TokenWeave's Figure 11; one
+row of panels per shape).
 
-Compiled variants mark the token dim dynamic, so each compiles once per layout (the split point
-is computed at run time; docs/overlap.md). ``--quick`` runs three token counts, one layout and
-fewer iterations, for scarce device time. Run: ``python3 benchmarks/bench_overlap.py --quick``.
-NVLink multicast is never used (the spawn helper sets NCCL_NVLS_ENABLE=0 and friends).
+Compiled variants mark the token dim dynamic, so each compiles once per shape and layout (the
+split point is computed at run time; docs/overlap.md); everything runs in one spawn, so compile
+caches are shared. ``--quick`` runs three token counts, one layout and fewer iterations, for
+scarce device time. ``--smoke`` runs the ``tiny`` shape on 2 CPU processes (gloo), wall-clock
+timed, skipping CUDA-only variants with the reason: it checks the script, not the speed.
+Run: ``python3 benchmarks/bench_overlap.py --quick --shape 70b_tp8sim 8b_tp2``.
+NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABLE=0 and friends).
 """
 
 from __future__ import annotations
@@ -35,36 +63,70 @@ import argparse
 import csv
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
-from timing import cuda_event_times_ms  # benchmarks/timing.py
+from timing import progress_bar, times_ms  # benchmarks/timing.py
 
+
+@dataclass(frozen=True)
+class Shape:
+    """Per-rank widths of one decoder layer (heads of ``head_dim``)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    head_dim: int = 128
+
+
+SHAPES = {
+    "70b_tp2": Shape(8192, 32, 4, 14336),
+    "70b_tp8sim": Shape(8192, 8, 1, 3584),
+    "8b_tp2": Shape(4096, 16, 4, 7168),
+    "8b_tp8sim": Shape(4096, 4, 1, 1792),
+    "tiny": Shape(64, 4, 2, 128, head_dim=16),
+}
+VOCAB_PER_RANK = 4096
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_auto", "no_comm",
-            "inductor_cg", "weave_fuse_cg", "weave_overlap_cg",
+            "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "inductor_nccl_symm",
             "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32")
 CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
+# Variants that need CUDA: Inductor CUDA graphs, CTA counts of the CUDA kernel, SM carve-out, NCCL.
+CUDA_ONLY = {
+    "weave_overlap_c8": "overlap_comm_ctas sets the CTA count of the CUDA kernel",
+    "inductor_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "weave_fuse_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "weave_overlap_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "inductor_nccl_symm": "NCCL symmetric-memory windows need NCCL on CUDA",
+    **{name: "the SM carve-out applies to cuBLAS" for name in CARVEOUT},
+}
 DEFAULT_VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_auto", "no_comm")
 
 
-def build_model(group, device, n_layers: int, seed: int = 0):
-    """Rank-local shard at Llama-3-70B TP=2 widths, random bf16 weights drawn on the GPU."""
+def build_model(shape: Shape, group, device, n_layers: int, dtype=torch.bfloat16, seed: int = 0):
+    """Rank-local shard at the per-rank widths of ``shape``, random weights drawn on ``device``.
+
+    ``group=None`` builds the same model without collectives (the no-communication floor).
+    """
     from weavepass.testing.models import (
-        RMSNorm, RotaryEmbedding, TPAttention, TPDecoder, TPDecoderLayer, TPSwiGLU, TPConfig,
+        RMSNorm, RotaryEmbedding, TPAttention, TPConfig, TPDecoder, TPDecoderLayer, TPSwiGLU,
         VocabParallelEmbedding,
     )
 
-    hidden, heads, kv_heads, head_dim, mlp, vocab = 8192, 32, 4, 128, 14336, 4096
+    hidden, heads, kv_heads, head_dim, mlp = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    world = dist.get_world_size() if dist.is_initialized() else 1
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def w(*shape):
-        t = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * shape[-1] ** -0.5
+    def w(*dims):
+        t = torch.randn(*dims, generator=gen, device=device, dtype=dtype) * dims[-1] ** -0.5
         return torch.nn.Parameter(t, requires_grad=False)
 
     def norm():
-        return RMSNorm(torch.nn.Parameter(torch.ones(hidden, device=device, dtype=torch.bfloat16),
+        return RMSNorm(torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype),
                                           requires_grad=False), 1e-5, "llama")
 
     layers = []
@@ -75,15 +137,36 @@ def build_model(group, device, n_layers: int, seed: int = 0):
         layers.append(TPDecoderLayer(norm(), attention, norm(),
                                      TPSwiGLU(w(mlp, hidden), w(mlp, hidden), w(hidden, mlp)), group))
     rank = dist.get_rank() if group is not None else 0
-    cfg = TPConfig(vocab=vocab * 2, hidden=hidden, n_layers=n_layers, n_heads=2 * heads,
-                   n_kv_heads=2 * kv_heads, head_dim=head_dim, intermediate=2 * mlp, dtype=torch.bfloat16)
-    embed = VocabParallelEmbedding(w(vocab, hidden), rank * vocab, group)
+    cfg = TPConfig(vocab=VOCAB_PER_RANK * world, hidden=hidden, n_layers=n_layers, n_heads=world * heads,
+                   n_kv_heads=world * kv_heads, head_dim=head_dim, intermediate=world * mlp, dtype=dtype)
+    embed = VocabParallelEmbedding(w(VOCAB_PER_RANK, hidden), rank * VOCAB_PER_RANK, group)
     return TPDecoder(cfg, embed, RotaryEmbedding(head_dim, 10000.0, device), layers, norm()).eval()
 
 
-def _time(fn, ids, warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn(ids)`` over ``iters`` CUDA-event-timed calls."""
-    return statistics.median(cuda_event_times_ms(fn, ids, warmup, iters))
+def compilers(model, no_comm) -> dict:
+    """Variant name -> a function that compiles (or wraps) the model for that variant."""
+    from weavepass import WeaveConfig
+    from weavepass.backend import WeaveBackend
+
+    def weave(mode=None, **config):
+        return lambda: torch.compile(model, backend=WeaveBackend(WeaveConfig(**config)), mode=mode)
+
+    made = {
+        "eager": lambda: model,
+        "inductor": lambda: torch.compile(model),
+        "weave_fuse": weave(overlap="off"),
+        "weave_overlap": weave(overlap="force"),
+        "weave_overlap_c8": weave(overlap="force", overlap_comm_ctas=8),
+        "weave_auto": weave(overlap="auto"),
+        "no_comm": lambda: torch.compile(no_comm),
+        "inductor_cg": lambda: torch.compile(model, mode="reduce-overhead"),
+        "weave_fuse_cg": weave("reduce-overhead", overlap="off", allow_inductor_cudagraphs=True),
+        "weave_overlap_cg": weave("reduce-overhead", overlap="force", allow_inductor_cudagraphs=True),
+        "inductor_nccl_symm": lambda: torch.compile(model),  # wrapped per size in _run_rank
+    }
+    for name, sms in CARVEOUT.items():
+        made[name] = weave(overlap="force", overlap_comm_ctas=sms)
+    return made
 
 
 def _profile(fn, ids, rank: int) -> str:
@@ -102,80 +185,95 @@ def _profile(fn, ids, rank: int) -> str:
     return "\n".join(lines)
 
 
-class _Lines:
-    """A progress counter printing one line per step (when tqdm is not installed)."""
+def _nccl_symm_call(fn, ids, group, device, rank: int):
+    """``fn`` wrapped to run in a window-registered pool (one per input shape), after one call
+    whose NCCL kernel names are printed; None (with the reason printed) where that fails."""
+    from nccl_symm import InWindowPool, SymmetricWindowUnavailable, nccl_kernel_names
 
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
-
-    def update(self) -> None:
-        self.done += 1
-        print(f"bench_overlap: {self.done}/{self.total}", flush=True)
+    try:
+        call = InWindowPool(fn, group, device)
+        with torch.no_grad():
+            call(ids)  # creates the pool's segments, then registers them
+            names = nccl_kernel_names(lambda: call(ids))
+    except SymmetricWindowUnavailable as err:
+        if rank == 0:
+            print(f"inductor_nccl_symm skipped: tried {err}", flush=True)
+        return None
+    except Exception as err:  # e.g. use_mem_pool missing: the same on every rank; go on without it
+        if rank == 0:
+            print(f"inductor_nccl_symm skipped: running the compiled model in a pool on NCCL's "
+                  f"allocator failed: {type(err).__name__}: {err}", flush=True)
+        return None
+    if rank == 0:
+        print(f"inductor_nccl_symm, {ids.numel()} tokens: {call.registered}; NCCL kernels: {names}", flush=True)
+    return call
 
 
 def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
-    from weavepass import WeaveConfig
-    from weavepass.backend import WeaveBackend
-
-    device = torch.device("cuda", rank)
+    smoke = args["smoke"]
+    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
+    dtype = torch.float32 if smoke else torch.bfloat16
     group = dist.group.WORLD
-    model = build_model(group, device, args["layers"])
-    no_comm = build_model(None, device, args["layers"])
-    compiled = {
-        "eager": lambda layout: model,
-        "inductor": lambda layout: torch.compile(model),
-        "weave_fuse": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="off"))),
-        "weave_overlap": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="force"))),
-        "weave_overlap_c8": lambda layout: torch.compile(
-            model, backend=WeaveBackend(WeaveConfig(overlap="force", overlap_comm_ctas=8))),
-        "weave_auto": lambda layout: torch.compile(model, backend=WeaveBackend(WeaveConfig(overlap="auto"))),
-        "no_comm": lambda layout: torch.compile(no_comm),
-        "inductor_cg": lambda layout: torch.compile(model, mode="reduce-overhead"),
-        "weave_fuse_cg": lambda layout: torch.compile(
-            model, backend=WeaveBackend(WeaveConfig(overlap="off", allow_inductor_cudagraphs=True)),
-            mode="reduce-overhead"),
-        "weave_overlap_cg": lambda layout: torch.compile(
-            model, backend=WeaveBackend(WeaveConfig(overlap="force", allow_inductor_cudagraphs=True)),
-            mode="reduce-overhead"),
-    }
-    for name, sms in CARVEOUT.items():
-        compiled[name] = lambda layout, sms=sms: torch.compile(
-            model, backend=WeaveBackend(WeaveConfig(overlap="force", overlap_comm_ctas=sms)))
     rows = []
-    work = [(v, seqs, t) for v in args["variants"] for seqs in args["layouts"] for t in args["tokens"]]
-    progress = None
+    variants = [v for v in args["variants"] if not (smoke and v in CUDA_ONLY)]
     if rank == 0:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the device machine may lack it: plain lines instead
-            tqdm = None
-        progress = tqdm(total=len(work), desc="bench_overlap") if tqdm else _Lines(len(work))
-    for variant in args["variants"]:
-        for seqs in args["layouts"]:
-            torch._dynamo.reset()
-            torch._C._set_sm_carveout_experimental(CARVEOUT.get(variant))
-            fn = compiled[variant](seqs)
-            for tokens in args["tokens"]:
-                ids = torch.randint(0, 2 * 4096, (seqs, tokens // seqs), device=device)
-                if variant != "eager":
-                    torch._dynamo.mark_dynamic(ids, 1)
-                ms = _time(fn, ids, args["warmup"], args["iters"])
-                rows.append({"variant": variant, "sequences": seqs, "tokens": tokens, "ms": ms})
-                if args["profile"] and variant != "eager":
-                    summary = _profile(fn, ids, rank)
-                    if rank == 0:
-                        print(f"\n[profile] {variant}, {seqs} seq, {tokens} tokens: {ms:.3f} ms\n{summary}", flush=True)
-                if progress is not None:
-                    progress.update()
-    torch._C._set_sm_carveout_experimental(None)
+        for v in args["variants"]:
+            if v not in variants:
+                print(f"{v} skipped on the CPU: {CUDA_ONLY[v]}", flush=True)
+    work = len(args["shapes"]) * len(variants) * len(args["layouts"]) * len(args["tokens"])
+    progress = progress_bar(work, "bench_overlap") if rank == 0 else None
+    for shape_name in args["shapes"]:
+        shape = SHAPES[shape_name]
+        model = build_model(shape, group, device, args["layers"], dtype)
+        no_comm = build_model(shape, None, device, args["layers"], dtype)
+        made = compilers(model, no_comm)
+        for variant in variants:
+            for seqs in args["layouts"]:
+                torch._dynamo.reset()
+                if not smoke:
+                    torch._C._set_sm_carveout_experimental(CARVEOUT.get(variant))
+                fn = made[variant]()
+                for tokens in args["tokens"]:
+                    ids = torch.randint(0, VOCAB_PER_RANK * world, (seqs, tokens // seqs), device=device)
+                    if variant != "eager":
+                        torch._dynamo.mark_dynamic(ids, 1)
+                    call = fn
+                    if variant == "inductor_nccl_symm":
+                        call = _nccl_symm_call(fn, ids, group, device, rank)
+                    if call is not None:
+                        ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
+                        rows.append({"shape": shape_name, "variant": variant, "sequences": seqs,
+                                     "tokens": tokens, "ms": ms})
+                        if rank == 0:  # in the log as it comes, should a time limit stop the run
+                            print(f"row: {rows[-1]}", flush=True)
+                        if args["profile"] and variant != "eager" and not smoke:
+                            summary = _profile(call, ids, rank)
+                            if rank == 0:
+                                print(f"\n[profile] {shape_name} {variant}, {seqs} seq, {tokens} tokens: "
+                                      f"{ms:.3f} ms\n{summary}", flush=True)
+                        if hasattr(call, "close"):
+                            call.close()
+                    if progress is not None:
+                        progress.update()
+        del model, no_comm, made
+        if not smoke:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.cuda.empty_cache()
+    if progress is not None:
+        progress.close()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 token counts, 1 layout, few iterations")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--name", default="bench_overlap", help="file name of the CSV and PNG, without suffix")
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None,
+                        help="per-rank width presets (default 70b_tp2; tiny with --smoke)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 1 with --smoke)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {','.join(VARIANTS)}")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default: 512 .. 16K)")
@@ -186,69 +284,100 @@ def main() -> None:
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("bench_overlap needs 2 GPUs")
+    if not args.smoke and torch.cuda.device_count() < 2:
+        raise SystemExit("bench_overlap needs 2 GPUs (or --smoke)")
     from weavepass.testing import spawn
 
+    if args.smoke:
+        tokens, layouts, warmup, iters = [16, 32], [1], 1, 2
+    elif args.quick:
+        tokens, layouts, warmup, iters = [1024, 4096, 16384], [1], 2, 5
+    else:
+        tokens, layouts, warmup, iters = [512, 1024, 2048, 4096, 8192, 16384], [1, 8], 5, 20
     config = {
-        "layers": args.layers,
+        "smoke": args.smoke,
+        "shapes": args.shape or (["tiny"] if args.smoke else ["70b_tp2"]),
+        "layers": args.layers or (1 if args.smoke else 4),
         "variants": args.variants.split(","),
-        "tokens": args.tokens or ([1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]),
-        "layouts": args.layouts or ([1] if args.quick else [1, 8]),
+        "tokens": args.tokens or tokens,
+        "layouts": args.layouts or layouts,
         "profile": args.profile,
-        "warmup": 2 if args.quick else 5,
-        "iters": 5 if args.quick else 20,
+        "warmup": warmup,
+        "iters": iters,
     }
-    rows = spawn(_run_rank, 2, "nccl", config, timeout_s=3000.0)[0]
-    report(rows, Path(args.out))
+    rows = spawn(_run_rank, 2, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
+    report(rows, Path(args.out), config["layers"], args.name)
 
 
-def report(rows: list[dict], out: Path) -> None:
+def hidden_fraction(ms: float, inductor: float | None, no_comm: float | None) -> float | None:
+    """Fraction of the removable communication hidden: (inductor - ms) / (inductor - no_comm);
+    None where there is no floor or nothing measurable to hide (inductor <= no_comm)."""
+    if inductor is None or no_comm is None or inductor <= no_comm:
+        return None
+    return (inductor - ms) / (inductor - no_comm)
+
+
+def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap") -> None:
     """Table on stdout, CSV and a PNG normalised to the ``inductor`` variant."""
     out.mkdir(parents=True, exist_ok=True)
-    base = {(r["sequences"], r["tokens"]): r["ms"] for r in rows if r["variant"] == "inductor"}
+    by_key = {(r["shape"], r["variant"], r["sequences"], r["tokens"]): r["ms"] for r in rows}
     for r in rows:
-        ref = base.get((r["sequences"], r["tokens"]))
+        key = (r["shape"], r["sequences"], r["tokens"])
+        ref = by_key.get((key[0], "inductor", *key[1:]))
         r["vs_inductor"] = r["ms"] / ref if ref else float("nan")
-    with open(out / "bench_overlap.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["variant", "sequences", "tokens", "ms", "vs_inductor"])
+        frac = hidden_fraction(r["ms"], ref, by_key.get((key[0], "no_comm", *key[1:])))
+        r["hidden"] = "" if frac is None or not r["variant"].startswith("weave") else round(frac, 4)
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["shape", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
         writer.writeheader()
         writer.writerows(rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    keys = sorted({(r["sequences"], r["tokens"]) for r in rows})
-    table = {(r["variant"], r["sequences"], r["tokens"]): r for r in rows}
-    print(f"{'seqs':>4} {'tokens':>6} " + " ".join(f"{v:>20}" for v in variants))
-    for seqs, tokens in keys:
+    keys = sorted({(r["shape"], r["sequences"], r["tokens"]) for r in rows})
+    table = {(r["shape"], r["variant"], r["sequences"], r["tokens"]): r for r in rows}
+    print("cells: ms (x inductor) [fraction of removable communication hidden, weave variants]")
+    print(f"{'shape':>10} {'seqs':>4} {'tokens':>6} " + " ".join(f"{v:>28}" for v in variants))
+    for shape, seqs, tokens in keys:
         cells = []
         for v in variants:
-            r = table.get((v, seqs, tokens))
-            cells.append(f"{r['ms']:8.3f} ms ({r['vs_inductor']:.2f}x)" if r else " " * 20)
-        print(f"{seqs:>4} {tokens:>6} " + " ".join(f"{c:>20}" for c in cells))
+            r = table.get((shape, v, seqs, tokens))
+            cell = f"{r['ms']:8.3f} ({r['vs_inductor']:.2f}x)" if r else ""
+            if r and r["hidden"] != "":
+                cell += f" [{r['hidden']:+.0%}]"
+            cells.append(cell)
+        print(f"{shape:>10} {seqs:>4} {tokens:>6} " + " ".join(f"{c:>28}" for c in cells))
+    _plot(rows, table, variants, keys, out, layers, name)
+
+
+def _plot(rows, table, variants, keys, out: Path, layers: int, name: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot")
+        print(f"matplotlib missing: no plot; wrote {out / f'{name}.csv'}")
         return
-    layouts = sorted({s for s, _ in keys})
-    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4), squeeze=False)
-    for ax, seqs in zip(axes[0], layouts):
-        tokens = [t for s, t in keys if s == seqs]
-        width = 0.8 / len(variants)
-        for i, v in enumerate(variants):
-            ys = [table[(v, seqs, t)]["vs_inductor"] if (v, seqs, t) in table else 0 for t in tokens]
-            ax.bar([j + i * width for j in range(len(tokens))], ys, width, label=v)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))], [str(t) for t in tokens])
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("latency / inductor default")
-        ax.set_title(f"4 layers, Llama-3-70B TP=2, {seqs} sequence(s)")
-    axes[0][0].legend(fontsize=8)
+    shapes = list(dict.fromkeys(k[0] for k in keys))
+    layouts = sorted({k[1] for k in keys})
+    fig, axes = plt.subplots(len(shapes), len(layouts), figsize=(6 * len(layouts), 4 * len(shapes)),
+                             squeeze=False)
+    width = 0.8 / len(variants)
+    for row, shape in enumerate(shapes):
+        for ax, seqs in zip(axes[row], layouts):
+            tokens = [t for s, q, t in keys if s == shape and q == seqs]
+            for i, v in enumerate(variants):
+                ys = [table[(shape, v, seqs, t)]["vs_inductor"] if (shape, v, seqs, t) in table else 0
+                      for t in tokens]
+                ax.bar([j + i * width for j in range(len(tokens))], ys, width, label=v)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))], [str(t) for t in tokens])
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("latency / inductor default")
+            ax.set_title(f"{shape}, {layers} layers, {seqs} sequence(s)")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "bench_overlap.png", dpi=120)
-    print(f"wrote {out / 'bench_overlap.csv'} and {out / 'bench_overlap.png'}")
+    fig.savefig(out / f"{name}.png", dpi=110)
+    print(f"wrote {out / f'{name}.csv'} and {out / f'{name}.png'}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,36 @@
 #!/usr/bin/env bash
-# GPU suite: every GPU test under tests/gpu, then the benchmarks. One log ($OUT/suite.log) plus
-# each benchmark's CSV and PNG go to $OUT (the device tool returns at most 8 files).
-# Usage (repository root): OUT=/some/dir bash benchmarks/gpu_suite.sh [--quick]
-# Add a benchmark by appending one `step NAME SECONDS command...` line. Each step is bounded by
-# its own timeout; a failing step is reported and the suite goes on (the exit status says if any failed).
+# GPU suite: the GPU tests under tests/gpu, then the benchmarks. One log ($OUT/suite.log) plus each
+# benchmark's CSV and PNG go to $OUT (the device tool returns at most 8 files, 2 folder levels).
+#
+# Usage (repository root): OUT=/some/dir [STEPS=a,b,...] bash benchmarks/gpu_suite.sh [--quick]
+#
+# STEPS picks the steps to run (default: all, in the order below), so the suite can be split into
+# device calls of at most 10 minutes each. Steps:
+#   tests      GPU tests: model, overlap and FlashComm end to end, then the kernel's own tests
+#   host       bench_host_overhead (host cost per fused-op call)
+#   overlap    bench_overlap at 70b_tp8sim and 8b_tp2, 2K/4K/8K/16K tokens, one sequence
+#              (--quick: inductor, weave_overlap, weave_auto, no_comm, inductor_nccl_symm; else
+#              all default variants + weave_fuse_cg / weave_overlap_cg / inductor_cg)
+#   overlap2   the same for 70b_tp2 and 8b_tp8sim (bench_overlap_2.csv / .png)
+#   decode     bench_decode at 8b_tp2, 16 layers, 2K cached tokens (--quick: batches 1, 32, 256;
+#              without the default-mode `weave` variant, which at these sizes compiles the same
+#              graph as inductor since cuda_min_tokens=1024 keeps them on plain all_reduce)
+#   decode70   the same at 70b_tp8sim (bench_decode_70b.csv / .png)
+#   fused      bench_fused_allreduce_rmsnorm, hidden 8192 and 4096 (--quick: fewer sizes and CTAs)
+#   flashcomm  bench_flashcomm
+# Splitting into calls of <= 600 s (sums of the step limits; typical runs should be shorter, but
+# compile times of the new presets and of the 16-layer decode model, one compile per variant and
+# batch size, are not measured on the device yet):
+#   call 1: STEPS=tests,host                       (limits 330 + 200 + 60 s; tests took ~435 s on 2026-11-30)
+#   call 2: STEPS=overlap,decode --quick           (limits 240 + 300 s)
+#   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
+#   call 4: STEPS=overlap2 --quick
+# With only two calls, run 1 and 2: they cover issues 11 and 15 and the NCCL-symmetric variants of
+# issue 18 inside the models. Rows of bench_overlap / bench_decode are also printed to the log as
+# they are measured, so a step stopped by its limit still leaves its numbers in suite.log.
+# Each step is bounded by its own timeout (env *_TIMEOUT_S); a failing step is reported and the
+# suite goes on (the exit status says if any failed). Add a step with one `step NAME SECONDS
+# command...` line below and its name in ALL_STEPS.
 set -uo pipefail
 # NVLink multicast must never be used on the lent machines (docs/cuda_kernel.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -11,9 +38,20 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks import weavepass from the checkout
 OUT="${OUT:-gpu_suite_out}"
 QUICK="${1:-}"
+ALL_STEPS="tests,host,overlap,overlap2,decode,decode70,fused,flashcomm"
+STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 status=0
+
+for s in ${STEPS//,/ }; do
+  case ",$ALL_STEPS," in
+    *",$s,"*) ;;
+    *) echo "unknown step '$s'; known: $ALL_STEPS" | tee -a "$LOG"; exit 2 ;;
+  esac
+done
+
+wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to the suite log
     local name="$1" limit="$2"
@@ -27,22 +65,48 @@ step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to 
 }
 
 {
+  echo "steps: $STEPS ${QUICK}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
 } 2>&1 | tee -a "$LOG"
 
-# End-to-end GPU tests first, the kernel's own (long) tests after the overlap benchmark, so a
-# short device lease still measures every issue. Measured on 2 x H200 (2026-11-30): the model +
-# overlap files take ~205 s, the flashcomm file ~80 s, the kernel file ~150 s; the limits leave
-# room for compile-cache misses (a step killed by its limit prints no summary at all).
-step pytest_models "${E2E_TIMEOUT_S:-480}" python3 -m pytest -m gpu -q -rA --durations=10 \
-    tests/gpu/test_model_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_flashcomm_gpu.py
-step bench_overlap "${OVERLAP_TIMEOUT_S:-300}" python3 benchmarks/bench_overlap.py --out "$OUT" $QUICK
-step bench_host_overhead "${HOST_TIMEOUT_S:-120}" python3 benchmarks/bench_host_overhead.py --out "$OUT"
-step pytest_kernel "${KERNEL_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -rA --durations=10 \
-    tests/gpu/test_cuda_kernel.py
-step bench_fused_allreduce_rmsnorm "${BENCH_TIMEOUT_S:-300}" \
+OVERLAP_TOKENS="2048 4096 8192 16384"
+if [ -n "$QUICK" ]; then
+  OVERLAP_VARIANTS="inductor,weave_overlap,weave_auto,no_comm,inductor_nccl_symm"
+else
+  OVERLAP_VARIANTS="eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg,inductor_nccl_symm"
+fi
+
+# Measured on 2 x H200 (2026-11-30): the model + overlap files take ~205 s, the flashcomm file
+# ~80 s, the kernel file ~150 s; the limits leave room for compile-cache misses (a step killed by
+# its limit prints no summary at all).
+if wanted tests; then
+  step pytest_models "${E2E_TIMEOUT_S:-330}" python3 -m pytest -m gpu -q -rA --durations=10 \
+      tests/gpu/test_model_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_flashcomm_gpu.py
+  step pytest_kernel "${KERNEL_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -rA --durations=10 \
+      tests/gpu/test_cuda_kernel.py
+fi
+wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-60}" \
+    python3 benchmarks/bench_host_overhead.py --out "$OUT"
+wanted overlap && step bench_overlap "${OVERLAP_TIMEOUT_S:-240}" \
+    python3 benchmarks/bench_overlap.py --out "$OUT" $QUICK --shape 70b_tp8sim 8b_tp2 \
+    --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
+wanted overlap2 && step bench_overlap_2 "${OVERLAP2_TIMEOUT_S:-240}" \
+    python3 benchmarks/bench_overlap.py --out "$OUT" --name bench_overlap_2 $QUICK --shape 70b_tp2 8b_tp8sim \
+    --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
+if [ -n "$QUICK" ]; then
+  DECODE_VARIANTS="eager,inductor,inductor_cg,weave_min1,weave_cg,inductor_nccl_symm"
+else
+  DECODE_VARIANTS="eager,inductor,inductor_cg,weave,weave_min1,weave_cg,inductor_nccl_symm"
+fi
+wanted decode && step bench_decode "${DECODE_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_decode.py --out "$OUT" $QUICK --shape 8b_tp2 --variants "$DECODE_VARIANTS"
+wanted decode70 && step bench_decode_70b "${DECODE70_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_decode.py --out "$OUT" --name bench_decode_70b $QUICK --shape 70b_tp8sim \
+    --variants "$DECODE_VARIANTS"
+wanted fused && step bench_fused_allreduce_rmsnorm "${FUSED_TIMEOUT_S:-200}" \
     python3 benchmarks/bench_fused_allreduce_rmsnorm.py --out "$OUT" \
-    ${QUICK:+--tokens 1 128 1024 4096 16384 --ctas 8 16 32 --replays 10 --compare-kernels}
-step bench_flashcomm "${FLASHCOMM_TIMEOUT_S:-300}" python3 benchmarks/bench_flashcomm.py --out "$OUT" $QUICK
+    ${QUICK:+--tokens 1 8 128 1024 4096 16384 --ctas 16 32 --replays 10}
+wanted flashcomm && step bench_flashcomm "${FLASHCOMM_TIMEOUT_S:-200}" \
+    python3 benchmarks/bench_flashcomm.py --out "$OUT" $QUICK
 exit $status

@@ -89,6 +89,38 @@ def test_norm_impls_agree():
     torch.testing.assert_close(llama, torch_norm, atol=1e-5, rtol=1e-5)
 
 
+def test_static_kv_cache_prefill_then_decode_matches_full_sequence():
+    # fp32, one process: prefill 5 tokens into the cache, then two decode steps of one token per
+    # sequence; each must equal the full-sequence forward at that position (same sums, but SDPA
+    # over the padded cache adds masked-out slots: 1e-5 as for TP vs unsharded). MoE covers the
+    # routed MLP beside the cached attention.
+    for cfg in (DENSE, MOE):
+        ids = random_token_ids(cfg, batch=3, seq=7)
+        with torch.no_grad():
+            full = build_tp_model(cfg)(ids)
+            cached = build_tp_model(cfg).attach_static_kv_cache(batch=3, max_len=9)
+            prefill = cached(ids[:, :5], cache_position=torch.arange(5))
+            steps = [cached(ids[:, t : t + 1], cache_position=torch.tensor([t])) for t in (5, 6)]
+            # A smaller batch uses the cache's first rows (slot 7 is still free in every row).
+            first = cached(ids[:1, 6:7], cache_position=torch.tensor([7]))
+        torch.testing.assert_close(prefill, full[:, :5], atol=TP_ATOL, rtol=TP_ATOL)
+        for t, step in zip((5, 6), steps):
+            assert step.shape == (3, 1, cfg.hidden)
+            torch.testing.assert_close(step[:, 0], full[:, t], atol=TP_ATOL, rtol=TP_ATOL)
+        # The cache holds what the steps wrote: a step at slot 6 that ignored slot 5 would differ.
+        layer = cached.layers[0].attention
+        assert layer.k_cache[:, :, :7].abs().sum(-1).gt(0).all()
+        assert layer.k_cache[0, :, 7].abs().sum() > 0 and layer.k_cache[1:, :, 7:].abs().sum() == 0
+        assert layer.k_cache[:, :, 8].abs().sum() == 0
+        assert torch.isfinite(first).all() and not torch.allclose(first[0, 0], steps[1][0, 0])
+
+
+def test_static_kv_cache_needs_cache_position():
+    model = build_tp_model(DENSE).attach_static_kv_cache(batch=1, max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="cache_position"):
+        model(random_token_ids(DENSE, batch=1, seq=2))
+
+
 def test_build_rejects_world_size_that_splits_heads():
     with fake_process_group(4) as group, pytest.raises(ValueError, match="must divide n_heads"):
         build_tp_model(DENSE, 0, 4, group)
@@ -129,19 +161,27 @@ def test_harness_with_torch_compile():
     assert report.passed, report
 
 
-def _count_all_reduces(cfg: TPConfig, world_size: int) -> int:
+def _count_all_reduces(cfg: TPConfig, world_size: int, kv_cache: bool = False) -> int:
+    """All_reduces in the one graph Dynamo traces (``fullgraph``: a graph break fails); with
+    ``kv_cache``, of a decode step of 2 sequences with a static KV cache."""
     graphs = []
 
     def record(gm, example_inputs):
         graphs.append(gm)
         return gm
 
+    batch, seq = (2, 1) if kv_cache else (1, 4)
     with fake_process_group(world_size) as group:
         model = build_tp_model(cfg, 0, world_size, group)
+        kwargs = {}
+        if kv_cache:
+            model.attach_static_kv_cache(batch, max_len=8)
+            kwargs["cache_position"] = torch.tensor([5])
         torch._dynamo.reset()
         with torch.no_grad():
-            out = torch.compile(model, backend=record, fullgraph=True)(random_token_ids(cfg, 1, 4))
-    assert out.shape == (1, 4, cfg.hidden) and len(graphs) == 1
+            compiled = torch.compile(model, backend=record, fullgraph=True)
+            out = compiled(random_token_ids(cfg, batch, seq), **kwargs)
+    assert out.shape == (batch, seq, cfg.hidden) and len(graphs) == 1
     all_reduce = torch.ops._c10d_functional.all_reduce  # Dynamo records the overload packet
     return sum(node.target in (all_reduce, all_reduce.default) for node in graphs[0].graph.nodes)
 
@@ -150,6 +190,12 @@ def _count_all_reduces(cfg: TPConfig, world_size: int) -> int:
 def test_fake_process_group_traces_one_all_reduce_per_site(cfg):
     assert _count_all_reduces(cfg, world_size=6) == 2 * cfg.n_layers + 1
     assert not dist.is_initialized()
+
+
+def test_decode_step_with_static_kv_cache_traces_as_one_graph():
+    # The cache update (index_copy_ into a slice of a buffer) must not break the graph: the
+    # decode benchmark compiles the whole step, and every site must be in the graph weave sees.
+    assert _count_all_reduces(DENSE, world_size=2, kv_cache=True) == 2 * DENSE.n_layers + 1
 
 
 def _fail_on_rank_one(rank: int, world_size: int) -> int:

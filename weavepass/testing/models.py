@@ -15,6 +15,10 @@ Layer structure (``[AR]`` is ``funcol.all_reduce(x, "sum", group)``, one per sit
     return norm(h)                              (no lm_head: the output is the normed hidden states)
 
 so ``n_layers`` layers give ``2 * n_layers + 1`` ``all_reduce -> [+ residual] -> RMSNorm`` sites.
+``TPDecoder.attach_static_kv_cache`` gives every attention a preallocated (static) KV cache, as
+HF's ``cache_implementation="static"`` does: calls then pass ``cache_position`` (the cache slots of
+the new tokens) and attend to every filled slot, so a decode step is a call with one new token
+per sequence.
 With ``n_experts > 0`` the MLP is a mixture of experts whose partial sums are combined on each rank
 before the layer's single all_reduce. Shapes: ``input_ids`` [B, S] int64 -> output [B, S, hidden].
 """
@@ -214,8 +218,27 @@ class TPAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.n_heads, self.n_kv_heads, self.head_dim = n_local_heads, n_local_kv_heads, head_dim
         self.explicit_mask = explicit_mask
+        self.register_buffer("k_cache", None, persistent=False)  # attach_static_kv_cache sets them
+        self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attach_static_kv_cache(self, batch: int, max_len: int) -> None:
+        """Zeroed ``[batch, local kv heads, max_len, head_dim]`` key and value buffers; calls with
+        fewer sequences use the first rows.
+
+        Their addresses never change (``mark_static_address``), so Inductor's CUDA graphs can
+        replay a step that updates them in place.
+        """
+        shape = (batch, self.n_kv_heads, max_len, self.head_dim)
+        for name in ("k_cache", "v_cache"):
+            buf = torch.zeros(shape, dtype=self.k_proj.dtype, device=self.k_proj.device)
+            torch._dynamo.mark_static_address(buf)
+            self.register_buffer(name, buf, persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cache_position: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``cache_position`` [S]: the cache slots of the S new tokens (with a cache only)."""
         batch, seq, _ = x.shape
 
         def heads(w: torch.Tensor, n: int) -> torch.Tensor:  # [B, S, H] -> [B, n, S, head_dim]
@@ -226,10 +249,25 @@ class TPAttention(nn.Module):
         v = heads(self.v_proj, self.n_kv_heads)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        mask = None
+        if self.k_cache is not None:
+            if cache_position is None:
+                raise ValueError("a model with a KV cache needs cache_position")
+            # The first ``batch`` rows of the cache: one cache serves every batch up to its size.
+            k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
+            k_cache.index_copy_(2, cache_position, k)
+            v_cache.index_copy_(2, cache_position, v)
+            k, v = k_cache, v_cache
+            # Query i sees every slot up to its own: the prompt's causal mask, and all cached
+            # tokens for a decode step.
+            slots = torch.arange(k.shape[2], device=x.device)
+            mask = slots <= cache_position.unsqueeze(-1)
         group_size = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(group_size, dim=1)
         v = v.repeat_interleave(group_size, dim=1)
-        if self.explicit_mask:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.explicit_mask:
             mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -288,8 +326,12 @@ class TPDecoderLayer(nn.Module):
         self.mlp = mlp
         self.group = group
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + all_reduce_sum(self.attention(self.input_norm(h), cos, sin), self.group)
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cache_position: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attended = self.attention(self.input_norm(h), cos, sin, cache_position)
+        h = h + all_reduce_sum(attended, self.group)
         return h + all_reduce_sum(self.mlp(self.post_attention_norm(h)), self.group)
 
 
@@ -304,17 +346,28 @@ class TPDecoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
+    def attach_static_kv_cache(self, batch: int, max_len: int) -> TPDecoder:
+        """Give every layer a static KV cache of ``max_len`` slots for ``batch`` sequences; calls
+        must then pass ``cache_position``. Returns the model."""
+        for layer in self.layers:
+            layer.attention.attach_static_kv_cache(batch, max_len)
+        return self
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``positions`` [B, S] or [S] (default ``arange(S)``) index RoPE."""
+        """``positions`` [B, S] or [S] index RoPE (default ``cache_position``, else ``arange(S)``);
+        ``cache_position`` [S] gives the KV-cache slots of the S new tokens (with a cache only)."""
+        if positions is None:
+            positions = cache_position
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
         positions = positions.expand(input_ids.shape)
         h = self.embed(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, cache_position)
         return self.norm(h)
 
 
