@@ -13,7 +13,7 @@ import torch
 
 # Register every torch.ops.weave.* op, also those only FlashComm graphs use: a graph loaded from
 # Inductor's cache calls them without running the pass.
-from weavepass import flashcomm, ops  # noqa: F401
+from weavepass import flashcomm, ops, replication  # noqa: F401
 from weavepass.backend import WeaveBackend, make_backend, register, weave_backend
 from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport

@@ -109,6 +109,25 @@ class WeaveConfig:
     ``uuid()``, so results stay correct, but a cache hit skips the pass and the explain report then
     has no entries for that graph. Off by default so the report is always complete."""
 
+    check_plan_across_ranks: bool = True
+    """At compile time, compare the collectives each rewritten graph will run with every other
+    rank of its group (through the default group's store) and raise ``PlanMismatchError`` when
+    they differ, instead of hanging until the group timeout. Ranks differ after control flow that
+    depends on the rank, e.g. a graph break on one rank only (docs/reliability.md). Costs one store
+    round trip per compiled graph with collectives; nothing per step."""
+
+    plan_check_timeout_s: float = 60.0
+    """How long the plan check waits for a peer that has published nothing for this point of the
+    collective stream. Bounds how far apart ranks may reach a compile: the first compile also
+    absorbs start-up skew (loading, earlier compiles), so do not set it near zero in production."""
+
+    check_replicated: bool = False
+    """Debug check, run on every call of every fused site: all-gather a 2-number digest (sum and
+    sum of squares, fp64) of the residual and the norm weight and raise ``ReplicationError`` when
+    the ranks' digests differ. Tensor parallelism assumes both are replicated across the group;
+    the fused lowerings compute each block of rows with its owner rank's copy, so a rank-dependent
+    residual or weight gives silently wrong results. Adds one small all_gather per site and call."""
+
     def __post_init__(self) -> None:
         if self.lowering not in LOWERINGS:
             raise ValueError(f"WeaveConfig.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
@@ -137,6 +156,8 @@ class WeaveConfig:
             raise ValueError(
                 f"WeaveConfig.cuda_workspace_tokens must be >= 1, got {self.cuda_workspace_tokens}"
             )
+        if not self.plan_check_timeout_s > 0:
+            raise ValueError(f"WeaveConfig.plan_check_timeout_s must be > 0, got {self.plan_check_timeout_s}")
 
     def replace(self, **changes) -> "WeaveConfig":
         return dataclasses.replace(self, **changes)

@@ -16,6 +16,8 @@ import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
 from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.patterns import find_allreduce_rmsnorm_sites
+from weavepass.plan_check import check_plan_across_ranks
+from weavepass.replication import insert_checks
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 
@@ -62,6 +64,8 @@ class WeavePass(CustomGraphPass):
             report.add_note("WeaveConfig.enabled is False")
         else:
             self._rewrite(graph, report)
+            if self.config.check_plan_across_ranks:
+                check_plan_across_ranks(graph, report.graph_index, self.config.plan_check_timeout_s)
         report.ops_after = op_counts(graph)
         if self.on_report is not None:
             self.on_report(report)
@@ -92,25 +96,32 @@ class WeavePass(CustomGraphPass):
             from weavepass.flashcomm import apply_flashcomm
 
             if apply_flashcomm(graph, plans, self.config, report):
+                if self.config.check_replicated:  # FlashComm shards the residual stream by design
+                    report.add_note("check_replicated: not done in a FlashComm graph (the residual "
+                                    "stream is sharded by token there)")
                 graph.lint()
                 return
 
-        fused = []
+        fused: dict[str, torch.fx.Node] = {}
         for plan in plans:
             record = by_name[plan.site.all_reduce.name]
             if plan.lowering is None:
                 log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
-            fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))
+            fused[record.node] = plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM)
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
                 level = logging.INFO if plan.reason == CUDA_COPY_NOTE else logging.WARNING
                 log.log(level, "weavepass: %s: %s", record.node, plan.reason)
 
+        if fused and self.config.check_replicated:
+            checked = insert_checks(graph, fused)
+            report.add_note(f"check_replicated: the residual and norm weight of {checked} site(s) "
+                            "are compared across ranks on every call")
         if fused and self.config.overlap != "off":
             from weavepass.token_split import apply_token_split
 
-            apply_token_split(graph, fused, self.config, report)
+            apply_token_split(graph, list(fused.values()), self.config, report)
         graph.lint()

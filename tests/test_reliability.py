@@ -1,0 +1,150 @@
+"""Reliability: ranks that disagree fail fast and clearly (docs/reliability.md).
+
+- the cross-rank plan check (``WeaveConfig.check_plan_across_ranks``): a graph break on one rank
+  only raises ``PlanMismatchError`` within seconds instead of hanging until the group timeout;
+- the replicated-input check (``WeaveConfig.check_replicated``);
+- one backend per config for ``weavepass.weave`` and ``weavepass.explain`` (Dynamo's recompile limit);
+- the pass's cache key (``WeavePass.uuid``) covers the process groups and the device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import weavepass
+from weavepass import WeaveConfig
+from weavepass.testing.distributed import fake_process_group, spawn
+
+H = 16
+FUSED = "weave.fused_allreduce_rmsnorm.default"
+AR = "_c10d_functional.all_reduce.default"
+
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def two_layers(x, r, w1, w2, talk_on_rank=None):
+    """Two all_reduce -> add -> RMSNorm sites; ``talk_on_rank`` prints (a graph break) between
+    the first site's all_reduce and its norm on that rank only."""
+    h = r + funcol.all_reduce(x, "sum", dist.group.WORLD)
+    if talk_on_rank is not None and dist.get_rank() == talk_on_rank:
+        print("rank", talk_on_rank, "says hello")
+    y = rms(h, w1)
+    h2 = h + funcol.all_reduce(y * 2, "sum", dist.group.WORLD)
+    return rms(h2, w2), h2
+
+
+def _inputs(rank, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, H, generator=g) + rank  # partial sums differ by rank
+    r = torch.randn(6, H, generator=g)
+    return x, r, torch.rand(H, generator=g) + 0.5, torch.rand(H, generator=g) + 0.5
+
+
+def _plan_check_rank(rank, world, talk_on_rank, timeout_s):
+    from weavepass.plan_check import PlanMismatchError
+
+    config = WeaveConfig(plan_check_timeout_s=timeout_s)
+    compiled = torch.compile(lambda *a: two_layers(*a, talk_on_rank=talk_on_rank),
+                             backend=weavepass.make_backend(config))
+    args = _inputs(rank)
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            out = compiled(*args)
+    except Exception as error:  # Dynamo wraps backend errors; the message carries ours
+        assert "PlanMismatchError" in f"{type(error).__name__}{error!r}" or isinstance(error, PlanMismatchError)
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    eager = two_layers(*args)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)  # fp32 throughout
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_graph_break_on_one_rank_raises_clear_error_fast():
+    """Rank 0 breaks the first site in two (its all_reduce in one graph, its norm in the next);
+    rank 1 fuses it. Without the check both ranks block in different collectives for 30 min."""
+    results = spawn(_plan_check_rank, 2, "gloo", 0, 20.0, timeout_s=120)
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} ran on"
+        assert "weavepass: ranks" in error and "would run different collectives" in error, error
+        assert "graph break" in error and "check_plan_across_ranks=False" in error, error
+        assert "_c10d_functional.all_reduce" in error and "weave.fused_allreduce_rmsnorm" in error, error
+        assert result["seconds"] < 20.0, result  # a mismatch is seen at once, not at the timeout
+
+
+SCENARIOS = {  # per rank, the graphs it compiles, each a list of all_reduce row counts
+    "same collectives, split differently": ([[4, 4, 4]], [[4], [4, 4]]),
+    "a different shape": ([[4, 4]], [[4, 5]]),
+    "a graph one rank never compiles": ([[4]], [[4], [4]]),
+}
+
+
+def _stream_rank(rank, world):
+    """Runs ``check_plan_across_ranks`` on graphs traced with fake tensors (nothing runs), one
+    fresh group per scenario so that each starts its own collective stream."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from weavepass.plan_check import PlanMismatchError, check_plan_across_ranks
+
+    outcomes = {}
+    for name, per_rank in SCENARIOS.items():
+        group = dist.new_group([0, 1])
+        outcomes[name] = []
+        for index, rows in enumerate(per_rank[rank]):
+            def f(*xs):
+                return [funcol.all_reduce(x, "sum", group) for x in xs]
+
+            gm = make_fx(f, tracing_mode="fake")(*[torch.randn(n, H) for n in rows])
+            try:
+                check_plan_across_ranks(gm.graph, index, timeout_s=3.0)
+                outcomes[name].append("ok")
+            except PlanMismatchError as error:
+                outcomes[name].append(str(error))
+                break
+    return outcomes
+
+
+def test_plan_check_compares_stream_positions():
+    """What may differ between ranks, without running the graphs: the same collectives split into
+    more graphs on one rank pass (a harmless rank-dependent break); a different shape fails on
+    both ranks; a graph a peer never compiles fails within the 3 s timeout, naming the silent rank."""
+    rank0, rank1 = spawn(_stream_rank, 2, "gloo", timeout_s=60)
+    assert rank0["same collectives, split differently"] == ["ok"]
+    assert rank1["same collectives, split differently"] == ["ok", "ok"]
+    for outcome in (rank0["a different shape"], rank1["a different shape"]):
+        assert "at collective #1" in outcome[-1] and "float32[5, 16]" in outcome[-1], outcome
+    assert rank0["a graph one rank never compiles"] == ["ok"]
+    extra = rank1["a graph one rank never compiles"]
+    assert extra[0] == "ok" and "rank 0 published no plan for collective #1" in extra[1], extra
+
+
+def test_plan_check_passes_same_plans_and_a_harmless_rank_dependent_break():
+    """The normal case (identical graphs), then a break after every collective on rank 0 only
+    (the ranks' graphs differ, their collectives do not): both run, checked against eager."""
+    with pytest.raises(ValueError, match="plan_check_timeout_s"):
+        WeaveConfig(plan_check_timeout_s=0)
+    assert spawn(_harmless_break_rank, 2, "gloo", timeout_s=120) == [(None, 1), (None, 1)]
+
+
+def _harmless_break_rank(rank, world):
+    normal = _plan_check_rank(rank, world, None, 20.0)["error"]
+    torch._dynamo.reset()
+
+    def f(x, r, w1, w2):
+        out, _ = two_layers(x, r, w1, w2)
+        if dist.get_rank() == 0:
+            print("after every collective")
+        return out * 2
+
+    backend = weavepass.make_backend(WeaveConfig(plan_check_timeout_s=20.0))
+    args = _inputs(rank)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, backend=backend)(*args), f(*args), rtol=1e-5, atol=1e-5)
+    return normal, len([g for g in backend.report.graphs if g.rewritten])
