@@ -148,3 +148,33 @@ def _harmless_break_rank(rank, world):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(f, backend=backend)(*args), f(*args), rtol=1e-5, atol=1e-5)
     return normal, len([g for g in backend.report.graphs if g.rewritten])
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(H) + 0.5)
+
+    def forward(self, x, r):
+        return rms(r + funcol.all_reduce(x, "sum", dist.group.WORLD), self.w)
+
+
+def test_weave_and_explain_reuse_one_backend_past_the_recompile_limit():
+    """Ten layers wrapped with ``weavepass.weave`` (as functions and as modules) and ten
+    ``explain`` calls: each runs the rewritten graph, none falls back to eager after Dynamo's
+    recompile limit of 8 (a fresh backend per call did), and each report is non-empty."""
+    config = WeaveConfig(lowering="portable")
+    torch._dynamo.reset()
+    x, r = torch.randn(4, H), torch.randn(4, H)
+    with fake_process_group(2), torch.no_grad():
+        layers = [_Layer() for _ in range(10)]
+        wrapped = [weavepass.weave(layer.forward, config=config) for layer in layers]
+        wrapped += [weavepass.weave(layer, config=config) for layer in layers]
+        for fn in wrapped:
+            fn(x, r)
+            (graph,) = fn.weave_report.graphs
+            assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0
+        reports = [weavepass.explain(layers[0], x, r, config=config) for _ in range(10)]
+        assert all(report.rewritten == 1 for report in reports), [str(r) for r in reports]
+        # one compile for all of them: the shared backend saw one graph per distinct code
+        assert len(weavepass.shared_backend(config).report.graphs) <= 2

@@ -51,6 +51,12 @@ class WeaveReport:
 
     graphs: list[GraphReport] = field(default_factory=list)
 
+    def add_graphs(self, graphs: list[GraphReport]) -> None:
+        """Add each of ``graphs`` not already here (by identity), in order."""
+        for graph in graphs:
+            if not any(graph is g for g in self.graphs):
+                self.graphs.append(graph)
+
     @property
     def records(self) -> list[AllReduceRecord]:
         return [r for g in self.graphs for r in g.records]
