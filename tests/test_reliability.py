@@ -178,3 +178,21 @@ def test_weave_and_explain_reuse_one_backend_past_the_recompile_limit():
         assert all(report.rewritten == 1 for report in reports), [str(r) for r in reports]
         # one compile for all of them: the shared backend saw one graph per distinct code
         assert len(weavepass.shared_backend(config).report.graphs) <= 2
+
+
+def test_cache_key_covers_the_process_groups():
+    """``WeavePass.uuid`` (part of Inductor's FX-graph cache key) changes with the world size and
+    the set of groups, and not with the rank: a FlashComm graph bakes in the world size, so one
+    cached at world 2 must not be loaded at world 4."""
+    from weavepass.graph_pass import WeavePass
+
+    config = WeaveConfig(enable_flashcomm=True, fx_graph_cache=True)
+    keys = {}
+    for world, rank in [(2, 0), (2, 1), (4, 0)]:
+        with fake_process_group(world, rank):
+            keys[world, rank] = WeavePass(config).uuid()
+            if (world, rank) == (4, 0):
+                dist.new_group([0, 1])
+                keys["world 4 with a subgroup"] = WeavePass(config).uuid()
+    assert keys[2, 0] == keys[2, 1]
+    assert len({keys[2, 0], keys[4, 0], keys["world 4 with a subgroup"]}) == 3

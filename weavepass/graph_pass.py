@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import logging
 from collections import Counter
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
@@ -48,6 +50,25 @@ def source_hash() -> str:
     return get_hash_for_files(files).hex()
 
 
+def environment_key() -> str:
+    """What the rewrite reads about the process and not from the graph: each process group's
+    name, size and backend (a FlashComm graph bakes in the world size: a graph cached at world 2
+    and loaded at world 4 fails), and which devices and lowerings are available here. Not the rank:
+    the rewrite is the same on every rank, so ranks may share one cache."""
+    groups = []
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _world
+
+        groups = sorted((name, pg.size(), str(dist.get_backend(pg))) for pg, name in _world.pg_names.items())
+    cuda = torch.cuda.is_available()
+    devices = {
+        "cuda": torch.cuda.get_device_capability() if cuda else None,
+        "triton": importlib.util.find_spec("triton") is not None,
+        "torch_npu": importlib.util.find_spec("torch_npu") is not None,
+    }
+    return f"{groups}|{devices}"
+
+
 class WeavePass(CustomGraphPass):
     """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``."""
 
@@ -56,7 +77,9 @@ class WeavePass(CustomGraphPass):
         self.on_report = on_report
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"{source_hash()}|{self.config!r}".encode()).hexdigest()
+        """Inductor's cache key for this pass: everything the rewrite reads besides the graph
+        (which Inductor keys itself): the code, the config and ``environment_key()``."""
+        return hashlib.sha256(f"{source_hash()}|{self.config!r}|{environment_key()}".encode()).hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         report = GraphReport(next(_graph_counter), ops_before=op_counts(graph))
