@@ -196,3 +196,24 @@ def test_cache_key_covers_the_process_groups():
                 keys["world 4 with a subgroup"] = WeavePass(config).uuid()
     assert keys[2, 0] == keys[2, 1]
     assert len({keys[2, 0], keys[4, 0], keys["world 4 with a subgroup"]}) == 3
+
+
+def test_symbolic_token_split_compiles_once_per_size_class():
+    """``overlap="force"`` with a ``mark_dynamic`` sequence: every size from 4 tokens on runs one
+    split graph, 2 and 3 tokens one fuse-only graph (a one-token half guarded ``half != 1`` and
+    compiled 3 graphs for 9, 2, 3 and 17 tokens)."""
+    from weavepass.testing import TPConfig, build_tp_model, random_token_ids
+
+    cfg = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
+    backend = weavepass.make_backend(WeaveConfig(overlap="force"))
+    torch._dynamo.reset()
+    with fake_process_group(2), torch.no_grad():
+        compiled = torch.compile(build_tp_model(cfg, 0, 2, dist.group.WORLD), backend=backend)
+        for seq in [9, 2, 3, 17, 4]:
+            ids = random_token_ids(cfg, 1, seq, seed=seq)
+            torch._dynamo.mark_dynamic(ids, 1)
+            compiled(ids)
+    notes = [g.note for g in backend.report.graphs]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("token split (sequence): computed at run time"), notes
+    assert notes[1].startswith("fuse-only: 2 sequence unit(s) on a symbolic count"), notes
