@@ -125,16 +125,45 @@ def test_plan_check_compares_stream_positions():
     assert extra[0] == "ok" and "rank 0 published no plan for collective #1" in extra[1], extra
 
 
-def test_plan_check_passes_same_plans_and_a_harmless_rank_dependent_break():
+def test_plan_check_passes_same_plans_and_a_harmless_rank_dependent_break_and_check_replicated():
     """The normal case (identical graphs), then a break after every collective on rank 0 only
-    (the ranks' graphs differ, their collectives do not): both run, checked against eager."""
+    (the ranks' graphs differ, their collectives do not): both run, checked against eager. In the
+    same processes (one spawn): ``check_replicated`` passes replicated inputs and raises on a
+    residual or a norm weight that differs on rank 1."""
     with pytest.raises(ValueError, match="plan_check_timeout_s"):
         WeaveConfig(plan_check_timeout_s=0)
-    assert spawn(_harmless_break_rank, 2, "gloo", timeout_s=120) == [(None, 1), (None, 1)]
+    for normal, rewritten, replicated in spawn(_harmless_break_rank, 2, "gloo", timeout_s=120):
+        assert (normal, rewritten) == (None, 1)
+        assert replicated["same"] is None
+        for name in ("residual", "norm weight"):
+            error = replicated[name]
+            assert f"the {name} of site" in error and "ranks [1] differ from rank 0" in error, error
+            assert "ReplicationError" in error and "replicated" in error, error
+
+
+def _check_replicated_rank(rank):
+    """Errors (or None) of a ``check_replicated`` compile with replicated inputs, then with a
+    residual and a weight that differ on rank 1."""
+    backend = weavepass.make_backend(WeaveConfig(check_replicated=True))
+    compiled = torch.compile(two_layers, backend=backend)
+    x, r, w1, w2 = _inputs(rank)
+    errors = {}
+    for name, args in [("same", (x, r, w1, w2)), ("residual", (x, r + rank, w1, w2)),
+                       ("norm weight", (x, r, w1, w2 * (1 + rank)))]:
+        try:
+            with torch.no_grad():
+                out = compiled(*args)
+            torch.testing.assert_close(out, two_layers(*args), rtol=1e-5, atol=1e-5)
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001  (the message is what is checked)
+            errors[name] = f"{type(error).__name__}: {error}"
+    assert "check_replicated: the residual and norm weight of 2 site(s)" in backend.report.graphs[0].note
+    return errors
 
 
 def _harmless_break_rank(rank, world):
     normal = _plan_check_rank(rank, world, None, 20.0)["error"]
+    replicated = _check_replicated_rank(rank)
     torch._dynamo.reset()
 
     def f(x, r, w1, w2):
@@ -147,7 +176,7 @@ def _harmless_break_rank(rank, world):
     args = _inputs(rank)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(f, backend=backend)(*args), f(*args), rtol=1e-5, atol=1e-5)
-    return normal, len([g for g in backend.report.graphs if g.rewritten])
+    return normal, len([g for g in backend.report.graphs if g.rewritten]), replicated
 
 
 class _Layer(torch.nn.Module):
