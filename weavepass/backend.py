@@ -82,10 +82,6 @@ class WeaveBackend:
                 "for each and runs it eagerly after its recompile limit (8). Reuse one backend "
                 "(weavepass.shared_backend(config)) or use weavepass.weave", _RECOMPILE_LIMIT_HINT + 1)
 
-    def reset(self) -> None:
-        """Called by ``torch._dynamo.reset()``: the compiled graphs are gone, so is their report."""
-        self.report = WeaveReport()
-
     def _record(self, graph_report: GraphReport) -> None:
         self.report.graphs.append(graph_report)
 
