@@ -247,3 +247,4 @@ def test_symbolic_token_split_compiles_once_per_size_class():
     assert len(notes) == 2, notes
     assert notes[0].startswith("token split (sequence): computed at run time"), notes
     assert notes[1].startswith("fuse-only: 2 sequence unit(s) on a symbolic count"), notes
+
