@@ -122,11 +122,12 @@ class WeaveConfig:
     absorbs start-up skew (loading, earlier compiles), so do not set it near zero in production."""
 
     check_replicated: bool = False
-    """Debug check, run on every call of every fused site: all-gather a 2-number digest (sum and
-    sum of squares, fp64) of the residual and the norm weight and raise ``ReplicationError`` when
+    """Debug check, run on every call of every fused site: all-gather an exact digest of the
+    residual and the norm weight (``weavepass/replication.py``) and raise ``ReplicationError`` when
     the ranks' digests differ. Tensor parallelism assumes both are replicated across the group;
     the fused lowerings compute each block of rows with its owner rank's copy, so a rank-dependent
-    residual or weight gives silently wrong results. Adds one small all_gather per site and call."""
+    residual or weight gives silently wrong results. Adds one small all_gather and a copy of the residual per site and call; not done in FlashComm
+    graphs (their residual stream is sharded on purpose)."""
 
     def __post_init__(self) -> None:
         if self.lowering not in LOWERINGS:
