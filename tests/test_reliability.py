@@ -248,3 +248,17 @@ def test_symbolic_token_split_compiles_once_per_size_class():
     assert notes[0].startswith("token split (sequence): computed at run time"), notes
     assert notes[1].startswith("fuse-only: 2 sequence unit(s) on a symbolic count"), notes
 
+
+
+def test_many_backends_for_one_config_warn(caplog):
+    """The 9th ``make_backend`` with one config says that Dynamo would run eagerly past its
+    recompile limit, and what to use instead."""
+    config = WeaveConfig(cuda_min_tokens=4321)  # a config no other test makes
+    with caplog.at_level("WARNING", logger="weavepass"):
+        for _ in range(8):
+            weavepass.make_backend(config)
+        assert not caplog.records
+        weavepass.make_backend(config)
+    (record,) = caplog.records
+    assert "9 backends made with one WeaveConfig" in record.getMessage()
+    assert "weavepass.shared_backend(config)" in record.getMessage()
