@@ -262,3 +262,32 @@ def test_many_backends_for_one_config_warn(caplog):
     (record,) = caplog.records
     assert "9 backends made with one WeaveConfig" in record.getMessage()
     assert "weavepass.shared_backend(config)" in record.getMessage()
+
+
+def _flashcomm_cached_rank(rank, world):
+    """FlashComm with Inductor's FX-graph cache on. The model's per-rank shapes and strides do not
+    depend on the world size, so only the pass's key tells a world-2 graph from a world-3 one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_flashcomm import ON, TwoSites
+
+    model = TwoSites((256, 256), (False, False), torch.float32, rank, world)
+    for param in model.parameters():  # shards are column slices: strides would name the world size
+        param.data = param.data.contiguous()
+    h = torch.randn(20, 64, generator=torch.Generator().manual_seed(0))
+    backend = weavepass.make_backend(WeaveConfig(**ON, fx_graph_cache=True))
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, dynamic=False)(h)
+        torch.testing.assert_close(out, model(h), rtol=1e-4, atol=1e-4)  # fp32, reductions reordered
+    return [r.lowering for r in backend.report.records]
+
+
+def test_fx_graph_cache_is_not_shared_across_world_sizes(tmp_path, monkeypatch):
+    """One cache directory, world 2 then world 3: the world-3 run compiles (the pass runs and
+    reports) instead of loading the world-2 FlashComm graph, whose shapes assume 2 ranks."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for world in (2, 3):
+        for lowerings in spawn(_flashcomm_cached_rank, world, "gloo", timeout_s=180):
+            assert lowerings and all(low.startswith("flashcomm") for low in lowerings), (world, lowerings)
