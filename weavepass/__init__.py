@@ -7,14 +7,24 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 # Register every torch.ops.weave.* op, also those only FlashComm graphs use: a graph loaded from
 # Inductor's cache calls them without running the pass.
-from weavepass import flashcomm, ops  # noqa: F401
-from weavepass.backend import WeaveBackend, make_backend, register, weave_backend
+from weavepass import flashcomm, ops, replication  # noqa: F401
+from weavepass.backend import (
+    WeaveBackend,
+    collect_reports,
+    make_backend,
+    register,
+    shared_backend,
+    start_collecting,
+    stop_collecting,
+    weave_backend,
+)
 from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
 
@@ -27,6 +37,7 @@ __all__ = [
     "explain",
     "last_report",
     "make_backend",
+    "shared_backend",
     "weave",
 ]
 
@@ -39,24 +50,35 @@ def weave(fn=None, *, config: WeaveConfig | None = None, **compile_kwargs):
 
     Usable bare (``@weave``) or with arguments (``@weave(config=WeaveConfig(...), dynamic=True)``);
     ``compile_kwargs`` go to ``torch.compile``. The result has ``.weave_report``, the report of
-    every graph compiled for it so far.
+    every graph that has run through it so far. Every call with one config compiles with the same
+    backend (``shared_backend``), so wrapping many layers reuses Dynamo's compiled code instead of
+    hitting its recompile limit.
     """
 
     def wrap(target):
-        backend = WeaveBackend(config)
-        compiled = torch.compile(target, backend=backend, **compile_kwargs)
-        compiled.weave_report = backend.report
-        return compiled
+        compiled = torch.compile(target, backend=shared_backend(config), **compile_kwargs)
+        report = WeaveReport()
+        if isinstance(compiled, torch.nn.Module):
+            compiled.register_forward_pre_hook(lambda *_: start_collecting(report))
+            compiled.register_forward_hook(lambda *_: stop_collecting(report), always_call=True)
+            result = compiled
+        else:
+            @functools.wraps(target)
+            def result(*args, **kwargs):
+                with collect_reports(report):
+                    return compiled(*args, **kwargs)
+        result.weave_report = report
+        return result
 
     return wrap(fn) if fn is not None else wrap
 
 
 def explain(fn, *args, config: WeaveConfig | None = None, **kwargs) -> WeaveReport:
-    """Compile ``fn`` with a fresh weave backend, run it once on ``args``, and return the report."""
-    backend = WeaveBackend(config)
-    with torch.no_grad():
-        torch.compile(fn, backend=backend)(*args, **kwargs)
-    return backend.report
+    """Compile ``fn`` with the weave backend of ``config``, run it once on ``args``, and return the
+    report of every graph that ran (compiled now, or earlier with the same config)."""
+    with torch.no_grad(), collect_reports(WeaveReport()) as report:
+        torch.compile(fn, backend=shared_backend(config))(*args, **kwargs)
+    return report
 
 
 def last_report() -> WeaveReport:

@@ -13,7 +13,7 @@ LOWERINGS = ("auto", "portable", "cuda_symm")
 OVERLAP_MODES = ("off", "auto", "force")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
 # Field annotations are strings (``from __future__ import annotations``); every field is one of these.
-_FIELD_TYPES = {"bool": bool, "int": int, "str": str}
+_FIELD_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,26 @@ class WeaveConfig:
     ``uuid()``, so results stay correct, but a cache hit skips the pass and the explain report then
     has no entries for that graph. Off by default so the report is always complete."""
 
+    check_plan_across_ranks: bool = True
+    """At compile time, compare the collectives each rewritten graph will run with every other
+    rank of its group (through the default group's store) and raise ``PlanMismatchError`` when
+    they differ, instead of hanging until the group timeout. Ranks differ after control flow that
+    depends on the rank, e.g. a graph break on one rank only (docs/reliability.md). Costs one store
+    round trip per compiled graph with collectives; nothing per step."""
+
+    plan_check_timeout_s: float = 60.0
+    """How long the plan check waits for a peer that has published nothing for this point of the
+    collective stream. Bounds how far apart ranks may reach a compile: the first compile also
+    absorbs start-up skew (loading, earlier compiles), so do not set it near zero in production."""
+
+    check_replicated: bool = False
+    """Debug check, run on every call of every fused site: all-gather an exact digest of the
+    residual and the norm weight (``weavepass/replication.py``) and raise ``ReplicationError`` when
+    the ranks' digests differ. Tensor parallelism assumes both are replicated across the group;
+    the fused lowerings compute each block of rows with its owner rank's copy, so a rank-dependent
+    residual or weight gives silently wrong results. Adds one small all_gather and a copy of the residual per site and call; not done in FlashComm
+    graphs (their residual stream is sharded on purpose)."""
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.lowering not in LOWERINGS:
@@ -143,6 +163,8 @@ class WeaveConfig:
             raise ValueError(
                 f"WeaveConfig.cuda_workspace_tokens must be >= 1, got {self.cuda_workspace_tokens}"
             )
+        if not self.plan_check_timeout_s > 0:
+            raise ValueError(f"WeaveConfig.plan_check_timeout_s must be > 0, got {self.plan_check_timeout_s}")
 
     def _check_types(self) -> None:
         """Each field holds its declared type: ``enabled="no"`` would otherwise be truthy (on),
@@ -150,7 +172,7 @@ class WeaveConfig:
         ``int`` to Python, but never a count here."""
         for f in dataclasses.fields(self):
             value, expected = getattr(self, f.name), _FIELD_TYPES[f.type]
-            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            if not isinstance(value, expected) or (f.type != "bool" and isinstance(value, bool)):
                 raise TypeError(
                     f"WeaveConfig.{f.name} must be {f.type}, got {type(value).__name__} {value!r}"
                 )

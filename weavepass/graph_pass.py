@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import logging
 from collections import Counter
@@ -10,12 +11,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
 from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.patterns import find_allreduce_rmsnorm_sites
+from weavepass.plan_check import check_plan_across_ranks
+from weavepass.replication import insert_checks
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 
@@ -60,6 +64,25 @@ def source_hash() -> str:
     return get_hash_for_files(files).hex()
 
 
+def environment_key() -> str:
+    """What the rewrite reads about the process and not from the graph: each process group's
+    name, size and backend (a FlashComm graph bakes in the world size: a graph cached at world 2
+    and loaded at world 4 fails), and which devices and lowerings are available here. Not the rank:
+    the rewrite is the same on every rank, so ranks may share one cache."""
+    groups = []
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _world
+
+        groups = sorted((name, pg.size(), str(dist.get_backend(pg))) for pg, name in _world.pg_names.items())
+    cuda = torch.cuda.is_available()
+    devices = {
+        "cuda": torch.cuda.get_device_capability() if cuda else None,
+        "triton": importlib.util.find_spec("triton") is not None,
+        "torch_npu": importlib.util.find_spec("torch_npu") is not None,
+    }
+    return f"{groups}|{devices}"
+
+
 class WeavePass(CustomGraphPass):
     """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``."""
 
@@ -68,7 +91,9 @@ class WeavePass(CustomGraphPass):
         self.on_report = on_report
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"{source_hash()}|{self.config!r}".encode()).hexdigest()
+        """Inductor's cache key for this pass: everything the rewrite reads besides the graph
+        (which Inductor keys itself): the code, the config and ``environment_key()``."""
+        return hashlib.sha256(f"{source_hash()}|{self.config!r}|{environment_key()}".encode()).hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         report = GraphReport(next(_graph_counter), ops_before=op_counts(graph))
@@ -76,6 +101,8 @@ class WeavePass(CustomGraphPass):
             report.add_note("WeaveConfig.enabled is False")
         else:
             self._rewrite(graph, report)
+            if self.config.check_plan_across_ranks:
+                check_plan_across_ranks(graph, report.graph_index, self.config.plan_check_timeout_s)
         report.ops_after = op_counts(graph)
         if self.on_report is not None:
             self.on_report(report)
@@ -112,25 +139,32 @@ class WeavePass(CustomGraphPass):
                 if self.config.overlap != "off":
                     report.add_note(FLASHCOMM_DROPS_OVERLAP_NOTE.format(overlap=self.config.overlap))
                     log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+                if self.config.check_replicated:  # FlashComm shards the residual stream by design
+                    report.add_note("check_replicated: not done in a FlashComm graph (the residual "
+                                    "stream is sharded by token there)")
                 graph.lint()
                 return
 
-        fused = []
+        fused: dict[str, torch.fx.Node] = {}
         for plan in plans:
             record = by_name[plan.site.all_reduce.name]
             if plan.lowering is None:
                 log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
-            fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))
+            fused[record.node] = plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM)
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
                 level = logging.INFO if plan.reason == CUDA_COPY_NOTE else logging.WARNING
                 log.log(level, "weavepass: %s: %s", record.node, plan.reason)
 
+        if fused and self.config.check_replicated:
+            checked = insert_checks(graph, fused)
+            report.add_note(f"check_replicated: the residual and norm weight of {checked} site(s) "
+                            "are compared across ranks on every call")
         if fused and self.config.overlap != "off":
             from weavepass.token_split import apply_token_split
 
-            apply_token_split(graph, fused, self.config, report)
+            apply_token_split(graph, list(fused.values()), self.config, report)
         graph.lint()

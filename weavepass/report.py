@@ -6,6 +6,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+REPLICATED_ASSUMPTION = (
+    "the residual stream and the norm weights are the same on every rank of a group, as tensor "
+    "parallelism keeps them (each rank normalises its own rows with its own copy); "
+    "WeaveConfig(check_replicated=True) checks it at run time"
+)
+
+
 @dataclass
 class AllReduceRecord:
     """One all_reduce in one graph."""
@@ -51,6 +58,12 @@ class WeaveReport:
 
     graphs: list[GraphReport] = field(default_factory=list)
 
+    def add_graphs(self, graphs: list[GraphReport]) -> None:
+        """Add each of ``graphs`` not already here (by identity), in order."""
+        for graph in graphs:
+            if not any(graph is g for g in self.graphs):
+                self.graphs.append(graph)
+
     @property
     def records(self) -> list[AllReduceRecord]:
         return [r for g in self.graphs for r in g.records]
@@ -66,6 +79,8 @@ class WeaveReport:
     def __str__(self) -> str:
         lines = [f"weavepass: {len(self.graphs)} graph(s), {len(self.records)} all_reduce(s), "
                  f"{self.rewritten} rewritten"]
+        if self.rewritten:
+            lines.append(f"assumes: {REPLICATED_ASSUMPTION}")
         for g in self.graphs:
             lines.append(f"graph {g.graph_index}: {g.rewritten}/{len(g.records)} rewritten"
                          + (f" ({g.note})" if g.note else ""))

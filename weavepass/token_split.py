@@ -22,8 +22,9 @@ graph is touched.
 
 Token counts: static shapes get the wave-aware cut of ``weavepass.scheduler.plan_token_split``. A
 symbolic token count gets its cut computed at run time from the symbol (half the sequences; or
-half the tokens rounded down to the GEMM row tile), so one graph serves every size, with no guard
-and no recompile. Views are rewritten with ``-1`` for the token entry, so no other size needs
+half the tokens rounded down to the GEMM row tile), so one graph serves every size from
+``MIN_SYMBOLIC_UNITS`` (4) units on, through one guard; 2 or 3 units compile once more, fuse-only
+(a one-unit half would specialise the graph). Views are rewritten with ``-1`` for the token entry, so no other size needs
 arithmetic.
 """
 
@@ -624,6 +625,14 @@ def _fake_call(target, args, kwargs):
         return target(*args, **kwargs)
 
 
+MIN_SYMBOLIC_UNITS = 4
+"""A symbolic token count is split only when it has at least this many units (tokens, or sequences
+in batch mode), through one guard. Below it a half could be a single unit, and size-1 dims are
+special to shape checks and Inductor (contiguity, broadcasting): they guard on ``half != 1`` in
+many places, and 2 and 3 units then compiled a graph each (3 compiles for one ``mark_dynamic``
+input). With the guard, sizes of 4 and more share one graph and 2-3 share one fuse-only graph."""
+
+
 def apply_token_split(
     graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport
 ) -> bool:
@@ -651,6 +660,9 @@ def apply_token_split(
             outside = overlap_window_reason(tokens_sym, config, info.moe)  # guards the window
             if outside is not None:
                 return skip(outside)
+        if isinstance(split.units, torch.SymInt) and not split.units >= MIN_SYMBOLIC_UNITS:  # one guard
+            return skip(f"{_hint(split.units)} {split.mode} unit(s) on a symbolic count: a half of one "
+                        f"unit would specialise the graph; split from {MIN_SYMBOLIC_UNITS} units on")
         plan = split.plan(info)
         if plan.first is None:
             return skip(plan.reason)
