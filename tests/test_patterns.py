@@ -444,3 +444,21 @@ def test_compile_mode_and_options_reach_inductor(monkeypatch):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=message):
             torch.compile(f, backend=weavepass.make_backend(), fullgraph=True, **kwargs)(*inputs())
+
+
+def test_explain_numbers_its_own_graphs_from_0():
+    """Graph numbers are per backend: a fresh backend (``explain``) starts at 0 whatever this
+    process compiled before, and counts every graph it compiles (here two, around a graph break)."""
+
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        torch._dynamo.graph_break()
+        return llama_norm(ar(h @ w.T @ w) + h, weight)
+
+    torch._dynamo.reset()
+    compile_report(lambda *a: llama_norm(ar(a[0] @ a[1]) + a[2], a[3]), *inputs())  # an earlier graph
+    for _ in range(2):
+        torch._dynamo.reset()
+        report = weavepass.explain(f, *inputs())
+        assert [g.graph_index for g in report.graphs] == [0, 1]
+        assert "\ngraph 0: 0/1 rewritten" in str(report) and "\ngraph 1: 1/1 rewritten" in str(report)

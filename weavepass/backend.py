@@ -6,6 +6,8 @@ entry point, so it works without importing weavepass first.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from weavepass.config import WeaveConfig
@@ -20,6 +22,7 @@ class WeaveBackend:
             raise TypeError(f"config must be a WeaveConfig, got {type(config).__name__}")
         self.config = config or WeaveConfig()
         self.report = WeaveReport()
+        self._graph_ids = itertools.count()  # the report numbers this backend's graphs from 0
 
     def _record(self, graph_report: GraphReport) -> None:
         self.report.graphs.append(graph_report)
@@ -34,7 +37,8 @@ class WeaveBackend:
         from weavepass.graph_pass import WeavePass  # imports Inductor: only when compiling
 
         patches = inductor_patches(mode, options)
-        patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=self._record)
+        patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=self._record,
+                                                           graph_ids=self._graph_ids)
         if self.config.overlap != "off":
             from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
 

@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +23,6 @@ from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_s
 log = logging.getLogger("weavepass")
 
 _PACKAGE = Path(__file__).resolve().parent
-_graph_counter = itertools.count()
 
 
 def op_counts(graph: torch.fx.Graph) -> Counter:
@@ -47,17 +47,22 @@ def source_hash() -> str:
 
 
 class WeavePass(CustomGraphPass):
-    """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``."""
+    """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``.
 
-    def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None):
+    ``graph_ids`` numbers the reported graphs; a backend passes its own counter, so its report
+    numbers its graphs from 0 across the passes it creates (one per compiled graph)."""
+
+    def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None,
+                 graph_ids: Iterator[int] | None = None):
         self.config = config
         self.on_report = on_report
+        self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
 
     def uuid(self) -> str:
         return hashlib.sha256(f"{source_hash()}|{self.config!r}".encode()).hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        report = GraphReport(next(_graph_counter), ops_before=op_counts(graph))
+        report = GraphReport(next(self.graph_ids), ops_before=op_counts(graph))
         if not self.config.enabled:
             report.add_note("WeaveConfig.enabled is False")
         else:
