@@ -263,7 +263,33 @@ def test_reject_all_reduce_without_norm():
     def f(x, w, r, weight):
         return (ar(x @ w) + r) @ w.t()
 
-    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm")
+    graph = compile_report(f, *inputs())
+    assert_unchanged(graph, "no RMSNorm")
+    # The add may not be a residual add (a shared expert, another all_reduce): the reason names
+    # what was added and does not call it a residual.
+    assert graph.records[0].reason.startswith("after adding "), graph.records[0].reason
+    assert "residual" not in graph.records[0].reason
+
+
+def cohere_layer_norm(x, weight, eps=1e-5):
+    """CohereLayerNorm as written: mean-subtracted, fp32, weight after."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (weight.to(torch.float32) * ((x - mean) * torch.rsqrt(variance + eps))).to(dtype)
+
+
+@pytest.mark.parametrize("norm, residual", [("cohere", True), ("torch", False)])
+def test_reject_layer_norm_says_layer_norm(norm, residual):
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r if residual else ar(x @ w)
+        if norm == "cohere":
+            return cohere_layer_norm(h, weight)
+        return F.layer_norm(h, (h.shape[-1],), weight)
+
+    graph = compile_report(f, *inputs())
+    assert_unchanged(graph, "a LayerNorm (mean-subtracted) consumes the value, not an RMSNorm")
 
 
 def test_reject_group_below_min_world_size():

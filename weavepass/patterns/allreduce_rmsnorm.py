@@ -238,7 +238,7 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
             continue
         found = _find_norm(add)
         if isinstance(found, str):
-            no_norm_reason = f"after the residual add: {found}"
+            no_norm_reason = f"after adding {residual.name}: {found}"  # a residual or not: unknown here
             continue
         if len(cur.users) != 1:
             return reject(
