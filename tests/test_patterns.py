@@ -121,6 +121,42 @@ def test_no_residual_embedding_site_keeps_sum_for_later_use():
     assert "no-residual" in graph.records[0].kind
 
 
+def _granite_residual(x, w, r, weight):
+    h = r + ar(x @ w) * 0.22  # GraniteDecoderLayer: residual + branch * residual_multiplier
+    return llama_norm(h, weight), h
+
+
+def _granite_embedding(x, w, r, weight):
+    h = ar(x @ w) * 12.0  # GraniteModel: embeddings * embedding_multiplier
+    return llama_norm(h, weight), h
+
+
+def _gemma_embedding(x, w, r, weight):
+    h = ar(x @ w) * torch.tensor(H**0.5, dtype=x.dtype)  # GemmaModel: embeddings * sqrt(hidden)
+    return llama_norm(h, weight), h
+
+
+@pytest.mark.parametrize("fn, kind", [
+    (_granite_residual, "residual, sum scaled by 0.22"),
+    (_granite_embedding, "no-residual, sum scaled by 12.0"),
+    (_gemma_embedding, "no-residual, sum scaled by 8.0"),
+])
+def test_scaled_sum_is_a_site(fn, kind):
+    """``all_reduce(p) * c`` for a scalar c is ``all_reduce(p * c)``: the scale moves onto the
+    partial, and the rest is an ordinary site (numbers: tests/test_hf_models.py, Granite and Gemma)."""
+    graph = compile_report(fn, *inputs())
+    assert_fused(graph, 1)
+    assert graph.records[0].kind.startswith(kind), graph.records[0].kind
+
+
+def test_scale_by_a_token_tensor_is_not_a_site():
+    def f(x, w, r, weight):
+        gate = torch.sigmoid(x[:, :1])  # one value per token, not a scalar: not linear in the sum
+        return llama_norm(r + ar(x @ w) * gate, weight)
+
+    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm consumes the value (first user: aten.mul")
+
+
 @pytest.mark.parametrize(
     "norm",
     [

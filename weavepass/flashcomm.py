@@ -150,7 +150,7 @@ class FlashCommDecision:
 
 def _carried(site: FusedAllReduceRMSNormSite) -> Node:
     """The node holding the site's new residual stream value (the add, or the reduced sum)."""
-    return site.add if site.add is not None else site.wait
+    return site.stream
 
 
 def _through_views(node: Node) -> Node:
@@ -339,6 +339,7 @@ class _FlashCommRewrite:
 
     def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
+        site.hoist_scale(self.graph)
         with self.graph.inserting_before(site.insertion_point()):
             shard, label, notes = self.reduce_scatter(site)
             residual = None
