@@ -339,7 +339,7 @@ class _FlashCommRewrite:
 
     def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
-        site.hoist_scale(self.graph)
+        site.prepare(self.graph)
         with self.graph.inserting_before(site.insertion_point()):
             shard, label, notes = self.reduce_scatter(site)
             residual = None

@@ -127,6 +127,13 @@ class FusedAllReduceRMSNormSite:
         """The node holding the new residual stream value: the add, else the (scaled) sum."""
         return self.add if self.add is not None else self.scale or self.wait
 
+    def prepare(self, graph: Graph) -> None:
+        """Ready the graph for a rewrite at ``insertion_point()`` (every strategy calls this): the
+        scale moved onto the partial, and the late inputs (``_late_inputs``) moved up."""
+        self.hoist_scale(graph)
+        for node in self.extra.get("hoist", []):
+            self.insertion_point().prepend(node)
+
     def hoist_scale(self, graph: Graph) -> None:
         """``all_reduce(p) * c -> all_reduce(p * c)`` (exact for a sum up to rounding: each rank
         rounds ``p_r * c`` once where eager rounds ``S`` and then ``S * c``; in fp32 both are one
@@ -143,6 +150,8 @@ class FusedAllReduceRMSNormSite:
         self.all_reduce.replace_input_with(partial, scaled)
         mul.replace_all_uses_with(self.wait)
         graph.erase_node(mul)
+        if self.norm.input is mul:  # a no-residual site's norm read the product
+            self.norm.input = self.wait
         self.scale = None
 
     def insertion_point(self) -> Node:
@@ -158,9 +167,7 @@ class FusedAllReduceRMSNormSite:
 
     def replace_with(self, graph: Graph, fused_op) -> Node:
         """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node."""
-        self.hoist_scale(graph)
-        for node in self.extra.get("hoist", []):
-            self.insertion_point().prepend(node)
+        self.prepare(graph)
         with graph.inserting_before(self.insertion_point()):
             partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
             fused = graph.call_function(
