@@ -349,3 +349,27 @@ def test_views_that_infer_a_non_token_size(batch):
     assert graph.note.startswith("token split"), graph.note
     assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get(FUSED, 0) == 0
     assert graph.ops_after[MM] == 1 + 2 * 2  # x @ w_in stays before the first site; the rest per half
+
+
+def _biased_projection_model(x, w_in, w_qkv, bias, w_out):
+    """Two sites with a biased linear between them (Qwen2's q/k/v): ``addmm(bias, rows, w)``."""
+    h = funcol.all_reduce(x @ w_in, "sum", dist.group.WORLD)
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+    qkv = torch.nn.functional.linear(y, w_qkv, bias)
+    h = h + funcol.all_reduce(torch.relu(qkv) @ w_out, "sum", dist.group.WORLD)
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+
+
+def test_biased_linear_between_sites_is_split():
+    """``addmm``'s first argument is the bias: the rule for it must not require tokens there (the
+    split refused Qwen2 with "token tensor in an unsupported argument position")."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(1, 7, 16, generator=g), torch.randn(16, 32, generator=g),
+            torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(48, 32, generator=g)]
+    backend = WeaveBackend(FORCE)
+    with fake_process_group(2), torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(_biased_projection_model, backend=backend, fullgraph=True)(*args)
+    (graph,) = backend.report.graphs
+    assert graph.note.startswith("token split"), graph.note
+    assert graph.ops_after["aten.addmm.default"] == 2 * graph.ops_before["aten.addmm.default"]

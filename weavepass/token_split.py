@@ -222,6 +222,11 @@ class TokenSplit:
             d = self._view_dim(node, tok[x])
             _half_view_size(node, d, node.args[1])  # raises when a half's view cannot be written
             return d
+        if target in (aten.mm.default, aten.addmm.default):  # addmm: the bias comes first
+            a, b = (args[1], args[2]) if target is aten.addmm.default else (args[0], args[1])
+            if tok.get(a) != 0 or b in tok or (target is aten.addmm.default and args[0] in tok):
+                raise Unsupported(f"{node.name} ({name}): tokens are not the rows of the left operand")
+            return 0
         d = tok.get(x) if isinstance(x, Node) else None
         if d is None:
             if target in (aten.mm.default, aten.bmm.default):
@@ -274,11 +279,6 @@ class TokenSplit:
                 if other is not x and other not in tok:
                     raise Unsupported(f"{node.name} ({name}): token-free index or source")
             return (d, d) if target is aten.topk.default else d
-        if target in (aten.mm.default, aten.addmm.default):
-            a, b = (args[1], args[2]) if target is aten.addmm.default else (args[0], args[1])
-            if tok.get(a) != 0 or b in tok or (target is aten.addmm.default and args[0] in tok):
-                raise Unsupported(f"{node.name} ({name}): tokens are not the rows of the left operand")
-            return 0
         if target is aten.bmm.default:
             a, b = args
             if self.mode == "batch" and tok.get(a) == 0 and tok.get(b) == 0:
