@@ -114,7 +114,7 @@ class WeavePass(CustomGraphPass):
                 level = logging.INFO if plan.reason == CUDA_COPY_NOTE else logging.WARNING
                 log.log(level, "weavepass: %s: %s", record.node, plan.reason)
 
-        if fused and self.config.overlap != "off":
+        if self.config.overlap != "off" and report.records:  # also says why a graph is not split
             from weavepass.token_split import apply_token_split
 
             apply_token_split(graph, fused, self.config, report)
