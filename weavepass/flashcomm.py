@@ -278,6 +278,8 @@ def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | 
         return f"the partial sum comes from {mm.target}, not a 2-D mm"
     chain, node = [], site.partial
     while node is not mm:
+        if not is_target(node, VIEWS):  # e.g. a Granite scale moved onto the partial: not dropped
+            return f"{node.name} ({node.target}) between the matmul and the all_reduce is not a view"
         if len(node.users) != 1:
             return f"{node.name} between the matmul and the all_reduce has other users"
         chain.append(node)

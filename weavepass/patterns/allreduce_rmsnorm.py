@@ -135,13 +135,14 @@ class FusedAllReduceRMSNormSite:
             self.insertion_point().prepend(node)
 
     def hoist_scale(self, graph: Graph) -> None:
-        """``all_reduce(p) * c -> all_reduce(p * c)`` (exact for a sum up to rounding: each rank
-        rounds ``p_r * c`` once where eager rounds ``S`` and then ``S * c``; in fp32 both are one
-        ulp of the product). Afterwards the site is a plain one: the wait holds the scaled sum."""
+        """``all_reduce(p) * c -> all_reduce(p * c)``: equal in exact arithmetic; eager rounds
+        ``S`` and then ``S * c``, here each rank rounds ``p_r * c`` once (in the partial's dtype)
+        and the fused op sums in fp32. Afterwards the site is a plain one: the wait holds the
+        scaled sum."""
         if self.scale is None:
             return
         mul, partial = self.scale, self.partial
-        factor = mul.args[1] if mul.args[0] is self.wait else mul.args[0]
+        factor = _scale_factor(mul, self.wait)
         if self.extra.get("move_factor"):
             self.all_reduce.prepend(factor)
         with graph.inserting_before(self.all_reduce):
@@ -304,7 +305,7 @@ def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> Node | Non
     mul = next(iter(wait.users))
     if not is_target(mul, SCALES) or len(mul.args) != 2 or mul.kwargs:
         return None
-    factor = mul.args[1] if mul.args[0] is wait else mul.args[0]
+    factor = _scale_factor(mul, wait)
     if isinstance(factor, Node):
         fv = val(factor)
         # After the all_reduce only as a constant (Gemma's ``full([], sqrt(H))``): it moves up.
@@ -319,12 +320,23 @@ def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> Node | Non
     return mul
 
 
-def _with_scale(site: FusedAllReduceRMSNormSite, scale: Node | None, order) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+def _scale_factor(mul: Node, wait: Node):
+    return mul.args[1] if mul.args[0] is wait else mul.args[0]
+
+
+def _with_scale(site: FusedAllReduceRMSNormSite, scale: Node | None,
+                order) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+    """``site`` with its scale recorded (what the report shows, whether the factor moves up),
+    then checked like every site."""
     if scale is not None:
         site.scale = scale
-        factor = scale.args[1] if scale.args[0] is site.wait else scale.args[0]
-        constant = is_target(factor, {aten.full.default}) and not factor.args[0]  # a 0-d full
-        site.scale_text = repr(factor.args[1]) if constant else factor.name if isinstance(factor, Node) else repr(factor)
+        factor = _scale_factor(scale, site.wait)
+        if not isinstance(factor, Node):
+            site.scale_text = repr(factor)
+        elif is_target(factor, {aten.full.default}) and not factor.args[0]:  # a 0-d constant
+            site.scale_text = repr(factor.args[1])
+        else:
+            site.scale_text = factor.name
         site.extra["move_factor"] = isinstance(factor, Node) and order[factor] > order[site.all_reduce]
     return _check_order(site, order) or site
 
