@@ -543,3 +543,53 @@ def test_numerics_world_3_gloo():
     assert all("world size 3 is not one of" in r for r in reasons[1:]), reasons
     assert "npu_mm_reduce_scatter_base" not in calls
     assert results["moe-5"][0] == ["flashcomm:portable"] * 3
+
+
+def _gemma_like(x, w, weight_1, weight_2):
+    """Gemma's shape of the stream: an embedding-like sum scaled by a constant, norms weighted by
+    ``1 + w``."""
+    h = funcol.all_reduce(x, "sum", dist.group.WORLD) * torch.tensor(8.0)
+    y = _rms(h, 1.0 + weight_1)
+    h = h + funcol.all_reduce(y @ w, "sum", dist.group.WORLD)
+    return _rms(h, 1.0 + weight_2)
+
+
+def test_scaled_sum_goes_to_flashcomm():
+    """Both sites go to FlashComm, the scaled sum too: the scale moves onto the partial. (HF Gemma,
+    whose late ``1 + w`` norm weight FlashComm once read before its definition, is run end to end
+    in tests/test_hf_models.py.)"""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(8, 64, generator=g), torch.randn(64, 64, generator=g) / 8,
+            torch.randn(64, generator=g), torch.randn(64, generator=g))
+    with fake_process_group(2):
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        with torch.no_grad():
+            compile_fn(_gemma_like)(*args)
+    graph = backend.report.graphs[0]
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2, graph.records
+    assert "sum scaled by 8.0" in graph.records[0].kind
+    assert not any("all_reduce" in op for op in graph.ops_after), graph.ops_after
+
+
+class ScaledTwoSites(TwoSites):
+    """``TwoSites`` with Granite's ``h + branch * residual_multiplier``."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(2):
+            y = F.silu(F.linear(_rms(h, self.norms[i]), self.up[i]))
+            h = h + funcol.all_reduce(F.linear(y, self.down[i]), "sum", dist.group.WORLD) * 0.25
+        return _rms(h, self.norms[2])
+
+
+def test_npu_mmrs_keeps_a_scaled_sum():
+    """The scale moved onto the partial sits between the matmul and the reduce_scatter: MMRS
+    (matmul + reduce_scatter in one op) would drop it, so it is skipped with the reason."""
+    with fake_process_group(2), force_device_kind("npu"), emulated_torch_npu():
+        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
+        with torch.no_grad():
+            compile_fn(ScaledTwoSites((256, 256), (False, False), torch.bfloat16, 0, 2))(torch.randn(20, 64).bfloat16())
+    graph = backend.report.graphs[0]
+    assert "weave.npu_mm_reduce_scatter.default" not in graph.ops_after
+    assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2
+    assert all("is not a view" in r.reason and "sum scaled by 0.25" in r.kind for r in graph.records), graph.records

@@ -121,6 +121,42 @@ def test_no_residual_embedding_site_keeps_sum_for_later_use():
     assert "no-residual" in graph.records[0].kind
 
 
+def _granite_residual(x, w, r, weight):
+    h = r + ar(x @ w) * 0.22  # GraniteDecoderLayer: residual + branch * residual_multiplier
+    return llama_norm(h, weight), h
+
+
+def _granite_embedding(x, w, r, weight):
+    h = ar(x @ w) * 12.0  # GraniteModel: embeddings * embedding_multiplier
+    return llama_norm(h, weight), h
+
+
+def _gemma_embedding(x, w, r, weight):
+    h = ar(x @ w) * torch.tensor(H**0.5, dtype=x.dtype)  # GemmaModel: embeddings * sqrt(hidden)
+    return llama_norm(h, weight), h
+
+
+@pytest.mark.parametrize("fn, kind", [
+    (_granite_residual, "residual, sum scaled by 0.22"),
+    (_granite_embedding, "no-residual, sum scaled by 12.0"),
+    (_gemma_embedding, "no-residual, sum scaled by 8.0"),
+])
+def test_scaled_sum_is_a_site(fn, kind):
+    """``all_reduce(p) * c`` for a scalar c is ``all_reduce(p * c)``: the scale moves onto the
+    partial, and the rest is an ordinary site (numbers: tests/test_hf_models.py, Granite and Gemma)."""
+    graph = compile_report(fn, *inputs())
+    assert_fused(graph, 1)
+    assert graph.records[0].kind.startswith(kind), graph.records[0].kind
+
+
+def test_scale_by_a_token_tensor_is_not_a_site():
+    def f(x, w, r, weight):
+        gate = torch.sigmoid(x[:, :1])  # one value per token, not a scalar: not linear in the sum
+        return llama_norm(r + ar(x @ w) * gate, weight)
+
+    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm consumes the value (first user: aten.mul")
+
+
 @pytest.mark.parametrize(
     "norm",
     [
@@ -263,7 +299,33 @@ def test_reject_all_reduce_without_norm():
     def f(x, w, r, weight):
         return (ar(x @ w) + r) @ w.t()
 
-    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm")
+    graph = compile_report(f, *inputs())
+    assert_unchanged(graph, "no RMSNorm")
+    # The add may not be a residual add (a shared expert, another all_reduce): the reason names
+    # what was added and does not call it a residual.
+    assert graph.records[0].reason.startswith("after adding "), graph.records[0].reason
+    assert "residual" not in graph.records[0].reason
+
+
+def cohere_layer_norm(x, weight, eps=1e-5):
+    """CohereLayerNorm as written: mean-subtracted, fp32, weight after."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (weight.to(torch.float32) * ((x - mean) * torch.rsqrt(variance + eps))).to(dtype)
+
+
+@pytest.mark.parametrize("norm, residual", [("cohere", True), ("torch", False)])
+def test_reject_layer_norm_says_layer_norm(norm, residual):
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r if residual else ar(x @ w)
+        if norm == "cohere":
+            return cohere_layer_norm(h, weight)
+        return F.layer_norm(h, (h.shape[-1],), weight)
+
+    graph = compile_report(f, *inputs())
+    assert_unchanged(graph, "a LayerNorm (mean-subtracted) consumes the value, not an RMSNorm")
 
 
 def test_reject_group_below_min_world_size():
@@ -444,3 +506,21 @@ def test_compile_mode_and_options_reach_inductor(monkeypatch):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=message):
             torch.compile(f, backend=weavepass.make_backend(), fullgraph=True, **kwargs)(*inputs())
+
+
+def test_explain_numbers_its_own_graphs_from_0():
+    """Graph numbers are per backend: a fresh backend (``explain``) starts at 0 whatever this
+    process compiled before, and counts every graph it compiles (here two, around a graph break)."""
+
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        torch._dynamo.graph_break()
+        return llama_norm(ar(h @ w.T @ w) + h, weight)
+
+    torch._dynamo.reset()
+    compile_report(lambda *a: llama_norm(ar(a[0] @ a[1]) + a[2], a[3]), *inputs())  # an earlier graph
+    for _ in range(2):
+        torch._dynamo.reset()
+        report = weavepass.explain(f, *inputs())
+        assert [g.graph_index for g in report.graphs] == [0, 1]
+        assert "\ngraph 0: 0/1 rewritten" in str(report) and "\ngraph 1: 1/1 rewritten" in str(report)

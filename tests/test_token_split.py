@@ -19,6 +19,7 @@ from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
 from weavepass.scheduler import TokenSplitPlan
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
+from weavepass.testing.distributed import fake_process_group
 
 # One layer (three sites) keeps Inductor's CPU compile, the cost of these tests, short.
 DENSE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
@@ -318,3 +319,57 @@ def test_unsupported_op_and_small_batches_stay_fuse_only():
     assert note.startswith("fuse-only: token split not possible") and "along the token dim" in note, note
     assert after.get(ASYNC, 0) == 0 and after.get(FUSED) == 2
     assert auto_note.startswith("fuse-only") and "threshold 1024" in auto_note, auto_note
+
+
+def _heads_view_model(x, w_in, w_heads, w_out, weight):
+    """Two sites with Hugging Face's attention views between them: ``view(*tokens, -1, head_dim)``
+    and ``reshape(*tokens, -1)`` leave a non-token size to inference."""
+    h = funcol.all_reduce(x @ w_in, "sum", dist.group.WORLD)
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+    heads = (y @ w_heads).view(*y.shape[:-1], -1, 8)
+    heads = torch.softmax(heads, dim=-1)
+    h = h + funcol.all_reduce(heads.reshape(*y.shape[:-1], -1) @ w_out, "sum", dist.group.WORLD)
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_views_that_infer_a_non_token_size(batch):
+    """A view may infer one size: the split writes ``-1`` at the token dim of each half's view, so
+    a ``-1`` the model wrote elsewhere is replaced by its (static) size. HF Llama's q/k/v views
+    crashed the compile with "only one dimension can be inferred" before. Graph only (a fake group
+    computes no sums); the numbers are tested on HF Llama in tests/test_hf_models.py."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(batch, 7, 16, generator=g), torch.randn(16, 32, generator=g),
+            torch.randn(32, 32, generator=g) / 6, torch.randn(32, 32, generator=g) / 6, None]
+    backend = WeaveBackend(FORCE)
+    with fake_process_group(2), torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(_heads_view_model, backend=backend, fullgraph=True)(*args)
+    (graph,) = backend.report.graphs
+    assert graph.note.startswith("token split"), graph.note
+    assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get(FUSED, 0) == 0
+    assert graph.ops_after[MM] == 1 + 2 * 2  # x @ w_in stays before the first site; the rest per half
+
+
+def _biased_projection_model(x, w_in, w_qkv, bias, w_out):
+    """Two sites with a biased linear between them (Qwen2's q/k/v): ``addmm(bias, rows, w)``."""
+    h = funcol.all_reduce(x @ w_in, "sum", dist.group.WORLD)
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+    qkv = torch.nn.functional.linear(y, w_qkv, bias)
+    h = h + funcol.all_reduce(torch.relu(qkv) @ w_out, "sum", dist.group.WORLD)
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+
+
+def test_biased_linear_between_sites_is_split():
+    """``addmm``'s first argument is the bias: the rule for it must not require tokens there (the
+    split refused Qwen2 with "token tensor in an unsupported argument position")."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(1, 7, 16, generator=g), torch.randn(16, 32, generator=g),
+            torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(48, 32, generator=g)]
+    backend = WeaveBackend(FORCE)
+    with fake_process_group(2), torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(_biased_projection_model, backend=backend, fullgraph=True)(*args)
+    (graph,) = backend.report.graphs
+    assert graph.note.startswith("token split"), graph.note
+    assert graph.ops_after["aten.addmm.default"] == 2 * graph.ops_before["aten.addmm.default"]

@@ -6,10 +6,11 @@ entry point, so it works without importing weavepass first.
 
 from __future__ import annotations
 
-import typing
 import contextlib
 import functools
+import itertools
 import logging
+import typing
 from collections import Counter
 from collections.abc import Iterator
 
@@ -83,6 +84,7 @@ class WeaveBackend:
                 "weavepass: %d backends made with one WeaveConfig; Dynamo compiles a function again "
                 "for each and runs it eagerly after its recompile limit (8). Reuse one backend "
                 "(weavepass.shared_backend(config)) or use weavepass.weave", _RECOMPILE_LIMIT_HINT + 1)
+        self._graph_ids = itertools.count()  # the report numbers this backend's graphs from 0
 
     def _record(self, graph_report: GraphReport) -> None:
         self.report.graphs.append(graph_report)
@@ -103,7 +105,8 @@ class WeaveBackend:
             graph_reports.append(graph_report)
 
         patches = inductor_patches(mode, options)
-        patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report)
+        patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report,
+                                                           graph_ids=self._graph_ids)
         if self.config.overlap != "off":
             from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
 

@@ -169,7 +169,7 @@ class FlashCommDecision:
 
 def _carried(site: FusedAllReduceRMSNormSite) -> Node:
     """The node holding the site's new residual stream value (the add, or the reduced sum)."""
-    return site.add if site.add is not None else site.wait
+    return site.stream
 
 
 def _through_views(node: Node) -> Node:
@@ -297,6 +297,8 @@ def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | 
         return f"the partial sum comes from {mm.target}, not a 2-D mm"
     chain, node = [], site.partial
     while node is not mm:
+        if not is_target(node, VIEWS):  # e.g. a Granite scale moved onto the partial: not dropped
+            return f"{node.name} ({node.target}) between the matmul and the all_reduce is not a view"
         if len(node.users) != 1:
             return f"{node.name} between the matmul and the all_reduce has other users"
         chain.append(node)
@@ -365,6 +367,7 @@ class _FlashCommRewrite:
 
     def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
+        site.prepare(self.graph)
         with self.graph.inserting_before(site.insertion_point()):
             shard, label, notes = self.reduce_scatter(site)
             residual = None

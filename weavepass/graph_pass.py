@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,6 @@ from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_s
 log = logging.getLogger("weavepass")
 
 _PACKAGE = Path(__file__).resolve().parent
-_graph_counter = itertools.count()
 
 
 FLASHCOMM_DROPS_OVERLAP_NOTE = (
@@ -84,11 +84,16 @@ def environment_key() -> str:
 
 
 class WeavePass(CustomGraphPass):
-    """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``."""
+    """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``.
 
-    def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None):
+    ``graph_ids`` numbers the reported graphs; a backend passes its own counter, so its report
+    numbers its graphs from 0 across the passes it creates (one per compiled graph)."""
+
+    def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None,
+                 graph_ids: Iterator[int] | None = None):
         self.config = config
         self.on_report = on_report
+        self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
 
     def uuid(self) -> str:
         """Inductor's cache key for this pass: everything the rewrite reads besides the graph
@@ -96,7 +101,7 @@ class WeavePass(CustomGraphPass):
         return hashlib.sha256(f"{source_hash()}|{self.config!r}|{environment_key()}".encode()).hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        report = GraphReport(next(_graph_counter), ops_before=op_counts(graph))
+        report = GraphReport(next(self.graph_ids), ops_before=op_counts(graph))
         if not self.config.enabled:
             report.add_note("WeaveConfig.enabled is False")
         else:
@@ -163,7 +168,7 @@ class WeavePass(CustomGraphPass):
             checked = insert_checks(graph, fused)
             report.add_note(f"check_replicated: the residual and norm weight of {checked} site(s) "
                             "are compared across ranks on every call")
-        if fused and self.config.overlap != "off":
+        if self.config.overlap != "off" and report.records:  # also says why a graph is not split
             from weavepass.token_split import apply_token_split
 
             apply_token_split(graph, list(fused.values()), self.config, report)

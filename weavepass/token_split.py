@@ -220,7 +220,14 @@ class TokenSplit:
                 raise Unsupported(f"{node.name} ({name}) indexes along the token dim")
             return d
         if target in VIEWS:
-            return self._view_dim(node, tok[x])
+            d = self._view_dim(node, tok[x])
+            _half_view_size(node, d, node.args[1])  # raises when a half's view cannot be written
+            return d
+        if target in (aten.mm.default, aten.addmm.default):  # addmm: the bias comes first
+            a, b = (args[1], args[2]) if target is aten.addmm.default else (args[0], args[1])
+            if tok.get(a) != 0 or b in tok or (target is aten.addmm.default and args[0] in tok):
+                raise Unsupported(f"{node.name} ({name}): tokens are not the rows of the left operand")
+            return 0
         d = tok.get(x) if isinstance(x, Node) else None
         if d is None:
             if target in (aten.mm.default, aten.bmm.default):
@@ -273,11 +280,6 @@ class TokenSplit:
                 if other is not x and other not in tok:
                     raise Unsupported(f"{node.name} ({name}): token-free index or source")
             return (d, d) if target is aten.topk.default else d
-        if target in (aten.mm.default, aten.addmm.default):
-            a, b = (args[1], args[2]) if target is aten.addmm.default else (args[0], args[1])
-            if tok.get(a) != 0 or b in tok or (target is aten.addmm.default and args[0] in tok):
-                raise Unsupported(f"{node.name} ({name}): tokens are not the rows of the left operand")
-            return 0
         if target is aten.bmm.default:
             a, b = args
             if self.mode == "batch" and tok.get(a) == 0 and tok.get(b) == 0:
@@ -503,9 +505,11 @@ class TokenSplit:
         if node in self.fused:
             target = FUSED_ALLREDUCE_RMSNORM_ASYNC
             args = (*args, self.config.overlap_comm_ctas)
-        elif target in VIEWS or target is aten.expand.default:
+        elif target in VIEWS:
+            args = (args[0], _half_view_size(node, info.token[node], args[1]), *args[2:])
+        elif target is aten.expand.default:
             size = list(args[1])
-            size[info.token[node]] = -1  # the half's own size, whatever the cut
+            size[info.token[node]] = -1  # keep the half's own size, whatever the cut
             args = (args[0], size, *args[2:])
         elif target is aten.sym_size.int:
             self.copies[half][node] = self.copies["A"][node] if half == "B" else self._emit_new(target, args)
@@ -613,6 +617,22 @@ class TokenSplit:
         args = list(args)
         args[mask_index] = mask
         return tuple(args), kwargs
+
+
+def _half_view_size(node: Node, token_dim: int, size) -> list:
+    """A view's size list for one half: ``-1`` at the token dim, so the half's own size is
+    inferred whatever the cut. A view can infer only one entry, so an entry the model itself left
+    to inference (HF: ``view(*input_shape, -1, head_dim)``) is written out from the view's output,
+    where it is the same for both halves."""
+    out = _val(node).shape
+    size = list(size)
+    for i, entry in enumerate(size):
+        if i != token_dim and isinstance(entry, int) and entry == -1:
+            if not isinstance(out[i], int):
+                raise Unsupported(f"{node.name}: view infers a symbolic size ({out[i]}) besides the token dim")
+            size[i] = out[i]
+    size[token_dim] = -1
+    return size
 
 
 def _fake_call(target, args, kwargs):

@@ -86,6 +86,10 @@ class FusedAllReduceRMSNormSite:
     matmul: Node | None
     lowering: str = "portable"
     extra: dict = field(default_factory=dict)
+    scale: Node | None = None
+    """``sum * c`` between the wait and the add (or the norm), c a scalar: hoisted onto the partial
+    by ``hoist_scale`` when the site is rewritten (``_scale_after_sum``)."""
+    scale_text: str = ""
 
     @property
     def partial(self) -> Node:
@@ -96,7 +100,7 @@ class FusedAllReduceRMSNormSite:
         """Read from the add at use time: an earlier rewrite may have replaced the residual node."""
         if self.add is None:
             return None
-        summed = self.views_to_add[-1] if self.views_to_add else self.wait
+        summed = self.views_to_add[-1] if self.views_to_add else self.scale or self.wait
         return self.add.args[1] if self.add.args[0] is summed else self.add.args[0]
 
     @property
@@ -114,8 +118,42 @@ class FusedAllReduceRMSNormSite:
     @property
     def kind(self) -> str:
         residual = "residual" if self.add is not None else "no-residual"
+        scaled = f", sum scaled by {self.scale_text}" if self.scale_text else ""
         weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
-        return f"{residual}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
+        return f"{residual}{scaled}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
+
+    @property
+    def stream(self) -> Node:
+        """The node holding the new residual stream value: the add, else the (scaled) sum."""
+        return self.add if self.add is not None else self.scale or self.wait
+
+    def prepare(self, graph: Graph) -> None:
+        """Ready the graph for a rewrite at ``insertion_point()`` (every strategy calls this): the
+        scale moved onto the partial, and the late inputs (``_late_inputs``) moved up."""
+        self.hoist_scale(graph)
+        for node in self.extra.get("hoist", []):
+            self.insertion_point().prepend(node)
+
+    def hoist_scale(self, graph: Graph) -> None:
+        """``all_reduce(p) * c -> all_reduce(p * c)``: equal in exact arithmetic; eager rounds
+        ``S`` and then ``S * c``, here each rank rounds ``p_r * c`` once (in the partial's dtype)
+        and the fused op sums in fp32. Afterwards the site is a plain one: the wait holds the
+        scaled sum."""
+        if self.scale is None:
+            return
+        mul, partial = self.scale, self.partial
+        factor = _scale_factor(mul, self.wait)
+        if self.extra.get("move_factor"):
+            self.all_reduce.prepend(factor)
+        with graph.inserting_before(self.all_reduce):
+            scaled = graph.call_function(mul.target, (partial, factor))
+        _set_fake_vals([scaled])
+        self.all_reduce.replace_input_with(partial, scaled)
+        mul.replace_all_uses_with(self.wait)
+        graph.erase_node(mul)
+        if self.norm.input is mul:  # a no-residual site's norm read the product
+            self.norm.input = self.wait
+        self.scale = None
 
     def insertion_point(self) -> Node:
         """The fused op goes where the residual add (or the wait) was: all consumers follow."""
@@ -130,8 +168,7 @@ class FusedAllReduceRMSNormSite:
 
     def replace_with(self, graph: Graph, fused_op) -> Node:
         """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node."""
-        for node in self.extra.get("hoist", []):
-            self.insertion_point().prepend(node)
+        self.prepare(graph)
         with graph.inserting_before(self.insertion_point()):
             partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
             fused = graph.call_function(
@@ -214,19 +251,21 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     if len(waits) != 1 or len(ar.users) != 1:
         return reject("the all_reduce result is not consumed through exactly one wait_tensor")
     wait = waits[0]
+    scale = _scale_after_sum(ar, wait, order)
+    summed = scale or wait
 
     # Without a residual: the reduced sum itself is normalised (and may be used elsewhere).
-    found = _find_norm(wait)
+    found = _find_norm(summed)
     if not isinstance(found, str):
         views_to_norm, norm = found
         site = FusedAllReduceRMSNormSite(
             ar, wait, group_name, [], None, views_to_norm, norm, _producer_matmul(partial)
         )
-        return _check_order(site, order) or site
+        return _with_scale(site, scale, order)
     no_norm_reason = found
 
     # With a residual: wait -> (exclusive views) -> add(x, residual) -> views -> norm.
-    views_to_add, cur = [], wait
+    views_to_add, cur = [], summed
     while len(cur.users) == 1 and _is_row_view(next(iter(cur.users)), cur):
         cur = next(iter(cur.users))
         views_to_add.append(cur)
@@ -235,9 +274,10 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
         if unfit is not None:
             no_norm_reason = f"the residual add ({add.name}): {unfit}"
             continue
+        residual = add.args[1] if add.args[0] is cur else add.args[0]
         found = _find_norm(add)
         if isinstance(found, str):
-            no_norm_reason = f"after the residual add: {found}"
+            no_norm_reason = f"after adding {residual.name}: {found}"  # a residual or not: unknown here
             continue
         if len(cur.users) != 1:
             return reject(
@@ -248,7 +288,7 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
         site = FusedAllReduceRMSNormSite(
             ar, wait, group_name, views_to_add, add, views_to_norm, norm, _producer_matmul(partial)
         )
-        return _check_order(site, order) or site
+        return _with_scale(site, scale, order)
     return reject(no_norm_reason)
 
 
@@ -275,6 +315,55 @@ def _unfit_residual_add(add: Node, summed: Node) -> str | None:
         return (f"it adds {sv.dtype} and a {rv.dtype} residual into {av.dtype}; the fused op "
                 "needs one dtype (no type promotion)")
     return None
+
+
+SCALES = {aten.mul.Tensor, aten.mul.Scalar}
+
+
+def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> Node | None:
+    """``wait * c``, the sum's only reader, for a scalar ``c`` that exists before the all_reduce
+    (a number, or a one-element tensor such as Gemma's ``sqrt(hidden)``): Granite's residual and
+    embedding multipliers, Gemma's embedding scale. The all_reduce is linear, so
+    ``all_reduce(p) * c == all_reduce(p * c)``, and the site is matched from the product."""
+    if len(wait.users) != 1:
+        return None
+    mul = next(iter(wait.users))
+    if not is_target(mul, SCALES) or len(mul.args) != 2 or mul.kwargs:
+        return None
+    factor = _scale_factor(mul, wait)
+    if isinstance(factor, Node):
+        fv = val(factor)
+        # After the all_reduce only as a constant (Gemma's ``full([], sqrt(H))``): it moves up.
+        late = order[factor] > order[ar]
+        if fv is None or fv.numel() != 1 or (late and (factor.op != "call_function" or factor.all_input_nodes)):
+            return None
+    elif isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        return None
+    mv, wv = val(mul), val(wait)
+    if mv is None or mv.shape != wv.shape or mv.dtype != wv.dtype:
+        return None
+    return mul
+
+
+def _scale_factor(mul: Node, wait: Node):
+    return mul.args[1] if mul.args[0] is wait else mul.args[0]
+
+
+def _with_scale(site: FusedAllReduceRMSNormSite, scale: Node | None,
+                order) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+    """``site`` with its scale recorded (what the report shows, whether the factor moves up),
+    then checked like every site."""
+    if scale is not None:
+        site.scale = scale
+        factor = _scale_factor(scale, site.wait)
+        if not isinstance(factor, Node):
+            site.scale_text = repr(factor)
+        elif is_target(factor, {aten.full.default}) and not factor.args[0]:  # a 0-d constant
+            site.scale_text = repr(factor.args[1])
+        else:
+            site.scale_text = factor.name
+        site.extra["move_factor"] = isinstance(factor, Node) and order[factor] > order[site.all_reduce]
+    return _check_order(site, order) or site
 
 
 def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:

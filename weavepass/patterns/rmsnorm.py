@@ -33,6 +33,7 @@ MEAN = {aten.mean.dim}
 ADDS = {aten.add.Tensor, aten.add.Scalar}
 MULS = {aten.mul.Tensor}
 FUSED_RMS_NORMS = {aten.rms_norm.default}
+LAYER_NORMS = {aten.native_layer_norm.default, aten.layer_norm.default, aten.var_mean.correction}
 if hasattr(aten, "_fused_rms_norm"):
     FUSED_RMS_NORMS.add(aten._fused_rms_norm.default)
 
@@ -266,6 +267,27 @@ def match_rmsnorm(x: Node) -> RMSNormMatch | str:
         found = matcher(x)
         if found is not None:
             return found
+    if _feeds_layer_norm(x):
+        return LAYER_NORM_REASON
     first = next(iter(x.users), None)
     used_by = f"{first.target}" if first is not None else "nothing"
     return f"no RMSNorm consumes the value (first user: {used_by})"
+
+
+LAYER_NORM_REASON = ("a LayerNorm (mean-subtracted) consumes the value, not an RMSNorm; the fused op "
+                     "normalises by the root mean square only")
+
+
+def _feeds_layer_norm(x: Node) -> bool:
+    """``x`` (or its fp32 upcast) feeds a LayerNorm: ``native_layer_norm``, Inductor's
+    ``var_mean`` decomposition, or ``x - mean(x, -1, keepdim)`` written out (Cohere)."""
+    sources = [x] + [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
+    for source in sources:
+        for user in source.users:
+            if is_target(user, LAYER_NORMS) and user.args[0] is source:
+                return True
+            if is_target(user, MEAN) and _is_last_dim(user.args[1], val(source).dim()) and any(
+                is_target(sub, {aten.sub.Tensor}) and sub.args == (source, user) for sub in user.users
+            ):
+                return True
+    return False

@@ -1,0 +1,140 @@
+"""Hugging Face models loaded with their own tensor-parallel plan, compiled with the weave backend.
+
+Tiny random checkpoints of every family that ships a ``base_model_tp_plan``
+(``weavepass/testing/hf_models.py``) are loaded with ``from_pretrained(..., tp_plan="auto")`` on a
+gloo group of 2 and compiled fuse-only (the default), with the token split forced and with
+FlashComm forced. Per family and strategy the test asserts what a user reads in the explain
+report: how many all_reduces were fused, the reason for each one kept, the graph-wide note, and
+that the compiled graphs equal the eager ones (fp32: ``ATOL[float32]`` relative to the output).
+
+One spawned pair of ranks serves every family (spawn, load and Dynamo trace cost seconds each; the
+results come back to this process and the assertions are parametrized over them). CI runs
+``CI_FAMILIES``; ``WEAVE_HF_FULL=1`` runs every family (``bash scripts/test_hf_full.sh``).
+
+The expectations were observed with transformers 5.24: a family's TP plan may differ in other
+versions (5.24 shards Phi3's and OLMo2's projections with gathers, GPT-OSS only its embedding).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from weavepass.report import WeaveReport  # noqa: E402
+from weavepass.testing import ATOL, spawn  # noqa: E402
+from weavepass.testing import hf_models as hf  # noqa: E402
+
+LAYER_NORM = "a LayerNorm (mean-subtracted) consumes the value, not an RMSNorm"
+NOT_A_NORM = "no RMSNorm consumes the value"
+SPLIT = "token split (sequence)"
+FLASHCOMM = "FlashComm (portable): 9 tokens padded to 32"
+NO_STREAM = "has no residual add, so the residual stream does not continue through it"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one family's explain report says, per strategy."""
+
+    fused: int
+    kept: tuple[str, ...] = ()
+    """one reason (a substring) per all_reduce kept, in graph order"""
+    split: str = SPLIT
+    """a substring of the graph note with the split forced"""
+    flashcomm: str = FLASHCOMM
+    """a substring of the graph note with FlashComm forced"""
+
+
+# Two layers: 2 sites each + the embedding's (3 MoE families: the experts' sum is a site too).
+EXPECTED: dict[str, Expected] = {
+    "llama": Expected(5),
+    "mistral": Expected(5),
+    "qwen2": Expected(5),
+    "qwen3": Expected(5),
+    # Gemma scales the embedding sum by sqrt(hidden); Granite every sum by its multipliers.
+    "gemma": Expected(5),
+    # Gemma2/3 and OLMo2 norm the branch before the residual add (sandwich / post-norm): their
+    # sites have no residual add, and FlashComm needs one to keep the stream sharded.
+    "gemma2": Expected(5, split="attention as a math decomposition across a cut sequence",
+                       flashcomm=NO_STREAM),
+    "gemma3": Expected(5, flashcomm=NO_STREAM),
+    "phi3": Expected(5, split="no rule for all_gather_into_tensor"),
+    "olmo2": Expected(4, (f"after adding mul_12: {NOT_A_NORM}",),
+                      split="no rule for all_gather_into_tensor", flashcomm=NO_STREAM),
+    "granite": Expected(5),
+    # Attention and MLP in parallel: residual + attn + mlp, then a LayerNorm.
+    "cohere": Expected(0, (f"after adding wait_tensor_1: {NOT_A_NORM}", f"after adding wait_tensor: {NOT_A_NORM}",
+                           LAYER_NORM, f"after adding add_6: {NOT_A_NORM}", LAYER_NORM),
+                       split="fuse-only: 0 fused site(s)", flashcomm="no all_reduce -> RMSNorm site in the graph"),
+    "mixtral": Expected(5, split="no rule for sort.default"),
+    # The replicated shared expert is added to the experts' sum before the residual add.
+    "qwen2_moe": Expected(3, (f"after adding mul_14: {NOT_A_NORM}", f"after adding mul_26: {NOT_A_NORM}"),
+                          split="no rule for sort.default", flashcomm="the stream cannot stay sharded"),
+    "qwen3_moe": Expected(5, split="no rule for sort.default"),
+    # The routed and the shared experts' all_reduces are summed before the residual add.
+    "deepseek_v3": Expected(2, (f"after adding wait_tensor_3: {NOT_A_NORM}", f"after adding view_59: {NOT_A_NORM}"),
+                            split="copy.default", flashcomm="the stream cannot stay sharded"),
+    "gpt_oss": Expected(1, split="1 fused site(s): no compute between sites"),
+}
+assert set(EXPECTED) == set(hf.FAMILIES)
+
+CI_FAMILIES = ("llama", "gemma", "gemma3", "granite", "cohere", "qwen2_moe", "deepseek_v3")
+BF16_FAMILIES = ("gemma", "granite")
+"""Also run in bf16 (fuse-only, against the fp32 model): their sums are scaled, and the scale moves
+onto each rank's partial, so the fused op rounds at other points than eager."""
+FAMILIES = tuple(hf.FAMILIES) if os.environ.get("WEAVE_HF_FULL") == "1" else CI_FAMILIES
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, hf.FamilyRun]]:
+    """Rank 0's and rank 1's runs of every family: ``{family: {strategy: [run per rank]}}``."""
+    root = tmp_path_factory.mktemp("hf")
+    paths = {name: str(root / name) for name in FAMILIES}
+    for name, path in paths.items():
+        hf.save_family(name, path)
+    bf16 = tuple(f for f in BF16_FAMILIES if f in FAMILIES)
+    per_rank = spawn(hf.run_families, 2, "gloo", paths, hf.CONFIGS, bf16, timeout_s=1200)
+    return {name: {s: [rank[name][s] for rank in per_rank] for s in rank_runs}
+            for name, rank_runs in per_rank[0].items()}
+
+
+def _describe(run: hf.FamilyRun) -> str:
+    return run.error or str(WeaveReport(run.graphs))
+
+
+@pytest.mark.parametrize("strategy", list(hf.CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family(runs, family, strategy):
+    expected = EXPECTED[family]
+    for run in runs[family][strategy]:  # every rank made the same decisions and got eager's numbers
+        assert not run.error, run.error
+        (graph,) = run.graphs  # HF's forward is one graph: no graph break
+        kept = [r.reason for r in graph.records if not r.lowering]
+        assert graph.rewritten == expected.fused, _describe(run)
+        assert len(kept) == len(expected.kept), _describe(run)
+        for reason, words in zip(kept, expected.kept):
+            assert reason.startswith(words) or words in reason, _describe(run)
+        if strategy == "split":
+            assert expected.split in graph.note, _describe(run)
+        if strategy == "flashcomm":
+            assert expected.flashcomm in graph.note, _describe(run)
+            if expected.flashcomm == FLASHCOMM:
+                assert all(r.lowering.startswith("flashcomm:") for r in graph.records if r.lowering)
+        # fp32: the eager graph is the reference; reassociated sums stay far below this bound.
+        assert run.rel_diff <= ATOL[torch.float32], (run.rel_diff, _describe(run))
+
+
+@pytest.mark.parametrize("family", [f for f in BF16_FAMILIES if f in FAMILIES])
+def test_scaled_sums_in_bf16(runs, family):
+    """Fused (every site, the scaled ones too) and not less accurate than eager bf16 beyond one
+    rounding (``check_against_eager``'s bound; the table is the failure message)."""
+    for run in runs[family]["bf16"]:
+        assert not run.error, run.error
+        (graph,) = run.graphs
+        assert graph.rewritten == EXPECTED[family].fused == len(graph.records), _describe(run)
+        assert any("sum scaled by" in r.kind for r in graph.records), _describe(run)

@@ -1,0 +1,182 @@
+"""Tiny, randomly initialised Hugging Face models, loaded tensor-parallel the way users load them.
+
+Every family here ships a ``base_model_tp_plan``. ``save_family`` writes a tiny random checkpoint
+(in the parent process); ``run_families`` runs on every rank of a ``spawn``ed group: it loads each
+checkpoint with ``from_pretrained(path, tp_plan="auto", device_mesh=...)``, lets Dynamo trace it once, compiles
+the traced graphs with the weave backend under each of several ``WeaveConfig`` s, and returns, per
+family and config, the difference from the graphs run eagerly and the explain report (or the
+error, so that one family's failure does not hide the others'). One spawned pair of ranks serves
+every family, and one Dynamo trace every config: spawning, loading and tracing cost seconds each.
+
+Needs ``transformers`` (>= 5.17) and ``accelerate``, imported only when these functions run.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+from weavepass.config import WeaveConfig
+from weavepass.report import GraphReport
+
+# The sizes every family shares: 2 layers (MoE families: a dense and a sparse one where the family
+# has both), 4 query and 2 key/value heads of 16, so each of 2 ranks holds 2 and 1.
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+FAMILIES: dict[str, tuple[str, dict]] = {
+    # family -> (config class in ``transformers``, config arguments beyond ``_COMMON``)
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "gemma": ("GemmaConfig", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)),
+    "olmo2": ("Olmo2Config", {}),
+    # Real Granite checkpoints scale the embedding and every residual branch.
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.25, logits_scaling=8.0)),
+    "cohere": ("CohereConfig", dict(logit_scale=0.5)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE, num_experts=4, shared_expert_intermediate_size=48)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, num_experts=4, head_dim=16)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        _MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        num_key_value_heads=4)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                     sliding_window=4)),
+}
+
+CONFIGS: dict[str, WeaveConfig] = {
+    "fuse": WeaveConfig(),
+    "split": WeaveConfig(overlap="force"),
+    "flashcomm": WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1),
+}
+"""The strategies each family is compiled with: fuse-only (the default), the token split forced,
+FlashComm forced (every token count is above its threshold)."""
+
+BATCH, SEQ = 1, 9
+"""One sequence of an odd length: the split cuts inside it, FlashComm pads it to the world size."""
+
+
+@dataclass
+class FamilyRun:
+    """One family compiled with one ``WeaveConfig`` on one rank."""
+
+    rel_diff: float = float("nan")
+    """max over the graphs' outputs of max |compiled - eager| / max(1, max |eager|)"""
+    graphs: list[GraphReport] = field(default_factory=list)
+    error: str = ""
+    """the exception's traceback when compiling or running failed"""
+    seconds: float = 0.0
+
+
+def save_family(name: str, path: str, seed: int = 0) -> None:
+    """Write a tiny random ``name`` checkpoint (fp32) to ``path``."""
+    import transformers
+
+    config_class, extra = FAMILIES[name]
+    config = getattr(transformers, config_class)(**{**_COMMON, **extra})
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def load_tp(path: str, mesh, dtype: torch.dtype = torch.float32):
+    """``from_pretrained`` with the model's own TP plan on ``mesh``, in ``dtype``, the family's default
+    attention (SDPA where it supports it; Gemma2's softcapping needs the eager attention)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, tp_plan="auto", device_mesh=mesh, dtype=dtype)
+    return model.eval()
+
+
+def run_families(rank: int, world: int, paths: dict[str, str], configs: dict[str, WeaveConfig],
+                 bf16: tuple[str, ...] = ()):
+    """On one rank: every family of ``paths`` (family -> checkpoint), under every config; for the
+    families in ``bf16`` also a bf16 run (``"bf16"``, fuse-only) checked by ``check_against_eager``.
+
+    Returns ``{family: {config name: FamilyRun}}``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # transformers >= 5.18 derives the TP size from WORLD_SIZE; 5.17 takes the mesh.
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    mesh = init_device_mesh("cpu", (world,))
+    ids = torch.randint(0, _COMMON["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    runs = {name: _run_family(load_tp(path, mesh), ids, configs) for name, path in paths.items()}
+    for name in bf16:
+        runs[name]["bf16"] = _run_bf16(paths[name], mesh, ids)
+    return runs
+
+
+def _run_bf16(path, mesh, ids) -> FamilyRun:
+    """The bf16 model compiled fuse-only vs eager bf16, both against the fp32 model: the fused op
+    rounds at other points than eager (``check_against_eager`` says how much that may cost)."""
+    from weavepass.backend import WeaveBackend
+    from weavepass.testing.harness import check_against_eager
+
+    model, reference = load_tp(path, mesh, torch.bfloat16), load_tp(path, mesh)
+    backend = WeaveBackend(WeaveConfig())
+    torch._dynamo.reset()
+    run = FamilyRun()
+    try:
+        report = check_against_eager(lambda x: model(x).logits, (ids,), lambda f: torch.compile(f, backend=backend),
+                                     lambda x: reference(x).logits, torch.bfloat16,
+                                     raise_on_failure=False)
+        run.rel_diff = report.max_rel_diff
+        run.error = "" if report.passed else str(report)
+    except Exception:
+        run.error = traceback.format_exc()
+    run.graphs = backend.report.graphs
+    return run
+
+
+def _run_family(model, ids, configs) -> dict[str, FamilyRun]:
+    """Dynamo traces the model once; every config compiles the same graphs (what ``backend="weave"``
+    receives), and each compiled graph is checked against the graph run eagerly on the same inputs."""
+    from weavepass.backend import WeaveBackend
+
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(ids)
+    runs = {}
+    for config_name, config in configs.items():
+        run = runs[config_name] = FamilyRun(rel_diff=0.0)
+        backend = WeaveBackend(config)
+        start = time.perf_counter()
+        try:
+            for gm, inputs in captured:
+                with torch.no_grad():
+                    eager = gm(*inputs)
+                    compiled = backend(copy.deepcopy(gm), inputs)(*inputs)
+                run.rel_diff = max(run.rel_diff, _rel_diff(compiled, eager))
+        except Exception:
+            run.error = traceback.format_exc()
+        run.seconds = time.perf_counter() - start
+        run.graphs = backend.report.graphs
+    return runs
+
+
+def _rel_diff(compiled, eager) -> float:
+    worst = 0.0
+    for c, e in zip(pytree.tree_leaves(compiled), pytree.tree_leaves(eager), strict=True):
+        if isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel():
+            worst = max(worst, ((c - e).abs().max() / e.abs().max().clamp(min=1)).item())
+    return worst
