@@ -14,7 +14,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
 from weavepass.config import WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
 from weavepass.patterns import find_allreduce_rmsnorm_sites
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
@@ -28,6 +28,11 @@ _graph_counter = itertools.count()
 FLASHCOMM_DROPS_OVERLAP_NOTE = (
     "overlap={overlap!r} dropped: FlashComm took this graph, and the token split overlaps only "
     "fused all_reduce sites, of which FlashComm leaves none"
+)
+
+TRAINING_NOTE = (
+    "training: the graph's norms save their inverse RMS for backward; FlashComm and the token "
+    "split rewrite inference graphs only (its sites are fused without them)"
 )
 
 
@@ -105,7 +110,11 @@ class WeavePass(CustomGraphPass):
             log.warning("weavepass: graph %d %s", report.graph_index, report.notes[-1])
             return
 
-        if self.config.enable_flashcomm:
+        training = any(plan.site.training for plan in plans)
+        if self.config.enable_flashcomm and training:
+            report.add_note(f"FlashComm not used: {TRAINING_NOTE}")
+            log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+        elif self.config.enable_flashcomm:
             from weavepass.flashcomm import apply_flashcomm
 
             if apply_flashcomm(graph, plans, self.config, report):
@@ -122,14 +131,18 @@ class WeavePass(CustomGraphPass):
                 log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
-            fused.append(plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM))
+            op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
+            fused.append(plan.site.replace_with(graph, op))
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
                 level = logging.INFO if plan.reason == CUDA_COPY_NOTE else logging.WARNING
                 log.log(level, "weavepass: %s: %s", record.node, plan.reason)
 
-        if fused and self.config.overlap != "off":
+        if fused and self.config.overlap != "off" and training:
+            report.add_note(f"fuse-only: {TRAINING_NOTE}")
+            log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+        elif fused and self.config.overlap != "off":
             from weavepass.token_split import apply_token_split
 
             apply_token_split(graph, fused, self.config, report)
