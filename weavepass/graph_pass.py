@@ -31,8 +31,8 @@ FLASHCOMM_DROPS_OVERLAP_NOTE = (
 )
 
 TRAINING_NOTE = (
-    "training: the graph's norms save their inverse RMS for backward; FlashComm and the token "
-    "split rewrite inference graphs only (its sites are fused without them)"
+    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
+    "rewrite inference graphs only (the graph's sites are fused without them)"
 )
 
 
