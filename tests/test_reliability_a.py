@@ -306,8 +306,17 @@ def test_training_rejection_says_saved_for_backward():
     def f(x, w, r, weight):
         return norm(ar(x @ w) + r, weight)
 
+    # The inverse RMS (rsqrt) saved for backward is returned by the training op (tests/test_training.py).
     graph = graph_report(f, x, w, r, weight, grad=True)
-    assert_left_alone(graph, "rsqrt is saved for backward: this is a training graph")
+    assert graph.ops_after["weave.fused_allreduce_rmsnorm_train.default"] == 1
+    assert graph.records[0].lowering == "portable"
+
+    def sqrt_form(x, w, r, weight):  # saves sqrt(mean + eps), which the op does not return
+        h = (ar(x @ w) + r).float()
+        return weight * (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS))
+
+    graph = graph_report(sqrt_form, x, w, r, weight, grad=True)
+    assert_left_alone(graph, "training: sqrt is saved for backward")
     assert "torch.no_grad()" in graph.records[0].reason
 
     def returns_rsqrt(x, w, r, weight):  # inference: the same output is the model's own

@@ -121,9 +121,16 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
 
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
     partial = types.SimpleNamespace(meta={"val": torch.empty(2, 1024, 8)})  # 2048 tokens
-    site = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial)
+    site = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=False)
     lowering, note = scheduler.choose_lowering(site, WeaveConfig())
     assert lowering == "cuda_symm" and "copies the partial sums" in note
+    # A training site needs the inverse RMS, which the CUDA kernel does not write: it stays as
+    # all_reduce (auto or asked for), never portable, which is slower than NCCL on CUDA.
+    training = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=True)
+    for config in (WeaveConfig(), WeaveConfig(lowering="cuda_symm")):
+        lowering, note = scheduler.choose_lowering(training, config)
+        assert lowering is None and "training" in note and "saved for backward" in note, note
+    assert scheduler.choose_lowering(training, WeaveConfig(lowering="portable"))[0] == "portable"
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: "hidden 12 is odd")
     assert scheduler.choose_lowering(site, WeaveConfig()) == (
         None, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
@@ -185,7 +192,7 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
 
     def site(*shape):
-        return types.SimpleNamespace(device=torch.device("cuda", 0),
+        return types.SimpleNamespace(device=torch.device("cuda", 0), training=False,
                                      partial=types.SimpleNamespace(meta={"val": torch.empty(*shape)}))
 
     lowering, reason = scheduler.choose_lowering(site(512, 8), WeaveConfig())

@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
 from weavepass.config import WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
 from weavepass.patterns import find_allreduce_rmsnorm_sites
 from weavepass.plan_check import check_plan_across_ranks
 from weavepass.replication import insert_checks
@@ -32,6 +32,11 @@ _PACKAGE = Path(__file__).resolve().parent
 FLASHCOMM_DROPS_OVERLAP_NOTE = (
     "overlap={overlap!r} dropped: FlashComm took this graph, and the token split overlaps only "
     "fused all_reduce sites, of which FlashComm leaves none"
+)
+
+TRAINING_NOTE = (
+    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
+    "rewrite inference graphs only (the graph's sites are fused without them)"
 )
 
 
@@ -137,7 +142,11 @@ class WeavePass(CustomGraphPass):
             log.warning("weavepass: graph %d %s", report.graph_index, report.notes[-1])
             return
 
-        if self.config.enable_flashcomm:
+        training = any(plan.site.training for plan in plans)
+        if self.config.enable_flashcomm and training:
+            report.add_note(f"FlashComm not used: {TRAINING_NOTE}")
+            log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+        elif self.config.enable_flashcomm:
             from weavepass.flashcomm import apply_flashcomm
 
             if apply_flashcomm(graph, plans, self.config, report):
@@ -157,7 +166,8 @@ class WeavePass(CustomGraphPass):
                 log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
-            fused[record.node] = plan.site.replace_with(graph, FUSED_ALLREDUCE_RMSNORM)
+            op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
+            fused[record.node] = plan.site.replace_with(graph, op)
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
@@ -168,7 +178,10 @@ class WeavePass(CustomGraphPass):
             checked = insert_checks(graph, fused)
             report.add_note(f"check_replicated: the residual and norm weight of {checked} site(s) "
                             "are compared across ranks on every call")
-        if self.config.overlap != "off" and report.records:  # also says why a graph is not split
+        if fused and self.config.overlap != "off" and training:
+            report.add_note(f"fuse-only: {TRAINING_NOTE}")
+            log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+        elif self.config.overlap != "off" and report.records:  # also says why a graph is not split
             from weavepass.token_split import apply_token_split
 
             apply_token_split(graph, list(fused.values()), self.config, report)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
+from weavepass.lowering import TRAINING_LOWERINGS
 from weavepass.patterns import FusedAllReduceRMSNormSite
 
 
@@ -86,6 +87,11 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     """
     auto = config.lowering == "auto"
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
+    if site.training and wanted not in TRAINING_LOWERINGS:
+        # Never portable instead: on CUDA it is slower than the model's own NCCL all_reduce.
+        return None, (f"left as all_reduce: training: the norm's inverse RMS is saved for "
+                      f"backward, and the {wanted} lowering does not return it (only "
+                      f"{', '.join(TRAINING_LOWERINGS)} does)")
     if wanted != "cuda_symm":
         return wanted, ""
     reason = _cuda_unsupported_reason(site, config)

@@ -21,6 +21,10 @@ _LAZY_LOWERINGS: dict[str, str] = {
 }
 _LOWERINGS: dict[str, FusedLowering] = {"portable": fused_allreduce_rmsnorm_portable}
 
+TRAINING_LOWERINGS = ("portable",)
+"""Lowerings that also return the inverse RMS a training graph saves for backward
+(``weave.fused_allreduce_rmsnorm_train``). The CUDA kernel does not write it."""
+
 
 def get_lowering(name: str) -> FusedLowering:
     """The implementation registered under ``name`` (importing it on first use)."""

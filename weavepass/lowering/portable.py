@@ -37,14 +37,17 @@ def fused_allreduce_rmsnorm_portable(
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``partial`` [..., H] -> ``(normed, residual_out)``, both shaped like ``partial``.
+    return_inv_rms: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``partial`` [..., H] -> ``(normed, residual_out)``, both shaped like ``partial``; with
+    ``return_inv_rms`` also the inverse RMS ``[..., 1]`` in ``accumulation_dtype`` (training).
 
     Tokens are the flattened leading dims (T rows). They are padded with zero rows to
     ``world * ceil(T / world)`` so every rank owns the same number of rows; the padding never
     reaches the outputs. The reduction runs in ``accumulation_dtype`` (fp32, or fp64 for fp64
     inputs); the gather carries both outputs in one buffer ``[rows, 2H]`` of a dtype that holds
-    both exactly (both were already rounded to their dtypes).
+    both exactly (both were already rounded to their dtypes); the inverse RMS, when asked for, rides
+    in the same gather as one more column (the carrier holds ``accumulation_dtype`` exactly).
     """
     group = resolve_group(group_name)
     world, rank = group.size(), group.rank()
@@ -65,16 +68,20 @@ def fused_allreduce_rmsnorm_portable(
         if hi > lo:
             shard_residual[: hi - lo] = residual.reshape(-1, hidden)[lo:hi]
 
-    normed, residual_out = add_rmsnorm_local(
-        shard, shard_residual, weight, eps, out_dtype, partial.dtype
+    local = add_rmsnorm_local(
+        shard, shard_residual, weight, eps, out_dtype, partial.dtype, return_inv_rms
     )
     carrier = torch.promote_types(padded.dtype, out_dtype)
-    packed = torch.cat([normed.to(carrier), residual_out.to(carrier)], dim=1)
-    gathered = packed.new_empty((per_rank * world, 2 * hidden))
+    packed = torch.cat([t.to(carrier) for t in local], dim=1)
+    gathered = packed.new_empty((per_rank * world, packed.shape[1]))
     _all_gather(gathered, packed, group=group)
     gathered = gathered[:num_tokens]
-    # copy=True: the two outputs must not alias each other (or anything else).
-    return (
+    # copy=True: the outputs must not alias each other (or anything else).
+    outputs = (
         gathered[:, :hidden].to(out_dtype, copy=True).reshape(partial.shape),
-        gathered[:, hidden:].to(partial.dtype, copy=True).reshape(partial.shape),
+        gathered[:, hidden:2 * hidden].to(partial.dtype, copy=True).reshape(partial.shape),
     )
+    if return_inv_rms:
+        inv_rms = gathered[:, 2 * hidden:].to(local[2].dtype, copy=True)
+        return (*outputs, inv_rms.reshape(*partial.shape[:-1], 1))
+    return outputs

@@ -32,13 +32,16 @@ def add_rmsnorm_local(
     eps: float,
     out_dtype: torch.dtype,
     residual_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_inv_rms: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Residual add and RMSNorm over the last dim of already reduced rows.
 
     ``summed`` [..., H] holds the reduced partial sums (in ``accumulation_dtype(residual_dtype)``
     or ``residual_dtype``); ``residual`` is None or has the same shape. Returns
     ``(normed, residual_out)`` with ``normed.dtype == out_dtype`` and
-    ``residual_out.dtype == residual_dtype``.
+    ``residual_out.dtype == residual_dtype``. With ``return_inv_rms`` a third output follows: the
+    inverse RMS ``rsqrt(mean(x^2, -1) + eps)`` [..., 1] in ``accumulation_dtype`` (what the backward
+    of a training graph saves).
     """
     acc = accumulation_dtype(residual_dtype)
     total = summed.to(residual_dtype).to(acc)  # eager's all_reduce output is in residual_dtype
@@ -51,6 +54,8 @@ def add_rmsnorm_local(
     if weight is not None:
         normed = normed * weight.to(torch.promote_types(acc, weight.dtype))
     normed = normed.to(out_dtype)
+    if return_inv_rms:
+        return normed, residual_out, inv_rms
     return normed, residual_out
 
 

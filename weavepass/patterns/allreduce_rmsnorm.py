@@ -155,6 +155,11 @@ class FusedAllReduceRMSNormSite:
             self.norm.input = self.wait
         self.scale = None
 
+    @property
+    def training(self) -> bool:
+        """The forward graph of a training compile saves this norm's inverse RMS for backward."""
+        return self.norm.saved_inv_rms is not None
+
     def insertion_point(self) -> Node:
         """The fused op goes where the residual add (or the wait) was: all consumers follow."""
         return self.add if self.add is not None else self.wait
@@ -182,9 +187,13 @@ class FusedAllReduceRMSNormSite:
             if self.add is None:
                 norm_views = self.views_to_add + norm_views
             normed_out = _replay(graph, norm_views, normed)
-        _set_fake_vals([partial, fused, normed, residual_out, *_chain(normed, normed_out)])
+            inv_rms = graph.call_function(operator.getitem, (fused, 2)) if self.training else None
+        new_nodes = [partial, fused, normed, residual_out, *_chain(normed, normed_out)]
+        _set_fake_vals(new_nodes + ([inv_rms] if self.training else []))
 
         self.norm.output.replace_all_uses_with(normed_out)
+        if self.training:  # the backward graph reads the op's inverse RMS where it read rsqrt
+            self.norm.saved_inv_rms.replace_all_uses_with(inv_rms)
         _erase_dead([*reversed(self.norm.nodes), *reversed(self.views_to_norm)], graph)
         carried = self.add if self.add is not None else self.wait
         carried.replace_all_uses_with(residual_out)
@@ -397,7 +406,16 @@ def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:
 
 
 def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | None:
-    """All inputs of the fused op must exist (or be movable to) where it is inserted."""
+    """All inputs of the fused op must exist (or be movable to) where it is inserted, and a saved
+    inverse RMS must have the shape the op returns (the op's input rows, one column)."""
+    if site.training:
+        saved = val(site.norm.saved_inv_rms).shape
+        rows = val(site.add if site.add is not None else site.partial).shape[:-1]
+        if list(saved) != [*rows, 1]:
+            return RejectedAllReduce(site.all_reduce, (
+                f"training: the inverse RMS {site.norm.saved_inv_rms.name} saved for backward "
+                f"has shape {list(saved)}, not the fused op's {[*rows, 1]} (a view between the "
+                "residual add and the norm)"))
     late = _late_inputs(site, order)
     if isinstance(late, str):
         return RejectedAllReduce(site.all_reduce, late)

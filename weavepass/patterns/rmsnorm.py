@@ -89,8 +89,9 @@ def _saved_for_backward(node: Node, output: Node) -> bool:
 def used_also_by(node: Node, user: Node) -> str:
     """Why ``node`` cannot be folded into a fused op: ``user`` reads it too."""
     if user.op == "output" and _saved_for_backward(node, user):
-        return (f"{node.name} is saved for backward: this is a training graph, and weave rewrites "
-                "inference graphs (run the model under torch.no_grad() or torch.inference_mode())")
+        return (f"training: {node.name} is saved for backward, and the fused op can return only "
+                "the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs (run the model "
+                "under torch.no_grad() or torch.inference_mode() to fuse it)")
     if user.op == "output":
         return f"{node.name} is also used by output (the graph returns it)"
     return f"{node.name} is also used by {user.name}"
@@ -129,6 +130,9 @@ class RMSNormMatch:
     form: str
     # Every node of the norm except ``input``; all are dead once ``output`` is replaced.
     nodes: list[Node] = field(default_factory=list)
+    # Training: the rsqrt node the graph also returns as saved for backward; the fused op then
+    # returns the inverse RMS, and the saved node is replaced by that output.
+    saved_inv_rms: Node | None = None
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -162,6 +166,11 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
             # _fused_rms_norm returns (out, rstd); only ``out`` may be used.
             getters = list(user.users)
             if any(g.target is not operator.getitem or g.args[1] != 0 for g in getters):
+                saved = [g for g in getters if g.target is operator.getitem and g.args[1] == 1
+                         and any(u.op == "output" and _saved_for_backward(g, u) for u in g.users)]
+                if saved:
+                    return (f"training: the norm's rstd output {saved[0].name} is saved for "
+                            f"backward ({user.target} is not fused in training graphs)")
                 return "the norm's rstd output is used elsewhere"
             if len(getters) != 1:
                 return "the norm output is read through several getitems"
@@ -250,13 +259,29 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
     inner = set(nodes[:-1])
     if xf is not x and set(xf.users) - {squares[0], scale}:
-        return "the upcast norm input has users outside the norm"
+        extra = next(iter(set(xf.users) - {squares[0], scale}))
+        return f"the upcast norm input {used_also_by(xf, extra)}"
+    saved = None
     for n in inner:
         extra = [u for u in n.users if u not in inner and u is not out]
-        if extra:
+        if extra and n is scale_src and is_rsqrt and _saved_inv_rms_only(n, extra, xv.dtype):
+            saved = n
+        elif extra:
             return f"the norm's intermediate {used_also_by(n, extra[0])}"
     form = "decomposed" + ("+fp32-upcast" if xf is not x else "")
-    return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out])
+    return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out], saved)
+
+
+def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype) -> bool:
+    """Whether the only use of ``rsqrt`` outside the norm is being saved for backward, in the
+    dtype the fused training op returns it in (``accumulation_dtype`` of the norm's input)."""
+    from weavepass.lowering.reference import accumulation_dtype
+
+    rv = val(rsqrt)
+    return (
+        all(u.op == "output" and _saved_for_backward(rsqrt, u) for u in extra)
+        and rv is not None and rv.dtype == accumulation_dtype(input_dtype)
+    )
 
 
 def match_rmsnorm(x: Node) -> RMSNormMatch | str:
