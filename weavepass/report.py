@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -57,12 +58,17 @@ class WeaveReport:
     """All graphs one backend compiled, in compile order."""
 
     graphs: list[GraphReport] = field(default_factory=list)
+    _collected: list[GraphReport] = field(default_factory=list, repr=False, compare=False)
+    """The backend's own reports of ``graphs`` (``add_graphs`` keeps renumbered copies)."""
 
     def add_graphs(self, graphs: list[GraphReport]) -> None:
-        """Add each of ``graphs`` not already here (by identity), in order."""
+        """Add each of ``graphs`` not already here (by identity), in order. A collecting report
+        (``explain``, ``weave``) numbers its graphs from 0 itself: the backend it shares with other
+        calls counts every graph it ever compiled."""
         for graph in graphs:
-            if not any(graph is g for g in self.graphs):
-                self.graphs.append(graph)
+            if not any(graph is g for g in self._collected):
+                self._collected.append(graph)
+                self.graphs.append(dataclasses.replace(graph, graph_index=len(self.graphs)))
 
     @property
     def records(self) -> list[AllReduceRecord]:
