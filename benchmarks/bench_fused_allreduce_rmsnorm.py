@@ -243,7 +243,7 @@ def _bench_rank(
 ):
     import torch.distributed._symmetric_memory as symm_mem
 
-    from weavepass.lowering.cuda_symm import choose_launch_plan, fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.dispatch import choose_launch_plan, fused_allreduce_rmsnorm_cuda
 
     group = dist.group.WORLD.group_name
     max_tokens = max(tokens_list)

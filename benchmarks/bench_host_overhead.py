@@ -11,7 +11,7 @@ for these ways of running all_reduce + add + RMSNorm:
     nccl_unfused   functional all_reduce + wait, then add and RMSNorm in eager ops (what eager runs)
     dispatch       an op defined like the fused op (``define_hot_op``, same schema) whose body does
                    nothing: the floor of a call through ``torch.ops`` from Python
-    lowering       ``weavepass.lowering.cuda_symm.fused_allreduce_rmsnorm_cuda`` called directly
+    lowering       ``weavepass.runtime.cuda.dispatch.fused_allreduce_rmsnorm_cuda`` called directly
     lowering_triton  the same with every launch through Triton's ``JITFunction`` dispatch (the path
                    before the cached direct launch)
     op             ``torch.ops.weave.fused_allreduce_rmsnorm`` (what a fuse-only graph calls)
@@ -40,9 +40,9 @@ WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_
 
 
 def _callables(group_name: str):
-    from weavepass.lowering import cuda_symm
-    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
-    from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    from weavepass.runtime.cuda import dispatch as cuda_symm
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
     from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 
     funcol = torch.ops._c10d_functional

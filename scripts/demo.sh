@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python -m weavepass.demo "$@"
+python scripts/demo.py "$@"

@@ -35,7 +35,7 @@ VARIANTS = {
 def _variant(rank, name, model):
     from torch._dynamo.utils import counters
 
-    from weavepass.lowering import streams
+    from weavepass.runtime import streams
 
     overlap, lowering, patch, same_stream = VARIANTS[name]
     device = torch.device("cuda", rank)

@@ -45,7 +45,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    from weavepass.lowering import cuda_symm
+    from weavepass.runtime.cuda import dispatch as cuda_symm
     from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 
     group = dist.group.WORLD.group_name
@@ -53,7 +53,7 @@ def main() -> None:
     r, w = torch.randn_like(p), torch.ones(args.hidden, device="cuda", dtype=torch.bfloat16)
     lowering = lambda: cuda_symm.fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group, p.dtype)  # noqa: E731
     op = lambda: FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group, p.dtype, "cuda_symm")  # noqa: E731
-    from weavepass.lowering.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    from weavepass.runtime.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
 
     def async_op():
         normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group, p.dtype, "cuda_symm", 0)

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from weavepass import WeaveConfig, make_backend
-from weavepass.flashcomm import force_device_kind, padded_token_count
-from weavepass.lowering import npu
+from weavepass.compile.strategies.flashcomm import force_device_kind, padded_token_count
+from weavepass.runtime import npu
 from weavepass.testing import (
     TPConfig,
     build_tp_model,
@@ -313,7 +313,7 @@ def test_graph_stopped_under_inductor_cuda_graphs_stays_unchanged(monkeypatch):
     """The CUDA-graph-tree stop is graph-wide: with FlashComm and the split both asked for, a graph
     the scheduler stops keeps every all_reduce and gains no weave op, and the report says why. (The
     stop itself needs CUDA sites; here the scheduler's decision is stubbed on a CPU graph.)"""
-    from weavepass import scheduler
+    from weavepass.compile import planner as scheduler
 
     monkeypatch.setattr(scheduler, "inductor_cudagraphs_reason",
                         lambda sites, config: scheduler.INDUCTOR_CUDAGRAPHS_NOTE)
@@ -438,7 +438,7 @@ def test_cuda_graph_under_inductor_cuda_graphs_uses_plain_collectives(monkeypatc
     """Under mode="reduce-overhead" the symm_mem fused matmul ops are not used (their workspace
     lands in the CUDA-graph pool and the trees raise, seen on 2 H200s): every site reduce-scatters
     and gathers with plain collectives and says why."""
-    import weavepass.flashcomm as flashcomm
+    import weavepass.compile.strategies.flashcomm as flashcomm
 
     monkeypatch.setattr(flashcomm, "inductor_cudagraphs_on", lambda: True)
     graph = _cuda_mmrs_graph()

@@ -374,7 +374,7 @@ def test_config_rejects_bad_values():
 
 
 def test_uuid_changes_with_config():
-    from weavepass.graph_pass import WeavePass
+    from weavepass.compile.graph_pass import WeavePass
 
     a = WeavePass(WeaveConfig()).uuid()
     assert a == WeavePass(WeaveConfig()).uuid()
@@ -477,7 +477,7 @@ def test_compile_mode_and_options_reach_inductor(monkeypatch):
     mode or option is an error, not silently ignored."""
     from torch._inductor import config as inductor_config
 
-    from weavepass import graph_pass
+    from weavepass.compile import graph_pass
 
     seen = []
     original = graph_pass.WeavePass.__call__

@@ -14,7 +14,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import weavepass  # noqa: F401  (registers torch.ops.weave.*)
-from weavepass.lowering.reference import fused_allreduce_rmsnorm_reference
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 
 # Tolerances of the fused op against the fp32 reference math. The portable path and the reference

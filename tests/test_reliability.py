@@ -214,7 +214,7 @@ def test_cache_key_covers_the_process_groups():
     """``WeavePass.uuid`` (part of Inductor's FX-graph cache key) changes with the world size and
     the set of groups, and not with the rank: a FlashComm graph bakes in the world size, so one
     cached at world 2 must not be loaded at world 4."""
-    from weavepass.graph_pass import WeavePass
+    from weavepass.compile.graph_pass import WeavePass
 
     config = WeaveConfig(enable_flashcomm=True, fx_graph_cache=True)
     keys = {}

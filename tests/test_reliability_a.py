@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 
 import weavepass
 from weavepass import WeaveConfig
-from weavepass.lowering.reference import fused_allreduce_rmsnorm_reference
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing import check_against_eager, fake_process_group, spawn
 
 AR = "_c10d_functional.all_reduce.default"

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weavepass import WeaveConfig
-from weavepass.scheduler import (
+from weavepass.compile.planner import (
     GemmShape,
     WaveModel,
     choose_split_point,
@@ -117,7 +117,7 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
 
     import torch
 
-    from weavepass import scheduler
+    from weavepass.compile import planner as scheduler
 
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
     partial = types.SimpleNamespace(meta={"val": torch.empty(2, 1024, 8)})  # 2048 tokens
@@ -145,7 +145,7 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
     import torch
     from torch._inductor import config as inductor_config
 
-    from weavepass import scheduler
+    from weavepass.compile import planner as scheduler
 
     def site(device):
         return types.SimpleNamespace(device=torch.device(device), group_name="0",
@@ -187,7 +187,7 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
     import torch
     from torch._inductor import config as inductor_config
 
-    from weavepass import scheduler
+    from weavepass.compile import planner as scheduler
 
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
 

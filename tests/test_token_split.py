@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import weavepass.token_split as token_split
+import weavepass.compile.strategies.split as token_split
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
-from weavepass.scheduler import TokenSplitPlan
+from weavepass.compile.planner import TokenSplitPlan
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 from weavepass.testing.distributed import fake_process_group
 

@@ -14,7 +14,8 @@ import torch
 
 # Register every torch.ops.weave.* op, also those only FlashComm graphs use: a graph loaded from
 # Inductor's cache calls them without running the pass.
-from weavepass import flashcomm, ops, replication  # noqa: F401
+from weavepass import ops, replication  # noqa: F401
+from weavepass.compile.strategies import flashcomm  # noqa: F401  (registers its ops until they move to weavepass.ops)
 from weavepass.backend import (
     WeaveBackend,
     collect_reports,

@@ -96,7 +96,7 @@ class WeaveBackend:
         graphs; ``options``: Inductor config entries). Unknown modes or options raise."""
         from torch._inductor.compile_fx import compile_fx
 
-        from weavepass.graph_pass import WeavePass  # imports Inductor: only when compiling
+        from weavepass.compile.graph_pass import WeavePass  # imports Inductor: only when compiling
 
         graph_reports: list[GraphReport] = []  # forward now, backward when it is compiled
 
@@ -108,7 +108,7 @@ class WeaveBackend:
         patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report,
                                                            graph_ids=self._graph_ids)
         if self.config.overlap != "off":
-            from weavepass.token_split import INDUCTOR_CONFIG_PATCHES
+            from weavepass.compile.strategies.split import INDUCTOR_CONFIG_PATCHES
 
             patches.update(INDUCTOR_CONFIG_PATCHES)
         if self.config.fx_graph_cache:

@@ -50,7 +50,7 @@ class WeaveConfig:
     H200s (2026-11-30, tests/gpu). Set False to leave such graphs plain Inductor as a whole (every
     site's report line then says why), e.g. to rule weave out when a CUDA-graph run misbehaves.
     History: the split gave wrong answers there until ``weave::hold_inputs`` kept its inputs from
-    Inductor's in-place buffer reuse (weavepass/lowering/streams.py)."""
+    Inductor's in-place buffer reuse (weavepass/runtime/streams.py)."""
 
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
@@ -83,7 +83,7 @@ class WeaveConfig:
     GEMMs and make the communication itself slower."""
 
     enable_flashcomm: bool = False
-    """FlashComm (xLLM's ``enable_flashcomm1``, ``weavepass/flashcomm.py``, docs/flashcomm.md): keep
+    """FlashComm (xLLM's ``enable_flashcomm1``, ``weavepass/compile/strategies/flashcomm.py``, docs/flashcomm.md): keep
     the residual stream sharded by token between the first and last site, all_reduce ->
     reduce_scatter, add + RMSNorm on 1/N of the tokens, all_gather only where full rows are needed.
     Chosen per graph, only when the token count is static and reaches
@@ -107,7 +107,7 @@ class WeaveConfig:
     ``"auto"`` picks the chip's mode: ``"aiv"`` on Atlas A2/A3, ``"ccu"`` on Ascend 950. Explicit:
     ``"aiv"``, ``"ai_cpu"`` (A2/A3; documented for training only), ``"ccu"`` (Ascend 950), or
     ``"none"`` (not passed; torch_npu then uses ``"ai_cpu"``). A mode the chip does not take turns
-    the fused ops off with the reason (``weavepass.lowering.npu.CHIPS``)."""
+    the fused ops off with the reason (``weavepass.runtime.npu.CHIPS``)."""
 
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's

@@ -1,6 +1,6 @@
 """Cross-rank plan agreement: every rank of a group must run the same collectives in the same order.
 
-The plan is rank-independent by construction (``weavepass/scheduler.py``), but the graphs it is
+The plan is rank-independent by construction (``weavepass/compile/planner.py``), but the graphs it is
 made from need not be: a graph break on one rank only (``if dist.get_rank() == 0: print(...)`` in
 forward) gives that rank different graphs, so its sites are cut differently, and it runs plain
 all_reduces where its peers run weave ops. Plain Inductor survives that (an all_reduce is an
@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from weavepass.scheduler import group_size
+from weavepass.compile.planner import group_size
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "weave", "symm_mem")
 """Ops whose calls can talk to other ranks: the functional collectives, weave's own ops (fused,

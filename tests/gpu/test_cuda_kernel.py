@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weavepass.lowering.reference import fused_allreduce_rmsnorm_reference
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 
 WORLD = 2
@@ -67,7 +67,7 @@ def _make_inputs(seed, tokens, hidden, dtype, with_residual, world):
 
 def _poison(tokens, hidden, dtype, out_dtype):
     """NaN into the local workspace and into the freed blocks the outputs will reuse."""
-    from weavepass.lowering import cuda_symm
+    from weavepass.runtime.cuda import dispatch as cuda_symm
 
     torch.cuda.synchronize()
     dist.barrier()  # no peer is still writing into our workspace
@@ -102,7 +102,7 @@ def _same_on_all_ranks(label, tensor):
 
 def _check_call(rank, world, seed, tokens, hidden, dtype, with_residual, out_dtype, with_weight=True,
                 **kwargs):
-    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
 
     partials, residual, weight = _make_inputs(seed, tokens, hidden, dtype, with_residual, world)
     weight = weight if with_weight else None  # a norm without scale
@@ -168,7 +168,7 @@ def _back_to_back_worker(rank, world, calls, batch):
     """``calls`` calls on fresh data, ``batch`` of them in flight between host syncs, each checked.
     Sizes, CTA counts and kernels (flat and pipelined two-shot, one-shot) change from call to call,
     so the row-to-CTA mapping and the signal protocol keep changing."""
-    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
 
     group = dist.group.WORLD.group_name
     sizes = (1, 127, 1024, 4097, 33, 2048, 8)
@@ -198,7 +198,7 @@ def _back_to_back_worker(rank, world, calls, batch):
 def _cuda_graph_worker(rank, world):
     """Four consecutive layers (a chained residual stream, decode and prefill sizes, every kernel)
     captured once and replayed on new data."""
-    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
 
     group = dist.group.WORLD.group_name
     hidden, dtype = 4096, torch.bfloat16
@@ -255,7 +255,7 @@ def _cuda_graph_worker(rank, world):
 
 def _fallback_worker(rank, world):
     """Batches over the workspace and unsupported hidden sizes run the portable lowering, correctly."""
-    from weavepass.lowering.cuda_symm import cuda_unsupported_reason
+    from weavepass.runtime.cuda.dispatch import cuda_unsupported_reason
 
     group = dist.group.WORLD.group_name
     errors = []
@@ -280,7 +280,7 @@ def _fallback_worker(rank, world):
 def _fp16_overflow_worker(rank, world):
     """An fp16 sum beyond 65504 is inf before the residual is added, as in eager (whose all_reduce
     returns fp16), even where the residual would bring it back into range; -inf residual: NaN."""
-    from weavepass.lowering.cuda_symm import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
 
     group = dist.group.WORLD.group_name
     partial = torch.full((4, 64), 40000.0 / world * 2, dtype=torch.float16, device="cuda")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weavepass.lowering.reference import fused_allreduce_rmsnorm_reference
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 
 from test_cuda_kernel import (  # noqa: E402  (tests/gpu is on sys.path under pytest's rootdir-relative import)
@@ -34,7 +34,7 @@ pytestmark = [
 def _direct_launch_worker(rank, world):
     """Triton's dispatch and the cached direct launch give bit-identical outputs, call after call,
     also when a call's pointers lose the 16-byte alignment the first call was compiled for."""
-    from weavepass.lowering import cuda_symm
+    from weavepass.runtime.cuda import dispatch as cuda_symm
 
     group = dist.group.WORLD.group_name
     dtype = torch.bfloat16

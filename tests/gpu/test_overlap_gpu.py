@@ -35,7 +35,7 @@ def _no_multicast() -> None:
 
 def _matches_eager(rank, world, lowering):
     _no_multicast()
-    from weavepass.lowering import streams
+    from weavepass.runtime import streams
 
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
@@ -203,7 +203,7 @@ def test_overlap_under_reduce_overhead_mode():
     capture the split model (fork/join through events inside the capture) and replays equal eager
     (same tolerance as the manual capture test: bf16 through 2 layers). This failed (max abs error
     13 on every row) until ``hold_inputs`` kept the async ops' inputs from Inductor's in-place
-    buffer reuse (weavepass/lowering/streams.py)."""
+    buffer reuse (weavepass/runtime/streams.py)."""
     spawn(_reduce_overhead, 2, "nccl", "force")
 
 

@@ -19,7 +19,7 @@ The math:
   multiply in fp16 (fp16); on newer chips, ``x`` and ``y`` in fp32, rounded once.
 
 These rules are written from the package text and CANN's docs and reference code, independently of
-``weavepass.lowering.npu``'s policy table, so that a policy error shows up as an emulated failure.
+``weavepass.runtime.npu``'s policy table, so that a policy error shows up as an emulated failure.
 Passing against the emulator shows the graph calls the real API as documented; it cannot show that
 the kernels agree with their documentation, nor anything about speed or hangs.
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weavepass.lowering import npu as adapter
+from weavepass.runtime import npu as adapter
 
 TORCH_NPU_SCHEMAS = {
     "npu_mm_reduce_scatter_base": "npu_mm_reduce_scatter_base(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', Tensor? bias=None, Tensor? x1_scale=None, Tensor? x2_scale=None, int comm_turn=0, ScalarType? output_dtype=None, str? comm_mode=None) -> Tensor",  # noqa: E501
@@ -231,7 +231,7 @@ def _check(ok: bool, message: str) -> None:
 
 @contextlib.contextmanager
 def emulated_torch_npu(chip: str = "Ascend910B3") -> Iterator[EmulatedTorchNPU]:
-    """Route ``weavepass.lowering.npu`` to a fresh emulator of ``chip`` for the duration of the block."""
+    """Route ``weavepass.runtime.npu`` to a fresh emulator of ``chip`` for the duration of the block."""
     emulator = EmulatedTorchNPU(chip)
     saved = adapter.resolve_torch_npu, adapter.hccl_comm_name
     adapter.resolve_torch_npu = lambda: emulator

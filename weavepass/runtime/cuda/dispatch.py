@@ -1,7 +1,7 @@
 """CUDA lowering of ``weave.fused_allreduce_rmsnorm``: Triton kernels over PyTorch symmetric memory.
 
 The algorithm, the memory ordering and the launch rule are described in ``docs/cuda_kernel.md`` and
-in ``weavepass.lowering.cuda_kernels``. This module owns the host side: the symmetric workspace, the
+in ``weavepass.runtime.cuda.kernels``. This module owns the host side: the symmetric workspace, the
 one-shot/two-shot and CTA-count rule, and the fallbacks to the portable lowering.
 
 NVLink multicast (multimem, NVLS, ``cuMulticastCreate``) is never used: the kernels only do
@@ -24,7 +24,7 @@ for _name in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_D
 
 import torch  # noqa: E402
 
-from weavepass.lowering.portable import (  # noqa: E402
+from weavepass.runtime.portable import (  # noqa: E402
     fused_allreduce_rmsnorm_portable,
     resolve_group,
     rows_per_rank,
@@ -479,7 +479,7 @@ def _prepare(
         )
         return None  # not cached: outside capture a later call may allocate it
 
-    from weavepass.lowering.cuda_kernels import (
+    from weavepass.runtime.cuda.kernels import (
         fused_allreduce_rmsnorm_kernel,
         fused_allreduce_rmsnorm_pipelined_kernel,
     )

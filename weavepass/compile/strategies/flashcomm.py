@@ -18,18 +18,18 @@ padding). A residual stream value read by anything other than the next site (a g
 is gathered once for those readers.
 
 With ``enable_mmrs_fusion`` the producer matmul of each partial sum joins its reduce_scatter:
-``torch_npu.npu_mm_reduce_scatter_base`` on NPU (``weavepass.lowering.npu``) and symmetric-memory
+``torch_npu.npu_mm_reduce_scatter_base`` on NPU (``weavepass.runtime.npu``) and symmetric-memory
 ``fused_matmul_reduce_scatter`` on CUDA. The gather after each norm joins a matmul that reads the
 gathered rows: ``torch_npu.npu_all_gather_base_mm`` for one such matmul on NPU (the other readers
 use its gathered rows), ``fused_all_gather_matmul`` on CUDA when every reader is such a matmul
-(``weavepass.lowering.flashcomm_cuda``). A matmul that the fused op cannot take (bias, k out of
+(``weavepass.runtime.symm_mem_matmul``). A matmul that the fused op cannot take (bias, k out of
 range, fp32, world size, the chip's rules, ...) falls back to ``mm -> reduce_scatter`` (or
 ``all_gather -> mm``) with the reason in the report and a ``FlashComm MMRS skipped`` warning on the
 ``weavepass`` logger.
 
 The decision (``decide_flashcomm``) depends only on the config, shapes and the group's size, so
 every rank decides the same; on NPU the fused ops also read the chip name, the same on every rank
-of a job (``weavepass.lowering.npu``). Dynamic shapes: the decision is guard-free, so only a static
+of a job (``weavepass.runtime.npu``). Dynamic shapes: the decision is guard-free, so only a static
 token count qualifies; a symbolic one leaves the graph to the normal fuse path with that reason.
 """
 
@@ -45,12 +45,12 @@ import torch
 from torch.fx import Graph, Node
 
 from weavepass.config import WeaveConfig
-from weavepass.lowering import flashcomm_cuda, npu
-from weavepass.lowering.portable import resolve_group
-from weavepass.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
-from weavepass.patterns.rmsnorm import is_target, val
+from weavepass.runtime import symm_mem_matmul, npu
+from weavepass.runtime.portable import resolve_group
+from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
+from weavepass.compile.patterns.rmsnorm import is_target, val
 from weavepass.report import GraphReport
-from weavepass.scheduler import SitePlan, group_size, inductor_cudagraphs_on
+from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
 
 log = logging.getLogger("weavepass")
 
@@ -330,7 +330,7 @@ class _FlashCommRewrite:
             self.npu_target = npu.fused_comm_target(config.mmrs_comm_mode)
         if kind == "cuda" and config.enable_mmrs_fusion:
             self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
-                flashcomm_cuda.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
+                symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
 
     # -- small graph helpers (insert at the current insertion point, fake values set later)
 
@@ -403,7 +403,7 @@ class _FlashCommRewrite:
                                     d.group_name, d.world_size, self.npu_target.comm_mode)
                     label = "npu_mmrs"
                 else:
-                    out = self.call(flashcomm_cuda.symm_mem_op(flashcomm_cuda.FUSED_MATMUL_REDUCE_SCATTER),
+                    out = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_MATMUL_REDUCE_SCATTER),
                                     x, mm.w, "sum", 0, d.group_name)
                     label = "cuda_symm"
                 self.dead.update(mm.chain)
@@ -429,7 +429,7 @@ class _FlashCommRewrite:
         if self.kind == "cuda":
             if self.symm_reason is not None:
                 return self.symm_reason
-            return flashcomm_cuda.matmul_reduce_scatter_unsupported_reason(
+            return symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
                 x_shape, self.d.world_size, mm.bias is not None)
         return "no fused matmul + reduce_scatter for this device (portable lowering)"
 
@@ -511,7 +511,7 @@ class _FlashCommRewrite:
             if w is None:
                 return f"the weight of {mm.name} is computed after the norm"
             weights.append(w)
-        fused = self.call(flashcomm_cuda.symm_mem_op(flashcomm_cuda.FUSED_ALL_GATHER_MATMUL),
+        fused = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_ALL_GATHER_MATMUL),
                           normed, weights, 0, d.group_name, return_A=True)
         outputs = self.call(operator.getitem, fused, 1)
         replacements = []

@@ -2,7 +2,7 @@
 
 Each lowering of ``weave.fused_allreduce_rmsnorm`` is a function
 ``(partial, residual, weight, eps, group_name, out_dtype) -> (normed, residual_out)`` with the math of
-``weavepass.lowering.reference``. The scheduler picks one by name at compile time and writes the name
+``weavepass.runtime.reference``. The scheduler picks one by name at compile time and writes the name
 into the op call, so the choice is visible in the graph and in the explain report.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from weavepass.lowering.portable import fused_allreduce_rmsnorm_portable
+from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
 
 FusedLowering = Callable[..., tuple]
 
 # name -> "module:function"; modules that need triton or torch_npu are imported on first use only.
 _LAZY_LOWERINGS: dict[str, str] = {
-    "cuda_symm": "weavepass.lowering.cuda_symm:fused_allreduce_rmsnorm_cuda",
+    "cuda_symm": "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_cuda",
 }
 _LOWERINGS: dict[str, FusedLowering] = {"portable": fused_allreduce_rmsnorm_portable}
 

@@ -48,7 +48,7 @@ def symm_mem_unavailable_reason(group_name: str, device: torch.device) -> str | 
         return None
     if torch.device(device).type != "cuda":
         return f"tensors are on {torch.device(device).type}, not CUDA"
-    from weavepass.lowering.portable import resolve_group
+    from weavepass.runtime.portable import resolve_group
 
     try:
         group = resolve_group(group_name)

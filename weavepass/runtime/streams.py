@@ -37,7 +37,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from weavepass.lowering import get_lowering
+from weavepass.runtime import get_lowering
 from weavepass.ops import FUSED_SCHEMA_ARGS, define_hot_op
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from weavepass.lowering.reference import accumulation_dtype, add_rmsnorm_local
+from weavepass.runtime.reference import accumulation_dtype, add_rmsnorm_local
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:

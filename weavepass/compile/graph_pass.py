@@ -18,15 +18,15 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
 from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
-from weavepass.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.plan_check import check_plan_across_ranks
 from weavepass.replication import insert_checks
 from weavepass.report import AllReduceRecord, GraphReport
-from weavepass.scheduler import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
+from weavepass.compile.planner import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 
 log = logging.getLogger("weavepass")
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # the whole weavepass package
 
 
 FLASHCOMM_DROPS_OVERLAP_NOTE = (
@@ -147,7 +147,7 @@ class WeavePass(CustomGraphPass):
             report.add_note(f"FlashComm not used: {TRAINING_NOTE}")
             log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
         elif self.config.enable_flashcomm:
-            from weavepass.flashcomm import apply_flashcomm
+            from weavepass.compile.strategies.flashcomm import apply_flashcomm
 
             if apply_flashcomm(graph, plans, self.config, report):
                 if self.config.overlap != "off":
@@ -182,7 +182,7 @@ class WeavePass(CustomGraphPass):
             report.add_note(f"fuse-only: {TRAINING_NOTE}")
             log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
         elif self.config.overlap != "off" and report.records:  # also says why a graph is not split
-            from weavepass.token_split import apply_token_split
+            from weavepass.compile.strategies.split import apply_token_split
 
             apply_token_split(graph, list(fused.values()), self.config, report)
         graph.lint()

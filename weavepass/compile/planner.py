@@ -1,6 +1,6 @@
 """The plan: which accepted sites to rewrite, and which lowering each one runs on.
 
-Data flows one way: graph -> matches (``weavepass.patterns``) -> plan (here) -> lowering. The plan
+Data flows one way: graph -> matches (``weavepass.compile.patterns``) -> plan (here) -> lowering. The plan
 depends only on shapes, dtypes, the process group's size and the config, never on the rank, so every
 rank of a group makes the same choice (a different choice on one rank would deadlock).
 """
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
-from weavepass.lowering import TRAINING_LOWERINGS
-from weavepass.patterns import FusedAllReduceRMSNormSite
+from weavepass.runtime import TRAINING_LOWERINGS
+from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 
 
 @dataclass
@@ -39,7 +39,7 @@ def group_size(group_name: str) -> int | None:
 
 def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> str | None:
     try:
-        from weavepass.lowering import cuda_symm
+        from weavepass.runtime.cuda import dispatch as cuda_symm
     except ImportError as error:  # triton missing, or the module not built for this torch
         return f"CUDA lowering unavailable ({error})"
     # The op call does not carry the workspace size; the lowering reads this process-wide value

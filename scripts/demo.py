@@ -1,6 +1,6 @@
 """Compile a tensor-parallel decoder with the weave backend and check it against eager.
 
-    python -m weavepass.demo [--world-size 2] [--layers 2] [--tokens 64] [--dtype bf16] [--moe]
+    python scripts/demo.py [--world-size 2] [--layers 2] [--tokens 64] [--dtype bf16] [--moe]
 
 Starts one process per rank (NCCL when there are enough GPUs, gloo on the CPU otherwise), builds
 the seeded reference model of ``weavepass.testing.models``, compiles it with
@@ -25,7 +25,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m weavepass.demo", description=__doc__.split("\n")[0]
+        prog="python scripts/demo.py", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--world-size", type=int, default=2, help="TP ranks (1, 2, 4 or 8)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (2L + 1 sites)")

@@ -100,7 +100,7 @@ def hccl_comm_name(group: torch.distributed.ProcessGroup) -> str:
 
 @functools.cache
 def _hcom_for(group_name: str) -> str:
-    from weavepass.lowering.portable import resolve_group
+    from weavepass.runtime.portable import resolve_group
 
     return hccl_comm_name(resolve_group(group_name))
 

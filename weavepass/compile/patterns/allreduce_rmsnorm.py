@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.patterns.rmsnorm import RMSNormMatch, add_alpha, is_target, match_rmsnorm, val
+from weavepass.compile.patterns.rmsnorm import RMSNormMatch, add_alpha, is_target, match_rmsnorm, val
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

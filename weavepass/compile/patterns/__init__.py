@@ -1,11 +1,11 @@
 """Site finders: each walks a post-grad graph and returns match dataclasses that can replace themselves."""
 
-from weavepass.patterns.allreduce_rmsnorm import (
+from weavepass.compile.patterns.allreduce_rmsnorm import (
     FusedAllReduceRMSNormSite,
     RejectedAllReduce,
     find_allreduce_rmsnorm_sites,
 )
-from weavepass.patterns.rmsnorm import RMSNormMatch, match_rmsnorm
+from weavepass.compile.patterns.rmsnorm import RMSNormMatch, match_rmsnorm
 
 __all__ = [
     "FusedAllReduceRMSNormSite",

@@ -29,9 +29,9 @@ from typing import Callable
 
 import torch
 
-from weavepass.lowering import TRAINING_LOWERINGS, get_lowering
-from weavepass.lowering.portable import fused_allreduce_rmsnorm_portable
-from weavepass.lowering.reference import accumulation_dtype
+from weavepass.runtime import TRAINING_LOWERINGS, get_lowering
+from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
+from weavepass.runtime.reference import accumulation_dtype
 
 _LIB = torch.library.Library("weave", "FRAGMENT")
 

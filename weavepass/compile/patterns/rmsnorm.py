@@ -275,7 +275,7 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
 def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype) -> bool:
     """Whether the only use of ``rsqrt`` outside the norm is being saved for backward, in the
     dtype the fused training op returns it in (``accumulation_dtype`` of the norm's input)."""
-    from weavepass.lowering.reference import accumulation_dtype
+    from weavepass.runtime.reference import accumulation_dtype
 
     rv = val(rsqrt)
     return (

@@ -1,0 +1,1 @@
+"""Graph-wide strategies: fuse, token split (TokenWeave) and FlashComm."""
