@@ -37,9 +37,6 @@ NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABL
 
 from __future__ import annotations
 
-import argparse
-import csv
-import os
 import statistics
 from pathlib import Path
 
@@ -47,6 +44,7 @@ import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sy
 import torch
 import torch.distributed as dist
 from bench_overlap import SHAPES, VOCAB_PER_RANK, build_model  # benchmarks/bench_overlap.py
+from report import model_bench_parser, parse_variants, pyplot, save_figure, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "inductor_nccl_symm")
@@ -166,11 +164,8 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_decode")
     for r in rows:
         ref = by_key.get((r["shape"], BASELINE.get(r["variant"], "inductor"), r["batch"]))
         r["vs_inductor_same_mode"] = round(r["ms"] / ref, 4) if ref else ""
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["shape", "variant", "batch", "context", "ms",
-                                               "vs_inductor_same_mode", "sites_fused"])
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path = write_csv(out / f"{name}.csv", rows, ["shape", "variant", "batch", "context", "ms",
+                                                     "vs_inductor_same_mode", "sites_fused"])
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = sorted({(r["shape"], r["batch"]) for r in rows})
     table = {(r["shape"], r["variant"], r["batch"]): r for r in rows}
@@ -183,13 +178,9 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_decode")
             ratio = r and r["vs_inductor_same_mode"]
             cells.append(f"{r['ms']:8.3f} ({ratio:.2f}x)" if r and ratio != "" else (f"{r['ms']:8.3f}" if r else ""))
         print(f"{shape:>10} {batch:>5} " + " ".join(f"{c:>20}" for c in cells))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib missing: no plot; wrote {out / f'{name}.csv'}")
+    print(f"wrote {csv_path}")
+    plt = pyplot()
+    if plt is None:
         return
     shapes = list(dict.fromkeys(s for s, _ in keys))
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
@@ -205,27 +196,20 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_decode")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=110)
-    print(f"wrote {out / f'{name}.csv'} and {out / f'{name}.png'}")
+    save_figure(fig, out / f"{name}.png")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="batches 1, 32, 256; few iterations")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
-    parser.add_argument("--name", default="bench_decode", help="file name of the CSV and PNG, without suffix")
-    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None,
-                        help="per-rank width presets (default 8b_tp2 70b_tp8sim; tiny with --smoke)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 16; 2 with --smoke)")
+    parser = model_bench_parser(
+        __doc__, "bench_decode", "batches 1, 32, 256; few iterations", SHAPES,
+        "per-rank width presets (default 8b_tp2 70b_tp8sim; tiny with --smoke)",
+        "decoder layers (default 16; 2 with --smoke)",
+    )
     parser.add_argument("--context", type=int, default=None, help="cached tokens (default 2048; 8 with --smoke)")
     parser.add_argument("--batches", type=int, nargs="+", help="sequences per step (default 1 8 32 128 256)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
     args = parser.parse_args()
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    variants = parse_variants(parser, args, VARIANTS)
     if not args.smoke and torch.cuda.device_count() < 2:
         raise SystemExit("bench_decode needs 2 GPUs (or --smoke)")
     from weavepass.testing import spawn
@@ -242,7 +226,7 @@ def main() -> None:
         "layers": args.layers or (2 if args.smoke else 16),
         "context": args.context or (8 if args.smoke else 2048),
         "batches": args.batches or batches,
-        "variants": args.variants.split(","),
+        "variants": variants,
         "warmup": warmup,
         "iters": iters,
     }

@@ -21,7 +21,6 @@ tokens with fewer iterations. NVLink multicast is kept off.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -30,7 +29,8 @@ import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from timing import cuda_event_times_ms  # noqa: E402  (benchmarks/timing.py)
+from report import pyplot, save_figure, write_csv  # noqa: E402  (benchmarks/report.py)
+from timing import progress_bar, times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from weavepass import WeaveConfig, make_backend  # noqa: E402
 from weavepass.testing import TPConfig, build_tp_model, random_token_ids, spawn  # noqa: E402
@@ -61,22 +61,19 @@ def _bench(rank, world, tokens_list, modes, warmup, iters):
     device = torch.device("cuda", rank)
     model = build_tp_model(LLAMA70B_TP2, rank, world, dist.group.WORLD, device=device)
     jobs = [(t, m) for t in tokens_list for m in modes]
-    progress = jobs
-    if rank == 0:
-        try:
-            from tqdm import tqdm
-
-            progress = tqdm(jobs, desc="bench_flashcomm", unit="case")
-        except ImportError:
-            pass
+    progress = progress_bar(len(jobs), "bench_flashcomm") if rank == 0 else None
     rows = []
-    for tokens, mode in progress:
+    for tokens, mode in jobs:
         ids = random_token_ids(LLAMA70B_TP2, 1, tokens, seed=tokens, device=device)
         fn, backend = _compiled(model, mode)
-        times = cuda_event_times_ms(fn, ids, warmup, iters)
+        times = times_ms(fn, ids, warmup, iters)
         lowerings = sorted({r.lowering for r in backend.report.records}) if backend else []
         rows.append({"tokens": tokens, "mode": mode, "median_ms": statistics.median(times),
                      "min_ms": min(times), "lowerings": " ".join(lowerings)})
+        if progress is not None:
+            progress.update()
+    if progress is not None:
+        progress.close()
     return rows
 
 
@@ -100,24 +97,13 @@ def main() -> None:
     base = {r["tokens"]: r["median_ms"] for r in rows if r["mode"] == "inductor"}
     for r in rows:
         r["speedup"] = base[r["tokens"]] / r["median_ms"]
-    os.makedirs(args.out, exist_ok=True)
     print(f"{'tokens':>7} {'mode':<16} {'median ms':>10} {'min ms':>8} {'vs inductor':>11}  lowerings")
     for r in rows:
         print(f"{r['tokens']:>7} {r['mode']:<16} {r['median_ms']:>10.3f} {r['min_ms']:>8.3f} "
               f"{r['speedup']:>10.3f}x  {r['lowerings']}")
-    path = os.path.join(args.out, "bench_flashcomm.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    print(f"wrote {write_csv(os.path.join(args.out, 'bench_flashcomm.csv'), rows)}")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode in modes:
@@ -130,8 +116,7 @@ def main() -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "bench_flashcomm.png"), dpi=120)
-    print(f"wrote {os.path.join(args.out, 'bench_flashcomm.png')}")
+    save_figure(fig, os.path.join(args.out, "bench_flashcomm.png"), dpi=120)
 
 
 if __name__ == "__main__":

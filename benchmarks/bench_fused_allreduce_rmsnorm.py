@@ -45,7 +45,6 @@ speed.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 
@@ -54,6 +53,7 @@ import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from report import pyplot, save_figure, write_csv  # noqa: E402  (benchmarks/report.py)
 from timing import progress_bar  # noqa: E402  (benchmarks/timing.py)
 from weavepass.testing.distributed import spawn  # noqa: E402
 
@@ -389,17 +389,11 @@ def _print_table(rows):
         )
 
 
-def _plot(rows, path) -> bool:
-    """The PNG, one panel per hidden size; False where matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return False
-
+def _plot(rows, path) -> None:
+    """The PNG, one panel per hidden size (none where matplotlib is missing)."""
+    plt = pyplot()
+    if plt is None:
+        return
     hiddens = sorted({r["hidden"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, len(hiddens), figsize=(9 * len(hiddens), 6), squeeze=False)
     methods = ("nccl", "nccl_rs_ag", "nccl_symm", "nccl_symm_rs_ag", "symm_two_shot", "symm_one_shot",
@@ -416,8 +410,7 @@ def _plot(rows, path) -> bool:
         ax.set_title(f"all_reduce + add + RMSNorm, hidden {hidden}, 2 x H200")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return True
+    save_figure(fig, path, bbox_inches="tight")
 
 
 def _nccl_symm_rows(hiddens, tokens, replays, timeout_s) -> list[dict]:
@@ -472,14 +465,8 @@ def main():
         )[0]
     rows = _annotate(rows)
     _print_table(rows)
-    csv_path = os.path.join(args.out, "bench_fused_allreduce_rmsnorm.csv")
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    plotted = _plot(rows, os.path.join(args.out, "bench_fused_allreduce_rmsnorm.png"))
-    print(f"wrote {csv_path}" + (" and the PNG beside it" if plotted else ""))
+    print(f"wrote {write_csv(os.path.join(args.out, 'bench_fused_allreduce_rmsnorm.csv'), rows)}")
+    _plot(rows, os.path.join(args.out, "bench_fused_allreduce_rmsnorm.png"))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ same code, so the host column is the real one. Ranks are aligned with a barrier 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
+from report import write_csv  # benchmarks/report.py
 
 WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op")
 
@@ -157,17 +157,12 @@ def main() -> None:
     rows = spawn(_run_rank, args.world, "nccl", config, timeout_s=600.0)[0]
     for row in rows:
         row["world"] = args.world
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench_host_overhead.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path = write_csv(Path(args.out) / "bench_host_overhead.csv", rows)
     print(f"{'way':>14} {'tokens':>6} {'host us/call':>13} {'GPU us/call':>12}  bound")
     for r in rows:
         bound = "host" if r["host_bound"] else "GPU"
         print(f"{r['way']:>14} {r['tokens']:>6} {r['host_us']:13.1f} {r['gpu_us']:12.1f}  {bound}")
-    print(f"wrote {out / 'bench_host_overhead.csv'}")
+    print(f"wrote {csv_path}")
 
 
 if __name__ == "__main__":

@@ -59,9 +59,6 @@ NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABL
 
 from __future__ import annotations
 
-import argparse
-import csv
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +66,7 @@ from pathlib import Path
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
+from report import model_bench_parser, parse_variants, pyplot, save_figure, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
 
@@ -265,15 +263,11 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 token counts, 1 layout, few iterations")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
-    parser.add_argument("--name", default="bench_overlap", help="file name of the CSV and PNG, without suffix")
-    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None,
-                        help="per-rank width presets (default 70b_tp2; tiny with --smoke)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 1 with --smoke)")
+    parser = model_bench_parser(
+        __doc__, "bench_overlap", "3 token counts, 1 layout, few iterations", SHAPES,
+        "per-rank width presets (default 70b_tp2; tiny with --smoke)",
+        "decoder layers (default 4; 1 with --smoke)",
+    )
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {','.join(VARIANTS)}")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default: 512 .. 16K)")
@@ -281,9 +275,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile one call per case: top kernels and comm/compute overlap")
     args = parser.parse_args()
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    variants = parse_variants(parser, args, VARIANTS)
     if not args.smoke and torch.cuda.device_count() < 2:
         raise SystemExit("bench_overlap needs 2 GPUs (or --smoke)")
     from weavepass.testing import spawn
@@ -298,7 +290,7 @@ def main() -> None:
         "smoke": args.smoke,
         "shapes": args.shape or (["tiny"] if args.smoke else ["70b_tp2"]),
         "layers": args.layers or (1 if args.smoke else 4),
-        "variants": args.variants.split(","),
+        "variants": variants,
         "tokens": args.tokens or tokens,
         "layouts": args.layouts or layouts,
         "profile": args.profile,
@@ -327,10 +319,9 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
         r["vs_inductor"] = r["ms"] / ref if ref else float("nan")
         frac = hidden_fraction(r["ms"], ref, by_key.get((key[0], "no_comm", *key[1:])))
         r["hidden"] = "" if frac is None or not r["variant"].startswith("weave") else round(frac, 4)
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["shape", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path = write_csv(out / f"{name}.csv", rows,
+                         ["shape", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
+    print(f"wrote {csv_path}")
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = sorted({(r["shape"], r["sequences"], r["tokens"]) for r in rows})
     table = {(r["shape"], r["variant"], r["sequences"], r["tokens"]): r for r in rows}
@@ -349,13 +340,8 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
 
 
 def _plot(rows, table, variants, keys, out: Path, layers: int, name: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib missing: no plot; wrote {out / f'{name}.csv'}")
+    plt = pyplot()
+    if plt is None:
         return
     shapes = list(dict.fromkeys(k[0] for k in keys))
     layouts = sorted({k[1] for k in keys})
@@ -376,8 +362,7 @@ def _plot(rows, table, variants, keys, out: Path, layers: int, name: str) -> Non
             ax.set_title(f"{shape}, {layers} layers, {seqs} sequence(s)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=110)
-    print(f"wrote {out / f'{name}.csv'} and {out / f'{name}.png'}")
+    save_figure(fig, out / f"{name}.png")
 
 
 if __name__ == "__main__":

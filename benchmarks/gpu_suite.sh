@@ -6,7 +6,9 @@
 #
 # STEPS picks the steps to run (default: all, in the order below), so the suite can be split into
 # device calls of at most 10 minutes each. Steps:
-#   tests      GPU tests: model, overlap and FlashComm end to end, then the kernel's own tests
+#   tests      GPU tests: model, overlap and FlashComm end to end, then the kernel's own tests (each
+#              file spawns its ranks once and runs all its cases there, tests/gpu/gpu_cases.py; the
+#              kernel tests run on WEAVE_GPU_WORLD ranks, default 2)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   overlap    bench_overlap at 70b_tp8sim and 8b_tp2, 2K/4K/8K/16K tokens, one sequence
 #              (--quick: inductor, weave_fuse, weave_overlap, weave_auto, no_comm; else
@@ -21,7 +23,8 @@
 # Splitting into calls of <= 600 s (sums of the step limits; typical runs should be shorter, but
 # compile times of the new presets and of the 16-layer decode model, one compile per variant and
 # batch size, are not measured on the device yet):
-#   call 1: STEPS=tests,host                       (limits 330 + 200 + 60 s; tests took ~435 s on 2026-11-30)
+#   call 1: STEPS=tests,host                       (limits 330 + 200 + 60 s; tests took ~435 s on 2026-11-30,
+#                                                   when every test still spawned its own ranks)
 #   call 2: STEPS=overlap,decode --quick           (limits 240 + 300 s)
 #   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
 #   call 4: STEPS=overlap2 --quick
@@ -77,9 +80,9 @@ else
   OVERLAP_VARIANTS="eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg"
 fi
 
-# Measured on 2 x H200 (2026-11-30): the model + overlap files take ~205 s, the flashcomm file
-# ~80 s, the kernel file ~150 s; the limits leave room for compile-cache misses (a step killed by
-# its limit prints no summary at all).
+# Measured on 2 x H200 (2026-11-30, one spawn per test): the model + overlap files take ~205 s, the
+# flashcomm file ~80 s, the kernel file ~150 s; the limits leave room for compile-cache misses (a
+# step killed by its limit prints no summary at all).
 if wanted tests; then
   step pytest_models "${E2E_TIMEOUT_S:-330}" python3 -m pytest -m gpu -q -rA --durations=10 \
       tests/gpu/test_model_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_flashcomm_gpu.py

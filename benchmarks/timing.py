@@ -12,42 +12,34 @@ import torch
 import torch.distributed as dist
 
 
-def cuda_event_times_ms(fn, ids, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of ``iters`` calls of ``fn(ids)`` after ``warmup`` calls, each timed with CUDA
-    events; a barrier before each call keeps the ranks' calls aligned."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn(ids)
-        times = []
-        for _ in range(iters):
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(ids)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return times
+def _cuda_event_ms(fn, ids) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(ids)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
-def wall_times_ms(fn, ids, warmup: int, iters: int) -> list[float]:
-    """The same as ``cuda_event_times_ms`` for CPU tensors: ``time.perf_counter`` around each call."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn(ids)
-        times = []
-        for _ in range(iters):
-            dist.barrier()
-            start = time.perf_counter()
-            fn(ids)
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
+def _wall_ms(fn, ids) -> float:
+    start = time.perf_counter()
+    fn(ids)
+    return (time.perf_counter() - start) * 1e3
 
 
 def times_ms(fn, ids, warmup: int, iters: int) -> list[float]:
-    """CUDA events for CUDA inputs, wall time for CPU inputs."""
-    timer = cuda_event_times_ms if ids.is_cuda else wall_times_ms
-    return timer(fn, ids, warmup, iters)
+    """Milliseconds of ``iters`` calls of ``fn(ids)`` after ``warmup`` calls: CUDA events for CUDA
+    inputs, ``time.perf_counter`` for CPU inputs. A barrier before each timed call keeps the ranks'
+    calls aligned."""
+    one_call_ms = _cuda_event_ms if ids.is_cuda else _wall_ms
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn(ids)
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            times.append(one_call_ms(fn, ids))
+    return times
 
 
 class LineProgress:

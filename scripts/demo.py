@@ -13,12 +13,18 @@ Exits with status 1 when a rank's compiled output is less accurate than the harn
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import torch
-import torch.distributed as dist
+# The checkout this script belongs to, not whichever weavepass is installed (python puts scripts/,
+# not the working directory, on sys.path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import weavepass  # noqa: E402  (registers backend="weave")
+from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,22 +59,6 @@ def demo_config(args: argparse.Namespace) -> TPConfig:
     )
 
 
-def weave_backend_name() -> str:
-    """``"weave"`` once ``import weavepass`` registers it; ``"inductor"`` until then."""
-    import weavepass  # noqa: F401  (registers the backend)
-
-    return "weave" if "weave" in torch._dynamo.list_backends() else "inductor"
-
-
-def explain_text() -> str:
-    import weavepass
-
-    try:
-        return str(weavepass.last_report())
-    except AttributeError:
-        return "explain report unavailable"
-
-
 def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     """One rank: build, compile, compare; rank 0 prints. Returns whether this rank passed."""
     on_gpu = dist.get_backend() == "nccl"
@@ -78,21 +68,19 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     model = build_tp_model(cfg, rank, world_size, group, device)
     reference = build_tp_model(cfg, rank, world_size, group, device, dtype=torch.float32)
     input_ids = random_token_ids(cfg, batch=1, seq=args.tokens, seed=args.seed, device=device)
-    backend = weave_backend_name()
 
     def compile_fn(m):
-        return torch.compile(m, backend=backend)
+        return torch.compile(m, backend="weave")
 
     report = check_against_eager(model, input_ids, compile_fn, reference, raise_on_failure=False)
     if rank == 0:
         kind = "MoE" if cfg.n_experts else "dense"
         print(
             f"weavepass demo: {world_size} ranks ({dist.get_backend()} on {device.type}), backend "
-            f"{backend!r}, {kind} decoder, {cfg.n_layers} layers ({2 * cfg.n_layers + 1} "
+            f"'weave', {kind} decoder, {cfg.n_layers} layers ({2 * cfg.n_layers + 1} "
             f"all_reduce -> RMSNorm sites), {args.tokens} tokens, {args.dtype}\n"
         )
-        no_weave = "explain report unavailable (no 'weave' backend)"
-        print(explain_text() if backend == "weave" else no_weave)
+        print(weavepass.last_report())
         print()
         print(report)
         print(

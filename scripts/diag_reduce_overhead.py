@@ -11,12 +11,14 @@ import os
 import sys
 import traceback
 
-import torch
-import torch.distributed as dist
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's weavepass
 
-from weavepass import WeaveConfig
-from weavepass.backend import WeaveBackend
-from weavepass.testing import TPConfig, build_tp_model, random_token_ids, spawn
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from weavepass import WeaveConfig  # noqa: E402
+from weavepass.backend import WeaveBackend  # noqa: E402
+from weavepass.testing import TPConfig, build_tp_model, random_token_ids, spawn  # noqa: E402
 
 CFG = TPConfig(vocab=512, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=4, head_dim=64, intermediate=2048)
 TOKENS = 384

@@ -332,6 +332,18 @@ def _heads_view_model(x, w_in, w_heads, w_out, weight):
     return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
 
 
+def _split_on_fake_group(fn, args):
+    """``fn`` compiled with the split forced on a fake group of 2 (graph only: no sums are computed);
+    returns its one graph's report, which must say the split applied."""
+    backend = WeaveBackend(FORCE)
+    with fake_process_group(2), torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (graph,) = backend.report.graphs
+    assert graph.note.startswith("token split"), graph.note
+    return graph
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_views_that_infer_a_non_token_size(batch):
     """A view may infer one size: the split writes ``-1`` at the token dim of each half's view, so
@@ -341,12 +353,7 @@ def test_views_that_infer_a_non_token_size(batch):
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(batch, 7, 16, generator=g), torch.randn(16, 32, generator=g),
             torch.randn(32, 32, generator=g) / 6, torch.randn(32, 32, generator=g) / 6, None]
-    backend = WeaveBackend(FORCE)
-    with fake_process_group(2), torch.no_grad():
-        torch._dynamo.reset()
-        torch.compile(_heads_view_model, backend=backend, fullgraph=True)(*args)
-    (graph,) = backend.report.graphs
-    assert graph.note.startswith("token split"), graph.note
+    graph = _split_on_fake_group(_heads_view_model, args)
     assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get(FUSED, 0) == 0
     assert graph.ops_after[MM] == 1 + 2 * 2  # x @ w_in stays before the first site; the rest per half
 
@@ -366,10 +373,5 @@ def test_biased_linear_between_sites_is_split():
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(1, 7, 16, generator=g), torch.randn(16, 32, generator=g),
             torch.randn(48, 32, generator=g), torch.randn(48, generator=g), torch.randn(48, 32, generator=g)]
-    backend = WeaveBackend(FORCE)
-    with fake_process_group(2), torch.no_grad():
-        torch._dynamo.reset()
-        torch.compile(_biased_projection_model, backend=backend, fullgraph=True)(*args)
-    (graph,) = backend.report.graphs
-    assert graph.note.startswith("token split"), graph.note
+    graph = _split_on_fake_group(_biased_projection_model, args)
     assert graph.ops_after["aten.addmm.default"] == 2 * graph.ops_before["aten.addmm.default"]

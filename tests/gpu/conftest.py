@@ -14,5 +14,15 @@ for _name, _value in (
     os.environ[_name] = _value
 
 
+def pytest_addoption(parser):
+    # Read only where tests/gpu is named on the command line (pytest loads this file early then);
+    # WEAVE_GPU_WORLD works everywhere.
+    parser.addoption("--gpu-world", type=int, default=None,
+                     help="ranks (GPUs) of the multi-GPU kernel tests; default WEAVE_GPU_WORLD or 2")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped when there are too few)")
+    world = config.getoption("--gpu-world", default=None)
+    if world is not None:  # before the test modules import and read it (gpu_cases.gpu_world)
+        os.environ["WEAVE_GPU_WORLD"] = str(world)

@@ -1,8 +1,10 @@
-"""The ``cuda_symm`` lowering against the fp32 reference, one process per GPU (NCCL, 2 ranks).
+"""The ``cuda_symm`` lowering against the fp32 reference, one process per GPU (NCCL; 2 ranks, or
+``WEAVE_GPU_WORLD`` / ``--gpu-world``).
 
 Every rank draws every rank's partial sums from one seed, so each can compute the reference alone.
 Before each call the symmetric workspace and the blocks the outputs will be carved from are filled
-with NaN, so a row the kernel forgets to write fails the comparison.
+with NaN, so a row the kernel forgets to write fails the comparison. One spawned group of ranks runs
+every case (gpu_cases.py); each test asserts on its own case's result.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
-from weavepass.testing.distributed import spawn
+from gpu_cases import Case, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
-WORLD = 2
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
+
+WORLD = gpu_world()
 EPS = 1e-6
 TOKENS = (1, 2, 3, 127, 1024, 4097, 16384)
 HIDDENS = (128, 4096, 8192)
@@ -40,13 +43,7 @@ NORMED_TOL = {
     torch.float32: (2e-5, 2e-5),
 }
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
-        reason=f"needs {WORLD} CUDA GPUs",
-    ),
-]
+pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 
 # ---------------------------------------------------------------- helpers run inside the ranks
@@ -308,27 +305,44 @@ def small_case_worker(rank, world):
 # ---------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_matches_reference(dtype):
-    cases = spawn(_matches_reference_worker, WORLD, "nccl", dtype, timeout_s=420)
-    assert cases[0] == len(TOKENS) * len(HIDDENS) * 2 + (4 if dtype == torch.bfloat16 else 0) + 4
+def _dtype_id(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def test_every_algorithm_and_cta_count():
-    spawn(_modes_worker, WORLD, "nccl", timeout_s=300)
+# Test name -> the case its ranks run; the fallback case last, so the warnings it counts are its own.
+CASES = {
+    **{f"test_matches_reference[{_dtype_id(d)}]": Case(_matches_reference_worker, (d,), 420) for d in DTYPES},
+    "test_every_algorithm_and_cta_count": Case(_modes_worker),
+    "test_back_to_back_calls_race_free": Case(_back_to_back_worker, (500, 10)),
+    "test_cuda_graph_capture_and_replay": Case(_cuda_graph_worker),
+    "test_fp16_overflow_as_in_eager": Case(_fp16_overflow_worker),
+    "test_fallbacks_to_portable": Case(_fallback_worker),
+}
+gpu_ranks, case_result = shared_ranks(CASES, WORLD)
 
 
-def test_back_to_back_calls_race_free():
-    assert spawn(_back_to_back_worker, WORLD, "nccl", 500, 10, timeout_s=300)[0] == 500
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_matches_reference(case_result, dtype):
+    cases = case_result[0]
+    assert cases == len(TOKENS) * len(HIDDENS) * 2 + (4 if dtype == torch.bfloat16 else 0) + 4
 
 
-def test_cuda_graph_capture_and_replay():
-    spawn(_cuda_graph_worker, WORLD, "nccl", timeout_s=300)
+# The workers below assert inside the ranks; here: every rank ran its case to the end.
+def test_every_algorithm_and_cta_count(case_result):
+    assert case_result == [None] * WORLD
 
 
-def test_fp16_overflow_as_in_eager():
-    assert spawn(_fp16_overflow_worker, WORLD, "nccl", timeout_s=300) == ["PASS"] * WORLD
+def test_back_to_back_calls_race_free(case_result):
+    assert case_result[0] == 500
 
 
-def test_fallbacks_to_portable():
-    spawn(_fallback_worker, WORLD, "nccl", timeout_s=300)
+def test_cuda_graph_capture_and_replay(case_result):
+    assert case_result == [None] * WORLD
+
+
+def test_fp16_overflow_as_in_eager(case_result):
+    assert case_result == ["PASS"] * WORLD
+
+
+def test_fallbacks_to_portable(case_result):
+    assert case_result == [None] * WORLD

@@ -3,7 +3,8 @@
 With one rank the kernels have no peers (push, barriers and gather compile away), so what runs is
 the host side (signature cache, workspace, launch plan, the cached direct launch) and the local
 add + RMSNorm. That is what this file checks, on any machine with one GPU; the two-rank behaviour
-is ``test_cuda_kernel.py``'s. The same workers serve both files.
+is ``test_cuda_kernel.py``'s. The same workers serve both files, and as there one spawned rank
+runs every case (gpu_cases.py).
 """
 
 from __future__ import annotations
@@ -12,18 +13,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
-from weavepass.testing.distributed import spawn
-
+from gpu_cases import Case, shared_ranks  # tests/gpu/gpu_cases.py
 from test_cuda_kernel import (  # noqa: E402  (tests/gpu is on sys.path under pytest's rootdir-relative import)
+    DTYPES,
     EPS,
     NORMED_TOL,
     RESIDUAL_TOL,
     _cuda_graph_worker,
+    _dtype_id,
     _make_inputs,
     _matches_reference_worker,
     _modes_worker,
 )
+
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,19 +80,31 @@ def _direct_launch_worker(rank, world):
     return launches
 
 
-def test_direct_launch_matches_triton_dispatch():
-    assert spawn(_direct_launch_worker, 1, "nccl") == [20]
+# The direct-launch case first: it needs the first call of each of its signatures to go through
+# Triton's dispatch, as in a fresh process.
+CASES = {
+    "test_direct_launch_matches_triton_dispatch": Case(_direct_launch_worker),
+    **{f"test_matches_reference_on_one_gpu[{_dtype_id(d)}]": Case(_matches_reference_worker, (d,), 420)
+       for d in DTYPES},
+    "test_every_algorithm_and_cta_count_on_one_gpu": Case(_modes_worker),
+    "test_cuda_graph_capture_and_replay_on_one_gpu": Case(_cuda_graph_worker),
+}
+gpu_ranks, case_result = shared_ranks(CASES, 1)
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32),
-                         ids=lambda d: str(d).removeprefix("torch."))
-def test_matches_reference_on_one_gpu(dtype):
-    assert spawn(_matches_reference_worker, 1, "nccl", dtype)[0] > 0
+def test_direct_launch_matches_triton_dispatch(case_result):
+    assert case_result == [20]
 
 
-def test_every_algorithm_and_cta_count_on_one_gpu():
-    spawn(_modes_worker, 1, "nccl")
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_matches_reference_on_one_gpu(case_result, dtype):
+    assert case_result[0] > 0
 
 
-def test_cuda_graph_capture_and_replay_on_one_gpu():
-    spawn(_cuda_graph_worker, 1, "nccl")
+# The workers assert inside the rank; here: it ran its case to the end.
+def test_every_algorithm_and_cta_count_on_one_gpu(case_result):
+    assert case_result == [None]
+
+
+def test_cuda_graph_capture_and_replay_on_one_gpu(case_result):
+    assert case_result == [None]

@@ -2,7 +2,8 @@
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_flashcomm_gpu.py -q``.
 NVLink multicast stays off (conftest.py and ``spawn`` set NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1). One spawned pair of ranks runs every
+case (gpu_cases.py); each test asserts on its own case's result.
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weavepass import WeaveConfig, make_backend
-from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
+from gpu_cases import Case, check_replays_match_eager, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+from weavepass import WeaveConfig, make_backend
+from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids
+
+WORLD = 2
+pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 CFG = TPConfig(vocab=1000, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64,
                intermediate=2816, dtype=torch.bfloat16)
 MOE = TPConfig(vocab=1000, hidden=1024, n_layers=1, n_heads=16, n_kv_heads=8, head_dim=64,
                intermediate=1024, n_experts=4, dtype=torch.bfloat16)
+MMRS = [False, True]
 
 
 def _run(rank, world, cases):
@@ -43,11 +45,16 @@ def _run(rank, world, cases):
     return results
 
 
-@pytest.mark.parametrize("mmrs", [False, True])
-def test_flashcomm_cuda_matches_eager(mmrs):
-    # 1 token (< world), 1000 (not a multiple of 32), 4096 (no padding), and the MoE model.
-    cases = [(CFG, 1, mmrs), (CFG, 1000, mmrs), (CFG, 4096, mmrs), (MOE, 777, mmrs)]
-    for (cfg, tokens, _), (lowerings, ops) in zip(cases, spawn(_run, 2, "nccl", cases)[0]):
+def _models(mmrs: bool) -> list:
+    """1 token (< world), 1000 (not a multiple of 32), 4096 (no padding), and the MoE model."""
+    return [(CFG, 1, mmrs), (CFG, 1000, mmrs), (CFG, 4096, mmrs), (MOE, 777, mmrs)]
+
+
+@pytest.mark.parametrize("mmrs", MMRS, ids=str)
+def test_flashcomm_cuda_matches_eager(case_result, mmrs):
+    cases = _models(mmrs)
+    assert len(case_result[0]) == len(cases)
+    for (cfg, tokens, _), (lowerings, ops) in zip(cases, case_result[0]):
         where = f"{tokens} tokens, n_experts={cfg.n_experts}: {lowerings}"
         assert all(lowering.startswith("flashcomm:") for lowering in lowerings), where
         assert not any("all_reduce" in op for op in ops), where
@@ -70,24 +77,23 @@ def _reduce_overhead(rank, world, mmrs):
                                        enable_mmrs_fusion=mmrs))
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead", dynamic=False)
     counters.clear()
-    errors = []  # per call: 0 warm-up, 1 recording, 2-3 replays on new inputs
-    with torch.no_grad():
-        for seed in range(4):
-            ids = random_token_ids(CFG, 1, 1000, seed=seed, device=device)
-            got = compiled(ids).clone()  # the tree reuses its output buffers on the next replay
-            want = model(ids)
-            close = torch.allclose(got.float(), want.float(), atol=0.1, rtol=0.05)
-            errors.append((seed, round((got.float() - want.float()).abs().max().item(), 4), close))
-    assert all(close for _, _, close in errors), f"(call, max abs error, within tolerance): {errors}"
+    check_replays_match_eager(compiled, model, CFG, 1000, 4, device)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     return [r.lowering for r in backend.report.graphs[0].records]
 
 
-@pytest.mark.parametrize("mmrs", [False, True])
-def test_flashcomm_under_reduce_overhead_mode(mmrs):
+@pytest.mark.parametrize("mmrs", MMRS, ids=str)
+def test_flashcomm_under_reduce_overhead_mode(case_result, mmrs):
     """FlashComm under Inductor's CUDA-graph trees (allowed by default): warm-up, recording and
     replays on new inputs equal eager. Tolerance as the overlap file's reduce-overhead test: the
     compiled and eager bf16 models round differently through 2 layers (sums reordered by
     reduce-scatter + all-gather against all_reduce), measured max abs error 0.06-0.08 there."""
-    lowerings = spawn(_reduce_overhead, 2, "nccl", mmrs)[0]
+    lowerings = case_result[0]
     assert all(lowering.startswith("flashcomm:") for lowering in lowerings), lowerings
+
+
+CASES = {
+    **{f"test_flashcomm_cuda_matches_eager[{mmrs}]": Case(_run, (_models(mmrs),), 600) for mmrs in MMRS},
+    **{f"test_flashcomm_under_reduce_overhead_mode[{mmrs}]": Case(_reduce_overhead, (mmrs,)) for mmrs in MMRS},
+}
+gpu_ranks, case_result = shared_ranks(CASES, WORLD)

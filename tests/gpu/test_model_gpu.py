@@ -1,6 +1,7 @@
 """The reference TP model compiled with ``backend="weave"`` on 2 GPUs (NCCL) matches eager.
 
-On CUDA the scheduler's ``auto`` lowering must pick the symmetric-memory kernel for every site.
+On CUDA the planner's ``auto`` lowering must pick the symmetric-memory kernel for every site. One
+spawned pair of ranks runs every case (gpu_cases.py); each test asserts on its own case's result.
 """
 
 from __future__ import annotations
@@ -9,20 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpu_cases import Case, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
+
 import weavepass
-from weavepass.testing.distributed import spawn
 from weavepass.testing.harness import check_against_eager
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
 
 WORLD = 2
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
-        reason=f"needs {WORLD} CUDA GPUs",
-    ),
-]
+pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 
 def _rank(rank: int, world: int, batch: int, seq: int, n_experts: int) -> dict:
@@ -46,9 +42,17 @@ def _rank(rank: int, world: int, batch: int, seq: int, n_experts: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("batch,seq,n_experts", [(1, 1, 0), (2, 37, 0), (1, 1024, 0), (1, 300, 4)])
-def test_reference_model_on_gpus_uses_cuda_kernel_and_matches_eager(batch, seq, n_experts):
-    results = spawn(_rank, WORLD, "nccl", batch, seq, n_experts)
-    for result in results:
+SHAPES = [(1, 1, 0), (2, 37, 0), (1, 1024, 0), (1, 300, 4)]  # (batch, seq, n_experts)
+SHAPE_IDS = ["-".join(map(str, shape)) for shape in SHAPES]
+CASES = {
+    f"test_reference_model_on_gpus_uses_cuda_kernel_and_matches_eager[{name}]": Case(_rank, shape)
+    for name, shape in zip(SHAPE_IDS, SHAPES)
+}
+gpu_ranks, case_result = shared_ranks(CASES, WORLD)
+
+
+@pytest.mark.parametrize("batch,seq,n_experts", SHAPES, ids=SHAPE_IDS)
+def test_reference_model_on_gpus_uses_cuda_kernel_and_matches_eager(case_result, batch, seq, n_experts):
+    for result in case_result:
         print(result["table"])
         assert result["lowerings"] == ["cuda_symm"] * 5, result

@@ -3,7 +3,8 @@ communication stream, and it captures and replays in a CUDA graph.
 
 Run on a machine with 2+ GPUs: ``python3 -m pytest -m gpu tests/gpu/test_overlap_gpu.py``. NVLink
 multicast stays off (conftest.py sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
-NVSHMEM_DISABLE_NVLS=1 before any process starts).
+NVSHMEM_DISABLE_NVLS=1 before any process starts). One spawned pair of ranks runs every case
+(gpu_cases.py); each test asserts on its own case's result.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpu_cases import Case, check_replays_match_eager, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
+
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
-from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
+from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+WORLD = 2
+pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 # Widths the CUDA kernel supports (hidden a multiple of 8 bf16 elements per 16 bytes).
 CFG = TPConfig(vocab=512, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=4, head_dim=64, intermediate=2048)
 LAYOUTS = [(1, 384), (4, 96), (1, 257)]  # one sequence cut inside; four sequences; odd count
+LOWERINGS = ["portable", "auto"]
 
 
 def _no_multicast() -> None:
@@ -38,6 +40,7 @@ def _matches_eager(rank, world, lowering):
     from weavepass.runtime import streams
 
     device = torch.device("cuda", rank)
+    streams._COMM_STREAMS.pop(device.index, None)  # the ranks are shared: count only this case's stream
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     reference = build_tp_model(CFG, device=device)
     notes = []
@@ -54,9 +57,9 @@ def _matches_eager(rank, world, lowering):
     return notes
 
 
-@pytest.mark.parametrize("lowering", ["portable", "auto"])
-def test_overlap_matches_eager_bf16(lowering):
-    notes = spawn(_matches_eager, 2, "nccl", lowering)[0]
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_overlap_matches_eager_bf16(case_result, lowering):
+    notes = case_result[0]
     assert all(n.startswith("token split") for n in notes), notes
     assert "sequence" in notes[0] and "batch" in notes[1], notes
 
@@ -88,9 +91,9 @@ def _cuda_graph(rank, world, lowering):
     return (captured.float() - expected.float()).abs().max().item()
 
 
-@pytest.mark.parametrize("lowering", ["portable", "auto"])
-def test_overlap_captures_and_replays_in_cuda_graph(lowering):
-    spawn(_cuda_graph, 2, "nccl", lowering)
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_overlap_captures_and_replays_in_cuda_graph(case_result, lowering):
+    assert len(case_result) == WORLD  # the check runs in the ranks; each returns its max abs error
 
 
 # Large enough that the GPU, not the host, sets the pace (each half's layer is ~1.5 ms of GEMMs at
@@ -120,14 +123,14 @@ def _trace(rank, world):
     return result
 
 
-def test_trace_shows_fused_op_on_second_stream_overlapping_compute():
+def test_trace_shows_fused_op_on_second_stream_overlapping_compute(case_result):
     """The profiler's kernel timeline, not the FX graph: the fused kernels run on a stream of their
     own, and at least a quarter of their time other kernels run beside them. In the schedule every
     fused op of half A is launched right before half B's segment (and vice versa), so on a GPU-bound
     run most of the communication should find compute beside it; measured on the benchmark model
     (2 x H200): 65-88 %. A quarter leaves room for the first and last sites, which have nothing to
     hide behind."""
-    result = spawn(_trace, 2, "nccl")[0]
+    result = case_result[0]
     print(result.summary())
     names = [name for _, _, name in result.top]
     assert any("fused_allreduce_rmsnorm" in n for n in names), names
@@ -179,16 +182,7 @@ def _reduce_overhead(rank, world, overlap):
     backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1))  # CUDA graphs allowed by default
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
-    errors = []  # per call, so a failure shows which phase of the tree goes wrong
-    with torch.no_grad():
-        for seed in range(5):  # call 0 warm-up, 1 recording, 2-4 replays on new inputs
-            ids = random_token_ids(CFG, 1, 384, seed=seed, device=device)
-            got = compiled(ids).clone()  # the tree reuses its output buffers on the next replay
-            want = model(ids)
-            close = torch.allclose(got.float(), want.float(), atol=0.1, rtol=0.05)
-            errors.append((seed, round((got.float() - want.float()).abs().max().item(), 4), close))
-    assert all(close for _, _, close in errors), f"(call, max abs error, within tolerance): {errors}"
-    worst = max(err for _, err, _ in errors)
+    worst = check_replays_match_eager(compiled, model, CFG, 384, 5, device)
     graph = backend.report.graphs[0]
     if overlap == "force":
         assert graph.note.startswith("token split"), graph.note
@@ -198,15 +192,26 @@ def _reduce_overhead(rank, world, overlap):
     return worst
 
 
-def test_overlap_under_reduce_overhead_mode():
+def test_overlap_under_reduce_overhead_mode(case_result):
     """``torch.compile(..., backend=weave, mode="reduce-overhead")``: Inductor's CUDA-graph trees
     capture the split model (fork/join through events inside the capture) and replays equal eager
     (same tolerance as the manual capture test: bf16 through 2 layers). This failed (max abs error
     13 on every row) until ``hold_inputs`` kept the async ops' inputs from Inductor's in-place
     buffer reuse (weavepass/runtime/streams.py)."""
-    spawn(_reduce_overhead, 2, "nccl", "force")
+    assert len(case_result) == WORLD  # the checks run in the ranks; each returns its worst error
 
 
-def test_fuse_only_under_reduce_overhead_mode():
+def test_fuse_only_under_reduce_overhead_mode(case_result):
     """The same for the fused op without the split (no second stream)."""
-    spawn(_reduce_overhead, 2, "nccl", "off")
+    assert len(case_result) == WORLD
+
+
+CASES = {
+    **{f"test_overlap_matches_eager_bf16[{lowering}]": Case(_matches_eager, (lowering,)) for lowering in LOWERINGS},
+    **{f"test_overlap_captures_and_replays_in_cuda_graph[{lowering}]": Case(_cuda_graph, (lowering,))
+       for lowering in LOWERINGS},
+    "test_trace_shows_fused_op_on_second_stream_overlapping_compute": Case(_trace),
+    "test_overlap_under_reduce_overhead_mode": Case(_reduce_overhead, ("force",)),
+    "test_fuse_only_under_reduce_overhead_mode": Case(_reduce_overhead, ("off",)),
+}
+gpu_ranks, case_result = shared_ranks(CASES, WORLD)

@@ -1,0 +1,66 @@
+"""Output and command line shared by the benchmarks: the CSV, the optional matplotlib figure, and the
+arguments every model benchmark (bench_overlap, bench_decode) takes."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+from pathlib import Path
+
+
+def write_csv(path: str | Path, rows: list[dict], fields: list[str] | None = None) -> Path:
+    """``rows`` as CSV at ``path`` (folder created); columns ``fields``, else every key in first-seen
+    order (rows may differ in their keys: a missing one is an empty cell)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = fields or list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (said once) where matplotlib is
+    missing: the device machine may lack it, and the CSV alone is still the result."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110, **savefig) -> Path:
+    """Write ``fig`` to ``path`` and say where."""
+    fig.savefig(path, dpi=dpi, **savefig)
+    print(f"wrote {path}")
+    return Path(path)
+
+
+def model_bench_parser(doc: str, name: str, quick_help: str, shape_choices, shape_help: str,
+                       layers_help: str) -> argparse.ArgumentParser:
+    """The options of a model benchmark: --quick, --smoke, --out, --name, --shape, --layers."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
+    parser.add_argument("--name", default=name, help="file name of the CSV and PNG, without suffix")
+    parser.add_argument("--shape", nargs="+", choices=sorted(shape_choices), default=None, help=shape_help)
+    parser.add_argument("--layers", type=int, default=None, help=layers_help)
+    return parser
+
+
+def parse_variants(parser: argparse.ArgumentParser, args: argparse.Namespace, known) -> list[str]:
+    """``args.variants`` (comma-separated) as a list; a parser error naming any unknown one."""
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(known)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(known)}")
+    return variants
