@@ -1,0 +1,34 @@
+"""What every module of the split shares: the exception that carries a reason not to split, and
+reading a node's example value."""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+
+class Unsupported(Exception):
+    """The split cannot handle a node; the message is the report's reason."""
+
+
+def val(node):
+    """``node``'s example value (``meta["val"]``); None for a non-node argument."""
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def norm_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def op_name(target) -> str:
+    """How a reason names an op: ``cumsum.default``, ``getitem``."""
+    return getattr(target, "__name__", str(target))
+
+
+def input_token_dim(node: Node, info) -> int:
+    """The token dim of ``node``'s first argument, the one most rules map to the output; a token
+    tensor anywhere else is refused. ``info`` is the ``Analysis`` in progress."""
+    x = node.args[0]
+    d = info.token.get(x) if isinstance(x, Node) else None
+    if d is None:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}): token tensor in an unsupported argument position")
+    return d
