@@ -3,7 +3,12 @@ reading a node's example value."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.fx import Node
+
+if TYPE_CHECKING:
+    from .analysis import Analysis
 
 
 class Unsupported(Exception):
@@ -24,9 +29,9 @@ def op_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def input_token_dim(node: Node, info) -> int:
+def input_token_dim(node: Node, info: Analysis) -> int:
     """The token dim of ``node``'s first argument, the one most rules map to the output; a token
-    tensor anywhere else is refused. ``info`` is the ``Analysis`` in progress."""
+    tensor anywhere else is refused."""
     x = node.args[0]
     d = info.token.get(x) if isinstance(x, Node) else None
     if d is None:
