@@ -1,0 +1,390 @@
+"""The token split's per-op rules and its region analysis, on small ``make_fx`` graphs: which dim
+of each output carries the tokens, which token-free inputs are sliced per half, and the reason
+when an op cannot be split. No compile, no process group: each test traces a few ops.
+
+``_token_dims`` seeds the placeholders' token dims and runs the rules in graph order, as the
+analysis does between two sites.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from weavepass.compile.planner import GemmShape
+from weavepass.compile.strategies.split import Unsupported
+from weavepass.compile.strategies.split.analysis import Analysis, analyse, token_dims
+from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for
+from weavepass.compile.strategies.split.symbolic import Cut
+
+aten = torch.ops.aten
+
+
+def _cut(mode: str, units: int, first: int) -> Cut:
+    """A cut of ``units`` sequences (batch mode) or tokens of one sequence, ``first`` in half A."""
+    batch, seq = (units, 3) if mode == "batch" else (1, units)
+    entry_dim = 0 if mode == "batch" else 1
+    return Cut(None, batch, seq, mode, units, entry_dim, torch.device("cpu"), first)
+
+
+SEQ = _cut("sequence", 8, 4)  # one sequence of 8 tokens, cut 4 / 4
+BATCH = _cut("batch", 4, 2)  # 4 sequences, cut 2 / 2
+
+
+def _trace(fn, *inputs, tracing_mode="fake"):
+    """A post-grad-like graph of ``fn``: unused outputs (attention's log-sum-exp) are dropped."""
+    inputs = [torch.randn(i) if isinstance(i, tuple) else i for i in inputs]
+    gm = make_fx(fn, tracing_mode=tracing_mode)(*inputs)
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def _token_dims(fn, inputs, tokens: dict[int, int], cut: Cut = SEQ, tracing_mode="fake"):
+    """(the token dims of ``fn``'s outputs, the analysis) with input ``i`` carrying tokens in dim
+    ``tokens[i]``; inputs are shapes (random tensors) or tensors."""
+    gm = _trace(fn, *inputs, tracing_mode=tracing_mode)
+    info = Analysis(cut, sites=[])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, dim in tokens.items():
+        info.token[placeholders[i]] = dim
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(a in info.token for a in node.all_input_nodes):
+            info.token[node] = token_dims(node, info)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return [info.token.get(o) for o in outs], info
+
+
+def _refused(fn, inputs, tokens, cut: Cut = SEQ, tracing_mode="fake") -> str:
+    with pytest.raises(Unsupported) as error:
+        _token_dims(fn, inputs, tokens, cut, tracing_mode)
+    return str(error.value)
+
+
+def _sliced(info: Analysis, op) -> dict[str, int]:
+    """The token-free inputs the node of ``op`` slices per half (by name): the dim of each."""
+    (node,) = [n for n in info.sliced if n.target is op]
+    return {a.name: dim for a, dim in info.sliced[node].items()}
+
+
+# ---- the registry ---------------------------------------------------------------------------------
+
+def test_pointwise_ops_need_no_registration_and_unknown_ops_are_refused():
+    assert rule_for(aten.add.Tensor) is broadcast_dims  # tagged pointwise
+    assert rule_for(aten.cat.default) is broadcast_dims  # registered with the pointwise category
+    assert rule_for(aten.mm.default) is not broadcast_dims
+    # flip has no rule: the reason names the node and the op.
+    assert _refused(lambda x: x.flip(-1), [(1, 8, 16)], {0: 1}) == "flip: the token split has no rule for flip.default"
+    with pytest.raises(ValueError, match="two token-dim rules"):
+        register(aten.mm.default)(broadcast_dims)
+
+
+def test_a_token_tensor_outside_the_first_argument_is_refused():
+    """Most rules map the first argument's token dim: an embedding lookup by token ids (the ids in
+    argument 1) is refused for that, before its missing rule."""
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    reason = _refused(lambda w, i: F.embedding(i, w), [(100, 16), ids], {1: 1})
+    assert reason == "embedding (embedding.default): token tensor in an unsupported argument position"
+
+
+def test_a_node_that_is_not_a_function_call_is_refused():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_method("relu", (x,))
+    graph.output(relu)
+    info = Analysis(SEQ, sites=[])
+    info.token[x] = 1
+    with pytest.raises(Unsupported, match=r"relu \(call_method\) reads token tensors"):
+        token_dims(relu, info)
+
+
+# ---- pointwise and broadcast ----------------------------------------------------------------------
+
+def test_pointwise_inputs_align_from_the_right():
+    """A weight broadcast over the tokens is shared; a token-free input as long as the tokens is
+    sliced per half, in its own dim (here one lower than the output's)."""
+    dims, info = _token_dims(lambda x, w, pos: x * w + pos, [(1, 8, 16), (16,), (8, 16)], {0: 1})
+    assert dims == [1]
+    assert _sliced(info, aten.add.Tensor) == {"pos_1": 0}
+    assert not any(n.target is aten.mul.Tensor for n in info.sliced)
+    dims, info = _token_dims(lambda x, y: x + y, [(8, 16), (2, 8, 16)], {0: 0})
+    assert dims == [1]  # [8, 16] against [2, 8, 16]: the token dim moves to 1
+    assert _sliced(info, aten.add.Tensor) == {"y_1": 1}
+
+
+def test_pointwise_inputs_with_tokens_in_different_dims_are_refused():
+    reason = _refused(lambda x, y: x + y, [(8, 8), (8, 8)], {0: 0, 1: 1})
+    assert reason == "add: inputs carry tokens in different dims [0, 1]"
+
+
+def test_casts_and_cat():
+    assert _token_dims(lambda x: x.to(torch.bfloat16).clone(), [(1, 8, 16)], {0: 1})[0] == [1]
+    dims, info = _token_dims(lambda x, y: torch.cat([x, y], dim=-1), [(1, 8, 16), (1, 8, 4)], {0: 1})
+    assert dims == [1] and _sliced(info, aten.cat.default) == {"y_1": 1}
+    reason = _refused(lambda x, y: torch.cat([x, y], dim=1), [(1, 8, 16), (1, 8, 16)], {0: 1, 1: 1})
+    assert reason == "cat concatenates along the token dim"
+
+
+# ---- views ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "fn, shape, token, cut, expected",
+    [
+        (lambda x: x.view(1, 8, 4, 8), (1, 8, 32), 1, SEQ, 1),  # split a non-token dim: kept
+        (lambda x: x.view(8, 32), (1, 8, 32), 1, SEQ, 0),  # drop the leading 1: moved
+        (lambda x: x.reshape(12, 16), (4, 3, 16), 0, BATCH, 0),  # sequences x tokens merged into rows
+        (lambda x: x.view(4, 3, 4, 4), (12, 16), 0, BATCH, 0),  # rows back to sequences x tokens
+        (lambda x: x.view(1, 2, 64), (1, 8, 16), 1, SEQ, 1),  # 4 / 4 tokens = one row / one row
+    ],
+    ids=["split-hidden", "drop-batch", "merge-rows", "unmerge-rows", "tokens-into-rows"],
+)
+def test_view_maps_the_token_dim(fn, shape, token, cut, expected):
+    assert _token_dims(fn, [shape], {0: token}, cut)[0] == [expected]
+
+
+def test_view_that_cuts_a_row_is_refused():
+    """[1, 8, 16] -> [1, 2, 64] keeps whole halves only when the cut is a multiple of 4 tokens."""
+    reason = _refused(lambda x: x.view(1, 2, 64), [(1, 8, 16)], {0: 1}, _cut("sequence", 8, 3))
+    assert reason == "view: view [1, 8, 16] -> [1, 2, 64] does not keep the token cut in one dim"
+
+
+def test_hf_heads_view_writes_the_inferred_size_out():
+    """Hugging Face's ``view(*tokens, -1, head_dim)``: the half's view infers the token entry, so
+    the model's own ``-1`` is written out from the output."""
+    gm = _trace(lambda x: x.view(*x.shape[:-1], -1, 8), (1, 8, 32))
+    (view,) = [n for n in gm.graph.nodes if n.target is aten.view.default]
+    assert view.args[1] == [1, 8, -1, 8]
+    assert _token_dims(lambda x: x.view(*x.shape[:-1], -1, 8), [(1, 8, 32)], {0: 1})[0] == [1]
+    assert half_view_size(view, 1, view.args[1]) == [1, -1, 4, 8]
+
+
+def test_view_inferring_a_symbolic_size_besides_the_tokens_is_refused():
+    reason = _refused(lambda x: x.view(8, 4, -1, 8), [(8, 4, 32)], {0: 0}, _cut("batch", 8, 4), "symbolic")
+    assert reason.startswith("view: view infers a symbolic size (")
+
+
+# ---- shape ops and slicing ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "fn, shape, token, expected",
+    [
+        (lambda x: x.unsqueeze(0), (8, 16), 0, 1),
+        (lambda x: x.unsqueeze(-1), (8, 16), 0, 0),
+        (lambda x: x.squeeze(0), (1, 8, 16), 1, 0),
+        (lambda x: x.permute(0, 2, 1, 3), (1, 8, 4, 8), 1, 2),
+        (lambda x: x.transpose(1, 2), (1, 8, 4, 8), 1, 2),
+        (lambda x: x.t(), (8, 16), 0, 1),
+        (lambda x: x.expand(2, 8, 16), (8, 16), 0, 1),
+        (lambda x: aten.slice.Tensor(x, 2, 0, 4), (1, 8, 16), 1, 1),
+        (lambda x: x.select(2, 0), (1, 8, 16), 1, 1),
+        (lambda x: x.select(0, 0), (1, 8, 16), 1, 0),
+    ],
+    ids=["unsqueeze-before", "unsqueeze-after", "squeeze", "permute", "transpose", "t", "expand",
+         "slice", "select-after", "select-before"],
+)
+def test_shape_ops_follow_the_token_dim(fn, shape, token, expected):
+    assert _token_dims(fn, [shape], {0: token})[0] == [expected]
+
+
+def test_split_gives_every_output_the_token_dim():
+    assert _token_dims(lambda x: x.split(8, dim=-1), [(1, 8, 16)], {0: 1})[0] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "fn, shape, reason",
+    [
+        (lambda x: x.squeeze(0), (1, 16), "squeeze squeezes the token dim"),
+        (lambda x: aten.slice.Tensor(x, 1, 2, 8), (1, 8, 16), "slice_1 (slice.Tensor) slices the token dim"),
+        (lambda x: x.split(4, dim=1), (1, 8, 16), "split (split.Tensor) slices the token dim"),
+    ],
+    ids=["squeeze", "slice", "split"],
+)
+def test_shape_ops_on_the_token_dim_are_refused(fn, shape, reason):
+    assert _refused(fn, [shape], {0: len(shape) - 2}) == reason
+
+
+# ---- matrix products -------------------------------------------------------------------------------
+
+def test_linear_with_bias_keeps_tokens_in_the_rows():
+    """``F.linear`` with a bias is ``addmm(bias, rows, w.t())``: the bias comes first and is shared."""
+    dims, info = _token_dims(lambda x, w, b: F.linear(x, w, b), [(8, 16), (32, 16), (32,)], {0: 0})
+    assert dims == [0] and not info.sliced
+    assert _token_dims(lambda x, w: x @ w, [(1, 8, 16), (16, 32)], {0: 1})[0] == [1]  # view, mm, view
+
+
+@pytest.mark.parametrize(
+    "fn, shapes, tokens",
+    [
+        (lambda w, x: w @ x, [(4, 8), (8, 16)], {1: 0}),  # tokens are the columns' contraction
+        (lambda b, x, w: torch.addmm(b, x, w), [(8, 32), (8, 16), (16, 32)], {0: 0, 1: 0}),  # token bias
+    ],
+    ids=["right-operand", "token-bias"],
+)
+def test_matmul_with_tokens_outside_the_left_rows_is_refused(fn, shapes, tokens):
+    assert "tokens are not the rows of the left operand" in _refused(fn, shapes, tokens)
+
+
+def test_bmm_only_over_whole_sequences():
+    bmm = lambda a, b: torch.bmm(a, b)  # noqa: E731
+    assert _token_dims(bmm, [(4, 3, 3), (4, 3, 8)], {0: 0, 1: 0}, BATCH)[0] == [0]
+    reason = _refused(bmm, [(4, 8, 8), (4, 8, 8)], {0: 0, 1: 0}, SEQ)
+    assert reason == "bmm (bmm): attention as a math decomposition across a cut sequence"
+    reason = _refused(bmm, [(4, 3, 3), (4, 3, 8)], {1: 0}, BATCH)
+    assert reason == "bmm (bmm.default) contracts or indexes over the token dim"
+
+
+# ---- reductions and ops along one dim -----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (lambda x: x.mean(-1, keepdim=True), 1),
+        (lambda x: x.amax(-1), 1),
+        (lambda x: x.sum(0), 0),  # a dim before the tokens goes away
+        (lambda x: torch.softmax(x, dim=-1), 1),
+        (lambda x: torch.log_softmax(x, dim=0), 1),
+        (lambda x: x.cumsum(-1), 1),
+    ],
+    ids=["mean-keepdim", "amax", "sum-before", "softmax", "log-softmax", "cumsum"],
+)
+def test_reductions_and_softmax_over_other_dims(fn, expected):
+    assert _token_dims(fn, [(1, 8, 16)], {0: 1})[0] == [expected]
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        (lambda x: x.sum(1), "sum_1 (sum.dim_IntList) reduces over the token dim"),
+        (lambda x: x.mean([0, 1]), "mean (mean.dim) reduces over the token dim"),
+        (lambda x: torch.softmax(x, dim=1), "_softmax (_softmax.default) works along the token dim"),
+        (lambda x: x.cumsum(1), "cumsum (cumsum.default) works along the token dim"),
+        (lambda x: x.topk(2, dim=1), "topk (topk.default) works along the token dim"),
+    ],
+    ids=["sum", "mean", "softmax", "cumsum", "topk"],
+)
+def test_ops_over_the_token_dim_are_refused(fn, reason):
+    assert _refused(fn, [(1, 8, 16)], {0: 1}) == reason
+
+
+def test_topk_outputs_and_gather_along_other_dims():
+    """A router's top-k over the experts: both outputs carry the tokens. ``gather`` along the last
+    dim with a token-free index as long as the tokens slices the index per half."""
+    assert _token_dims(lambda x: x.topk(2, dim=-1), [(1, 8, 4)], {0: 1})[0] == [1, 1]
+    index = torch.zeros(1, 8, 2, dtype=torch.long)
+    dims, info = _token_dims(lambda x, i: torch.gather(x, -1, i), [(1, 8, 16), index], {0: 1})
+    assert dims == [1] and _sliced(info, aten.gather.default) == {"i_1": 1}
+    index = torch.zeros(1, 2, 16, dtype=torch.long)
+    reason = _refused(lambda x, i: torch.gather(x, 1, i), [(1, 8, 16), index], {0: 1})
+    assert reason == "gather (gather.default) indexes along the token dim"
+
+
+# ---- sizes ------------------------------------------------------------------------------------------
+
+def test_sizes_of_other_dims_are_shared_and_the_token_size_is_refused():
+    dims, info = _token_dims(lambda x: x * x.shape[2], [(1, 8, 16)], {0: 1}, tracing_mode="symbolic")
+    assert dims == [1]
+    assert [info.token[n] for n in info.token if n.target is aten.sym_size.int] == [None]
+    reason = _refused(lambda x: x * x.shape[1], [(1, 8, 16)], {0: 1}, tracing_mode="symbolic")
+    assert reason == "sym_size_int reads the size of the token dim"
+
+
+# ---- attention -----------------------------------------------------------------------------------------
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _sdpa_mask(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_attention_carries_tokens_in_the_sequence_or_batch_dim():
+    """CPU's flash attention op: tokens in the sequence dim of q/k/v (one cut sequence) or in the
+    batch dim (whole sequences); a batch of masks is sliced with the sequences."""
+    assert _token_dims(_sdpa, [(1, 2, 8, 4)] * 3, {0: 2, 1: 2, 2: 2}, SEQ)[0] == [2]
+    assert _token_dims(_sdpa, [(4, 2, 3, 4)] * 3, {0: 0, 1: 0, 2: 0}, BATCH)[0] == [0]
+    mask = torch.ones(4, 1, 3, 3, dtype=torch.bool)
+    dims, info = _token_dims(_sdpa_mask, [(4, 2, 3, 4)] * 3 + [mask], {0: 0, 1: 0, 2: 0}, BATCH)
+    assert dims == [0]
+    (attention,) = info.sliced
+    assert attention.target is aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert [a.target for a in info.sliced[attention]] == [aten.where.self]  # the additive mask, dim 0
+    assert list(info.sliced[attention].values()) == [0]
+
+
+@pytest.mark.parametrize(
+    "fn, inputs, tokens, reason",
+    [
+        (_sdpa, [(1, 2, 8, 4)] * 3, {0: 0, 1: 0, 2: 0}, "q/k/v carry tokens in dims {0}, expected 2"),
+        (_sdpa_mask, [(1, 2, 8, 4)] * 3 + [torch.ones(8, 8, dtype=torch.bool)], {0: 2, 1: 2, 2: 2, 3: 0},
+         "the attention mask is computed from token tensors"),
+        (lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[1] + 1,
+         [(1, 2, 8, 4)] * 3, {0: 2, 1: 2, 2: 2}, "attention outputs other than the result are used"),
+        (lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.5, True)[0], [(1, 2, 8, 4)] * 3,
+         {0: 2, 1: 2, 2: 2}, "attention with dropout"),
+    ],
+    ids=["wrong-dim", "token-mask", "lse-read", "dropout"],
+)
+def test_attention_refusals(fn, inputs, tokens, reason):
+    assert _refused(fn, inputs, tokens, SEQ).endswith(reason)
+
+
+# ---- the analysis of a region -----------------------------------------------------------------------------
+
+def _site(partial, residual, weight):
+    return torch.ops.weave.fused_allreduce_rmsnorm(partial, residual, weight, 1e-6, "0", torch.float32, "portable")
+
+
+def _two_sites(partial, residual, norm, up, down):
+    out, residual = _site(partial, residual, norm)
+    out, residual = _site(torch.relu(out @ up) @ down, residual, norm)
+    return out, residual
+
+
+def _sites(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.weave.fused_allreduce_rmsnorm.default]
+
+
+@pytest.mark.parametrize("shape, mode, dim", [((1, 8, 16), "sequence", 1), ((4, 3, 16), "batch", 0)])
+def test_analysis_of_two_sites(shape, mode, dim):
+    """The first site's inputs are sliced in the token dim; every node between the sites gets a
+    token dim and the first segment; the GEMM between them is recorded for the planner."""
+    gm = _trace(_two_sites, shape, shape, (16,), (16, 24), (24, 16))
+    sites = _sites(gm)
+    cut = Cut.of(sites[0])
+    assert (cut.mode, cut.units, cut.entry_dim) == (mode, shape[0] if mode == "batch" else shape[1], dim)
+    info = analyse(gm.graph, sites, cut)
+    assert info.token[sites[0]] == info.token[sites[1]] == (dim, dim)
+    assert {a.name: d for a, d in info.sliced[sites[0]].items()} == {"partial_1": dim, "residual_1": dim}
+    mms = [n for n in info.token if n.target is aten.mm.default]
+    assert [info.token[mm] for mm in mms] == [0, 0] and {info.segment[mm] for mm in mms} == {0}
+    assert info.segment[sites[1]] == 1
+    assert info.gemms == [GemmShape(n=24, k=16), GemmShape(n=16, k=24)] and not info.moe
+    assert info.region[0] is sites[0] and {n.args[1] for n in info.region[-2:]} == {0, 1}  # last getitems
+    assert not any(n.op == "placeholder" for n in info.token)  # weights and inputs are token-free
+
+
+def test_analysis_refuses_a_residual_from_outside_the_region():
+    def fresh_residual(partial, residual, norm, w, other):
+        out, _ = _site(partial, residual, norm)
+        return _site(out @ w, other, norm)
+
+    gm = _trace(fresh_residual, (1, 8, 16), (1, 8, 16), (16,), (16, 16), (1, 8, 16))
+    sites = _sites(gm)
+    with pytest.raises(Unsupported, match="residual other_1 does not come from an earlier site"):
+        analyse(gm.graph, sites, Cut.of(sites[0]))
+
+
+def test_analysis_refuses_a_reduction_over_tokens_between_sites():
+    def token_mean(partial, residual, norm):
+        out, residual = _site(partial, residual, norm)
+        return _site(out - out.mean(1, keepdim=True), residual, norm)
+
+    gm = _trace(token_mean, (1, 8, 16), (1, 8, 16), (16,))
+    sites = _sites(gm)
+    before = str(gm.graph)
+    with pytest.raises(Unsupported, match=r"mean \(mean.dim\) reduces over the token dim"):
+        analyse(gm.graph, sites, Cut.of(sites[0]))
+    assert str(gm.graph) == before

@@ -1,0 +1,123 @@
+"""TokenWeave two-way token split of a post-grad graph whose sites are already fused.
+
+``apply_token_split(graph, fused_nodes, config, report)`` cuts the token dimension into halves A
+and B from the first fused site to the last. Every token-wise node in that region is copied once
+per half (weights and other token-free nodes are shared), every site becomes one
+``weave.fused_allreduce_rmsnorm_async`` per half, and the copies are laid out per segment (the
+nodes between two sites) as::
+
+    [segment k, half A] [site k+1, A: comm stream] [segment k, half B] [site k+1, B: comm stream]
+
+so half A's communication at a site runs while half B computes (attention A, attention B, MLP A,
+MLP B, ...). Each async output is read through ``_c10d_functional.wait_tensor`` placed right before
+its first consumer; Inductor keeps extern kernels and waits in this order (see docs/overlap.md).
+
+The cut: several sequences are cut between sequences (every op, attention included, sees only
+whole sequences); one sequence is cut inside, and half B's queries attend to A's and B's keys and
+values with the causal diagonal aligned at the lower right (a B query at position ``i`` sees keys
+``0 .. sA + i``), A's keys and values being ready first. Anything the rewrite does not understand
+(an op it has no rule for, attention as a math decomposition across a cut, a reduction over tokens)
+leaves the graph fuse-only with the reason in ``report.note``: the analysis finishes before the
+graph is touched.
+
+Token counts: static shapes get the wave-aware cut of ``weavepass.compile.planner.plan_token_split``. A
+symbolic token count gets its cut computed at run time from the symbol (half the sequences; or
+half the tokens rounded down to the GEMM row tile), so one graph serves every size from
+``MIN_SYMBOLIC_UNITS`` (4) units on, through one guard; 2 or 3 units compile once more, fuse-only
+(a one-unit half would specialise the graph). Views are rewritten with ``-1`` for the token entry, so no other size needs
+arithmetic.
+
+Modules: ``rules`` (which dim carries the tokens, one rule per op, registered by op),
+``analysis`` (the rules over the region), ``attention`` (the attention ops' rule and a cut
+sequence's attention), ``symbolic`` (the cut and its size arithmetic), ``rewrite`` (the halves).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch.fx import Graph, Node
+
+from weavepass.compile.planner import (
+    TokenSplitPlan,
+    device_wave_model,
+    overlap_window_reason,
+    plan_token_split,
+)
+from weavepass.config import WeaveConfig
+from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+from weavepass.report import GraphReport
+
+from .analysis import Analysis, analyse
+from .base import Unsupported, val
+from .rewrite import rewrite
+from .symbolic import MIN_SYMBOLIC_UNITS, Cut, hint, shape
+
+__all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "Unsupported", "apply_token_split"]
+
+log = logging.getLogger("weavepass")
+
+INDUCTOR_CONFIG_PATCHES = {"reorder_for_peak_memory": False}
+"""Inductor settings a split graph needs: the peak-memory reordering otherwise moves all of
+half A's kernels ahead of half B's first fused op, undoing the overlap schedule. The backend
+merges these into its ``config_patches`` when ``overlap != "off"``."""
+
+
+def apply_token_split(
+    graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport
+) -> bool:
+    """Split the token dimension into two overlapped halves; returns True when the graph changed.
+
+    On any reason not to split, the graph stays fuse-only and ``report.note`` says why.
+    """
+    def skip(reason: str) -> bool:
+        report.add_note(f"fuse-only: {reason}")
+        log.info("weavepass: token split skipped: %s", reason)
+        return False
+
+    fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
+    if len(fused_nodes) < 2:
+        return skip(f"{len(fused_nodes)} fused site(s): no compute between sites to overlap with")
+    tokens = math.prod(shape(fused_nodes[0].args[0])[:-1])  # hints: reading sizes adds no guard
+    if tokens < 2:
+        return skip(f"{tokens} token(s): nothing to split")
+    try:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        sites = sorted(fused_nodes, key=position.__getitem__)
+        cut = Cut.of(sites[0])
+        info = analyse(graph, sites, cut)
+        tokens_sym = math.prod(val(fused_nodes[0].args[0]).shape[:-1])
+        if isinstance(tokens_sym, torch.SymInt):  # static counts: plan_token_split checks them
+            outside = overlap_window_reason(tokens_sym, config, info.moe)  # guards the window
+            if outside is not None:
+                return skip(outside)
+        if isinstance(cut.units, torch.SymInt) and not cut.units >= MIN_SYMBOLIC_UNITS:  # one guard
+            return skip(f"{hint(cut.units)} {cut.mode} unit(s) on a symbolic count: a half of one "
+                        f"unit would specialise the graph; split from {MIN_SYMBOLIC_UNITS} units on")
+        plan = _plan(cut, info, config)
+        if plan.first is None:
+            return skip(plan.reason)
+        unit = plan.tokens // hint(cut.units)
+        cut.first = plan.first // unit
+        info = analyse(graph, sites, cut)  # re-check every view against the real cut
+    except Unsupported as error:
+        return skip(f"token split not possible: {error}")
+    rewrite(graph, info, config)
+    symbolic = isinstance(cut.units, torch.SymInt)
+    where = "computed at run time from the symbolic size" if symbolic else (
+        f"A = {plan.first} / B = {plan.tokens - plan.first} tokens"
+        + (", wave inequality holds" if plan.free else ", wave inequality does not hold"))
+    report.add_note(f"token split ({plan.mode}): {where}; {len(fused_nodes)} sites x 2 halves")
+    log.info("weavepass: %s", report.notes[-1])
+    return True
+
+
+def _plan(cut: Cut, info: Analysis, config: WeaveConfig) -> TokenSplitPlan:
+    """The planner's cut for the hint sizes: sequences in batch mode, tokens in sequence mode."""
+    batch, seq = hint(cut.batch), hint(cut.seq)
+    return plan_token_split(
+        batch if cut.mode == "batch" else 1, seq if cut.mode == "batch" else batch * seq,
+        info.gemms, config, device_wave_model(cut.device), moe=info.moe,
+    )

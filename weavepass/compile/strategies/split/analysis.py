@@ -1,0 +1,72 @@
+"""The region analysis: the token dim of every node from the first site to the last, computed
+before anything changes, so a reason not to split leaves the graph untouched."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from weavepass.compile.planner import GemmShape
+
+from .base import Unsupported
+from .rules import rule_for, site_dims
+from .symbolic import Cut, shape
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Analysis:
+    """What the rewrite needs to know about the region; the rules read and fill it."""
+
+    cut: Cut
+    sites: list[Node]
+    """the fused sites, in graph order"""
+    region: list[Node] = field(default_factory=list)
+    token: dict[Node, object] = field(default_factory=dict)
+    """token node -> its token dim (int), or a tuple of dims (None: not a token tensor) for tuples"""
+    sliced: dict[Node, dict[Node, int]] = field(default_factory=dict)
+    """token node -> {token-free input that must be sliced: the dim to slice}"""
+    segment: dict[Node, int] = field(default_factory=dict)
+    """token node -> the site it follows (0: between the first and the second)"""
+    gemms: list[GemmShape] = field(default_factory=list)
+    moe: bool = False
+
+
+def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
+    """The token dims of the region from ``sites[0]`` to ``sites[-1]`` (in graph order) and the
+    getitems of the last site, for a cut of ``cut.first`` units; raises ``Unsupported``."""
+    region = []
+    for node in graph.nodes:
+        if node is sites[0] or region:
+            region.append(node)
+        if node is sites[-1]:
+            break
+    region += [u for u in sites[-1].users if u.target is operator.getitem]
+    info = Analysis(cut, sites, region)
+    site_index = {n: i for i, n in enumerate(sites)}
+    for node in region:
+        if node in site_index:
+            info.token[node] = site_dims(node, info)
+            info.segment[node] = site_index[node]
+            continue
+        token_inputs = [a for a in node.all_input_nodes if a in info.token]
+        if not token_inputs:
+            continue  # token-free: shared by both halves, stays where it is
+        info.segment[node] = max(info.segment[a] for a in token_inputs)
+        info.token[node] = token_dims(node, info)
+        if node.target in (aten.mm.default, aten.addmm.default):
+            weight = shape(node.args[-1])
+            info.gemms.append(GemmShape(n=weight[1], k=weight[0]))
+        info.moe |= node.target is aten.topk.default
+    return info
+
+
+def token_dims(node: Node, info: Analysis):
+    """The token dim(s) of ``node``'s output, from its inputs' (or ``Unsupported``)."""
+    if node.op != "call_function":
+        raise Unsupported(f"{node.name} ({node.op}) reads token tensors")
+    return rule_for(node.target)(node, info)

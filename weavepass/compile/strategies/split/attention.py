@@ -1,0 +1,176 @@
+"""Attention in the split: the token-dim rule of the fused attention ops, and half B's attention
+over a sequence cut at ``sA``.
+
+Batch mode cuts between sequences, so each half's attention is the same op on its own sequences.
+Sequence mode: A is ordinary causal attention over its own tokens; B's queries attend to A's and
+B's keys with the causal diagonal at the lower right (a B query at position ``i`` sees keys
+``0 .. sA + i``). Without an explicit mask that is two calls of the graph's own attention op merged
+by log-sum-exp (``merge_by_lse``); with one, B's rows of the mask over ``cat(K_A, K_B)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import Node
+
+from .base import Unsupported, input_token_dim, val
+from .symbolic import hint, shape
+
+if TYPE_CHECKING:
+    from .analysis import Analysis
+    from .rewrite import Rewrite
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+CUDA_FLASH = aten._scaled_dot_product_flash_attention.default
+CUDA_EFFICIENT = aten._scaled_dot_product_efficient_attention.default
+CUDA_CUDNN = aten._scaled_dot_product_cudnn_attention.default
+# attention op -> (index of the mask/bias argument or None, index of is_causal)
+ATTENTION = {
+    CPU_FLASH: (None, 4),  # mask is the keyword ``attn_mask``
+    CUDA_FLASH: (None, 4),
+    CUDA_EFFICIENT: (3, 6),
+    CUDA_CUDNN: (3, 6),
+}
+
+
+def attention_dims(node: Node, info: Analysis) -> tuple:
+    """The token-dim rule of the ops of ``ATTENTION``: q, k and v carry tokens in the batch dim
+    (batch mode) or the sequence dim (sequence mode); only output 0 may be read."""
+    input_token_dim(node, info)
+    q, k, v = node.args[:3]
+    dims = {info.token.get(t) for t in (q, k, v)}
+    mask = _mask(node.target, node.args, node.kwargs)
+    dropout_index = 3 if node.target in (CPU_FLASH, CUDA_FLASH) else 5
+    if len(node.args) > dropout_index and node.args[dropout_index] != 0.0:
+        raise Unsupported(f"{node.name}: attention with dropout")
+    if isinstance(mask, Node) and mask in info.token:
+        raise Unsupported(f"{node.name}: the attention mask is computed from token tensors")
+    used = {u.args[1] for u in node.users}
+    if any(u.target is not operator.getitem for u in node.users) or used - {0}:
+        raise Unsupported(f"{node.name}: attention outputs other than the result are used")
+    expected = 0 if info.cut.mode == "batch" else 2
+    if dims != {expected}:
+        raise Unsupported(f"{node.name}: q/k/v carry tokens in dims {dims}, expected {expected}")
+    if isinstance(mask, Node):
+        mshape = shape(mask)
+        if info.cut.mode == "batch":
+            if len(mshape) == 4 and mshape[0] != 1:
+                info.sliced.setdefault(node, {})[mask] = 0
+        elif len(mshape) < 2:
+            raise Unsupported(f"{node.name}: attention mask of shape {mshape}")
+    return (expected,) + (None,) * (len(val(node)) - 1)
+
+
+def emit_attention(rw: Rewrite, node: Node, half: str, args, kwargs) -> Node:
+    """``half``'s copy of attention ``node`` over a cut sequence; ``args`` and ``kwargs`` are
+    ``node``'s, read for ``half``."""
+    causal_index = ATTENTION[node.target][1]
+    mask = _mask(node.target, args, kwargs)
+    causal = bool(args[causal_index]) if len(args) > causal_index else bool(kwargs.get("is_causal", False))
+    q, k_half, v_half = args[:3]
+    scale = kwargs.get("scale")
+    if half == "A":
+        if isinstance(mask, Node):  # queries [0, sA) x keys [0, sA)
+            mask = _mask_rows_keys(rw, mask, "A")
+            args, kwargs = _with_mask(node.target, args, kwargs, mask)
+        return rw.emit(node.target, args, kwargs)
+    if not isinstance(mask, Node):
+        # B's queries see all of A's keys (no mask: A precedes B) and B's own keys (causal, a
+        # square, so upper-left and lower-right alignment agree). Two calls of the graph's own
+        # attention op, combined by their log-sum-exps: the same kernel as before the split, no
+        # bias tensor, no concatenated K/V, and masked blocks are skipped, not computed.
+        k_a, v_a = rw.read(node.args[1], "A"), rw.read(node.args[2], "A")
+        prefix = attend(rw.emit, node.target, q, k_a, v_a, False, scale)
+        own = attend(rw.emit, node.target, q, k_half, v_half, causal, scale)
+        rw.merged[(node, half)] = merge_by_lse(rw.emit, prefix, own, val(q).dtype)
+        return own[0]  # placeholder copy: the one reader (output 0) takes the merged value
+    k = rw.emit(aten.cat.default, ([rw.read(node.args[1], "A"), k_half], 2))
+    v = rw.emit(aten.cat.default, ([rw.read(node.args[2], "A"), v_half], 2))
+    bias = _mask_rows_keys(rw, mask, "B")  # explicit masks exclude is_causal (SDPA's rule)
+    if node.target is CPU_FLASH:
+        return rw.emit(CPU_FLASH, (q, k, v, 0.0, False), {"attn_mask": bias, "scale": scale})
+    # CUDA: flash has no mask argument; the efficient kernel takes an additive bias.
+    if val(bias).dtype == torch.bool:
+        bias = _additive(rw.emit, bias, val(q).dtype)
+    bias = rw.emit(aten.expand.default, (bias, [hint(s) for s in val(q).shape[:2]] + [-1, -1]))
+    return rw.emit(CUDA_EFFICIENT, (q, k, v, bias, False, 0.0, False), {"scale": scale})
+
+
+def attend(emit, target, q: Node, k: Node, v: Node, causal: bool, scale) -> tuple[Node, Node]:
+    """``target`` (an attention op of ``ATTENTION``) without mask: (output, log-sum-exp as
+    ``[B, H, Sq, 1]`` fp32)."""
+    if target is CPU_FLASH:
+        call = emit(CPU_FLASH, (q, k, v, 0.0, causal), {"scale": scale})
+    elif target is CUDA_FLASH:
+        call = emit(CUDA_FLASH, (q, k, v, 0.0, causal, False), {"scale": scale})
+    elif target is CUDA_EFFICIENT:
+        call = emit(CUDA_EFFICIENT, (q, k, v, None, True, 0.0, causal), {"scale": scale})
+    else:
+        call = emit(CUDA_CUDNN, (q, k, v, None, True, 0.0, causal, False), {"scale": scale})
+    out = emit(operator.getitem, (call, 0))
+    lse = emit(operator.getitem, (call, 1))
+    if val(lse).dim() == 4:  # cuDNN: [B, H, Sq, 1] already
+        return out, lse
+    rows = val(q).shape[2]
+    if val(lse).shape[2] != rows:  # the efficient kernel pads Sq to a multiple of 32
+        end = emit(aten.sym_size.int, (q, 2)) if isinstance(rows, torch.SymInt) else rows
+        lse = emit(aten.slice.Tensor, (lse, 2, 0, end))
+    return out, emit(aten.unsqueeze.default, (lse, 3))
+
+
+def merge_by_lse(emit, first: tuple[Node, Node], second: tuple[Node, Node], dtype) -> Node:
+    """Softmax attention over the union of two disjoint key sets, from each set's output and
+    log-sum-exp: ``(o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``, in fp32."""
+    (o1, l1), (o2, l2) = first, second
+    m = emit(aten.maximum.default, (l1, l2))
+    w1 = emit(aten.exp.default, (emit(aten.sub.Tensor, (l1, m)),))
+    w2 = emit(aten.exp.default, (emit(aten.sub.Tensor, (l2, m)),))
+    f32 = torch.float32
+    num = emit(aten.add.Tensor, (
+        emit(aten.mul.Tensor, (emit(prims.convert_element_type.default, (o1, f32)), w1)),
+        emit(aten.mul.Tensor, (emit(prims.convert_element_type.default, (o2, f32)), w2)),
+    ))
+    out = emit(aten.div.Tensor, (num, emit(aten.add.Tensor, (w1, w2))))
+    return emit(prims.convert_element_type.default, (out, dtype))
+
+
+def _mask(target, args, kwargs):
+    """The mask/bias argument of attention op ``target`` called with ``args``, ``kwargs`` (or None)."""
+    mask_index = ATTENTION[target][0]
+    if mask_index is None:
+        return kwargs.get("attn_mask")
+    return args[mask_index] if len(args) > mask_index else None
+
+
+def _mask_rows_keys(rw: Rewrite, mask: Node, half: str) -> Node:
+    """Rows (queries) of ``half``; keys ``[0, sA)`` for A, all keys for B."""
+    rank = val(mask).dim()
+    sizes = shape(mask)
+    out = mask
+    if sizes[-2] != 1:
+        out = rw.emit(aten.slice.Tensor, (out, rank - 2, *rw.bounds(mask, rank - 2, half)))
+    if half == "A" and sizes[-1] != 1:
+        out = rw.emit(aten.slice.Tensor, (out, rank - 1, *rw.bounds(mask, rank - 1, "A")))
+    return out
+
+
+def _additive(emit, allowed: Node, dtype: torch.dtype) -> Node:
+    """A boolean mask (True: may attend) as an additive bias of ``dtype``."""
+    zero = emit(aten.full.default, ([], 0.0), dict(dtype=dtype, device=val(allowed).device))
+    ninf = emit(aten.full.default, ([], float("-inf")), dict(dtype=dtype, device=val(allowed).device))
+    return emit(aten.where.self, (allowed, zero, ninf))
+
+
+def _with_mask(target, args, kwargs, mask):
+    mask_index = ATTENTION[target][0]
+    if mask_index is None:
+        return args, {**kwargs, "attn_mask": mask}
+    args = list(args)
+    args[mask_index] = mask
+    return tuple(args), kwargs

@@ -1,0 +1,142 @@
+"""The rewrite of an analysed region: every token node copied once per half, laid out per segment
+so that one half's communication at a site runs while the other half computes::
+
+    [segment k, half A] [site k+1, A: comm stream] [segment k, half B] [site k+1, B: comm stream]
+
+Each async output is read through ``_c10d_functional.wait_tensor`` placed right before its first
+consumer, followed once per fused op by ``hold_inputs`` (the comm stream reads the op's inputs
+until then). Token nodes read outside the region are joined by ``cat``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.node import map_arg
+
+from weavepass.config import WeaveConfig
+from weavepass.runtime.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, HOLD_INPUTS, WAIT_TENSOR
+
+from .analysis import Analysis
+from .attention import ATTENTION, emit_attention
+from .rules import VIEWS, half_view_size
+from .symbolic import emit_new
+
+aten = torch.ops.aten
+
+HALVES = ("A", "B")
+
+
+def rewrite(graph: Graph, info: Analysis, config: WeaveConfig) -> None:
+    """Replace the region of ``info`` by its two halves (``info`` from ``analyse`` at the planned cut)."""
+    Rewrite(graph, info, config).run()
+
+
+class Rewrite:
+    """The state of one rewrite: each token node's copy per half and what was emitted once."""
+
+    def __init__(self, graph: Graph, info: Analysis, config: WeaveConfig):
+        self.graph = graph
+        self.info = info
+        self.config = config
+        self.copies: dict[str, dict[Node, Node]] = {h: {} for h in HALVES}
+        self.waited: dict[Node, Node] = {}
+        self.held: set[Node] = set()  # async ops whose inputs a hold_inputs already reads
+        self.slices: dict[tuple, Node] = {}
+        self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
+        self.split_point = None
+
+    def emit(self, target, args, kwargs=None) -> Node | int:
+        return emit_new(self.graph, target, args, kwargs)
+
+    def run(self) -> None:
+        info, sites = self.info, self.info.sites
+        anchor = info.region[-1].next
+        while anchor.op != "output" and anchor.target is operator.getitem and anchor.args[0] is sites[-1]:
+            anchor = anchor.next
+        with self.graph.inserting_before(anchor):
+            self.split_point = info.cut.emit_split_point(self.emit)
+            by_segment: dict[int, list[Node]] = {}
+            for node in info.region:
+                if node in info.token and node not in sites:
+                    by_segment.setdefault(info.segment[node], []).append(node)
+            for half in HALVES:
+                self.copy(sites[0], half)
+            for k in range(len(sites)):
+                for half in HALVES:
+                    for node in by_segment.get(k, []):
+                        self.copy(node, half)
+                    if k + 1 < len(sites):
+                        self.copy(sites[k + 1], half)
+            outside = [n for n in info.token if any(u not in info.token for u in n.users)]
+            for node in outside:
+                joined = self.emit(aten.cat.default, ([self.read(node, h) for h in HALVES], info.token[node]))
+                for user in [u for u in node.users if u not in info.token]:
+                    user.replace_input_with(node, joined)
+            for half in HALVES:  # join every fork, also where an output is never read
+                for node in list(self.copies[half]):
+                    self.read(node, half)
+        for node in reversed(list(info.token)):
+            self.graph.erase_node(node)
+
+    def bounds(self, node: Node, dim: int, half: str) -> tuple:
+        """``(start, end)`` of ``half`` along token dim ``dim`` of ``node``."""
+        return self.info.cut.emit_bounds(self.emit, self.split_point, node, dim, half)
+
+    def slice(self, node: Node, dim: int, half: str) -> Node:
+        """``half`` of token-free ``node`` along ``dim`` (emitted once)."""
+        key = (node, dim, half)
+        if key not in self.slices:
+            start, end = self.bounds(node, dim, half)
+            self.slices[key] = self.emit(aten.slice.Tensor, (node, dim, start, end))
+        return self.slices[key]
+
+    def read(self, node: Node, half: str) -> Node:
+        """``node``'s copy for ``half``, through its wait when it is an async fused op's output."""
+        copy = self.copies[half][node]
+        if copy.target is operator.getitem and copy.args[0].target is FUSED_ALLREDUCE_RMSNORM_ASYNC:
+            if copy not in self.waited:
+                self.waited[copy] = self.emit(WAIT_TENSOR, (copy,))
+                fork = copy.args[0]
+                if fork not in self.held:  # the first wait joins the stream: inputs free after it
+                    self.held.add(fork)
+                    inputs = [a for a in fork.args[:2] if isinstance(a, Node)]  # partial, residual
+                    self.emit(HOLD_INPUTS, (self.waited[copy], inputs))
+            return self.waited[copy]
+        return copy
+
+    def copy(self, node: Node, half: str) -> None:
+        """Emit ``half``'s copy of token node ``node``."""
+        info = self.info
+        sliced = info.sliced.get(node, {})
+
+        def arg(a):
+            if a in info.token:
+                return self.read(a, half)
+            if a in sliced:
+                return self.slice(a, sliced[a], half)
+            return a
+
+        if node.target is operator.getitem and (node.args[0], half) in self.merged:
+            self.copies[half][node] = self.merged[(node.args[0], half)]  # output 0, the only one read
+            return
+        args, kwargs = map_arg((node.args, node.kwargs), arg)
+        target = node.target
+        if node in info.sites:
+            target = FUSED_ALLREDUCE_RMSNORM_ASYNC
+            args = (*args, self.config.overlap_comm_ctas)
+        elif target in VIEWS:
+            args = (args[0], half_view_size(node, info.token[node], args[1]), *args[2:])
+        elif target is aten.expand.default:
+            size = list(args[1])
+            size[info.token[node]] = -1  # keep the half's own size, whatever the cut
+            args = (args[0], size, *args[2:])
+        elif target is aten.sym_size.int:
+            self.copies[half][node] = self.copies["A"][node] if half == "B" else self.emit(target, args)
+            return
+        elif target in ATTENTION and info.cut.mode == "sequence":
+            self.copies[half][node] = emit_attention(self, node, half, args, kwargs)
+            return
+        self.copies[half][node] = self.emit(target, args, kwargs)

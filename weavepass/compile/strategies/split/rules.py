@@ -1,0 +1,331 @@
+"""Which dim of a node's output carries the tokens, from its inputs' token dims: one small rule
+per op or op category, registered by op (the idea of DTensor's per-op sharding rules, for one
+sharded dim).
+
+``rule_for(target)`` is a function ``(node, info) -> token dims`` that raises ``Unsupported`` with
+the report's reason. A token dim is an int; an op with several outputs gets a tuple with one entry
+per output (None: that output carries no tokens); a token-free value (a size) gets None. ``info``
+is the ``Analysis`` in progress: the token dims of every earlier node (``info.token``), the cut
+(``info.cut``), and where token-free inputs must be sliced per half (``info.sliced``, filled by the
+rules). Ops tagged pointwise need no registration; an op with no rule is refused, so the graph
+stays fuse-only rather than be split wrongly.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch.fx import Node
+
+from .attention import ATTENTION, attention_dims
+from .base import Unsupported, input_token_dim, norm_dim, op_name, val
+from .symbolic import hint, shape
+
+if TYPE_CHECKING:
+    from .analysis import Analysis
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+Rule = Callable[[Node, "Analysis"], object]
+
+_RULES: dict[object, Rule] = {}
+
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def register(*targets) -> Callable[[Rule], Rule]:
+    """Decorator: the rule gives the token dim of every op in ``targets``."""
+    def add(rule: Rule) -> Rule:
+        for target in targets:
+            if target in _RULES:
+                raise ValueError(f"two token-dim rules for {target}")
+            _RULES[target] = rule
+        return rule
+    return add
+
+
+def rule_for(target) -> Rule:
+    """The token-dim rule of ``target``: its registered rule, the broadcast rule for an op tagged
+    pointwise, else a rule that refuses it."""
+    rule = _RULES.get(target)
+    if rule is not None:
+        return rule
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return broadcast_dims
+    return _no_rule
+
+
+def _no_rule(node: Node, info: Analysis):
+    input_token_dim(node, info)  # a token tensor in another argument is named as such first
+    raise Unsupported(f"{node.name}: the token split has no rule for {op_name(node.target)}")
+
+
+def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
+    """A fused site (not a registered rule: only the sites being split get it): both outputs carry
+    tokens where its input does. The first site's inputs come from outside the region and are
+    sliced; every later site's residual must come from an earlier site."""
+    partial, residual = node.args[0], node.args[1]
+    first = node is info.sites[0]
+    if partial in info.token:
+        dim = info.token[partial]
+    elif first:
+        dim = info.cut.entry_dim
+    else:
+        raise Unsupported(f"{node.name}: its input {partial.name} is not computed from the tokens of the first site")
+    if residual is not None and residual in info.token and info.token[residual] != dim:
+        raise Unsupported(f"{node.name}: residual and partial carry tokens in different dims")
+    if residual is not None and residual not in info.token:
+        if not first:
+            raise Unsupported(f"{node.name}: residual {residual.name} does not come from an earlier site")
+        info.sliced.setdefault(node, {})[residual] = dim
+    if first and partial not in info.token:
+        info.sliced.setdefault(node, {})[partial] = dim
+    return dim, dim
+
+
+# ---- structure: outputs of multi-output ops, sizes ------------------------------------------------
+
+@register(operator.getitem)
+def _output(node: Node, info: Analysis):
+    source, index = node.args
+    dims = info.token[source]
+    if not isinstance(dims, tuple) or dims[index] is None:
+        raise Unsupported(f"{node.name}: output {index} of {source.name} is not split along tokens")
+    return dims[index]
+
+
+@register(aten.sym_size.int)
+def _size(node: Node, info: Analysis):
+    if node.args[1] == info.token[node.args[0]]:
+        raise Unsupported(f"{node.name} reads the size of the token dim")
+    return None  # a shared size: computed from half A's copy
+
+
+# ---- pointwise: inputs broadcast against each other ----------------------------------------------
+
+@register(aten.cat.default, aten.clone.default, aten._to_copy.default, prims.convert_element_type.default,
+          aten.alias.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+          aten.empty_like.default)
+def broadcast_dims(node: Node, info: Analysis) -> int:
+    """Elementwise ops and ``cat``: inputs aligned from the right (``cat``: same rank). A token-free
+    input that lines up with the tokens is sliced per half; one of size 1 there is shared."""
+    out = val(node)
+    rank = out.dim()
+    tensors = node.args[0] if node.target is aten.cat.default else node.all_input_nodes
+    tensors = [t for t in tensors if isinstance(t, Node) and isinstance(val(t), torch.Tensor)]
+    dims = {info.token[t] - val(t).dim() + rank for t in tensors if t in info.token}
+    if len(dims) != 1:
+        raise Unsupported(f"{node.name}: inputs carry tokens in different dims {sorted(dims)}")
+    d = dims.pop()
+    if node.target is aten.cat.default and norm_dim(node.args[1] if len(node.args) > 1 else 0, rank) == d:
+        raise Unsupported(f"{node.name} concatenates along the token dim")
+    full = hint(out.shape[d])
+    for t in tensors:
+        if t in info.token:
+            continue
+        pos = d - rank + val(t).dim()
+        if pos < 0 or hint(val(t).shape[pos]) == 1:
+            continue  # broadcast along tokens: the same tensor serves both halves
+        if hint(val(t).shape[pos]) != full:
+            raise Unsupported(f"{node.name}: {t.name} does not line up with the tokens")
+        info.sliced.setdefault(node, {})[t] = pos
+    return d
+
+
+@register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+          aten.scatter.reduce, aten.index_select.default)
+def _indexed(node: Node, info: Analysis) -> int:
+    """Same-rank tensors lined up like an elementwise op, indexed along ``dim`` (arg 1)."""
+    d = broadcast_dims(node, info)
+    if norm_dim(node.args[1], val(node).dim()) == d:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) indexes along the token dim")
+    return d
+
+
+# ---- views and shape ops ---------------------------------------------------------------------------
+
+@register(*VIEWS)
+def _view(node: Node, info: Analysis) -> int:
+    d = view_dim(node, info.token[node.args[0]], info)
+    half_view_size(node, d, node.args[1])  # raises when a half's view cannot be written
+    return d
+
+
+def view_dim(node: Node, d: int, info: Analysis) -> int:
+    """The output dim a reshape maps token dim ``d`` to: same elements before it, and both halves
+    still a whole number of rows there."""
+    src, dst = shape(node.args[0]), shape(node)
+    prefix = 1
+    for i in range(d):
+        prefix *= src[i]
+    inner = 1
+    for s in src[d + 1:]:
+        inner *= s
+    first = info.cut.first_units(src[d])
+    out_prefix = 1
+    for j, size in enumerate(dst):
+        out_inner = 1
+        for s in dst[j + 1:]:
+            out_inner *= s
+        if out_prefix == prefix and size > 1 and (first * inner) % out_inner == 0 \
+                and 0 < first * inner // out_inner < size:
+            return j
+        out_prefix *= size
+    raise Unsupported(f"{node.name}: view {src} -> {dst} does not keep the token cut in one dim")
+
+
+def half_view_size(node: Node, token_dim: int, size) -> list:
+    """A view's size list for one half: ``-1`` at the token dim, so the half's own size is
+    inferred whatever the cut. A view can infer only one entry, so an entry the model itself left
+    to inference (HF: ``view(*input_shape, -1, head_dim)``) is written out from the view's output,
+    where it is the same for both halves."""
+    out = val(node).shape
+    size = list(size)
+    for i, entry in enumerate(size):
+        if i != token_dim and isinstance(entry, int) and entry == -1:
+            if not isinstance(out[i], int):
+                raise Unsupported(f"{node.name}: view infers a symbolic size ({out[i]}) besides the token dim")
+            size[i] = out[i]
+    size[token_dim] = -1
+    return size
+
+
+def _rank(node: Node) -> int:
+    return val(node.args[0]).dim()
+
+
+@register(aten.unsqueeze.default)
+def _unsqueeze(node: Node, info: Analysis) -> int:
+    d = input_token_dim(node, info)
+    return d + (norm_dim(node.args[1], _rank(node) + 1) <= d)
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(node: Node, info: Analysis) -> int:
+    d = input_token_dim(node, info)
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dims = [norm_dim(i, _rank(node)) for i in dims]
+    if d in dims:
+        raise Unsupported(f"{node.name} squeezes the token dim")
+    return d - sum(i < d for i in dims)
+
+
+@register(aten.permute.default)
+def _permute(node: Node, info: Analysis) -> int:
+    d = input_token_dim(node, info)
+    return [norm_dim(p, _rank(node)) for p in node.args[1]].index(d)
+
+
+@register(aten.transpose.int)
+def _transpose(node: Node, info: Analysis) -> int:
+    d = input_token_dim(node, info)
+    a, b = norm_dim(node.args[1], _rank(node)), norm_dim(node.args[2], _rank(node))
+    return b if d == a else a if d == b else d
+
+
+@register(aten.t.default)
+def _t(node: Node, info: Analysis) -> int:
+    return 1 - input_token_dim(node, info)
+
+
+@register(aten.expand.default)
+def _expand(node: Node, info: Analysis) -> int:
+    """New leading dims come first; the rewrite writes ``-1`` at the token dim."""
+    return input_token_dim(node, info) + len(node.args[1]) - _rank(node)
+
+
+# ---- slicing: any dim but the token dim ------------------------------------------------------------
+
+def _sliced_dim(node: Node, info: Analysis, dim: int) -> tuple[int, int]:
+    """(token dim, sliced dim) of a slicing op along ``dim``; slicing the token dim is refused."""
+    d = input_token_dim(node, info)
+    dim = norm_dim(dim, _rank(node))
+    if dim == d:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) slices the token dim")
+    return d, dim
+
+
+@register(aten.slice.Tensor)
+def _slice(node: Node, info: Analysis) -> int:
+    return _sliced_dim(node, info, node.args[1])[0]
+
+
+@register(aten.select.int)
+def _select(node: Node, info: Analysis) -> int:
+    d, dim = _sliced_dim(node, info, node.args[1])
+    return d - (dim < d)
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(node: Node, info: Analysis) -> tuple:
+    d, _ = _sliced_dim(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+    return tuple(d for _ in val(node))
+
+
+# ---- reductions and ops along one dim ------------------------------------------------------------------
+
+@register(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+def _reduction(node: Node, info: Analysis) -> int:
+    """Over any dims but the token dim: a reduction over tokens mixes the halves."""
+    d = input_token_dim(node, info)
+    args, rank = node.args, _rank(node)
+    dims = [norm_dim(i, rank) for i in (args[1] if len(args) > 1 and args[1] else range(rank))]
+    keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
+    if d in dims:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) reduces over the token dim")
+    return d if keep else d - sum(i < d for i in dims)
+
+
+def _along(node: Node, info: Analysis, dim: int) -> int:
+    """An op along ``dim`` that keeps the rank: fine unless it is the token dim, with every other
+    tensor input carrying tokens in the same dim."""
+    x = node.args[0]
+    d = input_token_dim(node, info)
+    if norm_dim(dim, _rank(node)) == d:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) works along the token dim")
+    for other in node.all_input_nodes:
+        if other is not x and info.token.get(other, d) != d:
+            raise Unsupported(f"{node.name} ({op_name(node.target)}): inputs carry tokens in different dims")
+        if other is not x and other not in info.token:
+            raise Unsupported(f"{node.name} ({op_name(node.target)}): token-free index or source")
+    return d
+
+
+@register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.cumsum.default)
+def _along_dim_arg(node: Node, info: Analysis) -> int:
+    return _along(node, info, node.args[1])
+
+
+@register(aten.topk.default)
+def _topk(node: Node, info: Analysis) -> tuple[int, int]:
+    d = _along(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1))
+    return d, d
+
+
+# ---- matrix products and attention -----------------------------------------------------------------------
+
+@register(aten.mm.default, aten.addmm.default)
+def _rows(node: Node, info: Analysis) -> int:
+    """Tokens are the rows of the left operand (``addmm``: the bias comes first)."""
+    addmm = node.target is aten.addmm.default
+    a, b = node.args[1:3] if addmm else node.args[:2]
+    if info.token.get(a) != 0 or b in info.token or (addmm and node.args[0] in info.token):
+        raise Unsupported(f"{node.name} ({op_name(node.target)}): tokens are not the rows of the left operand")
+    return 0
+
+
+@register(aten.bmm.default)
+def _batched_rows(node: Node, info: Analysis) -> int:
+    """Batched over (sequence x head): only whole sequences on each side, i.e. batch mode."""
+    a, b = node.args
+    if info.token.get(a) is None:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) contracts or indexes over the token dim")
+    if info.cut.mode == "batch" and info.token.get(a) == 0 and info.token.get(b) == 0:
+        return 0
+    raise Unsupported(f"{node.name} (bmm): attention as a math decomposition across a cut sequence")
+
+
+register(*ATTENTION)(attention_dims)
