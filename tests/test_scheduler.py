@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weavepass import WeaveConfig
-from weavepass.compile.planner import (
+from weavepass.compile.wave_model import (
     GemmShape,
     WaveModel,
     choose_split_point,
