@@ -15,6 +15,7 @@ import torch.distributed as dist
 from weavepass.config import WeaveConfig
 from weavepass.runtime import TRAINING_LOWERINGS
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
+from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.tokens import TokenCount
 
 
@@ -25,6 +26,9 @@ class SitePlan:
     site: FusedAllReduceRMSNormSite
     lowering: str | None
     reason: str = ""
+    """Why not the first choice, for users (empty: nothing to say)."""
+    code: ReasonCode = ReasonCode.NONE
+    """What ``reason`` says, for code and tests."""
 
 
 def group_size(group_name: str) -> int | None:
@@ -69,8 +73,10 @@ def inductor_cudagraphs_on() -> bool:
     return bool(inductor_config.triton.cudagraphs)
 
 
-def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tuple[str | None, str]:
-    """``(lowering, note)``: the lowering for ``site`` (None: leave it alone) and, if not the
+def choose_lowering(
+    site: FusedAllReduceRMSNormSite, config: WeaveConfig
+) -> tuple[str | None, ReasonCode, str]:
+    """``(lowering, code, note)``: the lowering for ``site`` (None: leave it alone) and, if not the
     first choice, why.
 
     On CUDA, ``auto`` rewrites a site only when the fused kernel can run it: the portable path
@@ -81,24 +87,24 @@ def choose_lowering(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> tup
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
     if site.training and wanted not in TRAINING_LOWERINGS:
         # Never portable instead: on CUDA it is slower than the model's own NCCL all_reduce.
-        return None, (f"left as all_reduce: training: the norm's inverse RMS is saved for "
-                      f"backward, and the {wanted} lowering does not return it (only "
-                      f"{', '.join(TRAINING_LOWERINGS)} does)")
+        return None, ReasonCode.TRAINING, (
+            f"left as all_reduce: training: the norm's inverse RMS is saved for backward, and the "
+            f"{wanted} lowering does not return it (only {', '.join(TRAINING_LOWERINGS)} does)")
     if wanted != "cuda_symm":
-        return wanted, ""
+        return wanted, ReasonCode.NONE, ""
     reason = _cuda_unsupported_reason(site, config)
     if reason is None:
         tokens = TokenCount.of(site.partial).static
         if auto and tokens is not None and tokens < config.cuda_min_tokens and not inductor_cudagraphs_on():
-            return None, (
+            return None, ReasonCode.CUDA_MIN_TOKENS, (
                 f"left as all_reduce: {tokens} tokens < cuda_min_tokens={config.cuda_min_tokens} "
                 "without CUDA graphs (host-bound: the fused op's launch costs more than it saves); "
                 "set cuda_min_tokens=1 if you capture CUDA graphs yourself (torch.cuda.graph)"
             )
-        return wanted, CUDA_COPY_NOTE
+        return wanted, ReasonCode.CUDA_COPY, CUDA_COPY_NOTE
     if auto:
-        return None, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
-    return "portable", f"portable instead of cuda_symm: {reason}"
+        return None, ReasonCode.CUDA_UNSUPPORTED, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
+    return "portable", ReasonCode.PORTABLE_FALLBACK, f"portable instead of cuda_symm: {reason}"
 
 
 def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> str | None:
@@ -111,19 +117,23 @@ def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: W
 
 
 def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> list[SitePlan]:
+    """One plan per site, in order. Reads shapes, dtypes, the group's size, the config and which
+    lowerings this process has; never the rank."""
     blocked = inductor_cudagraphs_reason(sites, config)
     if blocked is not None:
-        return [SitePlan(site, None, blocked) for site in sites]
+        return [SitePlan(site, None, blocked, ReasonCode.INDUCTOR_CUDAGRAPHS) for site in sites]
     plans = []
     for site in sites:
         size = group_size(site.group_name)
         if size is None:
-            plans.append(SitePlan(site, None, f"process group {site.group_name!r} is not known here"))
+            plans.append(SitePlan(site, None, f"process group {site.group_name!r} is not known here",
+                                  ReasonCode.GROUP_UNKNOWN))
         elif size < config.min_world_size:
             plans.append(SitePlan(
-                site, None, f"group of {size} rank(s) < min_world_size={config.min_world_size}"
+                site, None, f"group of {size} rank(s) < min_world_size={config.min_world_size}",
+                ReasonCode.GROUP_TOO_SMALL,
             ))
         else:
-            lowering, note = choose_lowering(site, config)
-            plans.append(SitePlan(site, lowering, note))
+            lowering, code, note = choose_lowering(site, config)
+            plans.append(SitePlan(site, lowering, note, code))
     return plans
