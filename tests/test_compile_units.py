@@ -5,6 +5,7 @@ planner and the strategies' decisions, on graphs traced with ``make_fx`` on a fa
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from weavepass import WeaveConfig
-from weavepass.compile.graph_pass import op_counts
+from weavepass.compile.graph_pass import WeavePass, op_counts
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
@@ -23,6 +24,7 @@ from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.overlap import SplitStrategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
+from weavepass.plan_check import PlanExchange, PlanMismatchError, collective_lines
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.testing import fake_process_group
 
@@ -235,3 +237,93 @@ def test_plan_split_is_the_planner_call_of_the_split(world2):
     site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40), mode="symbolic"))[0][0]
     refused = plan_split(TokenCount.of(site.partial), 1, 40, gemms, auto, torch.device("cpu"))
     assert refused.first is None and refused.reason.startswith("symbolic token count below the overlap threshold")
+
+
+# --- what may differ between ranks ---------------------------------------------------------------
+#
+# Every rank must rewrite the same way. The plan reads shapes, the config and the group's size,
+# never the rank (tested below); but some inputs of the plan are read locally and can differ in a
+# badly set up job: the GPU's SM count (the wave model of the split), whether a lowering can run
+# here (triton importable, the kernel built), whether the group is known. For those, the
+# cross-rank plan check (``weavepass.plan_check``) must stop the compile with both ranks' lines
+# rather than let the ranks hang in mismatched collectives. The exchange runs over one in-process
+# store, one thread per simulated rank, as it runs over the default group's store.
+
+SPLIT = WeaveConfig(overlap="force")
+
+
+def _lines_on_rank(rank: int, config: WeaveConfig) -> list[tuple[str, str]]:
+    """The collective lines rank ``rank`` of 2 publishes for ``two_sites`` on 640 tokens."""
+    with fake_process_group(2, rank):
+        graph = _trace(two_sites, *_args(640))
+        WeavePass(config)(graph)  # its own plan check skips fake groups
+        return collective_lines(graph)["0"]
+
+
+def _exchange(lines: list[list[tuple[str, str]]]) -> list[str | None]:
+    """Each rank's ``PlanMismatchError`` text (None: the check passed), ranks checking concurrently."""
+    store = dist.HashStore()
+    errors: list[str | None] = [None] * len(lines)
+
+    def check(rank: int) -> None:
+        try:
+            PlanExchange().check(store, "0", rank, list(range(len(lines))), lines[rank], 0, timeout_s=10.0)
+        except PlanMismatchError as error:
+            errors[rank] = str(error)
+
+    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(lines))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+@pytest.mark.parametrize("config", [WeaveConfig(), SPLIT, WeaveConfig(**FLASHCOMM)],
+                         ids=["fuse", "split", "flashcomm"])
+def test_plan_does_not_depend_on_the_rank(config):
+    lines = [_lines_on_rank(rank, config) for rank in (0, 1)]
+    assert lines[0] == lines[1]
+    assert lines[0][0][1].startswith(("weave.", "_c10d_functional.reduce_scatter"))  # rewritten
+    assert _exchange(lines) == [None, None]
+
+
+def test_local_sm_count_changes_the_split_and_the_plan_check_stops_it(monkeypatch):
+    """The split's cut depends on the local SM count (``device_wave_model``): on 640 tokens, with
+    132 SMs every cut in the middle costs one extra wave and the balanced 320/320 wins; with no SM
+    count (tiles only) 256/384 wastes fewer tiles. Two ranks on GPUs of different SM counts (MIG
+    slices, mixed nodes) would split differently: the plan check names both cuts."""
+    lines = []
+    for rank, model in enumerate((WaveModel(sms=132), WaveModel())):
+        monkeypatch.setattr("weavepass.compile.wave_model.device_wave_model", lambda device, m=model: m)
+        monkeypatch.setattr("weavepass.compile.strategies.split.device_wave_model",
+                            lambda device, m=model: m, raising=False)
+        lines.append(_lines_on_rank(rank, SPLIT))
+    assert "float32[320, 64]" in lines[0][0][1] and "float32[256, 64]" in lines[1][0][1]
+    for me, error in enumerate(_exchange(lines)):
+        assert error is not None and "would run different collectives on group '0' at collective #0" in error
+        assert lines[me][0][1] in error and lines[1 - me][0][1] in error and "Likely cause" in error
+
+
+def test_lowering_available_on_one_rank_only_is_stopped(monkeypatch):
+    """``lowering="cuda_symm"`` where only rank 0 can run the kernel (triton missing on rank 1):
+    rank 1 falls back to portable; the lowering is part of the op call, so the check sees it."""
+    lines = []
+    for rank, reason in enumerate((None, "CUDA lowering unavailable (No module named 'triton')")):
+        monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site, config, r=reason: r)
+        lines.append(_lines_on_rank(rank, WeaveConfig(lowering="cuda_symm")))
+    assert "'cuda_symm'" in lines[0][0][1] and "'portable'" in lines[1][0][1]
+    errors = _exchange(lines)
+    assert all(e is not None and "'cuda_symm'" in e and "'portable'" in e for e in errors), errors
+
+
+def test_group_unknown_on_one_rank_is_stopped(monkeypatch):
+    """A rank that cannot resolve the group leaves its all_reduces alone; its peers fuse them."""
+    lines = [_lines_on_rank(0, WeaveConfig())]
+    monkeypatch.setattr("weavepass.compile.planner.group_size", lambda name: None)
+    lines.append(_lines_on_rank(1, WeaveConfig()))
+    assert lines[0][0][1].startswith("weave.fused_allreduce_rmsnorm(")
+    assert lines[1][0][1].startswith("_c10d_functional.all_reduce(")
+    errors = _exchange(lines)
+    assert all(e is not None and "weave.fused_allreduce_rmsnorm(" in e and "_c10d_functional.all_reduce(" in e
+               for e in errors), errors

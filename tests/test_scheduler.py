@@ -1,9 +1,9 @@
-"""The TokenWeave split planner: wave model, thresholds, edge cases, and agreement across ranks."""
+"""The TokenWeave split planner and the per-site plan: wave model, thresholds, edge cases, reason codes
+(agreement across ranks: tests/test_compile_units.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +17,6 @@ from weavepass.compile.wave_model import (
     plan_token_split,
     split_candidates,
 )
-from weavepass.testing import spawn
 
 H200 = WaveModel(sms=132)
 # Llama-3-70B at TP=2 per rank: qkv, o_proj, gate/up, down_proj.
@@ -165,19 +164,6 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
         assert scheduler.inductor_cudagraphs_reason([site("cpu")], forbidden) is None
         assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig()) is None  # the default allows
     assert scheduler.inductor_cudagraphs_reason(mixed, forbidden) is None  # graphs off
-
-
-def _plans_on_rank(rank: int, world_size: int) -> list:
-    plans = [plan_token_split(b, s, LLAMA70B_TP2, AUTO, H200) for b in (1, 2, 8) for s in (1, 7, 700, 5000)]
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, plans)
-    assert all(g == plans for g in gathered)
-    return plans
-
-
-def test_same_plan_on_every_rank():
-    results = spawn(_plans_on_rank, 2)
-    assert results[0] == results[1]
 
 
 def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
