@@ -49,7 +49,6 @@ from weavepass.runtime import symm_mem_matmul, npu
 from weavepass.runtime.portable import resolve_group
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.compile.patterns.rmsnorm import is_target, val
-from weavepass.report import GraphReport
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
