@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from weavepass import WeaveConfig, make_backend
-from weavepass.compile.strategies.flashcomm import force_device_kind, padded_token_count
+from weavepass.compile.strategies.flashcomm import force_device_kind
+from weavepass.compile.tokens import padded_token_count
 from weavepass.runtime import npu
 from weavepass.testing import (
     TPConfig,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from weavepass.compile.planner import GemmShape
+from weavepass.compile.wave_model import GemmShape
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import Analysis, analyse, token_dims
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import weavepass.compile.strategies.split as token_split
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
-from weavepass.compile.planner import TokenSplitPlan
+from weavepass.compile.wave_model import TokenSplitPlan
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 from weavepass.testing.distributed import fake_process_group
 

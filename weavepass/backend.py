@@ -97,6 +97,7 @@ class WeaveBackend:
         from torch._inductor.compile_fx import compile_fx
 
         from weavepass.compile.graph_pass import WeavePass  # imports Inductor: only when compiling
+        from weavepass.compile.strategies import inductor_patches as strategy_patches
 
         graph_reports: list[GraphReport] = []  # forward now, backward when it is compiled
 
@@ -107,10 +108,7 @@ class WeaveBackend:
         patches = inductor_patches(mode, options)
         patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report,
                                                            graph_ids=self._graph_ids)
-        if self.config.overlap != "off":
-            from weavepass.compile.strategies.split import INDUCTOR_CONFIG_PATCHES
-
-            patches.update(INDUCTOR_CONFIG_PATCHES)
+        patches.update(strategy_patches(self.config))
         if self.config.fx_graph_cache:
             return _reporting(compile_fx(gm, example_inputs, config_patches=patches), graph_reports)
         patches["fx_graph_cache"] = False

@@ -59,13 +59,6 @@ class _PeerStream:
         return len(self.lines)
 
 
-_offsets: dict[str, int] = {}
-"""group name -> lines this process has published for it (its position in the stream)."""
-
-_peers: dict[tuple[str, int], _PeerStream] = {}
-"""(group name, peer rank) -> the peer's lines read so far."""
-
-
 def collective_lines(graph: torch.fx.Graph) -> dict[str, list[tuple[str, str]]]:
     """``{group name: [(node name, line), ...]}``: in graph order, every call that names a
     process group, with a line that says what it runs (op, tensor dtypes and shapes, scalars)."""
@@ -112,47 +105,66 @@ def check_plan_across_ranks(graph: torch.fx.Graph, graph_index: int, timeout_s: 
         group = _resolve_process_group(group_name)
         if group.size() < 2 or dist.get_backend(group) == "fake":
             continue
-        store = _get_default_store()
-        me = dist.get_rank()
-        start = _offsets.get(group_name, 0)
-        _offsets[group_name] = start + len(lines)
+        _EXCHANGE.check(_get_default_store(), group_name, dist.get_rank(),
+                        dist.get_process_group_ranks(group), lines, graph_index, timeout_s)
+
+
+class PlanExchange:
+    """One process's side of the check: where it stands in each group's stream of collective
+    lines, and what it has read of its peers' streams. A process has one (``check_plan_across_ranks``);
+    tests make one per simulated rank over a shared store."""
+
+    def __init__(self):
+        self.offsets: dict[str, int] = {}
+        """group name -> lines this process has published for it (its position in the stream)."""
+        self.peers: dict[tuple[str, int], _PeerStream] = {}
+        """(group name, peer rank) -> the peer's lines read so far."""
+
+    def check(self, store, group_name: str, me: int, ranks: list[int], lines: list[tuple[str, str]],
+              graph_index: int, timeout_s: float) -> None:
+        """Publish ``lines`` (one graph's, on ``group_name``) as global rank ``me`` in ``store``
+        and compare them with every other rank of ``ranks``."""
+        start = self.offsets.get(group_name, 0)
+        self.offsets[group_name] = start + len(lines)
         mine = [[name, line, graph_index] for name, line in lines]
         store.set(_key(group_name, me, start), json.dumps(mine))
-        for peer in dist.get_process_group_ranks(group):
+        for peer in ranks:
             if peer != me:
-                _compare_with_peer(store, group_name, me, peer, start, mine, timeout_s)
+                self._compare_with_peer(store, group_name, me, peer, start, mine, timeout_s)
+
+    def _compare_with_peer(self, store, group_name, me, peer, start, mine, timeout_s) -> None:
+        stream = self.peers.setdefault((group_name, peer), _PeerStream())
+        # Read the peer's chunks up to our first line. Waiting further could deadlock: a peer that
+        # compiled the same lines as several graphs publishes its next one only after running this
+        # one's collectives with us; it checks those lines against ours when it compiles them.
+        while stream.end <= start:
+            key = _key(group_name, peer, stream.end)
+            try:
+                store.wait([key], timedelta(seconds=timeout_s))
+            except RuntimeError:  # DistStoreError on timeout
+                raise PlanMismatchError(
+                    f"weavepass: rank {peer} published no plan for collective #{stream.end} on group "
+                    f"{group_name!r} within {timeout_s:g} s, while rank {me} compiled graph "
+                    f"{mine[0][2]}, which runs {len(mine)} collective(s) from #{start} on: "
+                    f"first {mine[0][0]}: {mine[0][1]}. Rank {peer} compiled fewer graphs with "
+                    f"collectives (a graph break or recompile on some ranks only, or a graph that "
+                    f"one rank loaded from a cache) or is slow to reach this compile (then raise "
+                    f"WeaveConfig.plan_check_timeout_s). {LIKELY_CAUSE}"
+                ) from None
+            stream.lines.extend(json.loads(store.get(key)))
+        theirs = stream.lines[start:start + len(mine)]
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a[1] != b[1]:
+                raise PlanMismatchError(
+                    f"weavepass: ranks {me} and {peer} would run different collectives on group "
+                    f"{group_name!r} at collective #{start + i}: rank {me} (graph {a[2]}, node "
+                    f"{a[0]}) runs {a[1]}; rank {peer} (graph {b[2]}, node {b[0]}) runs {b[1]}. "
+                    f"Running on would hang until the group timeout. {LIKELY_CAUSE}"
+                )
 
 
 def _key(group_name: str, rank: int, offset: int) -> str:
     return f"weavepass/plan/{group_name}/{rank}/{offset}"
 
 
-def _compare_with_peer(store, group_name, me, peer, start, mine, timeout_s) -> None:
-    stream = _peers.setdefault((group_name, peer), _PeerStream())
-    # Read the peer's chunks up to our first line. Waiting further could deadlock: a peer that
-    # compiled the same lines as several graphs publishes its next one only after running this
-    # one's collectives with us; it checks those lines against ours when it compiles them.
-    while stream.end <= start:
-        key = _key(group_name, peer, stream.end)
-        try:
-            store.wait([key], timedelta(seconds=timeout_s))
-        except RuntimeError:  # DistStoreError on timeout
-            raise PlanMismatchError(
-                f"weavepass: rank {peer} published no plan for collective #{stream.end} on group "
-                f"{group_name!r} within {timeout_s:g} s, while rank {me} compiled graph "
-                f"{mine[0][2]}, which runs {len(mine)} collective(s) from #{start} on: "
-                f"first {mine[0][0]}: {mine[0][1]}. Rank {peer} compiled fewer graphs with "
-                f"collectives (a graph break or recompile on some ranks only, or a graph that "
-                f"one rank loaded from a cache) or is slow to reach this compile (then raise "
-                f"WeaveConfig.plan_check_timeout_s). {LIKELY_CAUSE}"
-            ) from None
-        stream.lines.extend(json.loads(store.get(key)))
-    theirs = stream.lines[start:start + len(mine)]
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        if a[1] != b[1]:
-            raise PlanMismatchError(
-                f"weavepass: ranks {me} and {peer} would run different collectives on group "
-                f"{group_name!r} at collective #{start + i}: rank {me} (graph {a[2]}, node "
-                f"{a[0]}) runs {a[1]}; rank {peer} (graph {b[2]}, node {b[0]}) runs {b[1]}. "
-                f"Running on would hang until the group timeout. {LIKELY_CAUSE}"
-            )
+_EXCHANGE = PlanExchange()

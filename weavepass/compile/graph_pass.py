@@ -1,4 +1,5 @@
-"""``WeavePass``: the Inductor post-grad pass that rewrites all_reduce -> add -> RMSNorm sites."""
+"""``WeavePass``: the Inductor post-grad pass that rewrites all_reduce -> add -> RMSNorm sites:
+find sites (``patterns``), plan each (``planner``), then run the strategies in order (``strategies``)."""
 
 from __future__ import annotations
 
@@ -15,29 +16,17 @@ import torch
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-import weavepass.ops  # noqa: F401  (registers torch.ops.weave.*)
 from weavepass.config import WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.planner import INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.strategies import STRATEGIES, GraphRewrite
 from weavepass.plan_check import check_plan_across_ranks
-from weavepass.replication import insert_checks
 from weavepass.report import AllReduceRecord, GraphReport
-from weavepass.compile.planner import CUDA_COPY_NOTE, INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 
 log = logging.getLogger("weavepass")
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # the whole weavepass package
-
-
-FLASHCOMM_DROPS_OVERLAP_NOTE = (
-    "overlap={overlap!r} dropped: FlashComm took this graph, and the token split overlaps only "
-    "fused all_reduce sites, of which FlashComm leaves none"
-)
-
-TRAINING_NOTE = (
-    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
-    "rewrite inference graphs only (the graph's sites are fused without them)"
-)
 
 
 def nothing_to_rewrite_note(num_all_reduces: int) -> str:
@@ -133,56 +122,20 @@ class WeavePass(CustomGraphPass):
                 site.all_reduce.name, True, plan.reason, site.kind, "", matmul
             )
         report.records = [records[i] for i in sorted(records)]
-        by_name = {r.node: r for r in report.records}
         if not sites:
             report.add_note(nothing_to_rewrite_note(len(rejected)))
             log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
-        if plans and plans[0].reason == INDUCTOR_CUDAGRAPHS_NOTE:  # graph-wide: no strategy runs
+        if plans and plans[0].code is ReasonCode.INDUCTOR_CUDAGRAPHS:  # graph-wide: no strategy runs
             report.add_note(f"not rewritten: {INDUCTOR_CUDAGRAPHS_NOTE}")
             log.warning("weavepass: graph %d %s", report.graph_index, report.notes[-1])
             return
 
-        training = any(plan.site.training for plan in plans)
-        if self.config.enable_flashcomm and training:
-            report.add_note(f"FlashComm not used: {TRAINING_NOTE}")
-            log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
-        elif self.config.enable_flashcomm:
-            from weavepass.compile.strategies.flashcomm import apply_flashcomm
-
-            if apply_flashcomm(graph, plans, self.config, report):
-                if self.config.overlap != "off":
-                    report.add_note(FLASHCOMM_DROPS_OVERLAP_NOTE.format(overlap=self.config.overlap))
-                    log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
-                if self.config.check_replicated:  # FlashComm shards the residual stream by design
-                    report.add_note("check_replicated: not done in a FlashComm graph (the residual "
-                                    "stream is sharded by token there)")
-                graph.lint()
-                return
-
-        fused: dict[str, torch.fx.Node] = {}
-        for plan in plans:
-            record = by_name[plan.site.all_reduce.name]
-            if plan.lowering is None:
-                log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
-                continue
-            plan.site.lowering = plan.lowering
-            op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
-            fused[record.node] = plan.site.replace_with(graph, op)
-            record.lowering = plan.lowering
-            log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
-            if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
-                level = logging.INFO if plan.reason == CUDA_COPY_NOTE else logging.WARNING
-                log.log(level, "weavepass: %s: %s", record.node, plan.reason)
-
-        if fused and self.config.check_replicated:
-            checked = insert_checks(graph, fused)
-            report.add_note(f"check_replicated: the residual and norm weight of {checked} site(s) "
-                            "are compared across ranks on every call")
-        if fused and self.config.overlap != "off" and training:
-            report.add_note(f"fuse-only: {TRAINING_NOTE}")
-            log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
-        elif self.config.overlap != "off" and report.records:  # also says why a graph is not split
-            from weavepass.compile.strategies.split import apply_token_split
-
-            apply_token_split(graph, list(fused.values()), self.config, report)
+        rewrite = GraphRewrite(graph, plans, self.config, report)
+        for strategy in STRATEGIES:
+            decision = strategy.decide(rewrite)
+            if decision.use:
+                if strategy.apply(rewrite, decision):
+                    break  # it took the whole graph
+            elif decision.code is not ReasonCode.NOT_ASKED:
+                strategy.decline(rewrite, decision)
         graph.lint()

@@ -1,1 +1,28 @@
-"""Graph-wide strategies: fuse, token split (TokenWeave) and FlashComm."""
+"""Graph-wide strategies behind one interface (``base.Strategy``), in the order ``WeavePass`` runs them.
+
+1. FlashComm (``flashcomm.py``): when it applies, it takes the whole graph.
+2. Fuse (``fuse.py``): every planned site becomes a fused op (then the replication checks).
+3. Token split (``overlap.py`` around ``split``): overlaps the fused sites in two halves.
+"""
+
+from __future__ import annotations
+
+from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
+from weavepass.compile.strategies.flashcomm import FlashCommStrategy
+from weavepass.compile.strategies.fuse import FuseStrategy
+from weavepass.compile.strategies.overlap import SplitStrategy
+
+STRATEGIES: tuple[Strategy, ...] = (FlashCommStrategy(), FuseStrategy(), SplitStrategy())
+"""In order of precedence: FlashComm before fuse (it rewrites the unfused sites), the split after fuse
+(it splits the fused ops)."""
+
+
+def inductor_patches(config) -> dict:
+    """Every strategy's Inductor config entries for ``config``, merged."""
+    patches: dict = {}
+    for strategy in STRATEGIES:
+        patches.update(strategy.inductor_patches(config))
+    return patches
+
+
+__all__ = ["STRATEGIES", "Decision", "GraphRewrite", "Strategy", "inductor_patches"]

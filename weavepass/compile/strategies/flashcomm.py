@@ -49,8 +49,10 @@ from weavepass.runtime import symm_mem_matmul, npu
 from weavepass.runtime.portable import resolve_group
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.compile.patterns.rmsnorm import is_target, val
-from weavepass.report import GraphReport
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
+from weavepass.compile.tokens import TokenCount, padded_token_count
 
 log = logging.getLogger("weavepass")
 
@@ -63,10 +65,6 @@ SYMM_MEM_CUDAGRAPHS_NOTE = (
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-TOKEN_ALIGNMENT = 16
-"""Tokens are padded to a multiple of ``world_size * TOKEN_ALIGNMENT``: each rank's shard then has a
-multiple of 16 rows, which keeps fused kernels (MMRS tiles, vectorised norms) on aligned shapes."""
 
 DEVICE_KINDS = ("portable", "npu", "cuda")
 
@@ -142,21 +140,10 @@ def _(x1, x2, gamma, eps):
 # The decision
 
 
-def padded_token_count(num_tokens: int, world_size: int) -> int:
-    """``num_tokens`` rounded up to a multiple of ``world_size * TOKEN_ALIGNMENT``."""
-    align = world_size * TOKEN_ALIGNMENT
-    return -(-num_tokens // align) * align
-
-
 @dataclass(frozen=True)
-class FlashCommDecision:
+class FlashCommDecision(Decision):
     """Whether a graph runs FlashComm, and the sizes of the sharding when it does."""
 
-    use: bool
-    reason: str = ""
-    """Why not (empty when ``use``)."""
-    stopped_at: str = ""
-    """The all_reduce whose site stopped FlashComm, when a particular one did."""
     group_name: str = ""
     world_size: int = 0
     num_tokens: int = 0
@@ -178,15 +165,6 @@ def _through_views(node: Node) -> Node:
     return node
 
 
-def _static_int(n) -> int | None:
-    """``n`` as an int when it is static (a SymInt with a known value counts); None when symbolic."""
-    if isinstance(n, int):
-        return n
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
-    return int(n) if is_concrete_int(n) else None
-
-
 def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDecision:
     """FlashComm for the whole graph, or the first reason against it (graph order).
 
@@ -197,51 +175,51 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
     site's output), so the stream can stay sharded from the first site to the last. Reads only
     shapes, the config and the group size: the same on every rank.
     """
-    def no(reason: str, site: FusedAllReduceRMSNormSite | None = None) -> FlashCommDecision:
-        return FlashCommDecision(False, reason, site.all_reduce.name if site is not None else "")
+    def no(code: ReasonCode, reason: str, site: FusedAllReduceRMSNormSite | None = None) -> FlashCommDecision:
+        return FlashCommDecision(False, code, reason, site.all_reduce.name if site is not None else "")
 
     if not config.enable_flashcomm:
-        return no("WeaveConfig.enable_flashcomm is False")
+        return no(ReasonCode.NOT_ASKED, "WeaveConfig.enable_flashcomm is False")
     if not plans:
-        return no("no all_reduce -> RMSNorm site in the graph")
+        return no(ReasonCode.NO_SITES, "no all_reduce -> RMSNorm site in the graph")
     first = plans[0].site
     for plan in plans:
         if plan.site.group_name != first.group_name:
-            return no(f"site {plan.site.all_reduce.name} is on group {plan.site.group_name!r}, "
+            return no(ReasonCode.MIXED_GROUPS, f"site {plan.site.all_reduce.name} is on group {plan.site.group_name!r}, "
                       f"not {first.group_name!r}", plan.site)
     # The group alone decides; a site's fused-op lowering (``plan.lowering``) is not used here.
     world = group_size(first.group_name)
     if world is None:
-        return no(f"process group {first.group_name!r} is not known here")
+        return no(ReasonCode.GROUP_UNKNOWN, f"process group {first.group_name!r} is not known here")
     if world < config.min_world_size:
-        return no(f"group of {world} rank(s) < min_world_size={config.min_world_size}")
+        return no(ReasonCode.GROUP_TOO_SMALL, f"group of {world} rank(s) < min_world_size={config.min_world_size}")
     tokens = None
     for plan in plans:
         site = plan.site
-        rows = _static_int(val(site.partial).numel() // site.hidden)
+        rows = TokenCount.of(site.partial).static
         if rows is None:
-            return no(f"site {site.all_reduce.name}: the token count is symbolic (dynamic shapes); "
+            return no(ReasonCode.SYMBOLIC_TOKENS, f"site {site.all_reduce.name}: the token count is symbolic (dynamic shapes); "
                       "FlashComm decides guard-free, on static token counts only", site)
         if site.hidden != first.hidden or (tokens is not None and rows != tokens):
-            return no(f"site {site.all_reduce.name} has {rows} tokens x {site.hidden}, not "
+            return no(ReasonCode.UNEQUAL_SITES, f"site {site.all_reduce.name} has {rows} tokens x {site.hidden}, not "
                       f"{tokens} x {first.hidden} like the first site", site)
         tokens = rows
     if tokens < config.flashcomm_min_prefill_tokens:
-        return no(f"{tokens} tokens < flashcomm_min_prefill_tokens="
+        return no(ReasonCode.TOO_FEW_TOKENS, f"{tokens} tokens < flashcomm_min_prefill_tokens="
                   f"{config.flashcomm_min_prefill_tokens}")
     for before, plan in zip(plans, plans[1:]):
         site, prev = plan.site, before.site
         if site.add is None:
-            return no(f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: "
+            return no(ReasonCode.STREAM_BROKEN, f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: "
                       f"{site.all_reduce.name} has no residual add, so the residual stream does not "
                       "continue through it", site)
         if _through_views(site.residual) is not _carried(prev):
-            return no(f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: the residual of "
+            return no(ReasonCode.STREAM_BROKEN, f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: the residual of "
                       f"{site.all_reduce.name} is {site.residual.name}, not the stream value "
                       f"{_carried(prev).name} of {prev.all_reduce.name}; the stream cannot stay "
                       "sharded across it", site)
-    return FlashCommDecision(True, "", "", first.group_name, world, tokens,
-                             padded_token_count(tokens, world))
+    return FlashCommDecision(True, group_name=first.group_name, world_size=world, num_tokens=tokens,
+                             padded_tokens=padded_token_count(tokens, world))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,33 +572,57 @@ class _FlashCommRewrite:
             raise RuntimeError(f"FlashComm left replaced nodes in the graph: {left}")
 
 
-def apply_flashcomm(
-    graph: Graph, plans: list[SitePlan], config: WeaveConfig, report: GraphReport
-) -> bool:
-    """Rewrite ``graph`` with FlashComm when ``decide_flashcomm`` says so; True when rewritten.
+FLASHCOMM_DROPS_OVERLAP_NOTE = (
+    "overlap={overlap!r} dropped: FlashComm took this graph, and the token split overlaps only "
+    "fused all_reduce sites, of which FlashComm leaves none"
+)
 
-    On False the graph is untouched and ``report.note`` (and the record of the site that stopped
-    it, if one did) says why.
-    """
-    decision = decide_flashcomm(plans, config)
-    records = {r.node: r for r in report.records}
-    if not decision.use:
-        report.add_note(f"FlashComm not used: {decision.reason}")
+
+class FlashCommStrategy(Strategy):
+    """FlashComm for the whole graph when ``decide_flashcomm`` says so; it then takes the graph
+    (no fuse, no split after it). Inference graphs only."""
+
+    name = "FlashComm"
+
+    def decide(self, rewrite: GraphRewrite) -> Decision:
+        if not rewrite.config.enable_flashcomm:
+            return Decision(False, ReasonCode.NOT_ASKED)
+        if rewrite.training:
+            return Decision(False, ReasonCode.TRAINING, TRAINING_NOTE)
+        return decide_flashcomm(rewrite.plans, rewrite.config)
+
+    def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
+        """The note, and the reason on the record of the site that stopped FlashComm, if one did."""
+        report = rewrite.report
+        super().decline(rewrite, decision)
+        if decision.code is ReasonCode.TRAINING:  # the user asked for it: a warning
+            log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+            return
+        records = {r.node: r for r in report.records}
         if decision.stopped_at in records:
             record = records[decision.stopped_at]
             record.reason = "; ".join(x for x in (record.reason, f"FlashComm: {decision.reason}") if x)
         log.info("weavepass: FlashComm not used: %s", decision.reason)
-        return False
-    kind = device_kind(plans[0].site.device)
-    rewrite = _FlashCommRewrite(graph, decision, config, kind)
-    for plan in plans:
-        label, notes = rewrite.rewrite_site(plan.site)
-        record = records[plan.site.all_reduce.name]
-        record.lowering = f"flashcomm:{label}"
-        record.reason = "; ".join(notes)
-        log.info("weavepass: %s -> FlashComm (%s)", record.node, label)
-    rewrite.finish()
-    report.add_note(f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "
-                   f"{decision.padded_tokens}, {decision.rows_per_rank} rows per rank on "
-                   f"{decision.world_size} ranks")
-    return True
+
+    def apply(self, rewrite: GraphRewrite, decision: FlashCommDecision) -> bool:
+        graph, plans, config, report = rewrite.graph, rewrite.plans, rewrite.config, rewrite.report
+        records = {r.node: r for r in report.records}
+        kind = device_kind(plans[0].site.device)
+        flashcomm = _FlashCommRewrite(graph, decision, config, kind)
+        for plan in plans:
+            label, notes = flashcomm.rewrite_site(plan.site)
+            record = records[plan.site.all_reduce.name]
+            record.lowering = f"flashcomm:{label}"
+            record.reason = "; ".join(notes)
+            log.info("weavepass: %s -> FlashComm (%s)", record.node, label)
+        flashcomm.finish()
+        report.add_note(f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "
+                        f"{decision.padded_tokens}, {decision.rows_per_rank} rows per rank on "
+                        f"{decision.world_size} ranks")
+        if config.overlap != "off":
+            report.add_note(FLASHCOMM_DROPS_OVERLAP_NOTE.format(overlap=config.overlap))
+            log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
+        if config.check_replicated:  # FlashComm shards the residual stream by design
+            report.add_note("check_replicated: not done in a FlashComm graph (the residual "
+                            "stream is sharded by token there)")
+        return True

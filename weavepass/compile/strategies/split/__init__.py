@@ -20,7 +20,7 @@ values with the causal diagonal aligned at the lower right (a B query at positio
 leaves the graph fuse-only with the reason in ``report.note``: the analysis finishes before the
 graph is touched.
 
-Token counts: static shapes get the wave-aware cut of ``weavepass.compile.planner.plan_token_split``. A
+Token counts: static shapes get the wave-aware cut of ``weavepass.compile.wave_model.plan_token_split``. A
 symbolic token count gets its cut computed at run time from the symbol (half the sequences; or
 half the tokens rounded down to the GEMM row tile), so one graph serves every size from
 ``MIN_SYMBOLIC_UNITS`` (4) units on, through one guard; 2 or 3 units compile once more, fuse-only
@@ -40,7 +40,7 @@ import math
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.planner import (
+from weavepass.compile.wave_model import (
     TokenSplitPlan,
     device_wave_model,
     overlap_window_reason,

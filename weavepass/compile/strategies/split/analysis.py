@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.planner import GemmShape
+from weavepass.compile.wave_model import GemmShape
 
 from .base import Unsupported
 from .rules import rule_for, site_dims

@@ -17,7 +17,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from weavepass.compile.planner import device_wave_model
+from weavepass.compile.wave_model import device_wave_model
 
 from .base import Unsupported, val
 

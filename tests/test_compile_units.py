@@ -1,0 +1,329 @@
+"""Graph-level unit tests of the compile steps, one at a time: the finder, the token count, the
+planner and the strategies' decisions, on graphs traced with ``make_fx`` on a fake process group
+(no Inductor, no spawned processes; numbers are not checked here, the end-to-end tests do that)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from weavepass import WeaveConfig
+from weavepass.compile.graph_pass import WeavePass, op_counts
+from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.planner import plan_sites
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.strategies import GraphRewrite, inductor_patches
+from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm
+from weavepass.compile.strategies.fuse import FuseStrategy
+from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.tokens import TokenCount
+from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
+from weavepass.plan_check import PlanExchange, PlanMismatchError, collective_lines
+from weavepass.report import AllReduceRecord, GraphReport
+from weavepass.testing import fake_process_group
+
+H = 64
+
+
+def _rms(h, g):
+    return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def two_sites(x, r, w1, g1, w2, g2):
+    """Two row-parallel layers on one residual stream: ``h1 = AR(x @ w1) + r``, ``h2 = AR(relu(norm
+    h1) @ w2) + h1``; returns the last norm and the stream."""
+    h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+    h2 = funcol.all_reduce(torch.relu(_rms(h1, g1)) @ w2, "sum", dist.group.WORLD) + h1
+    return _rms(h2, g2), h2
+
+
+def broken_stream(x, r, w1, g1, w2, g2):
+    """Like ``two_sites``, but the second site's residual is ``r`` again, not the stream ``h1``."""
+    h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+    h2 = funcol.all_reduce(torch.relu(_rms(h1, g1)) @ w2, "sum", dist.group.WORLD) + r
+    return _rms(h2, g2), h2
+
+
+def no_norm(x, w):
+    return funcol.all_reduce(x @ w, "sum", dist.group.WORLD) * 2
+
+
+def _args(tokens: int):
+    return (torch.randn(tokens, 32), torch.randn(tokens, H), torch.randn(32, H), torch.randn(H),
+            torch.randn(H, H), torch.randn(H))
+
+
+def _trace(fn, *args, mode: str = "fake") -> torch.fx.Graph:
+    return make_fx(fn, tracing_mode=mode)(*args).graph
+
+
+def _rewrite(graph: torch.fx.Graph, config: WeaveConfig) -> GraphRewrite:
+    """What ``WeavePass`` hands the strategies: the plans and one record per site."""
+    sites, _ = find_allreduce_rmsnorm_sites(graph)
+    plans = plan_sites(sites, config)
+    report = GraphReport(0, ops_before=op_counts(graph))
+    report.records = [AllReduceRecord(p.site.all_reduce.name, True, p.reason, p.site.kind) for p in plans]
+    return GraphRewrite(graph, plans, config, report)
+
+
+def _as_training(site) -> None:
+    """Mark ``site`` as a training graph's: its norm's rsqrt saved for backward (the finder sets
+    this from a forward graph's outputs; the strategies read only the flag)."""
+    rsqrt = next(n for n in site.norm.nodes if n.target is torch.ops.aten.rsqrt.default)
+    site.norm = dataclasses.replace(site.norm, saved_inv_rms=rsqrt)
+    assert site.training
+
+
+@pytest.fixture
+def world2():
+    with fake_process_group(2) as group:
+        yield group
+
+
+# --- the finder ----------------------------------------------------------------------------------
+
+
+def test_finder_match_fields(world2):
+    graph = _trace(two_sites, *_args(40))
+    sites, rejected = find_allreduce_rmsnorm_sites(graph)
+    assert rejected == []
+    assert [s.all_reduce.name for s in sites] == ["all_reduce", "all_reduce_1"]
+    first, second = sites
+    assert first.group_name == "0" and first.wait.target is torch.ops._c10d_functional.wait_tensor.default
+    assert first.matmul.target is torch.ops.aten.mm.default and first.partial is first.all_reduce.args[0]
+    assert first.add.target is torch.ops.aten.add.Tensor and first.residual.name == "r_1"
+    assert (first.hidden, first.dtype, first.training) == (H, torch.float32, False)
+    assert first.norm.eps == 1e-6 and first.norm.form == "decomposed" and first.norm.weight.name == "g1_1"
+    assert first.norm.input is first.add  # the norm reads the new residual stream
+    assert second.residual is first.add and second.norm.weight.name == "g2_1"
+
+
+def test_finder_rejects_all_reduce_without_norm(world2):
+    graph = _trace(no_norm, torch.randn(8, 32), torch.randn(32, H))
+    sites, rejected = find_allreduce_rmsnorm_sites(graph)
+    assert sites == [] and [r.all_reduce.name for r in rejected] == ["all_reduce"]
+    assert rejected[0].reason  # a reason a user can read
+
+
+# --- the token count -----------------------------------------------------------------------------
+
+
+def test_token_count_static_and_padding(world2):
+    site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40)))[0][0]
+    count = TokenCount.of(site.partial)
+    assert (count.value, count.static, count.symbolic, count.hint) == (40, 40, False, 40)
+    assert count.padded(2) == 64 and count.rows_per_rank(2) == 32  # multiple of 16 * world
+    assert TokenCount(33).padded(3) == 48 and TokenCount(48).rows_per_rank(3) == 16
+
+
+def test_token_count_symbolic(world2):
+    site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40), mode="symbolic"))[0][0]
+    count = TokenCount.of(site.partial)
+    assert isinstance(count.value, torch.SymInt) and count.symbolic and count.static is None
+    assert count.hint == 40
+    with pytest.raises(ValueError, match="static"):
+        count.padded(2)
+
+
+# --- the planner ---------------------------------------------------------------------------------
+
+
+def test_plan_sites_codes(world2, monkeypatch):
+    sites, _ = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40)))
+    plans = plan_sites(sites, WeaveConfig())
+    assert [(p.lowering, p.code, p.reason) for p in plans] == [("portable", ReasonCode.NONE, "")] * 2
+    small = plan_sites(sites, WeaveConfig(min_world_size=4))
+    assert [(p.lowering, p.code) for p in small] == [(None, ReasonCode.GROUP_TOO_SMALL)] * 2
+    assert small[0].reason == "group of 2 rank(s) < min_world_size=4"
+    monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site, config: "no kernel")
+    fallback = plan_sites(sites, WeaveConfig(lowering="cuda_symm"))
+    assert [(p.lowering, p.code) for p in fallback] == [("portable", ReasonCode.PORTABLE_FALLBACK)] * 2
+    monkeypatch.setattr("weavepass.compile.planner.group_size", lambda name: None)
+    unknown = plan_sites(sites, WeaveConfig())
+    assert [(p.lowering, p.code) for p in unknown] == [(None, ReasonCode.GROUP_UNKNOWN)] * 2
+
+
+# --- the strategies' decisions -------------------------------------------------------------------
+
+FLASHCOMM = dict(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off")
+
+
+def test_flashcomm_decision_fields(world2):
+    rewrite = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig(**FLASHCOMM))
+    decision = FlashCommStrategy().decide(rewrite)
+    assert decision.use and decision.code is ReasonCode.NONE
+    assert (decision.group_name, decision.world_size, decision.num_tokens) == ("0", 2, 40)
+    assert (decision.padded_tokens, decision.rows_per_rank) == (64, 32)
+
+
+@pytest.mark.parametrize("fn, mode, config, code, stopped_at, text", [
+    (two_sites, "fake", dict(enable_flashcomm=False), ReasonCode.NOT_ASKED, "", "enable_flashcomm is False"),
+    (two_sites, "fake", dict(FLASHCOMM, flashcomm_min_prefill_tokens=41), ReasonCode.TOO_FEW_TOKENS, "",
+     "40 tokens < flashcomm_min_prefill_tokens=41"),
+    (two_sites, "fake", dict(FLASHCOMM, min_world_size=4), ReasonCode.GROUP_TOO_SMALL, "", "group of 2"),
+    (two_sites, "symbolic", FLASHCOMM, ReasonCode.SYMBOLIC_TOKENS, "all_reduce", "token count is symbolic"),
+    (broken_stream, "fake", FLASHCOMM, ReasonCode.STREAM_BROKEN, "all_reduce_1", "cannot stay sharded"),
+])
+def test_flashcomm_decision_reasons(world2, fn, mode, config, code, stopped_at, text):
+    rewrite = _rewrite(_trace(fn, *_args(40), mode=mode), WeaveConfig(**config))
+    decision = decide_flashcomm(rewrite.plans, rewrite.config)
+    assert (decision.use, decision.code, decision.stopped_at) == (False, code, stopped_at)
+    assert text in decision.reason
+
+
+def test_flashcomm_strategy_refuses_training_and_not_asked_is_silent(world2):
+    rewrite = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig(**FLASHCOMM))
+    _as_training(rewrite.plans[0].site)
+    decision = FlashCommStrategy().decide(rewrite)
+    assert (decision.use, decision.code) == (False, ReasonCode.TRAINING)
+    FlashCommStrategy().decline(rewrite, decision)
+    assert rewrite.report.notes == [f"FlashComm not used: {decision.reason}"]
+    off = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig())
+    assert FlashCommStrategy().decide(off).code is ReasonCode.NOT_ASKED
+
+
+def test_flashcomm_apply_takes_the_graph(world2):
+    rewrite = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig(**FLASHCOMM))
+    strategy = FlashCommStrategy()
+    assert strategy.apply(rewrite, strategy.decide(rewrite)) is True
+    ops = op_counts(rewrite.graph)
+    assert "_c10d_functional.all_reduce.default" not in ops
+    assert ops["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert [r.lowering for r in rewrite.report.records] == ["flashcomm:portable"] * 2
+    assert rewrite.report.notes[0] == "FlashComm (portable): 40 tokens padded to 64, 32 rows per rank on 2 ranks"
+
+
+def test_split_decision(world2):
+    strategy = SplitStrategy()
+    assert strategy.decide(_rewrite(_trace(two_sites, *_args(40)), WeaveConfig())).code is ReasonCode.NOT_ASKED
+    rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(overlap="force"))
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    assert list(rewrite.fused) == ["all_reduce", "all_reduce_1"]
+    decision = strategy.decide(rewrite)
+    assert decision.use and decision.code is ReasonCode.NONE
+    assert strategy.apply(rewrite, decision) is False  # later strategies may still run
+    ops = op_counts(rewrite.graph)
+    assert ops["weave.fused_allreduce_rmsnorm_async.default"] == 4 and "weave.fused_allreduce_rmsnorm.default" not in ops
+    assert rewrite.report.notes == ["token split (sequence): A = 256 / B = 384 tokens, wave inequality holds; "
+                                    "2 sites x 2 halves"]
+
+
+def test_split_refuses_training_after_fuse(world2):
+    rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(overlap="force"))
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    _as_training(rewrite.plans[0].site)
+    decision = SplitStrategy().decide(rewrite)
+    assert (decision.use, decision.code) == (False, ReasonCode.TRAINING)
+
+
+def test_inductor_patches_come_from_the_strategies():
+    assert inductor_patches(WeaveConfig(overlap="off")) == {}
+    assert inductor_patches(WeaveConfig(overlap="force")) == {"reorder_for_peak_memory": False}
+
+
+def test_plan_split_is_the_planner_call_of_the_split(world2):
+    """Static counts are planned as ``plan_token_split`` plans them; a symbolic count outside the
+    overlap window is refused on its value (the guard) before any cut is planned."""
+    gemms = [GemmShape(n=8192, k=8192)]
+    auto = WeaveConfig(overlap="auto", overlap_min_tokens=1024, overlap_min_tokens_moe=4096, overlap_max_tokens=8192)
+    assert plan_split(TokenCount(4096), 1, 4096, gemms, auto, torch.device("cpu")) == \
+        plan_token_split(1, 4096, gemms, auto, WaveModel())
+    site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40), mode="symbolic"))[0][0]
+    refused = plan_split(TokenCount.of(site.partial), 1, 40, gemms, auto, torch.device("cpu"))
+    assert refused.first is None and refused.reason.startswith("symbolic token count below the overlap threshold")
+
+
+# --- what may differ between ranks ---------------------------------------------------------------
+#
+# Every rank must rewrite the same way. The plan reads shapes, the config and the group's size,
+# never the rank (tested below); but some inputs of the plan are read locally and can differ in a
+# badly set up job: the GPU's SM count (the wave model of the split), whether a lowering can run
+# here (triton importable, the kernel built), whether the group is known. For those, the
+# cross-rank plan check (``weavepass.plan_check``) must stop the compile with both ranks' lines
+# rather than let the ranks hang in mismatched collectives. The exchange runs over one in-process
+# store, one thread per simulated rank, as it runs over the default group's store.
+
+SPLIT = WeaveConfig(overlap="force")
+
+
+def _lines_on_rank(rank: int, config: WeaveConfig) -> list[tuple[str, str]]:
+    """The collective lines rank ``rank`` of 2 publishes for ``two_sites`` on 640 tokens."""
+    with fake_process_group(2, rank):
+        graph = _trace(two_sites, *_args(640))
+        WeavePass(config)(graph)  # its own plan check skips fake groups
+        return collective_lines(graph)["0"]
+
+
+def _exchange(lines: list[list[tuple[str, str]]]) -> list[str | None]:
+    """Each rank's ``PlanMismatchError`` text (None: the check passed), ranks checking concurrently."""
+    store = dist.HashStore()
+    errors: list[str | None] = [None] * len(lines)
+
+    def check(rank: int) -> None:
+        try:
+            PlanExchange().check(store, "0", rank, list(range(len(lines))), lines[rank], 0, timeout_s=10.0)
+        except PlanMismatchError as error:
+            errors[rank] = str(error)
+
+    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(lines))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+@pytest.mark.parametrize("config", [WeaveConfig(), SPLIT, WeaveConfig(**FLASHCOMM)],
+                         ids=["fuse", "split", "flashcomm"])
+def test_plan_does_not_depend_on_the_rank(config):
+    lines = [_lines_on_rank(rank, config) for rank in (0, 1)]
+    assert lines[0] == lines[1]
+    assert lines[0][0][1].startswith(("weave.", "_c10d_functional.reduce_scatter"))  # rewritten
+    assert _exchange(lines) == [None, None]
+
+
+def test_local_sm_count_changes_the_split_and_the_plan_check_stops_it(monkeypatch):
+    """The split's cut depends on the local SM count (``device_wave_model``): on 640 tokens, with
+    132 SMs every cut in the middle costs one extra wave and the balanced 320/320 wins; with no SM
+    count (tiles only) 256/384 wastes fewer tiles. Two ranks on GPUs of different SM counts (MIG
+    slices, mixed nodes) would split differently: the plan check names both cuts."""
+    lines = []
+    for rank, model in enumerate((WaveModel(sms=132), WaveModel())):
+        monkeypatch.setattr("weavepass.compile.wave_model.device_wave_model", lambda device, m=model: m)
+        monkeypatch.setattr("weavepass.compile.strategies.split.device_wave_model",
+                            lambda device, m=model: m, raising=False)
+        lines.append(_lines_on_rank(rank, SPLIT))
+    assert "float32[320, 64]" in lines[0][0][1] and "float32[256, 64]" in lines[1][0][1]
+    for me, error in enumerate(_exchange(lines)):
+        assert error is not None and "would run different collectives on group '0' at collective #0" in error
+        assert lines[me][0][1] in error and lines[1 - me][0][1] in error and "Likely cause" in error
+
+
+def test_lowering_available_on_one_rank_only_is_stopped(monkeypatch):
+    """``lowering="cuda_symm"`` where only rank 0 can run the kernel (triton missing on rank 1):
+    rank 1 falls back to portable; the lowering is part of the op call, so the check sees it."""
+    lines = []
+    for rank, reason in enumerate((None, "CUDA lowering unavailable (No module named 'triton')")):
+        monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site, config, r=reason: r)
+        lines.append(_lines_on_rank(rank, WeaveConfig(lowering="cuda_symm")))
+    assert "'cuda_symm'" in lines[0][0][1] and "'portable'" in lines[1][0][1]
+    errors = _exchange(lines)
+    assert all(e is not None and "'cuda_symm'" in e and "'portable'" in e for e in errors), errors
+
+
+def test_group_unknown_on_one_rank_is_stopped(monkeypatch):
+    """A rank that cannot resolve the group leaves its all_reduces alone; its peers fuse them."""
+    lines = [_lines_on_rank(0, WeaveConfig())]
+    monkeypatch.setattr("weavepass.compile.planner.group_size", lambda name: None)
+    lines.append(_lines_on_rank(1, WeaveConfig()))
+    assert lines[0][0][1].startswith("weave.fused_allreduce_rmsnorm(")
+    assert lines[1][0][1].startswith("_c10d_functional.all_reduce(")
+    errors = _exchange(lines)
+    assert all(e is not None and "weave.fused_allreduce_rmsnorm(" in e and "_c10d_functional.all_reduce(" in e
+               for e in errors), errors

@@ -1,0 +1,44 @@
+"""Fuse: each planned site becomes one ``weave`` fused op on its lowering."""
+
+from __future__ import annotations
+
+import logging
+
+from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
+from weavepass.replication import insert_checks
+
+log = logging.getLogger("weavepass")
+
+
+class FuseStrategy(Strategy):
+    """Replace every site whose plan has a lowering with the fused op; with ``check_replicated``,
+    then insert the cross-rank replication checks on the fused sites."""
+
+    name = "fuse"
+
+    def decide(self, rewrite: GraphRewrite) -> Decision:
+        # Per site, not per graph: each plan already says whether its site is fused and why not.
+        return Decision(True)
+
+    def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
+        records = {r.node: r for r in rewrite.report.records}
+        for plan in rewrite.plans:
+            record = records[plan.site.all_reduce.name]
+            if plan.lowering is None:
+                log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
+                continue
+            plan.site.lowering = plan.lowering
+            op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
+            rewrite.fused[record.node] = plan.site.replace_with(rewrite.graph, op)
+            record.lowering = plan.lowering
+            log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
+            if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
+                level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING
+                log.log(level, "weavepass: %s: %s", record.node, plan.reason)
+        if rewrite.fused and rewrite.config.check_replicated:
+            checked = insert_checks(rewrite.graph, rewrite.fused)
+            rewrite.report.add_note(f"check_replicated: the residual and norm weight of {checked} "
+                                    "site(s) are compared across ranks on every call")
+        return False

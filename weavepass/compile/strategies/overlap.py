@@ -1,0 +1,44 @@
+"""The TokenWeave overlap strategy: a thin adapter around the split (``strategies/split``), which
+plans and rewrites the fused sites and reports its own reasons not to split."""
+
+from __future__ import annotations
+
+import logging
+
+from weavepass.config import WeaveConfig
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
+
+log = logging.getLogger("weavepass")
+
+
+class SplitStrategy(Strategy):
+    """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.overlap``)."""
+
+    name = "token split"
+
+    def inductor_patches(self, config: WeaveConfig) -> dict:
+        if config.overlap == "off":
+            return {}
+        from weavepass.compile.strategies.split import INDUCTOR_CONFIG_PATCHES
+
+        return dict(INDUCTOR_CONFIG_PATCHES)
+
+    def decide(self, rewrite: GraphRewrite) -> Decision:
+        # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not
+        # split (also when nothing was fused).
+        if rewrite.config.overlap == "off" or not rewrite.report.records:
+            return Decision(False, ReasonCode.NOT_ASKED)
+        if rewrite.fused and rewrite.training:
+            return Decision(False, ReasonCode.TRAINING, TRAINING_NOTE)
+        return Decision(True)
+
+    def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
+        from weavepass.compile.strategies.split import apply_token_split
+
+        apply_token_split(rewrite.graph, list(rewrite.fused.values()), rewrite.config, rewrite.report)
+        return False
+
+    def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
+        rewrite.report.add_note(f"fuse-only: {decision.reason}")
+        log.info("weavepass: graph %d: %s", rewrite.report.graph_index, rewrite.report.notes[-1])
