@@ -167,7 +167,7 @@ class WeavePass(CustomGraphPass):
                 continue
             plan.site.lowering = plan.lowering
             op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
-            fused[record.node] = plan.site.replace_with(graph, op)
+            fused[record.node] = plan.site.replace_with(graph, op, self.config.cuda_workspace_tokens)
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
