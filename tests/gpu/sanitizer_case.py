@@ -8,13 +8,8 @@ Prints ``PASS`` when both ranks matched the reference.
 import os
 import sys
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ[_name] = _value
-
+# Multicast stays off in the ranks: ``spawn`` applies weavepass.env before starting them (this
+# process itself starts no NCCL communicator or symmetric allocation).
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.getcwd()]
 
 from test_cuda_kernel import small_case_worker  # noqa: E402
