@@ -243,7 +243,8 @@ def _bench_rank(
 ):
     import torch.distributed._symmetric_memory as symm_mem
 
-    from weavepass.runtime.cuda.dispatch import choose_launch_plan, fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.launch_plan import choose_launch_plan
 
     group = dist.group.WORLD.group_name
     max_tokens = max(tokens_list)

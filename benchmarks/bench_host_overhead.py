@@ -41,9 +41,9 @@ WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_
 
 def _callables(group_name: str):
     from weavepass.runtime.cuda import dispatch as cuda_symm
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
     from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
-    from weavepass.runtime.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
-    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+    from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
 
     funcol = torch.ops._c10d_functional
 
@@ -63,13 +63,14 @@ def _callables(group_name: str):
             cuda_symm._DIRECT_LAUNCH = True
 
     def dispatch(p, r, w):
-        return _empty_op()(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm")
+        return _empty_op()(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", capacity)
 
     def op(p, r, w):
-        return FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm")
+        return FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", capacity)
 
     def async_op(p, r, w):
-        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", 0)
+        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm",
+                                                    capacity, 0)
         return WAIT_TENSOR(normed), WAIT_TENSOR(res)
 
     return {"nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
@@ -88,7 +89,7 @@ def _empty_op():
         lib = torch.library.Library("weave_bench", "DEF")
         outs = {}
 
-        def impl(partial, residual, weight, eps, group_name, out_dtype, lowering):
+        def impl(partial, residual, weight, eps, group_name, out_dtype, lowering, workspace_tokens):
             key = (partial.shape, partial.dtype, partial.device)
             if key not in outs:
                 outs[key] = (torch.empty_like(partial), torch.empty_like(partial))

@@ -14,10 +14,9 @@ import pstats
 import sys
 import time
 
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ[_name] = _value
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# benchmarks/gpu_env: multicast off before torch starts, and the checkout on sys.path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import gpu_env  # noqa: E402, F401
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -46,17 +45,17 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     from weavepass.runtime.cuda import dispatch as cuda_symm
-    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
 
     group = dist.group.WORLD.group_name
     p = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
     r, w = torch.randn_like(p), torch.ones(args.hidden, device="cuda", dtype=torch.bfloat16)
     lowering = lambda: cuda_symm.fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group, p.dtype)  # noqa: E731
-    op = lambda: FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group, p.dtype, "cuda_symm")  # noqa: E731
-    from weavepass.runtime.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    op = lambda: FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-5, group, p.dtype, "cuda_symm", capacity)  # noqa: E731
 
     def async_op():
-        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group, p.dtype, "cuda_symm", 0)
+        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group, p.dtype, "cuda_symm", capacity, 0)
         return WAIT_TENSOR(normed), WAIT_TENSOR(res)
 
     lowering()

@@ -14,6 +14,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import weavepass  # noqa: F401  (registers torch.ops.weave.*)
+from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as WORKSPACE  # portable ignores it
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 
@@ -72,7 +73,7 @@ def _edge_cases(rank: int, world: int) -> None:
         for residual in (None, torch.randn(shape, generator=torch.Generator().manual_seed(1))):
             weight = torch.rand(16, generator=torch.Generator().manual_seed(2)) + 0.5
             normed, res_out = torch.ops.weave.fused_allreduce_rmsnorm(
-                partials[rank], residual, weight, 1e-6, group_name, torch.float32, "portable"
+                partials[rank], residual, weight, 1e-6, group_name, torch.float32, "portable", WORKSPACE
             )
             ref_normed, ref_res = fused_allreduce_rmsnorm_reference(
                 partials, residual, weight, 1e-6, torch.float32
@@ -103,7 +104,7 @@ def _property_rank(rank: int, world: int, max_examples: int) -> int:
         weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
 
         normed, res_out = torch.ops.weave.fused_allreduce_rmsnorm(
-            partials[rank], residual, weight, eps, group_name, dtype, "portable"
+            partials[rank], residual, weight, eps, group_name, dtype, "portable", WORKSPACE
         )
         ref_normed, ref_res = fused_allreduce_rmsnorm_reference(partials, residual, weight, eps, dtype)
         assert normed.dtype == dtype and res_out.dtype == dtype
@@ -138,5 +139,5 @@ def test_portable_lowering_matches_reference_and_eager(world):
 def test_unknown_lowering_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown weave lowering 'nccl'"):
         torch.ops.weave.fused_allreduce_rmsnorm(
-            torch.ones(2, 8), None, None, 1e-6, "0", torch.float32, "nccl"
+            torch.ones(2, 8), None, None, 1e-6, "0", torch.float32, "nccl", WORKSPACE
         )

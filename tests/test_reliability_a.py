@@ -13,6 +13,7 @@ import torch.distributed._functional_collectives as funcol
 
 import weavepass
 from weavepass import WeaveConfig
+from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as WORKSPACE  # portable ignores it
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing import check_against_eager, fake_process_group, spawn
 
@@ -181,7 +182,7 @@ def _dtype_rank(rank: int, world: int) -> None:
     residual = torch.randn(5, H, generator=g, dtype=torch.float64)
     weight = 1 + 0.1 * torch.randn(H, generator=g, dtype=torch.float64)
     normed, res_out = torch.ops.weave.fused_allreduce_rmsnorm(
-        partials[rank], residual, weight, EPS, group, torch.float64, "portable")
+        partials[rank], residual, weight, EPS, group, torch.float64, "portable", WORKSPACE)
     exact = sum(partials) + residual
     assert res_out.dtype == normed.dtype == torch.float64
     assert ((res_out - exact).abs() / exact.abs().max()).max() < 1e-15
@@ -198,7 +199,7 @@ def _dtype_rank(rank: int, world: int) -> None:
     residual[1] = -float("inf")
     ones = torch.ones(H, dtype=torch.float16)
     normed, res_out = torch.ops.weave.fused_allreduce_rmsnorm(
-        partial, residual, ones, EPS, group, torch.float16, "portable")
+        partial, residual, ones, EPS, group, torch.float16, "portable", WORKSPACE)
     summed = partial.clone()
     dist.all_reduce(summed)
     eager_res = summed + residual

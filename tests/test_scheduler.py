@@ -119,7 +119,7 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
 
     from weavepass.compile import planner as scheduler
 
-    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: None)
     partial = types.SimpleNamespace(meta={"val": torch.empty(2, 1024, 8)})  # 2048 tokens
     site = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=False)
     lowering, code, note = scheduler.choose_lowering(site, WeaveConfig())
@@ -131,7 +131,7 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
         lowering, code, note = scheduler.choose_lowering(training, config)
         assert lowering is None and code is ReasonCode.TRAINING and "training" in note and "saved for backward" in note, note
     assert scheduler.choose_lowering(training, WeaveConfig(lowering="portable"))[0] == "portable"
-    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: "hidden 12 is odd")
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: "hidden 12 is odd")
     assert scheduler.choose_lowering(site, WeaveConfig()) == (
         None, ReasonCode.CUDA_UNSUPPORTED, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
 
@@ -177,7 +177,7 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
 
     from weavepass.compile import planner as scheduler
 
-    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site, config: None)
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: None)
 
     def site(*shape):
         return types.SimpleNamespace(device=torch.device("cuda", 0), training=False,

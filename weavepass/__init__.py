@@ -14,8 +14,7 @@ import torch
 
 # Register every torch.ops.weave.* op, also those only FlashComm graphs use: a graph loaded from
 # Inductor's cache calls them without running the pass.
-from weavepass import ops, replication  # noqa: F401
-from weavepass.compile.strategies import flashcomm  # noqa: F401  (registers its ops until they move to weavepass.ops)
+from weavepass import ops  # noqa: F401
 from weavepass.backend import (
     WeaveBackend,
     collect_reports,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from weavepass.ops import CHECK_REPLICATED
+
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -31,10 +33,9 @@ def digest(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * weights).sum()])
 
 
-@torch.library.custom_op("weave::check_replicated", mutates_args=())
 def check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, site: str,
                      group_name: str) -> torch.Tensor:
-    """Raise ``ReplicationError`` unless ``x`` and ``weight`` have the same digest on every rank
+    """The kernel of ``weave.check_replicated`` (schema and fake: ``weavepass.ops``). Raise ``ReplicationError`` unless ``x`` and ``weight`` have the same digest on every rank
     of the group; return a copy of ``x`` (the fused op reads the copy, so the check stays in the
     functional graph ahead of it)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -60,11 +61,6 @@ def check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, 
     return x.clone()
 
 
-@check_replicated.register_fake
-def _(x, weight, x_name, site, group_name):
-    return torch.empty_like(x)
-
-
 def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int:
     """Route each fused op's residual (or, without one, its weight) through
     ``weave.check_replicated``; ``fused`` maps a site's name (its all_reduce's, as the report says)
@@ -78,7 +74,7 @@ def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int
         other = weight if target_index == 1 else None
         with graph.inserting_before(node):
             check = graph.call_function(
-                torch.ops.weave.check_replicated.default,
+                CHECK_REPLICATED,
                 (x, other, "residual" if target_index == 1 else "norm weight", site, group_name),
             )
         check.meta["val"] = torch.empty_like(x.meta["val"])

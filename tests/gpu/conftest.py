@@ -4,14 +4,9 @@ NVLink multicast must never be used on the lent machines (docs/cuda_kernel.md): 
 keep NCCL, PyTorch symmetric memory and NVSHMEM off it are set here, before any test starts a process.
 """
 
-import os
+from weavepass.env import disable_multicast
 
-for _name, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ[_name] = _value
+disable_multicast(override=True)
 
 
 def pytest_addoption(parser):

@@ -9,6 +9,8 @@ the variables before the ranks start (this process starts no NCCL itself).
 import os
 import sys
 
+# Multicast stays off in the ranks: ``spawn`` applies weavepass.env before starting them (this
+# process itself starts no NCCL communicator or symmetric allocation).
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.getcwd()]
 
 from test_cuda_kernel import small_case_worker  # noqa: E402

@@ -64,11 +64,11 @@ def _make_inputs(seed, tokens, hidden, dtype, with_residual, world):
 
 def _poison(tokens, hidden, dtype, out_dtype):
     """NaN into the local workspace and into the freed blocks the outputs will reuse."""
-    from weavepass.runtime.cuda import dispatch as cuda_symm
+    from weavepass.runtime.cuda.workspace import _WORKSPACES
 
     torch.cuda.synchronize()
     dist.barrier()  # no peer is still writing into our workspace
-    for workspaces in cuda_symm._WORKSPACES.values():
+    for workspaces in _WORKSPACES.values():
         for ws in workspaces:
             ws.buffer.fill_(float("nan"))
     blocks = [
@@ -252,7 +252,7 @@ def _cuda_graph_worker(rank, world):
 
 def _fallback_worker(rank, world):
     """Batches over the workspace and unsupported hidden sizes run the portable lowering, correctly."""
-    from weavepass.runtime.cuda.dispatch import cuda_unsupported_reason
+    from weavepass.runtime.cuda.support import cuda_unsupported_reason
 
     group = dist.group.WORLD.group_name
     errors = []

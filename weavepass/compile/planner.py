@@ -40,17 +40,14 @@ def group_size(group_name: str) -> int | None:
         return None
 
 
-def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite, config: WeaveConfig) -> str | None:
+def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
+    # Only asks: the workspace size travels in the op call (``WeaveConfig.cuda_workspace_tokens``),
+    # and larger batches fall back to portable at run time.
     try:
-        from weavepass.runtime.cuda import dispatch as cuda_symm
-    except ImportError as error:  # triton missing, or the module not built for this torch
+        from weavepass.runtime.cuda.support import cuda_site_unsupported_reason
+    except ImportError as error:  # the module not built for this torch
         return f"CUDA lowering unavailable ({error})"
-    # The op call does not carry the workspace size; the lowering reads this process-wide value
-    # (the most recently compiled config wins). Larger batches fall back to portable at run time.
-    cuda_symm.DEFAULT_WORKSPACE_TOKENS = config.cuda_workspace_tokens
-    return cuda_symm.cuda_site_unsupported_reason(
-        site.dtype, site.hidden, site.device, site.group_name
-    )
+    return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name)
 
 
 CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspace (the producing "
@@ -91,7 +88,7 @@ def choose_lowering(
             f"{wanted} lowering does not return it (only {', '.join(TRAINING_LOWERINGS)} does)")
     if wanted != "cuda_symm":
         return wanted, ReasonCode.NONE, ""
-    reason = _cuda_unsupported_reason(site, config)
+    reason = _cuda_unsupported_reason(site)
     if reason is None:
         tokens = TokenCount.of(site.partial).static
         if auto and tokens is not None and tokens < config.cuda_min_tokens and not inductor_cudagraphs_on():

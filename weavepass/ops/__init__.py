@@ -1,37 +1,42 @@
-"""The functional ``weave`` custom ops that the rewrite puts into graphs.
+"""Every functional ``weave`` op the rewrite puts into graphs: schemas, fakes, and the handles the
+compile side emits. The kernels live in ``weavepass.runtime`` (and ``weavepass.replication``); each
+op here calls its kernel through a trampoline that imports it on first call, so importing this
+package imports neither triton nor torch_npu, and runtime code never imports this package.
 
-``torch.ops.weave.fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtype,
-lowering) -> (normed, residual_out)`` replaces ``all_reduce(sum) -> [+ residual] -> RMSNorm``.
-Shapes: ``partial`` and ``residual`` are ``[..., H]`` with the same shape, ``weight`` is ``[H]``;
-``weight`` may be None (a norm without
-scale); both outputs have ``partial``'s shape, ``normed`` in ``out_dtype`` and ``residual_out`` in
-``partial.dtype``. ``residual_out`` is the all-reduced sum plus the residual: the tensor the model
-carries on as its residual stream. The op is functional: it mutates nothing and aliases nothing.
+``weave.fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtype, lowering,
+workspace_tokens) -> (normed, residual_out)`` replaces ``all_reduce(sum) -> [+ residual] ->
+RMSNorm``: a ``weavepass.runtime.FusedLowering`` (shapes, dtypes and math there) chosen by name.
+``workspace_tokens`` is the largest batch the CUDA lowering's symmetric workspace serves
+(``WeaveConfig.cuda_workspace_tokens``, written into every call by the compile side, so two
+backends with different sizes never share a setting); other lowerings ignore it.
 
-The ops a compiled graph calls once per site (this one and ``fused_allreduce_rmsnorm_async``) are
-registered with ``define_hot_op``: a schema and one ``CompositeExplicitAutograd`` kernel, without
+``weave.fused_allreduce_rmsnorm_train(<same arguments>) -> (normed, residual_out, inv_rms)`` is the
+same op for the forward graph of a training compile, where AOT autograd saves the norm's inverse
+RMS for the backward graph: ``inv_rms = rsqrt(mean(x^2, -1) + eps)`` with ``x`` the upcast
+``residual_out``, shape ``partial.shape[:-1] + [1]``, dtype fp32 (fp64 for fp64 inputs). It is a
+separate op, so the inference op's schema, outputs and host cost stay as they are; only the
+portable lowering computes it (the planner keeps training sites of other lowerings as all_reduce).
+
+``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and ``weave.hold_inputs``
+are the token split's fused op on a second CUDA stream and the op that keeps its inputs alive
+(``weavepass.runtime.streams``). ``weave.check_replicated`` is the debug check of
+``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
+``weave.npu_*`` are FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in
+``weavepass.runtime.portable`` and ``weavepass.runtime.npu``).
+
+The ops a compiled graph calls once per site (the fused ops and ``hold_inputs``) are registered
+with ``define_hot_op``: a schema and one ``CompositeExplicitAutograd`` kernel, without
 ``torch.library.custom_op``'s Python autograd wrapper and per-call alias checks. Measured on the CPU
 dev machine: 8.8 us per call against 24.9 us, where the body itself costs 2.3 us. They are
-inference ops (no backward).
-
-``torch.ops.weave.fused_allreduce_rmsnorm_train(<same arguments>) -> (normed, residual_out,
-inv_rms)`` is the same op for the forward graph of a training compile, where AOT autograd saves the
-norm's inverse RMS for the backward graph: ``inv_rms = rsqrt(mean(x^2, -1) + eps)`` with ``x`` the
-upcast ``residual_out``, shape ``partial.shape[:-1] + [1]``, dtype fp32 (fp64 for fp64 inputs),
-gathered like the other outputs. It is a separate op, so the inference op's schema, outputs and
-host cost stay as they are; only the portable lowering computes it (the scheduler keeps training
-sites of other lowerings as all_reduce).
+inference ops (no backward). The others (debug check, FlashComm) are ``custom_op``s.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
-
-from weavepass.runtime import TRAINING_LOWERINGS, get_lowering
-from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
-from weavepass.runtime.reference import accumulation_dtype
 
 _LIB = torch.library.Library("weave", "FRAGMENT")
 
@@ -45,51 +50,142 @@ def define_hot_op(name: str, schema: str, impl: Callable, fake: Callable):
     return getattr(torch.ops.weave, name).default
 
 
+def _runtime(path: str) -> Callable:
+    """A kernel that calls the runtime function ``"module:function"``, imported on its first call
+    (then one extra Python call per op call)."""
+    module_name, attr = path.split(":")
+    target = []
+
+    def kernel(*args):
+        if not target:
+            target.append(getattr(importlib.import_module(module_name), attr))
+        return target[0](*args)
+
+    kernel.__name__ = attr
+    return kernel
+
+
 FUSED_SCHEMA_ARGS = (
     "Tensor partial, Tensor? residual, Tensor? weight, float eps, str group_name, "
-    "ScalarType out_dtype, str lowering"
+    "ScalarType out_dtype, str lowering, int workspace_tokens"
 )
 
 
-def fused_allreduce_rmsnorm(
-    partial: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    group_name: str,
-    out_dtype: torch.dtype,
-    lowering: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype)
+def _fake(partial, residual, weight, eps, group_name, out_dtype, *_):
+    return partial.new_empty(partial.shape, dtype=out_dtype), partial.new_empty(partial.shape)
 
 
-def _fake(partial, residual, weight, eps, group_name, out_dtype, lowering):
-    return (
-        partial.new_empty(partial.shape, dtype=out_dtype),
-        partial.new_empty(partial.shape),
-    )
+def _fake_train(partial, residual, weight, eps, group_name, out_dtype, *_):
+    from weavepass.runtime.reference import accumulation_dtype
+
+    inv_rms = partial.new_empty((*partial.shape[:-1], 1), dtype=accumulation_dtype(partial.dtype))
+    return (*_fake(partial, residual, weight, eps, group_name, out_dtype), inv_rms)
 
 
 FUSED_ALLREDUCE_RMSNORM = define_hot_op(
-    "fused_allreduce_rmsnorm", f"({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor)", fused_allreduce_rmsnorm, _fake
+    "fused_allreduce_rmsnorm", f"({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor)",
+    _runtime("weavepass.runtime:fused_allreduce_rmsnorm"), _fake,
 )
-
-
-def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, out_dtype, lowering):
-    if lowering not in TRAINING_LOWERINGS:
-        raise ValueError(f"weave lowering {lowering!r} does not return the inverse RMS; training "
-                         f"sites need one of {TRAINING_LOWERINGS}")
-    return fused_allreduce_rmsnorm_portable(
-        partial, residual, weight, eps, group_name, out_dtype, return_inv_rms=True
-    )
-
-
-def _fake_train(partial, residual, weight, eps, group_name, out_dtype, lowering):
-    inv_rms = partial.new_empty((*partial.shape[:-1], 1), dtype=accumulation_dtype(partial.dtype))
-    return (*_fake(partial, residual, weight, eps, group_name, out_dtype, lowering), inv_rms)
-
-
 FUSED_ALLREDUCE_RMSNORM_TRAIN = define_hot_op(
     "fused_allreduce_rmsnorm_train", f"({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor, Tensor)",
-    fused_allreduce_rmsnorm_train, _fake_train,
+    _runtime("weavepass.runtime:fused_allreduce_rmsnorm_train"), _fake_train,
 )
+FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
+    "fused_allreduce_rmsnorm_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
+    _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_async"), _fake,
+)
+HOLD_INPUTS = define_hot_op(
+    "hold_inputs", "(Tensor(a!) joined, Tensor[] inputs) -> ()",
+    _runtime("weavepass.runtime.streams:hold_inputs"), lambda joined, inputs: None,
+)
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+"""The join of an async fused op's output (its ``Work`` makes the waiting stream wait)."""
+
+
+# ------------------------------------------------------------------ debug check (not per-call hot)
+
+
+@torch.library.custom_op("weave::check_replicated", mutates_args=())
+def _check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, site: str,
+                      group_name: str) -> torch.Tensor:
+    """Raise ``ReplicationError`` unless ``x`` and ``weight`` are the same on every rank of the
+    group; returns a copy of ``x`` (``weavepass.replication.check_replicated``)."""
+    from weavepass.replication import check_replicated
+
+    return check_replicated(x, weight, x_name, site, group_name)
+
+
+@_check_replicated.register_fake
+def _(x, weight, x_name, site, group_name):
+    return torch.empty_like(x)
+
+
+CHECK_REPLICATED = torch.ops.weave.check_replicated.default
+
+
+# ------------------------------------------------------------------ FlashComm
+
+
+@torch.library.custom_op("weave::flashcomm_shard_rows", mutates_args=())
+def _flashcomm_shard_rows(x: torch.Tensor, padded_tokens: int, world_size: int,
+                          group_name: str) -> torch.Tensor:
+    """This rank's rows of ``x`` [T, H] zero-padded to [padded_tokens, H]: ``[padded_tokens / N, H]``
+    (``weavepass.runtime.portable.shard_rows``)."""
+    from weavepass.runtime.portable import shard_rows
+
+    return shard_rows(x, padded_tokens, world_size, group_name)
+
+
+@_flashcomm_shard_rows.register_fake
+def _(x, padded_tokens, world_size, group_name):
+    return x.new_empty((padded_tokens // world_size, x.shape[1]))
+
+
+@torch.library.custom_op("weave::npu_mm_reduce_scatter", mutates_args=())
+def _npu_mm_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int,
+                           comm_mode: str) -> torch.Tensor:
+    """``reduce_scatter(x @ w)``: ``[m, k] @ [k, n] -> [m / N, n]`` via ``npu_mm_reduce_scatter_base``."""
+    from weavepass.runtime import npu
+
+    return npu.mm_reduce_scatter(x, w, group_name, world_size, comm_mode)
+
+
+@_npu_mm_reduce_scatter.register_fake
+def _(x, w, group_name, world_size, comm_mode):
+    return x.new_empty((x.shape[0] // world_size, w.shape[1]))
+
+
+@torch.library.custom_op("weave::npu_all_gather_mm", mutates_args=())
+def _npu_all_gather_mm(x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int,
+                       comm_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(all_gather(x) @ w, all_gather(x))``: ``[R, k], [k, n] -> [R N, n], [R N, k]`` via
+    ``npu_all_gather_base_mm``."""
+    from weavepass.runtime import npu
+
+    return npu.all_gather_mm(x, w, group_name, world_size, comm_mode)
+
+
+@_npu_all_gather_mm.register_fake
+def _(x, w, group_name, world_size, comm_mode):
+    rows = x.shape[0] * world_size
+    return x.new_empty((rows, w.shape[1])), x.new_empty((rows, x.shape[1]))
+
+
+@torch.library.custom_op("weave::npu_add_rms_norm", mutates_args=())
+def _npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x1 + x2) * gamma, x1 + x2)`` via ``npu_add_rms_norm``; all ``[R, H]`` but gamma [H]."""
+    from weavepass.runtime import npu
+
+    return npu.add_rms_norm(x1, x2, gamma, eps)
+
+
+@_npu_add_rms_norm.register_fake
+def _(x1, x2, gamma, eps):
+    return x1.new_empty(x1.shape), x1.new_empty(x1.shape)
+
+
+FLASHCOMM_SHARD_ROWS = torch.ops.weave.flashcomm_shard_rows.default
+NPU_MM_REDUCE_SCATTER = torch.ops.weave.npu_mm_reduce_scatter.default
+NPU_ALL_GATHER_MM = torch.ops.weave.npu_all_gather_mm.default
+NPU_ADD_RMS_NORM = torch.ops.weave.npu_add_rms_norm.default

@@ -1,19 +1,48 @@
 """Lowerings turn a ``weave`` op into kernels, torch_npu calls or portable collectives.
 
-Each lowering of ``weave.fused_allreduce_rmsnorm`` is a function
-``(partial, residual, weight, eps, group_name, out_dtype) -> (normed, residual_out)`` with the math of
-``weavepass.runtime.reference``. The scheduler picks one by name at compile time and writes the name
+Every lowering of ``weave.fused_allreduce_rmsnorm`` is a ``FusedLowering`` with the math of
+``weavepass.runtime.reference``. The planner picks one by name at compile time and writes the name
 into the op call, so the choice is visible in the graph and in the explain report.
+
+Runtime code never imports ``weavepass.ops`` or ``weavepass.compile``: the ops package registers
+these functions as the ops' kernels (importing them on first call), and the compile side only asks
+the support checks (``weavepass.runtime.cuda.support``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Protocol
+
+import torch
 
 from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
 
-FusedLowering = Callable[..., tuple]
+
+class FusedLowering(Protocol):
+    """A lowering of ``weave.fused_allreduce_rmsnorm``.
+
+    ``partial`` and ``residual`` are ``[..., H]`` (same shape), ``weight`` is ``[H]``; ``residual``
+    may be None (the reduced sum is then the residual stream) and so may ``weight`` (a norm without
+    scale). Returns ``(normed, residual_out)``, both shaped like ``partial``: ``normed`` in
+    ``out_dtype``, ``residual_out = all_reduce(partial) + residual`` in ``partial.dtype``. Fresh
+    tensors: nothing is mutated or aliased. ``max_workspace_tokens`` is the largest batch a lowering
+    with a preallocated workspace serves (the op call's ``workspace_tokens``, from
+    ``WeaveConfig.cuda_workspace_tokens``); lowerings without one ignore it.
+    """
+
+    def __call__(
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        eps: float,
+        group_name: str,
+        out_dtype: torch.dtype,
+        *,
+        max_workspace_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 # name -> "module:function"; modules that need triton or torch_npu are imported on first use only.
 _LAZY_LOWERINGS: dict[str, str] = {
@@ -39,3 +68,23 @@ def get_lowering(name: str) -> FusedLowering:
 
 def lowering_names() -> list[str]:
     return sorted({*_LOWERINGS, *_LAZY_LOWERINGS})
+
+
+def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtype, lowering,
+                            workspace_tokens):
+    """The kernel of ``weave.fused_allreduce_rmsnorm`` (schema and fake: ``weavepass.ops``): runs
+    the ``FusedLowering`` named ``lowering``."""
+    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
+                                  max_workspace_tokens=workspace_tokens)
+
+
+def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, out_dtype, lowering,
+                                  workspace_tokens):
+    """The kernel of ``weave.fused_allreduce_rmsnorm_train``: ``(normed, residual_out, inv_rms)``
+    (the workspace size does not apply: only the portable lowering returns the inverse RMS)."""
+    if lowering not in TRAINING_LOWERINGS:
+        raise ValueError(f"weave lowering {lowering!r} does not return the inverse RMS; training "
+                         f"sites need one of {TRAINING_LOWERINGS}")
+    return fused_allreduce_rmsnorm_portable(
+        partial, residual, weight, eps, group_name, out_dtype, return_inv_rms=True
+    )

@@ -30,6 +30,19 @@ def rows_per_rank(num_tokens: int, world_size: int) -> int:
     return -(-num_tokens // world_size)
 
 
+def shard_rows(x: torch.Tensor, padded_tokens: int, world_size: int, group_name: str) -> torch.Tensor:
+    """The kernel of ``weave.flashcomm_shard_rows``: this rank's rows of ``x`` [T, H] zero-padded to
+    ``[padded_tokens, H]``, i.e. ``[padded_tokens / world_size, H]`` (FlashComm shards a residual
+    that enters the first site from outside the sharded stream)."""
+    rank = resolve_group(group_name).rank()
+    per_rank = padded_tokens // world_size
+    shard = x.new_zeros((per_rank, x.shape[1]))
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, x.shape[0])
+    if hi > lo:
+        shard[: hi - lo] = x[lo:hi]
+    return shard
+
+
 def fused_allreduce_rmsnorm_portable(
     partial: torch.Tensor,
     residual: torch.Tensor | None,
@@ -37,10 +50,13 @@ def fused_allreduce_rmsnorm_portable(
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
+    *,
+    max_workspace_tokens: int = 0,
     return_inv_rms: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """``partial`` [..., H] -> ``(normed, residual_out)``, both shaped like ``partial``; with
-    ``return_inv_rms`` also the inverse RMS ``[..., 1]`` in ``accumulation_dtype`` (training).
+    """A ``weavepass.runtime.FusedLowering``; with ``return_inv_rms`` it also returns the inverse
+    RMS ``[..., 1]`` in ``accumulation_dtype`` (training). ``max_workspace_tokens`` is ignored: the
+    buffers are allocated per call, so any batch fits.
 
     Tokens are the flattened leading dims (T rows). They are padded with zero rows to
     ``world * ceil(T / world)`` so every rank owns the same number of rows; the padding never

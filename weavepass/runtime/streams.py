@@ -1,4 +1,5 @@
-"""The fused op on a second, high-priority CUDA stream: ``weave::fused_allreduce_rmsnorm_async``.
+"""The fused op on a second, high-priority CUDA stream: the kernels of
+``weave::fused_allreduce_rmsnorm_async`` and ``weave::hold_inputs`` (schemas: ``weavepass.ops``).
 
 The token split puts one of these per half and site into the graph, and a
 ``_c10d_functional.wait_tensor`` on each output right before its first consumer. The pair works
@@ -38,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from weavepass.runtime import get_lowering
-from weavepass.ops import FUSED_SCHEMA_ARGS, define_hot_op
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -74,19 +74,12 @@ class _StreamJoin(dist.Work):
         return True
 
 
-def fused_allreduce_rmsnorm_async(
-    partial: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    group_name: str,
-    out_dtype: torch.dtype,
-    lowering: str,
-    num_ctas: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weave.fused_allreduce_rmsnorm`` on the communication stream; wait on each output with
-    ``_c10d_functional.wait_tensor`` before reading it (a no-op off CUDA). ``num_ctas`` > 0 sets
-    the CUDA kernel's grid (``WeaveConfig.overlap_comm_ctas``); other lowerings ignore it.
+def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, out_dtype, lowering,
+                                  workspace_tokens, num_ctas=0):
+    """``weave.fused_allreduce_rmsnorm`` (a ``FusedLowering`` named ``lowering``) on the
+    communication stream; wait on each output with ``_c10d_functional.wait_tensor`` before reading
+    it (a no-op off CUDA). ``num_ctas`` > 0 sets the CUDA kernel's grid
+    (``WeaveConfig.overlap_comm_ctas``); other lowerings ignore it.
 
     Host cost matters here (one call per half and site, every forward pass): no context managers,
     one join object for both outputs (benchmarks/bench_host_overhead.py measures it)."""
@@ -95,13 +88,15 @@ def fused_allreduce_rmsnorm_async(
         run = functools.partial(run, num_ctas=num_ctas)
     device = partial.device
     if device.type != "cuda":
-        return run(partial, residual, weight, eps, group_name, out_dtype)
+        return run(partial, residual, weight, eps, group_name, out_dtype,
+                   max_workspace_tokens=workspace_tokens)
     main = torch.cuda.current_stream(device)
     side = comm_stream(device)
     side.wait_stream(main)  # fork: the inputs are ready
     torch.cuda.set_stream(side)
     try:
-        normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype)
+        normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype,
+                                   max_workspace_tokens=workspace_tokens)
         done = side.record_event()
     finally:
         torch.cuda.set_stream(main)
@@ -114,29 +109,9 @@ def fused_allreduce_rmsnorm_async(
     return normed, residual_out
 
 
-def _fake(partial, residual, weight, eps, group_name, out_dtype, lowering, num_ctas=0):
-    return partial.new_empty(partial.shape, dtype=out_dtype), partial.new_empty(partial.shape)
-
-
-FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
-    "fused_allreduce_rmsnorm_async",
-    f"({FUSED_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
-    fused_allreduce_rmsnorm_async,
-    _fake,
-)
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
-
-
 def hold_inputs(joined: torch.Tensor, inputs: list[torch.Tensor]) -> None:
     """Does nothing at run time. In a graph it reads the async op's ``inputs`` after the wait on
     ``joined`` (an output of the same op), so Inductor keeps their buffers, and reuses none of them
     in place, until the communication stream is done with them (module docstring). ``joined`` is
     declared mutated so that the op stays in the graph (no dead-code elimination in any supported
     torch) and after the wait that produced it."""
-
-
-def _hold_fake(joined, inputs):
-    return None
-
-
-HOLD_INPUTS = define_hot_op("hold_inputs", "(Tensor(a!) joined, Tensor[] inputs) -> ()", hold_inputs, _hold_fake)

@@ -17,9 +17,9 @@ fuses into one Triton kernel.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from weavepass.runtime.cuda.workspace import enable_symm_mem_for_group
 
 FUSED_MATMUL_REDUCE_SCATTER = "fused_matmul_reduce_scatter"
 FUSED_ALL_GATHER_MATMUL = "fused_all_gather_matmul"
@@ -57,10 +57,7 @@ def symm_mem_unavailable_reason(group_name: str, device: torch.device) -> str | 
     backend = torch.distributed.get_backend(group)
     if "nccl" not in str(backend):
         return f"process group backend is {backend}, not NCCL"
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, deprecated later
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group_name)
+    enable_symm_mem_for_group(group_name)
     return None
 
 

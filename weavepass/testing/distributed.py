@@ -21,13 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# NVLink SHARP / multicast is off on the lent machines (see the device README); every NCCL and
-# symmetric-memory user in the children must agree, so it is set before they start.
-_DISTRIBUTED_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from weavepass.env import disable_multicast
+
 
 
 def free_port() -> int:
@@ -56,7 +51,8 @@ def spawn(
     """
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    os.environ.update(_DISTRIBUTED_ENV)
+    # Every NCCL and symmetric-memory user in the children must agree: set before they start.
+    disable_multicast(override=True)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()

@@ -171,15 +171,16 @@ class FusedAllReduceRMSNormSite:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes
 
-    def replace_with(self, graph: Graph, fused_op) -> Node:
-        """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node."""
+    def replace_with(self, graph: Graph, fused_op, workspace_tokens: int) -> Node:
+        """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node.
+        ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA workspace's capacity)."""
         self.prepare(graph)
         with graph.inserting_before(self.insertion_point()):
             partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
             fused = graph.call_function(
                 fused_op,
                 (partial, self.residual, self.norm.weight, self.norm.eps, self.group_name,
-                 self.norm.out_dtype, self.lowering),
+                 self.norm.out_dtype, self.lowering, workspace_tokens),
             )
             normed = graph.call_function(operator.getitem, (fused, 0))
             residual_out = graph.call_function(operator.getitem, (fused, 1))

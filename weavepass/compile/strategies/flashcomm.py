@@ -45,8 +45,8 @@ import torch
 from torch.fx import Graph, Node
 
 from weavepass.config import WeaveConfig
+from weavepass.ops import FLASHCOMM_SHARD_ROWS, NPU_ADD_RMS_NORM, NPU_ALL_GATHER_MM, NPU_MM_REDUCE_SCATTER
 from weavepass.runtime import symm_mem_matmul, npu
-from weavepass.runtime.portable import resolve_group
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.compile.patterns.rmsnorm import is_target, val
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
@@ -67,73 +67,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 DEVICE_KINDS = ("portable", "npu", "cuda")
-
-
-# ----------------------------------------------------------------------------------------------
-# Custom ops (functional: they mutate nothing and return fresh tensors)
-
-
-@torch.library.custom_op("weave::flashcomm_shard_rows", mutates_args=())
-def flashcomm_shard_rows(
-    x: torch.Tensor, padded_tokens: int, world_size: int, group_name: str
-) -> torch.Tensor:
-    """This rank's rows of ``x`` [T, H] zero-padded to [padded_tokens, H]: ``[padded_tokens / N, H]``.
-
-    Shards a residual that enters the first site from outside the sharded stream.
-    """
-    rank = resolve_group(group_name).rank()
-    per_rank = padded_tokens // world_size
-    shard = x.new_zeros((per_rank, x.shape[1]))
-    lo, hi = rank * per_rank, min((rank + 1) * per_rank, x.shape[0])
-    if hi > lo:
-        shard[: hi - lo] = x[lo:hi]
-    return shard
-
-
-@flashcomm_shard_rows.register_fake
-def _(x, padded_tokens, world_size, group_name):
-    return x.new_empty((padded_tokens // world_size, x.shape[1]))
-
-
-@torch.library.custom_op("weave::npu_mm_reduce_scatter", mutates_args=())
-def npu_mm_reduce_scatter(
-    x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int, comm_mode: str
-) -> torch.Tensor:
-    """``reduce_scatter(x @ w)``: ``[m, k] @ [k, n] -> [m / N, n]`` via ``npu_mm_reduce_scatter_base``."""
-    return npu.mm_reduce_scatter(x, w, group_name, world_size, comm_mode)
-
-
-@npu_mm_reduce_scatter.register_fake
-def _(x, w, group_name, world_size, comm_mode):
-    return x.new_empty((x.shape[0] // world_size, w.shape[1]))
-
-
-@torch.library.custom_op("weave::npu_all_gather_mm", mutates_args=())
-def npu_all_gather_mm(
-    x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int, comm_mode: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(all_gather(x) @ w, all_gather(x))``: ``[R, k], [k, n] -> [R N, n], [R N, k]`` via
-    ``npu_all_gather_base_mm``."""
-    return npu.all_gather_mm(x, w, group_name, world_size, comm_mode)
-
-
-@npu_all_gather_mm.register_fake
-def _(x, w, group_name, world_size, comm_mode):
-    rows = x.shape[0] * world_size
-    return x.new_empty((rows, w.shape[1])), x.new_empty((rows, x.shape[1]))
-
-
-@torch.library.custom_op("weave::npu_add_rms_norm", mutates_args=())
-def npu_add_rms_norm(
-    x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rmsnorm(x1 + x2) * gamma, x1 + x2)`` via ``npu_add_rms_norm``; all ``[R, H]`` but gamma [H]."""
-    return npu.add_rms_norm(x1, x2, gamma, eps)
-
-
-@npu_add_rms_norm.register_fake
-def _(x1, x2, gamma, eps):
-    return x1.new_empty(x1.shape), x1.new_empty(x1.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +286,7 @@ class _FlashCommRewrite:
                 residual = self.carried_shard.get(_through_views(site.residual))
                 if residual is None:  # the first site: a residual from outside the stream
                     rows = self.call(aten.reshape.default, site.residual, [self.d.num_tokens, site.hidden])
-                    residual = self.call(torch.ops.weave.flashcomm_shard_rows.default, rows,
+                    residual = self.call(FLASHCOMM_SHARD_ROWS, rows,
                                          self.d.padded_tokens, self.d.world_size, self.d.group_name)
             normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
             notes.append(norm_note)
@@ -377,7 +310,7 @@ class _FlashCommRewrite:
             if reason is None:
                 x = self.pad_rows(mm.x)
                 if self.kind == "npu":
-                    out = self.call(torch.ops.weave.npu_mm_reduce_scatter.default, x, mm.w,
+                    out = self.call(NPU_MM_REDUCE_SCATTER, x, mm.w,
                                     d.group_name, d.world_size, self.npu_target.comm_mode)
                     label = "npu_mmrs"
                 else:
@@ -419,7 +352,7 @@ class _FlashCommRewrite:
             reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
                                                          residual is not None)
             if reason is None:
-                fused = self.call(torch.ops.weave.npu_add_rms_norm.default, shard, residual,
+                fused = self.call(NPU_ADD_RMS_NORM, shard, residual,
                                   norm.weight, norm.eps)
                 return (self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1),
                         "norm: npu_add_rms_norm")
@@ -540,7 +473,7 @@ class _FlashCommRewrite:
             if w is None:
                 first_reason = first_reason or reason or f"the weight of {mm.name} is computed after the norm"
                 continue
-            fused = self.call(torch.ops.weave.npu_all_gather_mm.default, normed, w, d.group_name,
+            fused = self.call(NPU_ALL_GATHER_MM, normed, w, d.group_name,
                               d.world_size, self.npu_target.comm_mode)
             product = self.call(operator.getitem, fused, 0)
             if d.padded_tokens != d.num_tokens:

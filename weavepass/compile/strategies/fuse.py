@@ -31,7 +31,8 @@ class FuseStrategy(Strategy):
                 continue
             plan.site.lowering = plan.lowering
             op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
-            rewrite.fused[record.node] = plan.site.replace_with(rewrite.graph, op)
+            rewrite.fused[record.node] = plan.site.replace_with(
+                rewrite.graph, op, rewrite.config.cuda_workspace_tokens)
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information

@@ -1,6 +1,7 @@
 """Triton kernels of the ``cuda_symm`` lowering of ``weave.fused_allreduce_rmsnorm``.
 
-Pure ``@triton.jit`` code: the host side (workspace, launch rule, fallbacks) is in ``cuda_symm.py``.
+Pure ``@triton.jit`` code: the host side is in this package's ``support``, ``launch_plan``,
+``workspace`` and ``dispatch`` modules.
 
 Every rank launches the same grid of ``G`` programs (CTAs) over a symmetric workspace::
 
@@ -103,6 +104,25 @@ def _rms_norm_rows(x, w, eps, HIDDEN: tl.constexpr):
 
 
 @triton.jit
+def _finalise_rows(
+    normed_ptr, residual_out_ptr, ws_ptr, recv_offset,
+    start,  # first row of the peer's shard
+    end,  # one past its last row (rows at or beyond it are masked)
+    local,  # [ROWS] row indices within the shard
+    eps, w, cols, col_mask,
+    HIDDEN: tl.constexpr,
+):
+    """Step 5 for one tile of a peer's shard: copy its ``residual_out`` rows from the local recv
+    buffer and normalise them into ``normed`` (both kernels finalise this way)."""
+    mask = ((start + local) < end)[:, None] & col_mask[None, :]
+    offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+    res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
+    tl.store(residual_out_ptr + offs, res, mask=mask)
+    normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
+    tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def fused_allreduce_rmsnorm_kernel(
     partial_ptr,  # [T, HIDDEN] this rank's partial sums (local memory)
     residual_ptr,  # [T, HIDDEN] residual, any float dtype (unused when HAS_RESIDUAL is False)
@@ -199,12 +219,8 @@ def fused_allreduce_rmsnorm_kernel(
                 end = tl.minimum(start + owned, num_tokens)
                 for tile in range(pid, num_tiles, num_programs):
                     local = tile * ROWS + rows
-                    mask = ((start + local) < end)[:, None] & col_mask[None, :]
-                    offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-                    res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
-                    tl.store(residual_out_ptr + offs, res, mask=mask)
-                    normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
-                    tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+                    _finalise_rows(normed_ptr, residual_out_ptr, ws_ptr, recv_offset, start, end,
+                                   local, eps, w, cols, col_mask, HIDDEN)
 
 
 # ------------------------------------------------------------------ pipelined two-shot (large batches)
@@ -331,12 +347,8 @@ def _finalise_chunk(
             end = tl.minimum(start + shard_rows, num_tokens)
             for k in tl.static_range(CHUNK_ROWS // ROWS):
                 local = chunk * CHUNK_ROWS + k * ROWS + rows
-                mask = ((start + local) < end)[:, None] & col_mask[None, :]
-                offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-                res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
-                tl.store(residual_out_ptr + offs, res, mask=mask)
-                normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
-                tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+                _finalise_rows(normed_ptr, residual_out_ptr, ws_ptr, recv_offset, start, end,
+                               local, eps, w, cols, col_mask, HIDDEN)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from weavepass.config import WeaveConfig
-from weavepass.runtime.streams import FUSED_ALLREDUCE_RMSNORM_ASYNC, HOLD_INPUTS, WAIT_TENSOR
+from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC, HOLD_INPUTS, WAIT_TENSOR
 
 from .analysis import Analysis
 from .attention import ATTENTION, emit_attention

@@ -1,0 +1,120 @@
+"""The launch rule of the ``cuda_symm`` lowering: one-shot or two-shot, flat or pipelined kernel,
+grid and tile shape, from the batch alone. The constants are measured (docs/cuda_kernel.md); there
+is no per-model table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weavepass.runtime.portable import rows_per_rank
+
+MIN_CTAS, MAX_CTAS = 2, 32
+SMALL_TILE_BYTES = 16 << 10  # one bf16 row of 8192: many tiles, so small batches still fill 32 CTAs
+LARGE_TILE_BYTES = 64 << 10  # 4 bf16 rows of 8192 per tile: 4x the bytes in flight per CTA
+
+# Launch rule, from benchmarks/bench_fused_allreduce_rmsnorm.py on 2 x H200 (docs/cuda_kernel.md):
+ONE_SHOT_MAX_BYTES = 256 << 10
+"""One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
+Measured at H=8192 bf16 on 2 ranks: one-shot wins at 1 and 8 tokens (7.3 vs 7.7 us, 7.9 vs 9.1 us),
+ties at 32, loses at 128 (17.6 vs 15.6 us) and beyond; 256 KiB = 16 tokens there."""
+PIPELINE_BY_DEFAULT = True
+"""Whether the rule may pick the pipelined kernel. On since the whole GPU test file passed on 2 x H200
+with the pipelined kernel both forced (every dtype, CTA count and odd shape, 500 back-to-back calls
+mixing kernels, CUDA-graph replay) and chosen by this rule (docs/cuda_kernel.md)."""
+PIPELINE_CHUNK_TILES = 2
+"""Tiles per chunk of the pipelined two-shot kernel (one release/acquire hand-off per chunk).
+Measured at 32 CTAs: 2 tiles 0.260 / 0.942 ms vs 4 tiles 0.289 / 0.931 ms at 4096 / 16384 tokens."""
+PIPELINE_MIN_CHUNKS_PER_CTA = 8
+PIPELINE_MIN_CTAS = 16
+"""The pipelined kernel runs (two-shot only) when every CTA gets at least 8 chunks and the grid has
+at least 16 CTAs. Measured (H=8192 bf16, 2 ranks): at 32 CTAs it is 6% faster at 4096 tokens (8
+chunks per CTA) and 18% at 16384, but 10% slower at 1024 (2 chunks per CTA); at 8 CTAs it is 6% slower
+at every size."""
+
+
+@dataclass(frozen=True)
+class LaunchOverrides:
+    """Choices that replace the launch rule's (None: the rule decides). Benchmarks and tests pass
+    them; the token split's async op sets ``num_ctas`` (``WeaveConfig.overlap_comm_ctas``)."""
+
+    num_ctas: int | None = None
+    one_shot: bool | None = None
+    tile_elements: int | None = None  # elements per tile (rows = tile_elements // next_pow2(H))
+    num_warps: int | None = None
+    pipelined: bool | None = None  # ignored in one-shot mode
+    chunk_tiles: int | None = None  # tiles per chunk of the pipelined kernel
+
+
+NO_OVERRIDES = LaunchOverrides()
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call runs: algorithm, grid and tile shape."""
+
+    one_shot: bool
+    num_ctas: int
+    rows_per_tile: int
+    block_h: int
+    num_warps: int
+    pipelined: bool = False  # two-shot, chunk-pipelined kernel with per-chunk counters
+    chunk_rows: int = 0  # rows per chunk (pipelined only)
+    push_rows: int = 0  # rows per push load/store (pipelined only)
+
+
+def choose_launch_plan(
+    num_tokens: int,
+    hidden: int,
+    element_size: int,
+    world_size: int,
+    overrides: LaunchOverrides = NO_OVERRIDES,
+) -> LaunchPlan:
+    """The measured rule (no per-model table).
+
+    * one-shot iff ``(world - 1) * T * H * elem <= ONE_SHOT_MAX_BYTES``;
+    * CTAs = ``clamp(owned tiles, MIN_CTAS, MAX_CTAS)``: one tile per CTA until 32 (owned rows: ``T``
+      in one-shot, ``ceil(T / world)`` in two-shot). Measured: time falls with every CTA added up to
+      32 at every size, because each CTA is latency-bound (one tile in flight), not link-bound;
+    * kernel (only while ``PIPELINE_BY_DEFAULT``; else always the flat kernel): the chunk-pipelined
+      two-shot kernel when two-shot, ``CTAs >= PIPELINE_MIN_CTAS`` and
+      every CTA gets ``>= PIPELINE_MIN_CHUNKS_PER_CTA`` chunks of ``PIPELINE_CHUNK_TILES`` tiles (4096
+      tokens and up at H=8192 bf16 on 2 ranks), else the flat kernel (one barrier per phase);
+    * tile = ``LARGE_TILE_BYTES`` of rows when the owned rows fill ``MAX_CTAS`` such tiles, else
+      ``SMALL_TILE_BYTES`` (at least one row of ``next_pow2(H)`` columns); warps = tile bytes / 4 KiB,
+      clamped to [8, 16]. Measured: at 32 CTAs the 64 KiB tile is 14-16% faster than the 16 KiB one
+      from 1024 tokens up (each CTA is latency-bound, bigger tiles keep more bytes in flight).
+
+    A field of ``overrides`` that is not None replaces the rule's choice (benchmarks, tests).
+    """
+    one_shot, tile_elements, num_warps = overrides.one_shot, overrides.tile_elements, overrides.num_warps
+    num_ctas, pipelined, chunk_tiles = overrides.num_ctas, overrides.pipelined, overrides.chunk_tiles
+    block_h = triton_next_power_of_2(hidden)
+    if one_shot is None:
+        one_shot = (world_size - 1) * num_tokens * hidden * element_size <= ONE_SHOT_MAX_BYTES
+    owned = num_tokens if one_shot else rows_per_rank(num_tokens, world_size)
+    if tile_elements is None:
+        large = owned * block_h * element_size >= MAX_CTAS * LARGE_TILE_BYTES
+        tile_elements = (LARGE_TILE_BYTES if large else SMALL_TILE_BYTES) // element_size
+    rows_per_tile = max(1, tile_elements // block_h)
+    if num_warps is None:
+        num_warps = max(8, min(16, rows_per_tile * block_h * element_size // 4096))
+    if num_ctas is None:
+        num_ctas = -(-owned // rows_per_tile)
+    num_ctas = max(MIN_CTAS, min(MAX_CTAS, num_ctas))
+    chunk_tiles = chunk_tiles or PIPELINE_CHUNK_TILES
+    chunk_rows = rows_per_tile * chunk_tiles
+    if pipelined is None:
+        pipelined = (
+            PIPELINE_BY_DEFAULT
+            and num_ctas >= PIPELINE_MIN_CTAS
+            and owned >= PIPELINE_MIN_CHUNKS_PER_CTA * num_ctas * chunk_rows
+        )
+    pipelined = bool(pipelined) and not one_shot
+    if not pipelined:
+        return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps)
+    push_rows = min(chunk_rows, 2 * rows_per_tile)  # two tiles in flight per push load/store
+    return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps, True, chunk_rows, push_rows)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,52 @@
+"""Which calls the ``cuda_symm`` lowering can serve: the checks the planner asks at compile time
+(``cuda_site_unsupported_reason``) and the dispatcher repeats on a call's tensors. Asking writes
+nothing: the capacity a call may use travels in the op call (``workspace_tokens``)."""
+
+from __future__ import annotations
+
+import torch
+
+from weavepass.runtime.portable import resolve_group
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HIDDEN = 16384  # one row per tile lives in registers
+MAX_WORLD = 8  # the kernels take per-peer addresses as 8 scalar arguments
+
+
+def cuda_site_unsupported_reason(
+    dtype: torch.dtype, hidden: int, device: torch.device, group_name: str
+) -> str | None:
+    """Why the CUDA lowering cannot serve sites of this kind (compile-time form), or None."""
+    if torch.device(device).type != "cuda":
+        return f"tensors are on {torch.device(device).type}, not CUDA"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not bf16, fp16 or fp32"
+    if hidden <= 0 or hidden % 8 != 0:
+        return f"hidden size {hidden} is not a positive multiple of 8 (16-byte vectors)"
+    if hidden > MAX_HIDDEN:
+        return f"hidden size {hidden} exceeds {MAX_HIDDEN} (a row must fit one tile)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    try:
+        world = resolve_group(group_name).size()
+    except Exception as exc:  # an unknown group name is a reason, not a crash
+        return f"process group {group_name!r} cannot be resolved: {exc}"
+    # A group of one runs the same code with no peers (add + RMSNorm only): one GPU can then test
+    # the launch path and measure its host cost. The plan leaves such groups alone by default
+    # (WeaveConfig.min_world_size).
+    if not 1 <= world <= MAX_WORLD:
+        return f"world size {world} is outside 1..{MAX_WORLD}"
+    return None
+
+
+def cuda_unsupported_reason(partial, residual, weight, group_name: str) -> str | None:
+    """Why the CUDA lowering cannot serve this call (run-time form, on the call's tensors), or None.
+    Batch size is not checked here: a batch larger than the workspace falls back to portable."""
+    hidden = partial.shape[-1] if partial.dim() else 0
+    if residual is not None and (residual.shape != partial.shape or residual.device != partial.device):
+        return "residual differs from partial in shape or device"
+    if weight.shape != (hidden,) or weight.device != partial.device:
+        return "weight is not a [hidden] tensor on partial's device"
+    return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name)

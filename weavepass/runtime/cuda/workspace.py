@@ -1,0 +1,138 @@
+"""The symmetric workspace of the ``cuda_symm`` lowering: one rendezvoused buffer and signal pad per
+(group, dtype, device) and size class, allocated on first need and kept for the process's lifetime
+(the kernels' peers address it by pointer; CUDA graphs replay against it). Its capacity is asked
+for by each call (``max_workspace_tokens``, from the op call), never set process-wide."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from weavepass.runtime.cuda.launch_plan import MAX_CTAS, triton_next_power_of_2
+from weavepass.runtime.cuda.support import MAX_WORLD
+
+logger = logging.getLogger("weavepass")
+
+DEFAULT_WORKSPACE_TOKENS = 16384
+"""Largest batch (tokens) the workspace serves when a direct caller of the lowering does not say
+(graphs pass ``WeaveConfig.cuda_workspace_tokens``, whose default this is); with hidden ``H`` the
+workspace holds ``2 * tokens * H`` elements of the partial's dtype (512 MiB at H=8192, bf16)."""
+
+MIN_WORKSPACE_TOKENS = 256  # smallest size class: decode-only runs stay small
+SIGNAL_CHANNELS = 4  # two barriers (flat kernel) + two chunk counters (pipelined kernel)
+
+
+@dataclass
+class _Workspace:
+    """One rendezvoused symmetric buffer: ``staging [capacity] | recv [capacity]`` in ``dtype``."""
+
+    buffer: torch.Tensor  # local view of the symmetric allocation, [2 * capacity]
+    pad: torch.Tensor  # local signal pad, int32
+    capacity: int  # elements per region
+    buffer_deltas: tuple[int, ...]  # peer address - local address, in elements, padded to MAX_WORLD
+    pad_deltas: tuple[int, ...]  # the same for signal pads, in int32 slots
+    rank: int
+    world: int
+
+
+_WORKSPACES: dict[tuple[str, torch.dtype, int], list[_Workspace]] = {}
+
+
+def enable_symm_mem_for_group(group_name: str) -> None:
+    """Register ``group_name`` with PyTorch symmetric memory where this torch still needs it (the
+    call is deprecated, with a FutureWarning, in later releases, which need nothing)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+
+
+def _signal_pad_bytes() -> int:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "get_signal_pad_size"):
+        return symm_mem.get_signal_pad_size()
+    return torch._C._distributed_c10d._SymmetricMemory.signal_pad_size
+
+
+def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, capacity: int):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable_symm_mem_for_group(group_name)
+    buffer = symm_mem.empty(2 * capacity, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buffer, group_name)
+    if handle.multicast_ptr != 0:  # never touched, but say so if the allocator made one anyway
+        logger.warning("symmetric workspace got a multicast object; weave never uses it")
+    rank, world = handle.rank, handle.world_size
+    pad_slots = _signal_pad_bytes() // 4
+    if pad_slots < SIGNAL_CHANNELS * MAX_CTAS * world:
+        raise RuntimeError(f"signal pad of {pad_slots} slots is too small for {world} ranks")
+    pad = handle.get_signal_pad(rank, [pad_slots], torch.int32)
+    size = buffer.element_size()
+    deltas = [(p - handle.buffer_ptrs[rank]) // size for p in handle.buffer_ptrs]
+    pad_deltas = [(p - handle.signal_pad_ptrs[rank]) // 4 for p in handle.signal_pad_ptrs]
+    padding = [0] * (MAX_WORLD - world)
+    return _Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
+
+
+def outside_graph_pools(make, device: torch.device):
+    """``make()`` run on a helper thread, then synchronised: what it allocates must outlive every
+    CUDA graph. During a CUDA-graph tree's warm-up run Inductor sends every allocation *of the
+    calling thread* into the graph's private pool and afterwards checks that nothing but the graph's
+    outputs stayed alive there; the workspace and the small device tables the symmetric-memory
+    rendezvous allocates stay alive by design (seen on 2 H200s: "2 tensors in the cudagraph pool
+    not tracked as outputs"). Another thread allocates from the ordinary pools."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            result["value"] = make()
+            torch.cuda.synchronize(device)  # its fills are done before any stream reads them
+        except BaseException as error:  # re-raised on the calling thread
+            result["error"] = error
+
+    worker = threading.Thread(target=run, name="weave-workspace")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def get_workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: int):
+    """The smallest cached workspace with ``needed`` elements per region; allocates the next size class
+    (power-of-two tokens, at most ``max_tokens``) when none fits. None when the batch is too large, or
+    when a new one would be needed inside CUDA-graph capture (rendezvous cannot be captured)."""
+    limit = max_tokens * hidden
+    if needed > limit:
+        return None
+    cached = _WORKSPACES.setdefault((group_name, dtype, device.index), [])
+    fitting = [ws for ws in cached if ws.capacity >= needed]
+    if fitting:
+        return min(fitting, key=lambda ws: ws.capacity)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    tokens = max(MIN_WORKSPACE_TOKENS, triton_next_power_of_2(-(-needed // hidden)))
+    capacity = min(tokens * hidden, limit)
+    ws = outside_graph_pools(lambda: _new_workspace(group_name, dtype, device, capacity), device)
+    cached.append(ws)
+    return ws
+
+
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def ones_weight(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The weight of a norm without scale (multiplying by 1.0 in fp32 is exact)."""
+    key = (hidden, dtype, device)
+    if key not in _ONES:
+        make = lambda: torch.ones(hidden, dtype=dtype, device=device)  # noqa: E731
+        _ONES[key] = outside_graph_pools(make, device) if device.type == "cuda" else make()
+    return _ONES[key]
