@@ -586,7 +586,8 @@ def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:
             return None
         if node.op != "call_function" or is_target(node, ALL_REDUCES | {WAIT}) \
                 or node in (site.add, site.inner.add if site.inner is not None else None):
-            return f"{node.name} is computed after the residual add and depends on it; cannot fuse"
+            return (f"{node.name} is computed after {site.insertion_point().name}, where the fused "
+                    "op goes, and depends on it; cannot fuse")
         for arg in node.all_input_nodes:
             reason = visit(arg)
             if reason is not None:
