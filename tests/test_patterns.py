@@ -608,6 +608,22 @@ def test_two_sums_on_different_groups_are_not_merged():
         assert "cannot share its collective" in rec.reason and "reduces over group" in rec.reason, rec.reason
 
 
+def test_two_sums_on_different_groups_normed_directly_claim_the_add_once():
+    """``S_a + S_b -> norm``: each all_reduce could read the other's sum as its residual; the
+    first one's site takes the add, the second is refused and stays an all_reduce (its sum is the
+    first site's residual)."""
+    other = dist.new_group([0, 1])
+
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + funcol.all_reduce(x @ w.flip(0), "sum", other), weight)
+
+    graph = compile_report(f, *inputs())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 1
+    first, second = graph.records
+    assert first.lowering == "portable" and first.kind.startswith("residual,"), first
+    assert not second.matched and second.reason == f"add is already part of the site of {first.node}", second
+
+
 def moe_sums(x, w, r, weight):
     """Both forms in one graph (one compile per dtype): the shared expert and the two sums."""
     return qwen2_moe_shared(x, w, r, weight), deepseek_two_sums(x, w, r, weight)
