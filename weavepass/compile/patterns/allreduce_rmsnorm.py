@@ -470,15 +470,15 @@ def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order
     """The site ``sum + x -> [add residual] -> RMSNorm`` (``InnerAdd``), or why not.
 
     ``plain_reason`` is why the plain reading (``x`` as the residual) failed; the reason given
-    starts with it when this reading fails too.
+    starts with it when this reading fails too, and goes on with where this one stopped.
     """
     found = _match_after_sum(inner.add)
     if isinstance(found, str) and inner.partner is not None:
         return RejectedAllReduce(ar, f"after adding {inner.other.name} "
                                  f"({inner.partner.all_reduce.name}'s sum): {found}")
-    if isinstance(found, str):
-        return RejectedAllReduce(ar, f"{plain_reason}; read as {inner.other.name} added to the "
-                                     f"sum before a residual add: {found}")
+    if isinstance(found, str):  # (the same words when the first reading stopped at the same place)
+        same = plain_reason == f"after adding {inner.other.name}: {found}"
+        return RejectedAllReduce(ar, plain_reason if same else f"{plain_reason}; after that: {found}")
     views_to_add, add, views_to_norm, norm = found
     other = inner.other
     if inner.partner is None:  # (``sum + x -> norm`` without a residual add is the plain site)
