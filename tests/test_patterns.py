@@ -524,3 +524,146 @@ def test_explain_numbers_its_own_graphs_from_0():
         report = weavepass.explain(f, *inputs())
         assert [g.graph_index for g in report.graphs] == [0, 1]
         assert "\ngraph 0: 0/1 rewritten" in str(report) and "\ngraph 1: 1/1 rewritten" in str(report)
+
+
+# ----- MoE sums: a replicated shared expert, or a second all_reduce, added before the residual ---
+
+ADD = "aten.add.Tensor"
+
+
+def _shared_expert(x, r):
+    """A replicated, gated shared-expert output (Qwen2-MoE): every rank computes it from the same
+    (replicated) tensors."""
+    return torch.sigmoid(x[:, :1]) * torch.tanh(r.flip(-1))
+
+
+def qwen2_moe_shared(x, w, r, weight):
+    h = ar(x @ w) + _shared_expert(x, r)  # the experts' sum plus the shared expert
+    h = h.view(1, *h.shape) + r.view(1, *r.shape)  # then the residual add, in [B, S, H]
+    return llama_norm(h, weight), h
+
+
+def deepseek_two_sums(x, w, r, weight):
+    routed = ar(x @ w).view(1, x.shape[0], H)  # the routed experts' sum, viewed like DeepSeek's
+    h = routed + ar((x @ w).view(1, x.shape[0], H) * 0.5) + r.view(1, *r.shape)  # + the shared experts'
+    return llama_norm(h, weight), h
+
+
+def test_shared_expert_sum_is_a_site_and_its_add_is_not_called_a_residual_add():
+    graph = compile_report(qwen2_moe_shared, *inputs())
+    assert_fused(graph, 1)
+    (record,) = graph.records
+    # ``(S + s) + r`` became ``S + (s + r)``: of the three adds (two and the norm's eps) only the
+    # new ``s + r`` is left; the op does ``S + (s + r)`` and the norm.
+    assert (graph.ops_before[ADD], graph.ops_after[ADD]) == (3, 1)
+    assert "added to the sum before the residual add: moved onto the residual" in record.kind, record.kind
+    assert "rounding order differs" in record.kind
+
+
+def test_shared_expert_without_a_later_residual_add_is_a_plain_site():
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + _shared_expert(x, r), weight)
+
+    graph = compile_report(f, *inputs())
+    assert_fused(graph, 1)
+    assert graph.records[0].kind.startswith("residual,"), graph.records[0].kind
+
+
+def test_shared_add_read_elsewhere_is_not_folded():
+    def f(x, w, r, weight):
+        moe = ar(x @ w) + _shared_expert(x, r)
+        return llama_norm(moe + r, weight), moe  # the MoE output itself is returned too
+
+    graph = compile_report(f, *inputs())
+    assert_unchanged(graph, "other user(s) besides the residual add")
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_two_sums_on_one_group_become_one_all_reduce(residual):
+    def no_residual(x, w, r, weight):
+        return llama_norm(ar(x @ w) + ar(x @ w.flip(0)), weight)
+
+    graph = compile_report(deepseek_two_sums if residual else no_residual, *inputs())
+    assert graph.ops_before[AR] == 2
+    assert graph.ops_after[AR] == graph.ops_after[WAIT] == 0  # both replaced, by one fused op
+    assert graph.ops_after[FUSED] == 1
+    (record,) = graph.records  # the merged all_reduce has no record of its own: the site names it
+    assert record.lowering == "portable"
+    assert record.kind.startswith("residual," if residual else "no-residual,"), record.kind
+    assert "summed with all_reduce_1" in record.kind and "one all_reduce" in record.kind, record.kind
+    assert record.matmul == ""  # the fused op reads the partials' sum, not a matmul
+
+
+def test_two_sums_on_different_groups_are_not_merged():
+    other = dist.new_group([0, 1])
+
+    def f(x, w, r, weight):
+        h = ar(x @ w) + funcol.all_reduce(x @ w, "sum", other) + r
+        return llama_norm(h, weight), h
+
+    graph = compile_report(f, *inputs())
+    assert graph.ops_after == graph.ops_before
+    assert len(graph.records) == 2 and not any(rec.matched for rec in graph.records)
+    for rec in graph.records:
+        assert "cannot share its collective" in rec.reason and "reduces over group" in rec.reason, rec.reason
+
+
+def test_two_sums_on_different_groups_normed_directly_claim_the_add_once():
+    """``S_a + S_b -> norm``: each all_reduce could read the other's sum as its residual; the
+    first one's site takes the add, the second is refused and stays an all_reduce (its sum is the
+    first site's residual)."""
+    other = dist.new_group([0, 1])
+
+    def f(x, w, r, weight):
+        return llama_norm(ar(x @ w) + funcol.all_reduce(x @ w.flip(0), "sum", other), weight)
+
+    graph = compile_report(f, *inputs())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 1
+    first, second = graph.records
+    assert first.lowering == "portable" and first.kind.startswith("residual,"), first
+    assert not second.matched and second.reason == f"add is already part of the site of {first.node}", second
+
+
+def moe_sums(x, w, r, weight):
+    """Both forms in one graph (one compile per dtype): the shared expert and the two sums."""
+    return qwen2_moe_shared(x, w, r, weight), deepseek_two_sums(x, w, r, weight)
+
+
+def _moe_sums_rank(rank: int, world: int) -> dict:
+    """``moe_sums`` in fp32 and bf16, compiled vs eager vs the fp32 function, on a gloo group.
+    Each rank's partial is its own matmul (its weight shard); x, r, the norm weight and the shared
+    expert's output are the same on every rank, as tensor parallelism keeps them."""
+    from weavepass.testing.harness import check_against_eager
+
+    g = torch.Generator().manual_seed(0)
+    x, r, weight = torch.randn(7, 32, generator=g), torch.randn(7, H, generator=g), torch.randn(H, generator=g)
+    w = [torch.randn(32, H, generator=g) / 4 for _ in range(world)][rank]
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        backend = weavepass.make_backend()
+        torch._dynamo.reset()
+        comparison = check_against_eager(moe_sums, tuple(t.to(dtype) for t in (x, w, r, weight)),
+                                         lambda f: torch.compile(f, backend=backend), moe_sums, dtype,
+                                         raise_on_failure=False)
+        results[str(dtype)] = (comparison.passed, str(comparison), backend.report.rewritten,
+                               [rec.kind for rec in backend.report.records])
+    return results
+
+
+@pytest.fixture(scope="module")
+def moe_sums_on_gloo():
+    from weavepass.testing.distributed import spawn
+
+    return spawn(_moe_sums_rank, 2, "gloo")
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_moe_sums_equal_eager_on_gloo(moe_sums_on_gloo, dtype):
+    """Reassociated (shared) and merged (two sums) on both ranks, and within
+    ``check_against_eager``'s per-dtype bound of the fp32 function (every output, both forms): the
+    rewrites change only where the sums are rounded."""
+    for rank_results in moe_sums_on_gloo:
+        passed, table, rewritten, kinds = rank_results[dtype]
+        assert rewritten == 2, kinds
+        assert "moved onto the residual" in kinds[0] and "one all_reduce" in kinds[1], kinds
+        assert passed, table

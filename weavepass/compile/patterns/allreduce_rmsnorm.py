@@ -90,6 +90,10 @@ class FusedAllReduceRMSNormSite:
     """``sum * c`` between the wait and the add (or the norm), c a scalar: hoisted onto the partial
     by ``hoist_scale`` when the site is rewritten (``_scale_after_sum``)."""
     scale_text: str = ""
+    inner: InnerAdd | None = None
+    """``sum + x`` between the wait and the residual add (or the norm): folded by ``fold_inner_add``
+    when the site is rewritten (``_match_inner_add``)."""
+    inner_text: str = ""
 
     @property
     def partial(self) -> Node:
@@ -100,7 +104,16 @@ class FusedAllReduceRMSNormSite:
         """Read from the add at use time: an earlier rewrite may have replaced the residual node."""
         if self.add is None:
             return None
-        summed = self.views_to_add[-1] if self.views_to_add else self.scale or self.wait
+        if self.inner is not None and self.inner.partner is None:
+            # The op's residual will be ``x + r`` (``fold_inner_add``), not the stream's value: until
+            # then, ``x`` stands for it, so that no strategy takes it for the stream.
+            return self.inner.other
+        return self._stream_residual()
+
+    def _stream_residual(self) -> Node:
+        """The residual add's operand that is not the (scaled, merged) sum."""
+        start = self.inner.add if self.inner is not None else self.scale or self.wait
+        summed = self.views_to_add[-1] if self.views_to_add else start
         return self.add.args[1] if self.add.args[0] is summed else self.add.args[0]
 
     @property
@@ -119,18 +132,23 @@ class FusedAllReduceRMSNormSite:
     def kind(self) -> str:
         residual = "residual" if self.add is not None else "no-residual"
         scaled = f", sum scaled by {self.scale_text}" if self.scale_text else ""
+        inner = f", {self.inner_text}" if self.inner_text else ""
         weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
-        return f"{residual}{scaled}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
+        return f"{residual}{scaled}{inner}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
 
     @property
     def stream(self) -> Node:
-        """The node holding the new residual stream value: the add, else the (scaled) sum."""
-        return self.add if self.add is not None else self.scale or self.wait
+        """The node holding the new residual stream value: the add, else the (scaled, merged) sum."""
+        if self.add is not None:
+            return self.add
+        return self.inner.add if self.inner is not None else self.scale or self.wait
 
     def prepare(self, graph: Graph) -> None:
         """Ready the graph for a rewrite at ``insertion_point()`` (every strategy calls this): the
-        scale moved onto the partial, and the late inputs (``_late_inputs``) moved up."""
+        scale moved onto the partial, the inner add folded, and the late inputs (``_late_inputs``)
+        moved up."""
         self.hoist_scale(graph)
+        self.fold_inner_add(graph)
         for node in self.extra.get("hoist", []):
             self.insertion_point().prepend(node)
 
@@ -155,19 +173,81 @@ class FusedAllReduceRMSNormSite:
             self.norm.input = self.wait
         self.scale = None
 
+    def fold_inner_add(self, graph: Graph) -> None:
+        """Fold ``sum + x`` (``inner``) away; afterwards the site is a plain one.
+
+        * ``x`` another all_reduce's sum over the same group: ``all_reduce(a) + all_reduce(b) ->
+          all_reduce(a + b)``, one collective fewer. Eager rounds each sum and then their sum;
+          here each rank rounds ``a + b`` once (in the partial's dtype) and the op sums in fp32.
+        * ``x`` replicated (a shared expert's output): ``(S + x) + r -> S + (x + r)``, the op's
+          residual ``x + r`` computed before it. The same sum, rounded in another order: eager
+          rounds ``S + x`` and then ``+ r``, here ``x + r`` and then ``S + (x + r)``.
+        """
+        if self.inner is None:
+            return
+        if self.inner.partner is not None:
+            self._merge_partner(graph)
+        else:
+            self._add_to_residual(graph)
+        self.inner = None
+
+    def _merge_partner(self, graph: Graph) -> None:
+        inner, partner = self.inner, self.inner.partner
+        with graph.inserting_before(inner.add):
+            mine = _replay(graph, inner.views, self.partial)
+            theirs = _replay(graph, partner.views, partner.partial)
+            summed = graph.call_function(aten.add.Tensor, (mine, theirs))
+            merged = graph.call_function(c10d.all_reduce.default, (summed, "sum", self.group_name))
+            wait = graph.call_function(WAIT, (merged,))
+        _set_fake_vals([*_chain(self.partial, mine), *_chain(partner.partial, theirs), summed,
+                        merged, wait])
+        inner.add.replace_all_uses_with(wait)
+        _erase_dead([inner.add, *reversed(inner.views), self.wait, self.all_reduce,
+                     *reversed(partner.views), partner.wait, partner.all_reduce], graph)
+        if self.norm.input is inner.add:  # no residual add: the norm read the merged sum
+            self.norm.input = wait
+        self.all_reduce, self.wait, self.matmul = merged, wait, None
+
+    def _add_to_residual(self, graph: Graph) -> None:
+        inner, add = self.inner, self.add
+        x, residual = inner.other, self._stream_residual()
+        with graph.inserting_before(add):
+            x_rows = _replay(graph, self.views_to_add, x)  # in the residual add's shape
+            new_residual = graph.call_function(aten.add.Tensor, (x_rows, residual))
+        _set_fake_vals([*_chain(x, x_rows), new_residual])
+        summed = inner.views[-1] if inner.views else self.wait  # the scale is hoisted by now
+        (self.views_to_add[0] if self.views_to_add else add).replace_input_with(inner.add, summed)
+        add.replace_input_with(residual, new_residual)
+        _erase_dead([inner.add], graph)
+        self.views_to_add = inner.views + self.views_to_add
+
     @property
     def training(self) -> bool:
         """The forward graph of a training compile saves this norm's inverse RMS for backward."""
         return self.norm.saved_inv_rms is not None
 
     def insertion_point(self) -> Node:
-        """The fused op goes where the residual add (or the wait) was: all consumers follow."""
+        """The fused op goes where the residual add (or the wait) was: all consumers follow. (A
+        merged sum without a residual add: where the two sums were added; ``fold_inner_add`` puts
+        the one wait there.)"""
+        if self.add is None and self.inner is not None:
+            return self.inner.add
         return self.add if self.add is not None else self.wait
 
     def inputs(self) -> list[Node]:
-        """Nodes the fused op and its replayed views read."""
+        """Nodes the fused op and its replayed views read (and, before ``fold_inner_add``, the
+        nodes it reads)."""
         nodes = [n for n in (self.partial, self.residual, self.norm.weight) if n is not None]
-        for view in self.views_to_add + self.views_to_norm:
+        views = self.views_to_add + self.views_to_norm
+        if self.inner is not None:
+            nodes.append(self.inner.other)
+            views = views + self.inner.views
+            if self.inner.partner is not None:
+                nodes.append(self.inner.partner.all_reduce.args[0])
+                views = views + self.inner.partner.views
+            elif self.add is not None:
+                nodes.append(self._stream_residual())
+        for view in views:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes
 
@@ -202,6 +282,34 @@ class FusedAllReduceRMSNormSite:
             [carried, *reversed(self.views_to_add), self.wait, self.all_reduce], graph
         )
         return fused
+
+
+@dataclass
+class PartnerSum:
+    """Another all_reduce's sum, added to this one's: ``partial -> all_reduce -> wait -> views``."""
+
+    all_reduce: Node
+    wait: Node
+    views: list[Node]
+    """row views from the wait to the inner add, each read only by the next"""
+
+    @property
+    def partial(self) -> Node:
+        return self.all_reduce.args[0]
+
+
+@dataclass
+class InnerAdd:
+    """``sum + x`` between the reduced sum and the residual add (or the norm). MoE layers add the
+    routed experts' sum to a replicated shared expert's output (Qwen2-MoE), or to the shared
+    experts' own all_reduce sum (``partner``, DeepSeek-V3)."""
+
+    add: Node
+    views: list[Node]
+    """row views from the (scaled) sum to ``add``, each read only by the next"""
+    other: Node
+    """``add``'s operand that is not this all_reduce's sum"""
+    partner: PartnerSum | None = None
 
 
 def _replay(graph: Graph, views: list[Node], node: Node) -> Node:
@@ -248,37 +356,56 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     def reject(reason: str) -> RejectedAllReduce:
         return RejectedAllReduce(ar, reason)
 
-    reduce_op = str(ar.args[1]).lower()
-    if reduce_op != "sum":
-        return reject(f"all_reduce op is {reduce_op!r}; only 'sum' is a row-parallel reduction")
-    group_name = ar.args[2]
-    partial = ar.args[0]
-    if val(partial) is None:
-        return reject("the all_reduce input has no tensor metadata")
-    if ar.target is c10d.all_reduce_.default and len(partial.users) > 1:
-        return reject("in-place all_reduce whose input is read elsewhere")
-    waits = [u for u in ar.users if u.target is WAIT]
-    if len(waits) != 1 or len(ar.users) != 1:
-        return reject("the all_reduce result is not consumed through exactly one wait_tensor")
-    wait = waits[0]
+    reason = _unfit_all_reduce(ar)
+    if reason is not None:
+        return reject(reason)
+    group_name, partial = ar.args[2], ar.args[0]
+    wait = next(iter(ar.users))
     scale = _scale_after_sum(ar, wait, order)
     summed = scale or wait
 
+    inner = _match_inner_add(ar, summed)
+    if isinstance(inner, InnerAdd) and inner.partner is not None:  # before reading x as a residual
+        return _inner_site(ar, wait, scale, inner, order)
+    found = _match_after_sum(summed)
+    if isinstance(found, str):
+        if isinstance(inner, InnerAdd):
+            return _inner_site(ar, wait, scale, inner, order, found)
+        return reject(found)
+    views_to_add, add, views_to_norm, norm = found
+    site = FusedAllReduceRMSNormSite(
+        ar, wait, group_name, views_to_add, add, views_to_norm, norm, _producer_matmul(partial)
+    )
+    return _with_scale(site, scale, order)
+
+
+def _unfit_all_reduce(ar: Node) -> str | None:
+    """Why ``ar`` is not a row-parallel sum read through one wait, or None."""
+    reduce_op = str(ar.args[1]).lower()
+    if reduce_op != "sum":
+        return f"all_reduce op is {reduce_op!r}; only 'sum' is a row-parallel reduction"
+    partial = ar.args[0]
+    if val(partial) is None:
+        return "the all_reduce input has no tensor metadata"
+    if ar.target is c10d.all_reduce_.default and len(partial.users) > 1:
+        return "in-place all_reduce whose input is read elsewhere"
+    if len(ar.users) != 1 or next(iter(ar.users)).target is not WAIT:
+        return "the all_reduce result is not consumed through exactly one wait_tensor"
+    return None
+
+
+def _match_after_sum(summed: Node) -> tuple[list[Node], Node | None, list[Node], RMSNormMatch] | str:
+    """From the (scaled, merged) sum on: ``views -> [add residual] -> views -> RMSNorm``, as
+    ``(views_to_add, add, views_to_norm, norm)``, or why not."""
     # Without a residual: the reduced sum itself is normalised (and may be used elsewhere).
     found = _find_norm(summed)
     if not isinstance(found, str):
         views_to_norm, norm = found
-        site = FusedAllReduceRMSNormSite(
-            ar, wait, group_name, [], None, views_to_norm, norm, _producer_matmul(partial)
-        )
-        return _with_scale(site, scale, order)
+        return [], None, views_to_norm, norm
     no_norm_reason = found
 
-    # With a residual: wait -> (exclusive views) -> add(x, residual) -> views -> norm.
-    views_to_add, cur = [], summed
-    while len(cur.users) == 1 and _is_row_view(next(iter(cur.users)), cur):
-        cur = next(iter(cur.users))
-        views_to_add.append(cur)
+    # With a residual: sum -> (exclusive views) -> add(x, residual) -> views -> norm.
+    views_to_add, cur = _exclusive_views(summed)
     for add in [u for u in cur.users if is_target(u, {RESIDUAL_ADD})]:
         unfit = _unfit_residual_add(add, cur)
         if unfit is not None:
@@ -290,16 +417,85 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
             no_norm_reason = f"after adding {residual.name}: {found}"  # a residual or not: unknown here
             continue
         if len(cur.users) != 1:
-            return reject(
-                f"the all_reduce result has {len(cur.users) - 1} other user(s) besides the "
-                "residual add that feeds the norm"
-            )
+            return (f"the all_reduce result has {len(cur.users) - 1} other user(s) besides the "
+                    "residual add that feeds the norm")
         views_to_norm, norm = found
-        site = FusedAllReduceRMSNormSite(
-            ar, wait, group_name, views_to_add, add, views_to_norm, norm, _producer_matmul(partial)
-        )
-        return _with_scale(site, scale, order)
-    return reject(no_norm_reason)
+        return views_to_add, add, views_to_norm, norm
+    return no_norm_reason
+
+
+def _exclusive_views(node: Node) -> tuple[list[Node], Node]:
+    """The chain of row views from ``node`` in which each is its input's only user, and its end."""
+    views = []
+    while len(node.users) == 1 and _is_row_view(next(iter(node.users)), node):
+        node = next(iter(node.users))
+        views.append(node)
+    return views, node
+
+
+def _match_inner_add(ar: Node, summed: Node) -> InnerAdd | None:
+    """``sum -> views -> add(sum, x)``, the sum's only reader a plain add of its shape and dtype,
+    with ``x`` another all_reduce's sum that can share this one's collective (``partner``) or
+    anything else (a candidate shared-expert output, checked by ``_inner_site``). The add is the
+    sum's only reader, so ``x`` cannot depend on the sum."""
+    views, cur = _exclusive_views(summed)
+    add = next(iter(cur.users), None)
+    if len(cur.users) != 1 or not is_target(add, {RESIDUAL_ADD}) or _unfit_residual_add(add, cur):
+        return None
+    other = add.args[1] if add.args[0] is cur else add.args[0]
+    partner = _partner_sum(other, ar)
+    return InnerAdd(add, views, other, partner if isinstance(partner, PartnerSum) else None)
+
+
+def _partner_sum(x: Node, ar: Node) -> PartnerSum | str | None:
+    """``x`` as another all_reduce's sum read only by the add (through row views) that can be
+    merged into ``ar``'s collective; a reason when it is such a sum but cannot be; else None."""
+    views = []
+    while is_target(x, VIEWS) and len(x.users) == 1 and _is_row_view(x, x.args[0]):
+        views.append(x)
+        x = x.args[0]
+    if not is_target(x, {WAIT}) or len(x.users) != 1 or not is_target(x.args[0], ALL_REDUCES):
+        return None
+    other = x.args[0]
+    if _unfit_all_reduce(other) is not None:
+        return f"{other.name}: {_unfit_all_reduce(other)}"
+    if other.args[2] != ar.args[2]:
+        return f"{other.name} reduces over group {other.args[2]!r}, not {ar.args[2]!r}"
+    if val(other.args[0]).dtype != val(ar.args[0]).dtype:
+        return f"{other.name} sums {val(other.args[0]).dtype}, not {val(ar.args[0]).dtype}"
+    return PartnerSum(other, x, list(reversed(views)))
+
+
+def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order,
+                plain_reason: str = "") -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+    """The site ``sum + x -> [add residual] -> RMSNorm`` (``InnerAdd``), or why not.
+
+    ``plain_reason`` is why the plain reading (``x`` as the residual) failed; the reason given
+    starts with it when this reading fails too, and goes on with where this one stopped.
+    """
+    found = _match_after_sum(inner.add)
+    if isinstance(found, str) and inner.partner is not None:
+        return RejectedAllReduce(ar, f"after adding {inner.other.name} "
+                                 f"({inner.partner.all_reduce.name}'s sum): {found}")
+    if isinstance(found, str):  # (the same words when the first reading stopped at the same place)
+        same = plain_reason == f"after adding {inner.other.name}: {found}"
+        return RejectedAllReduce(ar, plain_reason if same else f"{plain_reason}; after that: {found}")
+    views_to_add, add, views_to_norm, norm = found
+    other = inner.other
+    if inner.partner is None:  # (``sum + x -> norm`` without a residual add is the plain site)
+        partner = _partner_sum(other, ar)
+        if isinstance(partner, str):
+            return RejectedAllReduce(ar, f"the sum is added to another all_reduce's sum, which "
+                                         f"cannot share its collective: {partner}")
+        text = (f"{other.name} added to the sum before the residual add: moved onto the residual "
+                f"({other.name} + residual; eager adds it to the sum first, so the rounding order differs)")
+    else:
+        text = (f"summed with {inner.partner.all_reduce.name} ({other.name}): one all_reduce of the "
+                "partials' sum (eager rounds each sum, then their sum)")
+    site = FusedAllReduceRMSNormSite(ar, wait, ar.args[2], views_to_add, add, views_to_norm, norm,
+                                     None if inner.partner else _producer_matmul(ar.args[0]),
+                                     inner=inner, inner_text=text)
+    return _with_scale(site, scale, order)
 
 
 def _unfit_residual_add(add: Node, summed: Node) -> str | None:
@@ -390,8 +586,9 @@ def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:
         if order.get(node, -1) < point or node in moved:
             return None
         if node.op != "call_function" or is_target(node, ALL_REDUCES | {WAIT}) \
-                or node is site.add:
-            return f"{node.name} is computed after the residual add and depends on it; cannot fuse"
+                or node in (site.add, site.inner.add if site.inner is not None else None):
+            return (f"{node.name} is computed after {site.insertion_point().name}, where the fused "
+                    "op goes, and depends on it; cannot fuse")
         for arg in node.all_input_nodes:
             reason = visit(arg)
             if reason is not None:
@@ -411,7 +608,7 @@ def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | 
     inverse RMS must have the shape the op returns (the op's input rows, one column)."""
     if site.training:
         saved = val(site.norm.saved_inv_rms).shape
-        rows = val(site.add if site.add is not None else site.partial).shape[:-1]
+        rows = val(site.stream).shape[:-1]
         if list(saved) != [*rows, 1]:
             return RejectedAllReduce(site.all_reduce, (
                 f"training: the inverse RMS {site.norm.saved_inv_rms.name} saved for backward "
@@ -430,9 +627,32 @@ def find_allreduce_rmsnorm_sites(
     """Every all_reduce in ``graph``, as an accepted site or a rejection (graph order)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     sites, rejected = [], []
+    merged: set[Node] = set()  # partners whose sum an earlier site's collective carries
+    claimed: dict[Node, Node] = {}  # node a site replaces -> that site's all_reduce
     for node in graph.nodes:
-        if not is_target(node, ALL_REDUCES):
+        if not is_target(node, ALL_REDUCES) or node in merged:
             continue
         found = _match_one(node, order)
-        (sites if isinstance(found, FusedAllReduceRMSNormSite) else rejected).append(found)
+        if isinstance(found, FusedAllReduceRMSNormSite):
+            found = _claim(found, claimed)
+        if isinstance(found, FusedAllReduceRMSNormSite):
+            sites.append(found)
+            if found.inner is not None and found.inner.partner is not None:
+                merged.add(found.inner.partner.all_reduce)
+        else:
+            rejected.append(found)
     return sites, rejected
+
+
+def _claim(site: FusedAllReduceRMSNormSite,
+           claimed: dict[Node, Node]) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+    """``site``, unless an earlier site replaces one of its adds (two all_reduces added to each
+    other that cannot share a collective would both read the add as their residual add)."""
+    replaced = [site.add, site.inner.add if site.inner is not None else None]
+    replaced = [n for n in replaced if n is not None]
+    for node in replaced:
+        if node in claimed:
+            return RejectedAllReduce(site.all_reduce, f"{node.name} is already part of the site of "
+                                     f"{claimed[node].name}")
+    claimed.update(dict.fromkeys(replaced, site.all_reduce))
+    return site
