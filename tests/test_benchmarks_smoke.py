@@ -56,7 +56,9 @@ def test_fused_allreduce_rmsnorm_smoke(tmp_path):
     text, rows = _smoke("bench_fused_allreduce_rmsnorm.py", tmp_path)
     # The reduce-scatter form needs a token count divisible by the 2 ranks: not at 1 token.
     assert {(r["tokens"], r["method"]) for r in rows} == {("1", "nccl"), ("8", "nccl"), ("8", "nccl_rs_ag")}
-    assert all(r["best_baseline"] == "nccl" or r["method"] == "nccl_rs_ag" for r in rows)
+    # The fastest baseline is one measured at the same size (which one depends on timing: not asserted).
+    measured = {(r["tokens"], r["method"]) for r in rows}
+    assert all((r["tokens"], r["best_baseline"]) in measured for r in rows)
     assert "nccl_symm skipped on the CPU" in text
 
 

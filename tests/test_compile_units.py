@@ -141,7 +141,7 @@ def test_plan_sites_codes(world2, monkeypatch):
     small = plan_sites(sites, WeaveConfig(min_world_size=4))
     assert [(p.lowering, p.code) for p in small] == [(None, ReasonCode.GROUP_TOO_SMALL)] * 2
     assert small[0].reason == "group of 2 rank(s) < min_world_size=4"
-    monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site, config: "no kernel")
+    monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site: "no kernel")
     fallback = plan_sites(sites, WeaveConfig(lowering="cuda_symm"))
     assert [(p.lowering, p.code) for p in fallback] == [("portable", ReasonCode.PORTABLE_FALLBACK)] * 2
     monkeypatch.setattr("weavepass.compile.planner.group_size", lambda name: None)
@@ -310,7 +310,7 @@ def test_lowering_available_on_one_rank_only_is_stopped(monkeypatch):
     rank 1 falls back to portable; the lowering is part of the op call, so the check sees it."""
     lines = []
     for rank, reason in enumerate((None, "CUDA lowering unavailable (No module named 'triton')")):
-        monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site, config, r=reason: r)
+        monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site, r=reason: r)
         lines.append(_lines_on_rank(rank, WeaveConfig(lowering="cuda_symm")))
     assert "'cuda_symm'" in lines[0][0][1] and "'portable'" in lines[1][0][1]
     errors = _exchange(lines)
