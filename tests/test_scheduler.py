@@ -183,13 +183,14 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
         return types.SimpleNamespace(device=torch.device("cuda", 0), training=False,
                                      partial=types.SimpleNamespace(meta={"val": torch.empty(*shape)}))
 
-    lowering, code, reason = scheduler.choose_lowering(site(512, 8), WeaveConfig())
+    assert scheduler.choose_lowering(site(1, 8), WeaveConfig())[0] == "cuda_symm"  # the default fuses every size
+    gated = WeaveConfig(cuda_min_tokens=1024)
+    lowering, code, reason = scheduler.choose_lowering(site(512, 8), gated)
     assert lowering is None and code is ReasonCode.CUDA_MIN_TOKENS and "512 tokens < cuda_min_tokens=1024" in reason and "torch.cuda.graph" in reason
-    assert scheduler.choose_lowering(site(1, 1024, 8), WeaveConfig())[0] == "cuda_symm"  # at the bound
-    assert scheduler.choose_lowering(site(512, 8), WeaveConfig(cuda_min_tokens=1))[0] == "cuda_symm"
-    assert scheduler.choose_lowering(site(512, 8), WeaveConfig(lowering="cuda_symm"))[0] == "cuda_symm"
+    assert scheduler.choose_lowering(site(1, 1024, 8), gated)[0] == "cuda_symm"  # at the bound
+    assert scheduler.choose_lowering(site(512, 8), gated.replace(lowering="cuda_symm"))[0] == "cuda_symm"
     with inductor_config.patch({"triton.cudagraphs": True}):
-        allowed = WeaveConfig(allow_inductor_cudagraphs=True)
+        allowed = gated.replace(allow_inductor_cudagraphs=True)
         assert scheduler.choose_lowering(site(1, 8), allowed)[0] == "cuda_symm"
     with pytest.raises(ValueError, match="cuda_min_tokens"):
         WeaveConfig(cuda_min_tokens=0)

@@ -35,14 +35,16 @@ class WeaveConfig:
     """Rows of symmetric memory the CUDA lowering reserves per group and dtype (x hidden). Batches
     with more tokens run on the portable lowering, with a one-time warning."""
 
-    cuda_min_tokens: int = 1024
+    cuda_min_tokens: int = 1
     """With ``lowering="auto"`` on CUDA and without Inductor CUDA graphs: sites whose static token
-    count is below this stay plain all_reduce, with the reason in the report. Measured on 2 H200s
-    (docs/cuda_kernel.md): at 512 tokens the fused kernel's host cost (Python custom op and Triton
-    launch, per site) made a 4-layer model 1.11x slower than plain Inductor, although the kernel
-    itself is 0.63x of NCCL's time; at 1024 it was a tie. If you capture CUDA graphs yourself
-    (``torch.cuda.graph``), set this to 1. Under Inductor's CUDA graphs (with
-    ``allow_inductor_cudagraphs``) every size is fused."""
+    count is below this stay plain all_reduce, with the reason in the report. 1 (every size fused)
+    since the host cost per fused op fell from 54 to 25.5 us (2 x H200, 2026-12-01,
+    docs/cuda_kernel.md): a 16-layer 8b_tp2 decode step with static batches of 1, 32 and 256
+    sequences then ran 0.70x, 0.69x and 0.98x of plain Inductor's time, fully fused
+    (docs/benchmarks.md). History: it was 1024 because at 512 tokens the old host cost made a
+    4-layer model 1.11x slower; static 512-1024-token batches were not re-measured with the new host
+    path. Raise it to keep small static batches on NCCL's all_reduce. Under Inductor's CUDA graphs
+    (with ``allow_inductor_cudagraphs``) every size is fused whatever this says."""
 
     allow_inductor_cudagraphs: bool = True
     """Rewrite graphs that Inductor wraps in CUDA-graph trees (``mode="reduce-overhead"``). On by
