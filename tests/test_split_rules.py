@@ -160,6 +160,12 @@ def test_hf_heads_view_writes_the_inferred_size_out():
     assert half_view_size(view, 1, view.args[1]) == [1, -1, 4, 8]
 
 
+def test_view_of_a_token_free_tensor_sized_from_a_token_tensor_is_refused_not_a_crash():
+    reason = _refused(lambda x, w: w.view(x.shape[2], -1), [(1, 8, 16), (4, 16)], {0: 1},
+                      tracing_mode="symbolic")
+    assert reason == "view (view.default): token tensor in an unsupported argument position", reason
+
+
 def test_view_inferring_a_symbolic_size_besides_the_tokens_is_refused():
     reason = _refused(lambda x: x.view(8, 4, -1, 8), [(8, 4, 32)], {0: 0}, _cut("batch", 8, 4), "symbolic")
     assert reason.startswith("view: view infers a symbolic size (")

@@ -149,7 +149,7 @@ def _indexed(node: Node, info: Analysis) -> int:
 
 @register(*VIEWS)
 def _view(node: Node, info: Analysis) -> int:
-    d = view_dim(node, info.token[node.args[0]], info)
+    d = view_dim(node, input_token_dim(node, info), info)  # a token-free view sized from tokens: refused
     half_view_size(node, d, node.args[1])  # raises when a half's view cannot be written
     return d
 
