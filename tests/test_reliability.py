@@ -228,6 +228,24 @@ def test_cache_key_covers_the_process_groups():
     assert len({keys[2, 0], keys[4, 0], keys["world 4 with a subgroup"]}) == 3
 
 
+def test_cache_key_covers_the_sm_count(monkeypatch):
+    """The split cuts where this GPU's GEMM waves fall, so a graph cached on a GPU with another SM
+    count (same capability: H100 PCIe 114 SMs, SXM 132) must not be loaded."""
+    import types
+
+    from weavepass.compile.graph_pass import environment_key
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    keys = []
+    for sms in (132, 114, 132):
+        props = types.SimpleNamespace(multi_processor_count=sms)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, props=props: props)
+        keys.append(environment_key())
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
 def test_symbolic_token_split_compiles_once_per_size_class():
     """``overlap="force"`` with a ``mark_dynamic`` sequence: every size from 4 tokens on runs one
     split graph, 2 and 3 tokens one fuse-only graph (a one-token half guarded ``half != 1`` and

@@ -61,7 +61,8 @@ def source_hash() -> str:
 def environment_key() -> str:
     """What the rewrite reads about the process and not from the graph: each process group's
     name, size and backend (a FlashComm graph bakes in the world size: a graph cached at world 2
-    and loaded at world 4 fails), and which devices and lowerings are available here. Not the rank:
+    and loaded at world 4 fails), which devices and lowerings are available here, and the GPU's
+    SM count (the split's cut depends on it). Not the rank:
     the rewrite is the same on every rank, so ranks may share one cache."""
     groups = []
     if dist.is_initialized():
@@ -71,6 +72,9 @@ def environment_key() -> str:
     cuda = torch.cuda.is_available()
     devices = {
         "cuda": torch.cuda.get_device_capability() if cuda else None,
+        # The split's wave model cuts where the GEMM waves of this GPU's SM count fall.
+        "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if cuda else None,
         "triton": importlib.util.find_spec("triton") is not None,
         "torch_npu": importlib.util.find_spec("torch_npu") is not None,
     }
