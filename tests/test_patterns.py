@@ -592,6 +592,7 @@ def test_two_sums_on_one_group_become_one_all_reduce(residual):
     assert record.kind.startswith("residual," if residual else "no-residual,"), record.kind
     assert "summed with all_reduce_1" in record.kind and "one all_reduce" in record.kind, record.kind
     assert record.matmul == ""  # the fused op reads the partials' sum, not a matmul
+    assert f"all_reduce_1 is summed with {record.node}'s sum into one all_reduce" in graph.note, graph.note
 
 
 def test_two_sums_on_different_groups_are_not_merged():
