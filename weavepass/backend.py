@@ -109,10 +109,11 @@ class WeaveBackend:
         patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report,
                                                            graph_ids=self._graph_ids)
         patches.update(strategy_patches(self.config))
-        if self.config.fx_graph_cache:
-            return _reporting(compile_fx(gm, example_inputs, config_patches=patches), graph_reports)
-        patches["fx_graph_cache"] = False
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        caches = contextlib.nullcontext()
+        if not self.config.fx_graph_cache:
+            patches["fx_graph_cache"] = False
+            caches = torch._functorch.config.patch(enable_autograd_cache=False)
+        with caches:
             return _reporting(compile_fx(gm, example_inputs, config_patches=patches), graph_reports)
 
 

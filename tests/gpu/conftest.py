@@ -4,6 +4,8 @@ NVLink multicast must never be used on the lent machines (docs/cuda_kernel.md): 
 keep NCCL, PyTorch symmetric memory and NVSHMEM off it are set here, before any test starts a process.
 """
 
+import os
+
 from weavepass.env import disable_multicast
 
 disable_multicast(override=True)

@@ -33,7 +33,6 @@ work: both are no-ops around the same math.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed as dist
@@ -84,19 +83,18 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
     Host cost matters here (one call per half and site, every forward pass): no context managers,
     one join object for both outputs (benchmarks/bench_host_overhead.py measures it)."""
     run = get_lowering(lowering)
+    options = {"max_workspace_tokens": workspace_tokens}
     if num_ctas and lowering == "cuda_symm":
-        run = functools.partial(run, num_ctas=num_ctas)
+        options["num_ctas"] = num_ctas
     device = partial.device
     if device.type != "cuda":
-        return run(partial, residual, weight, eps, group_name, out_dtype,
-                   max_workspace_tokens=workspace_tokens)
+        return run(partial, residual, weight, eps, group_name, out_dtype, **options)
     main = torch.cuda.current_stream(device)
     side = comm_stream(device)
     side.wait_stream(main)  # fork: the inputs are ready
     torch.cuda.set_stream(side)
     try:
-        normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype,
-                                   max_workspace_tokens=workspace_tokens)
+        normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype, **options)
         done = side.record_event()
     finally:
         torch.cuda.set_stream(main)

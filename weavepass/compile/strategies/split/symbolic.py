@@ -17,6 +17,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
+from weavepass.compile.tokens import size_hint
 from weavepass.compile.wave_model import device_wave_model
 
 from .base import Unsupported, val
@@ -35,11 +36,8 @@ Emit = Callable[..., "Node | int"]
 (``emit_new`` bound to a graph)."""
 
 
-def hint(size) -> int:
-    """A concrete value for a possibly symbolic size (its example value); reading it adds no guard."""
-    if isinstance(size, torch.SymInt):
-        return size.node.hint if size.node.hint is not None else int(size.node.expr.subs({}))
-    return int(size)
+hint = size_hint
+"""A concrete value for a possibly symbolic size (its example value); reading it adds no guard."""
 
 
 def shape(node: Node) -> list[int]:
