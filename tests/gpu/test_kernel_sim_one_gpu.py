@@ -1,0 +1,106 @@
+"""The ``cuda_symm`` kernels with 2, 4 and 8 simulated ranks on one GPU (weavepass.testing.kernel_sim).
+
+Every algorithm (one-shot, flat two-shot, pipelined two-shot) against the fp32-accumulating reference,
+at world sizes the lent machines do not have, with poisoned workspaces and back-to-back calls that
+mix algorithms (each call must leave every signal slot at 0). The link itself is
+``test_cuda_kernel.py``'s (real GPUs, symmetric memory).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weavepass.runtime.cuda.launch_plan import LaunchOverrides
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+EPS = 1e-6
+# Tolerances: as tests/gpu/test_cuda_kernel.py (one final rounding of residual_out; 2 ulp for normed
+# because rsqrt.approx and the sum-of-squares order move the fp32 value by ~1e-6 relative).
+RESIDUAL_TOL = {torch.bfloat16: (2**-7, 1e-5), torch.float16: (2**-10, 1e-5), torch.float32: (1e-6, 1e-6)}
+NORMED_TOL = {torch.bfloat16: (2**-6, 2**-6), torch.float16: (2**-9, 2**-9), torch.float32: (2e-5, 2e-5)}
+
+ALGORITHMS = {
+    "one_shot": LaunchOverrides(one_shot=True),
+    "two_shot": LaunchOverrides(one_shot=False, pipelined=False),
+    "pipelined": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=16),
+}
+
+
+def _inputs(seed, world, tokens, hidden, dtype, with_residual=True):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+    draw = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    partials = [draw(tokens, hidden).to(dtype) for _ in range(world)]
+    residual = draw(tokens, hidden).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * draw(hidden)).to(dtype)
+    return partials, residual, weight
+
+
+def _check(outputs, partials, residual, weight, dtype, label):
+    want_normed, want_res = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, dtype)
+    for rank, (normed, res_out) in enumerate(outputs):
+        torch.testing.assert_close(res_out, want_res, rtol=RESIDUAL_TOL[dtype][0], atol=RESIDUAL_TOL[dtype][1],
+                                   msg=lambda m: f"{label} rank {rank} residual_out: {m}")
+        torch.testing.assert_close(normed, want_normed, rtol=NORMED_TOL[dtype][0], atol=NORMED_TOL[dtype][1],
+                                   msg=lambda m: f"{label} rank {rank} normed: {m}")
+
+
+def _ctas(world, overrides):
+    """All ranks' grids must be resident together: at most 128 CTAs in all."""
+    if overrides.num_ctas is not None:
+        return LaunchOverrides(**{**overrides.__dict__, "num_ctas": min(overrides.num_ctas, 128 // world)})
+    return LaunchOverrides(**{**overrides.__dict__, "num_ctas": 128 // world if world > 4 else None})
+
+
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_every_algorithm_matches_reference(world):
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    hidden = 4096
+    sim = {dtype: SimulatedRanks(world, hidden, 4099, dtype) for dtype in (torch.bfloat16, torch.float32)}
+    for name, overrides in ALGORITHMS.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            for tokens in (1, 3, 127, 1024, 4099):
+                if name == "one_shot" and tokens > 1024:
+                    continue
+                for with_residual in (True, False):
+                    label = f"world={world} {name} {dtype} T={tokens} residual={with_residual}"
+                    partials, residual, weight = _inputs(tokens, world, tokens, hidden, dtype, with_residual)
+                    sim[dtype].poison()
+                    outputs = sim[dtype].run(partials, residual, weight, EPS, dtype, _ctas(world, overrides))
+                    _check(outputs, partials, residual, weight, dtype, label)
+                    assert sim[dtype].signals_clear(), f"{label}: signal slots left set"
+
+
+@pytest.mark.parametrize("world", (2, 8))
+def test_back_to_back_calls_mixing_algorithms(world):
+    """200 calls without synchronising between them, cycling through every algorithm and a few sizes:
+    a kernel that leaves a signal set, or overwrites a peer's rows before the peer read them, shows."""
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    hidden, dtype = 8192, torch.bfloat16
+    sim = SimulatedRanks(world, hidden, 2048, dtype)
+    cases = []
+    for i, tokens in enumerate((1, 17, 512, 2048)):
+        partials, residual, weight = _inputs(100 + i, world, tokens, hidden, dtype)
+        cases.append((tokens, partials, residual, weight))
+    results = []
+    for call in range(200):
+        tokens, partials, residual, weight = cases[call % len(cases)]
+        name = list(ALGORITHMS)[call % len(ALGORITHMS)]
+        overrides = ALGORITHMS[name]
+        if name == "one_shot" and tokens > 512:
+            overrides = ALGORITHMS["two_shot"]
+        outputs = sim.run(partials, residual, weight, EPS, dtype, _ctas(world, overrides), wait=False)
+        results.append((call, name, tokens, outputs))
+    sim.wait_all("200 back-to-back calls")
+    for call, name, tokens, outputs in results:
+        _, partials, residual, weight = next(c for c in cases if c[0] == tokens)
+        _check(outputs, partials, residual, weight, dtype, f"call {call} {name} T={tokens}")
+    assert sim.signals_clear()
