@@ -99,24 +99,36 @@ class SimulatedRanks:
         else:
             kernel = fused_allreduce_rmsnorm_kernel
             variant = dict(ONE_SHOT=plan.one_shot)
-        outputs = []
         caller = torch.cuda.current_stream()
+        outputs, launches = [], []
         for rank in range(world):
-            stream = self.streams[rank]
-            stream.wait_stream(caller)
             partial = partials[rank]
             normed = torch.empty_like(partial, dtype=out_dtype)
             residual_out = torch.empty_like(partial)
-            with torch.cuda.stream(stream):
-                kernel[(plan.num_ctas,)](
-                    partial, partial if residual is None else residual, weight, normed, residual_out,
-                    self.buffers[rank], self.pads[rank], *self.buffer_deltas[rank], *self.pad_deltas[rank],
-                    tokens, rows_per_rank(tokens, world), self.capacity, eps,
-                    RANK=rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
-                    HAS_RESIDUAL=residual is not None, MAX_CTAS=MAX_CTAS, num_warps=plan.num_warps,
-                    **variant,
-                )
             outputs.append((normed, residual_out))
+            launches.append((
+                partial, partial if residual is None else residual, weight, normed, residual_out,
+                self.buffers[rank], self.pads[rank], *self.buffer_deltas[rank], *self.pad_deltas[rank],
+                tokens, rows_per_rank(tokens, world), self.capacity, eps,
+            ))
+        meta = [
+            dict(RANK=rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
+                 HAS_RESIDUAL=residual is not None, MAX_CTAS=MAX_CTAS, num_warps=plan.num_warps, **variant)
+            for rank in range(world)
+        ]
+        # Compile and load every rank's kernel before launching any: once rank 0's kernel runs it
+        # waits for the others, and loading a module (CUDA's lazy loading defers it to first use)
+        # can wait for the running kernels to finish, a deadlock. Triton's handle set-up queries a
+        # function attribute, which forces the load.
+        for rank in range(world):
+            compiled = kernel.warmup(*launches[rank], grid=(plan.num_ctas,), **meta[rank])
+            if hasattr(compiled, "_init_handles"):
+                compiled._init_handles()
+        for rank in range(world):
+            stream = self.streams[rank]
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                kernel[(plan.num_ctas,)](*launches[rank], **meta[rank])
         if wait:
             self.wait_all(f"{tokens} tokens, {plan}")
         return outputs
