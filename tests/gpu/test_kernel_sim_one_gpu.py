@@ -29,7 +29,18 @@ ALGORITHMS = {
     "one_shot": LaunchOverrides(one_shot=True),
     "two_shot": LaunchOverrides(one_shot=False, pipelined=False),
     "pipelined": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=16),
+    "lamport": LaunchOverrides(lamport=True),
 }
+
+
+def _serves(name, tokens, hidden, dtype):
+    """Whether algorithm ``name`` can take this batch (one-shot up to 1024 tokens here; Lamport up to
+    its slot of 256 KiB per rank)."""
+    if name == "one_shot":
+        return tokens <= 1024
+    if name == "lamport":
+        return tokens * hidden * torch.empty((), dtype=dtype).element_size() <= 256 << 10
+    return True
 
 
 def _inputs(seed, world, tokens, hidden, dtype, with_residual=True):
@@ -58,24 +69,34 @@ def _ctas(world, overrides):
     return LaunchOverrides(**{**overrides.__dict__, "num_ctas": 128 // world if world > 4 else None})
 
 
-@pytest.mark.parametrize("world", (2, 4, 8))
+# World 2 gets the whole matrix; 4 and 8 a slice of it (every rank is its own compiled kernel, and
+# compiling dominates this file's time).
+MATRIX = {
+    2: dict(dtypes=(torch.bfloat16, torch.float32), tokens=(1, 3, 16, 127, 1024, 4099), residual=(True, False)),
+    4: dict(dtypes=(torch.bfloat16,), tokens=(3, 127, 4099), residual=(True,)),
+    8: dict(dtypes=(torch.bfloat16,), tokens=(3, 1024), residual=(True,)),
+}
+
+
+@pytest.mark.parametrize("world", sorted(MATRIX))
 def test_every_algorithm_matches_reference(world):
     from weavepass.testing.kernel_sim import SimulatedRanks
 
-    hidden = 4096
-    sim = {dtype: SimulatedRanks(world, hidden, 4099, dtype) for dtype in (torch.bfloat16, torch.float32)}
+    hidden, matrix = 4096, MATRIX[world]
+    sim = {dtype: SimulatedRanks(world, hidden, 4099, dtype) for dtype in matrix["dtypes"]}
     for name, overrides in ALGORITHMS.items():
-        for dtype in (torch.bfloat16, torch.float32):
-            for tokens in (1, 3, 127, 1024, 4099):
-                if name == "one_shot" and tokens > 1024:
+        for dtype in matrix["dtypes"]:
+            for tokens in matrix["tokens"]:
+                if not _serves(name, tokens, hidden, dtype):
                     continue
-                for with_residual in (True, False):
+                for with_residual in matrix["residual"]:
                     label = f"world={world} {name} {dtype} T={tokens} residual={with_residual}"
                     partials, residual, weight = _inputs(tokens, world, tokens, hidden, dtype, with_residual)
                     sim[dtype].poison()
                     outputs = sim[dtype].run(partials, residual, weight, EPS, dtype, _ctas(world, overrides))
                     _check(outputs, partials, residual, weight, dtype, label)
                     assert sim[dtype].signals_clear(), f"{label}: signal slots left set"
+                    assert sim[dtype].lamport_clear(), f"{label}: Lamport region not left empty"
 
 
 @pytest.mark.parametrize("world", (2, 8))
@@ -94,13 +115,32 @@ def test_back_to_back_calls_mixing_algorithms(world):
     for call in range(200):
         tokens, partials, residual, weight = cases[call % len(cases)]
         name = list(ALGORITHMS)[call % len(ALGORITHMS)]
+        if not _serves(name, tokens, hidden, dtype):
+            name = "two_shot"
         overrides = ALGORITHMS[name]
-        if name == "one_shot" and tokens > 512:
-            overrides = ALGORITHMS["two_shot"]
         outputs = sim.run(partials, residual, weight, EPS, dtype, _ctas(world, overrides), wait=False)
         results.append((call, name, tokens, outputs))
     sim.wait_all("200 back-to-back calls")
+    assert sim.lamport_clear()
     for call, name, tokens, outputs in results:
         _, partials, residual, weight = next(c for c in cases if c[0] == tokens)
         _check(outputs, partials, residual, weight, dtype, f"call {call} {name} T={tokens}")
     assert sim.signals_clear()
+
+
+@pytest.mark.parametrize("world", (2,))
+def test_lamport_negative_zero_partials(world):
+    """Negative zero is the Lamport kernel's "empty" value: partials full of -0.0 must still arrive
+    (pushed as +0.0, equal in every sum) instead of leaving the readers polling forever."""
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    hidden = 4096
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        sim = SimulatedRanks(world, hidden, 16, dtype)
+        partials, residual, weight = _inputs(7, world, 8, hidden, dtype)
+        for p in partials:
+            p[:, : hidden // 2] = -0.0  # half of every row, on every rank
+        partials[0][3] = -0.0  # one whole row of one rank
+        outputs = sim.run(partials, residual, weight, EPS, dtype, ALGORITHMS["lamport"], timeout_s=20)
+        _check(outputs, partials, residual, weight, dtype, f"world={world} {dtype} -0.0 partials")
+        assert sim.lamport_clear() and sim.signals_clear()

@@ -22,9 +22,14 @@ import time
 
 import torch
 
-from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
+from weavepass.runtime.cuda.dispatch import kernel_arguments
+from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.support import MAX_WORLD
-from weavepass.runtime.cuda.workspace import SIGNAL_CHANNELS
+from weavepass.runtime.cuda.workspace import (
+    _Workspace,
+    lamport_flag_slot,
+    lamport_region_elements,
+)
 from weavepass.runtime.portable import rows_per_rank
 
 
@@ -37,29 +42,45 @@ class SimulatedRanks:
             raise ValueError(f"world {world} outside 1..{MAX_WORLD}")
         self.world, self.hidden, self.dtype = world, hidden, dtype
         # One region holds the larger of one-shot's world * T rows and two-shot's world * ceil(T/world).
-        self.capacity = world * max_tokens * hidden
-        self.buffers = [torch.zeros(2 * self.capacity, dtype=dtype, device="cuda") for _ in range(world)]
-        slots = SIGNAL_CHANNELS * MAX_CTAS * world
-        self.pads = [torch.zeros(slots, dtype=torch.int32, device="cuda") for _ in range(world)]
+        capacity = world * max_tokens * hidden
+        size = torch.empty((), dtype=dtype).element_size()
+        self.buffers = []
+        for _ in range(world):
+            buffer = torch.zeros(2 * capacity + lamport_region_elements(world, size), dtype=dtype, device="cuda")
+            buffer[2 * capacity:].fill_(-0.0)  # the Lamport region starts "empty", as the workspace's
+            self.buffers.append(buffer)
+        self.pads = [torch.zeros(lamport_flag_slot(world) + 2, dtype=torch.int32, device="cuda")
+                     for _ in range(world)]
         self.streams = [torch.cuda.Stream() for _ in range(world)]
-        size = self.buffers[0].element_size()
         padding = [0] * (MAX_WORLD - world)
-        self.buffer_deltas, self.pad_deltas = [], []
+        self.workspaces = []
         for r in range(world):
             diffs = [b.data_ptr() - self.buffers[r].data_ptr() for b in self.buffers]
             pads = [p.data_ptr() - self.pads[r].data_ptr() for p in self.pads]
             assert all(d % size == 0 for d in diffs) and all(d % 4 == 0 for d in pads)
-            self.buffer_deltas.append((*[d // size for d in diffs], *padding))
-            self.pad_deltas.append((*[d // 4 for d in pads], *padding))
+            self.workspaces.append(_Workspace(
+                self.buffers[r], self.pads[r], capacity,
+                (*[d // size for d in diffs], *padding), (*[d // 4 for d in pads], *padding), r, world,
+            ))
 
     def poison(self) -> None:
-        """NaN into every workspace: a kernel that reads rows nobody wrote this call shows it."""
-        for b in self.buffers:
-            b.fill_(float("nan"))
+        """NaN into every workspace's staging and recv regions: a kernel that reads rows nobody wrote
+        this call shows it. (The Lamport region must hold "empty" values between calls: see
+        ``lamport_clear``.)"""
+        for ws in self.workspaces:
+            ws.buffer[: ws.lamport_offset].fill_(float("nan"))
 
     def signals_clear(self) -> bool:
-        """Whether every signal slot is back to 0 (each kernel must leave them so)."""
-        return all(int(p.abs().sum()) == 0 for p in self.pads)
+        """Whether every barrier and counter slot is back to 0 (each kernel must leave them so), and
+        no Lamport kernel left its done count set."""
+        flag = lamport_flag_slot(self.world)
+        return all(int(p[:flag].abs().sum()) == 0 and int(p[flag + 1]) == 0 for p in self.pads)
+
+    def lamport_clear(self) -> bool:
+        """Whether every Lamport region is all "empty" (negative zero) again, as calls must leave it."""
+        bits = torch.int16 if self.buffers[0].element_size() == 2 else torch.int32
+        empty = torch.tensor(-0.0, dtype=self.dtype).view(bits).item()
+        return all(bool((ws.buffer[ws.lamport_offset:].view(bits) == empty).all()) for ws in self.workspaces)
 
     def run(
         self,
@@ -71,51 +92,37 @@ class SimulatedRanks:
         overrides: LaunchOverrides = LaunchOverrides(),
         max_resident_ctas: int = 128,
         wait: bool = True,
+        timeout_s: float = 60.0,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every rank's ``(normed, residual_out)`` for the ranks' ``partials`` ([T, H] each), computed
         after the calling stream's work so far. ``wait``: return once the kernels finished
         (``wait_all``). Without it each rank's calls queue up on its own stream, so one rank can
         start its next call while another is still in this one (as real ranks do); the outputs are
         ready for the calling stream after ``wait_all``."""
-        from weavepass.runtime.cuda.kernels import (
-            fused_allreduce_rmsnorm_kernel,
-            fused_allreduce_rmsnorm_pipelined_kernel,
-        )
-
         world, hidden = self.world, self.hidden
         tokens = partials[0].shape[0]
-        plan = choose_launch_plan(tokens, hidden, partials[0].element_size(), world, overrides)
+        elem = partials[0].element_size()
+        plan = choose_launch_plan(tokens, hidden, elem, world, overrides)
         owned = tokens if plan.one_shot else rows_per_rank(tokens, world)
-        if max(world * owned, tokens) * hidden > self.capacity:
+        if max(world * owned, tokens) * hidden > self.workspaces[0].capacity:
             raise ValueError(f"{tokens} tokens exceed the simulated workspace")
         if world * plan.num_ctas > max_resident_ctas:
             raise ValueError(
                 f"{world} ranks x {plan.num_ctas} CTAs cannot all be resident on one GPU "
                 f"(limit {max_resident_ctas}); pass LaunchOverrides(num_ctas=...)"
             )
-        if plan.pipelined:
-            kernel = fused_allreduce_rmsnorm_pipelined_kernel
-            variant = dict(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows)
-        else:
-            kernel = fused_allreduce_rmsnorm_kernel
-            variant = dict(ONE_SHOT=plan.one_shot)
         caller = torch.cuda.current_stream()
-        outputs, launches = [], []
+        outputs, launches, meta = [], [], []
         for rank in range(world):
             partial = partials[rank]
             normed = torch.empty_like(partial, dtype=out_dtype)
             residual_out = torch.empty_like(partial)
             outputs.append((normed, residual_out))
-            launches.append((
-                partial, partial if residual is None else residual, weight, normed, residual_out,
-                self.buffers[rank], self.pads[rank], *self.buffer_deltas[rank], *self.pad_deltas[rank],
-                tokens, rows_per_rank(tokens, world), self.capacity, eps,
-            ))
-        meta = [
-            dict(RANK=rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
-                 HAS_RESIDUAL=residual is not None, MAX_CTAS=MAX_CTAS, num_warps=plan.num_warps, **variant)
-            for rank in range(world)
-        ]
+            kernel, tail, rank_meta = kernel_arguments(
+                plan, self.workspaces[rank], hidden, residual is not None, elem, tokens)
+            launches.append((partial, partial if residual is None else residual, weight, normed, residual_out,
+                             *tail, eps))
+            meta.append(rank_meta)
         # Compile and load every rank's kernel before launching any: once rank 0's kernel runs it
         # waits for the others, and loading a module (CUDA's lazy loading defers it to first use)
         # can wait for the running kernels to finish, a deadlock. Triton's handle set-up queries a
@@ -130,7 +137,7 @@ class SimulatedRanks:
             with torch.cuda.stream(stream):
                 kernel[(plan.num_ctas,)](*launches[rank], **meta[rank])
         if wait:
-            self.wait_all(f"{tokens} tokens, {plan}")
+            self.wait_all(f"{tokens} tokens, {plan}", timeout_s)
         return outputs
 
     def wait_all(self, what: str = "queued calls", timeout_s: float = 60.0) -> None:

@@ -28,6 +28,7 @@ from weavepass.runtime.cuda.support import SUPPORTED_DTYPES, cuda_unsupported_re
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
     get_workspace,
+    lamport_flag_slot,
     ones_weight,
 )
 from weavepass.runtime.portable import (
@@ -209,7 +210,7 @@ def _prepare(
     world = resolve_group(group_name).size()
     elem = partial.element_size()
     plan = choose_launch_plan(num_tokens, hidden, elem, world, overrides)
-    if plan.one_shot and world * num_tokens > max_tokens and overrides.one_shot is None:
+    if plan.one_shot and not plan.lamport and world * num_tokens > max_tokens and overrides.one_shot is None:
         two_shot = replace(overrides, one_shot=False)
         plan = choose_launch_plan(num_tokens, hidden, elem, world, two_shot)
     owned = num_tokens if plan.one_shot else rows_per_rank(num_tokens, world)
@@ -224,31 +225,35 @@ def _prepare(
         )
         return None  # not cached: outside capture a later call may allocate it
 
-    from weavepass.runtime.cuda.kernels import (
-        fused_allreduce_rmsnorm_kernel,
-        fused_allreduce_rmsnorm_pipelined_kernel,
-    )
+    kernel, tail, meta = kernel_arguments(plan, ws, hidden, residual is not None, elem, num_tokens)
+    ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
+    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0)
 
-    if plan.pipelined:
-        kernel = fused_allreduce_rmsnorm_pipelined_kernel
-        variant = dict(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows)
-    else:
-        kernel = fused_allreduce_rmsnorm_kernel
-        variant = dict(ONE_SHOT=plan.one_shot)
+
+def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int):
+    """``(kernel, tail, meta)`` of one call planned as ``plan`` on workspace ``ws``: the kernel runs
+    as ``kernel[(plan.num_ctas,)](partial, residual, weight, normed, residual_out, *tail, eps, **meta)``
+    (also by ``weavepass.testing.kernel_sim``, on simulated workspaces)."""
+    from weavepass.runtime.cuda import kernels
+
+    world = ws.world
     meta = dict(
-        RANK=ws.rank,
-        WORLD=world,
-        HIDDEN=hidden,
-        BLOCK_H=plan.block_h,
-        ROWS=plan.rows_per_tile,
-        HAS_RESIDUAL=residual is not None,
-        MAX_CTAS=MAX_CTAS,
-        num_warps=plan.num_warps,
-        **variant,
+        RANK=ws.rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
+        HAS_RESIDUAL=has_residual, num_warps=plan.num_warps,
     )
+    if plan.lamport:
+        meta.update(BITS=8 * element_size, FLAG_SLOT=lamport_flag_slot(world))
+        tail = (ws.buffer, ws.pad, *ws.buffer_deltas, num_tokens, ws.lamport_offset, ws.lamport_slot_elements)
+        return kernels.fused_allreduce_rmsnorm_lamport_kernel, tail, meta
+    if plan.pipelined:
+        kernel = kernels.fused_allreduce_rmsnorm_pipelined_kernel
+        meta.update(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows)
+    else:
+        kernel = kernels.fused_allreduce_rmsnorm_kernel
+        meta.update(ONE_SHOT=plan.one_shot)
+    meta.update(MAX_CTAS=MAX_CTAS)
     tail = (
         ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas,
         num_tokens, rows_per_rank(num_tokens, world), ws.capacity,
     )
-    ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
-    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0)
+    return kernel, tail, meta

@@ -123,6 +123,39 @@ def _finalise_rows(
 
 
 @triton.jit
+def _reduce_rows(
+    partial_ptr, residual_ptr, ws_ptr, residual_out_ptr,
+    offs,  # [ROWS, BLOCK_H] element offsets of the rows in the [T, HIDDEN] tensors
+    local,  # [ROWS] row indices within this rank's owned rows (the staging slot's row)
+    owned,  # rows per staging slot
+    cols,  # [BLOCK_H] column indices (with the kernel's contiguity hints)
+    mask,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """Step 3's arithmetic for one tile (both kernels reduce this way): the peers' partial rows from
+    the local staging slots plus this rank's own, summed in rank order in fp32 (every rank rounds the
+    same sum), rounded to ``dtype(P)``, plus the residual; returns ``residual_out`` in ``dtype(P)``."""
+    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    for src in tl.static_range(WORLD):
+        if src == RANK:
+            acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            slot = (src * owned + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+            acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The sum is rounded to dtype(P) first, as eager's all_reduce output is (an fp16
+        # overflow stays inf); the reference's ``S = round(d, sum)`` step.
+        acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc.to(residual_out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def fused_allreduce_rmsnorm_kernel(
     partial_ptr,  # [T, HIDDEN] this rank's partial sums (local memory)
     residual_ptr,  # [T, HIDDEN] residual, any float dtype (unused when HAS_RESIDUAL is False)
@@ -187,19 +220,8 @@ def fused_allreduce_rmsnorm_kernel(
         local = tile * ROWS + rows
         mask = ((start + local) < end)[:, None] & col_mask[None, :]
         offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-        for src in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
-            if src == RANK:
-                acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            else:
-                slot = (src * owned + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-                acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            # The sum is rounded to dtype(P) first, as eager's all_reduce output is (an fp16
-            # overflow stays inf); the reference's ``S = round(d, sum)`` step.
-            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        res = acc.to(residual_out_ptr.dtype.element_ty)
+        res = _reduce_rows(partial_ptr, residual_ptr, ws_ptr, residual_out_ptr, offs, local, owned, cols, mask,
+                           RANK, WORLD, HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
         tl.store(residual_out_ptr + offs, res, mask=mask)
         if not ONE_SHOT:
             for dst in tl.static_range(WORLD):
@@ -309,19 +331,8 @@ def _reduce_chunk(
         local = chunk * CHUNK_ROWS + k * ROWS + rows
         mask = ((start + local) < end)[:, None] & col_mask[None, :]
         offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-        for src in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
-            if src == RANK:
-                acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            else:
-                slot = (src * shard_rows + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-                acc += tl.load(ws_ptr + slot, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            # The sum is rounded to dtype(P) first, as eager's all_reduce output is (an fp16
-            # overflow stays inf); the reference's ``S = round(d, sum)`` step.
-            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        res = acc.to(residual_out_ptr.dtype.element_ty)
+        res = _reduce_rows(partial_ptr, residual_ptr, ws_ptr, residual_out_ptr, offs, local, shard_rows, cols, mask,
+                           RANK, WORLD, HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
         for dst in tl.static_range(WORLD):
             if dst != RANK:
                 delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
@@ -421,3 +432,116 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
             if peer != RANK:  # already be adding: counters are exact, so subtracting keeps those)
                 tl.atomic_add(pad_ptr + (2 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")
                 tl.atomic_add(pad_ptr + (3 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")
+
+
+# ------------------------------------------------------------------ Lamport one-shot (decode sizes)
+
+
+@triton.jit
+def _empty_bits(v, BITS: tl.constexpr):
+    """Which elements of ``v`` still hold the Lamport "empty" value, negative zero (bit pattern
+    ``1 << (BITS - 1)``): compared as bits, since ``-0.0 == 0.0`` as floats."""
+    if BITS == 16:
+        return v.to(tl.int16, bitcast=True) == -32768
+    else:
+        return v.to(tl.int32, bitcast=True) == -2147483648
+
+
+@triton.jit
+def _empty_value(ROWS: tl.constexpr, BLOCK_H: tl.constexpr, dtype: tl.constexpr, BITS: tl.constexpr):
+    """A [ROWS, BLOCK_H] tile of negative zeros of ``dtype``, built from its bits."""
+    if BITS == 16:
+        return tl.full([ROWS, BLOCK_H], -32768, dtype=tl.int16).to(dtype, bitcast=True)
+    else:
+        return tl.full([ROWS, BLOCK_H], -2147483648, dtype=tl.int32).to(dtype, bitcast=True)
+
+
+@triton.jit
+def fused_allreduce_rmsnorm_lamport_kernel(
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, ws_ptr, pad_ptr,
+    wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+    num_tokens,
+    lamport_offset,  # element offset of the Lamport region in the workspace
+    slot_elems,  # elements per (parity, source) slot: T * HIDDEN fits one
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BITS: tl.constexpr,  # bits per element of dtype(P): 16 or 32
+    FLAG_SLOT: tl.constexpr,  # pad slots: [FLAG_SLOT] = calls so far, [FLAG_SLOT + 1] = CTAs done
+):
+    """One-shot without barriers, for decode-sized batches (Lamport's scheme, as in TensorRT-LLM's and
+    FlashInfer's one-shot all-reduce).
+
+    The workspace's Lamport region is ``[2 parities][WORLD sources][slot_elems]``, and every element
+    of it holds negative zero ("empty") between calls. Call ``k`` uses parity ``k % 2`` (the call
+    counter lives in this rank's pad; every rank makes the same calls, so the counters agree):
+
+    1. push: rank ``r`` stores its partial rows, with ``-0.0`` turned into ``+0.0`` (equal in every
+       sum; only the empty value's bits are reserved), into every peer's slot ``[k % 2][r]``;
+    2. reduce: for each tile, poll the peers' slots ``[k % 2][src]`` in the local region (volatile
+       loads) until no element is empty: the data is its own flag, so no barrier round trip is
+       needed. Sum in rank order, add the residual and normalise as the other kernels do, then store
+       "empty" back into the slots just read.
+
+    Why two parities suffice: a peer writes parity ``p`` again only in call ``k + 2``, which it can
+    reach only after reading this rank's pushes of call ``k + 1``, which this rank makes after call
+    ``k`` (its reads and its clearing stores) has finished. Rows are dealt to programs by the same
+    rule on every rank, as in the flat kernel. The last program to finish advances the call counter
+    (the next launch on the stream sees it), so CUDA-graph replay is safe.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    col_mask = cols < HIDDEN
+    num_tiles = tl.cdiv(num_tokens, ROWS)
+    parity = tl.load(pad_ptr + FLAG_SLOT, volatile=True) % 2
+    region = lamport_offset + parity * WORLD * slot_elems
+
+    # 1. push this rank's rows into slot [parity][RANK] of every peer
+    for tile in range(pid, num_tiles, num_programs):
+        local = tile * ROWS + rows
+        mask = (local < num_tokens)[:, None] & col_mask[None, :]
+        offs = local.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        x = tl.load(partial_ptr + offs, mask=mask)
+        x = tl.where(x == 0.0, 0.0, x).to(x.dtype)  # -0.0 -> +0.0: the empty value is reserved
+        for dst in tl.static_range(WORLD):
+            if dst != RANK:
+                delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+                tl.store(ws_ptr + delta + region + RANK * slot_elems + offs, x, mask=mask)
+
+    # 2. reduce each tile once every peer's rows have arrived, then mark the slots empty again
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    for tile in range(pid, num_tiles, num_programs):
+        local = tile * ROWS + rows
+        mask = (local < num_tokens)[:, None] & col_mask[None, :]
+        offs = local.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
+            if src == RANK:
+                acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                slot = ws_ptr + region + src * slot_elems + offs
+                v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+                while tl.max((_empty_bits(v, BITS) & mask).to(tl.int32)) > 0:
+                    v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+                acc += v.to(tl.float32)
+                tl.store(slot, _empty_value(ROWS, BLOCK_H, v.dtype, BITS), mask=mask)
+        if HAS_RESIDUAL:
+            # The sum is rounded to dtype(P) first, as eager's all_reduce output is (see _reduce_rows).
+            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        res = acc.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs, res, mask=mask)
+        normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
+        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+    # 3. the last program to finish advances the call counter (and resets the done count)
+    tl.debug_barrier()
+    if tl.atomic_add(pad_ptr + FLAG_SLOT + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+        tl.atomic_xchg(pad_ptr + FLAG_SLOT + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(pad_ptr + FLAG_SLOT, 1, sem="relaxed", scope="gpu")

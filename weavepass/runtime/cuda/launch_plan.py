@@ -17,6 +17,13 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 """One-shot while every rank pushes at most this many bytes ((WORLD-1) * T * H * elem) to its peers.
 Measured at H=8192 bf16 on 2 ranks: one-shot wins at 1 and 8 tokens (7.3 vs 7.7 us, 7.9 vs 9.1 us),
 ties at 32, loses at 128 (17.6 vs 15.6 us) and beyond; 256 KiB = 16 tokens there."""
+LAMPORT_MAX_BYTES = 256 << 10
+"""Largest batch (``T * H * elem`` per rank) the Lamport one-shot kernel serves: one slot of the
+workspace's Lamport region (``workspace.LAMPORT_SLOT_BYTES``)."""
+LAMPORT_BY_DEFAULT = False
+"""Whether the rule picks the Lamport one-shot kernel for one-shot batches that fit a slot. Off until
+it is measured against the barrier one-shot on 2 GPUs (benchmarks/bench_fused_allreduce_rmsnorm.py,
+``weave_lamport``); forced with ``LaunchOverrides(lamport=True)``."""
 PIPELINE_BY_DEFAULT = True
 """Whether the rule may pick the pipelined kernel. On since the whole GPU test file passed on 2 x H200
 with the pipelined kernel both forced (every dtype, CTA count and odd shape, 500 back-to-back calls
@@ -43,6 +50,7 @@ class LaunchOverrides:
     num_warps: int | None = None
     pipelined: bool | None = None  # ignored in one-shot mode
     chunk_tiles: int | None = None  # tiles per chunk of the pipelined kernel
+    lamport: bool | None = None  # Lamport one-shot (no barriers); True implies one-shot
 
 
 NO_OVERRIDES = LaunchOverrides()
@@ -60,6 +68,7 @@ class LaunchPlan:
     pipelined: bool = False  # two-shot, chunk-pipelined kernel with per-chunk counters
     chunk_rows: int = 0  # rows per chunk (pipelined only)
     push_rows: int = 0  # rows per push load/store (pipelined only)
+    lamport: bool = False  # one-shot without barriers: the data is its own flag (one-shot only)
 
 
 def choose_launch_plan(
@@ -79,6 +88,8 @@ def choose_launch_plan(
       two-shot kernel when two-shot, ``CTAs >= PIPELINE_MIN_CTAS`` and
       every CTA gets ``>= PIPELINE_MIN_CHUNKS_PER_CTA`` chunks of ``PIPELINE_CHUNK_TILES`` tiles (4096
       tokens and up at H=8192 bf16 on 2 ranks), else the flat kernel (one barrier per phase);
+    * Lamport one-shot (only while ``LAMPORT_BY_DEFAULT``, or forced): one-shot batches of at most
+      ``LAMPORT_MAX_BYTES`` per rank on 2+ ranks;
     * tile = ``LARGE_TILE_BYTES`` of rows when the owned rows fill ``MAX_CTAS`` such tiles, else
       ``SMALL_TILE_BYTES`` (at least one row of ``next_pow2(H)`` columns); warps = tile bytes / 4 KiB,
       clamped to [8, 16]. Measured: at 32 CTAs the 64 KiB tile is 14-16% faster than the 16 KiB one
@@ -89,6 +100,15 @@ def choose_launch_plan(
     one_shot, tile_elements, num_warps = overrides.one_shot, overrides.tile_elements, overrides.num_warps
     num_ctas, pipelined, chunk_tiles = overrides.num_ctas, overrides.pipelined, overrides.chunk_tiles
     block_h = triton_next_power_of_2(hidden)
+    lamport = overrides.lamport
+    fits_lamport = world_size > 1 and num_tokens * hidden * element_size <= LAMPORT_MAX_BYTES
+    if lamport:
+        if one_shot is False or not fits_lamport:
+            raise ValueError(
+                f"the Lamport kernel serves one-shot batches of at most {LAMPORT_MAX_BYTES} bytes per "
+                f"rank on 2+ ranks, not {num_tokens} x {hidden} x {element_size} bytes on {world_size}"
+            )
+        one_shot = True
     if one_shot is None:
         one_shot = (world_size - 1) * num_tokens * hidden * element_size <= ONE_SHOT_MAX_BYTES
     owned = num_tokens if one_shot else rows_per_rank(num_tokens, world_size)
@@ -110,8 +130,10 @@ def choose_launch_plan(
             and owned >= PIPELINE_MIN_CHUNKS_PER_CTA * num_ctas * chunk_rows
         )
     pipelined = bool(pipelined) and not one_shot
+    if lamport is None:
+        lamport = LAMPORT_BY_DEFAULT and one_shot and fits_lamport
     if not pipelined:
-        return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps)
+        return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps, lamport=bool(lamport))
     push_rows = min(chunk_rows, 2 * rows_per_tile)  # two tiles in flight per push load/store
     return LaunchPlan(one_shot, num_ctas, rows_per_tile, block_h, num_warps, True, chunk_rows, push_rows)
 

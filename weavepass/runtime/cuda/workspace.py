@@ -14,6 +14,7 @@ import torch
 
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, triton_next_power_of_2
 from weavepass.runtime.cuda.support import MAX_WORLD
+from weavepass.runtime.portable import resolve_group
 
 logger = logging.getLogger("weavepass")
 
@@ -24,19 +25,42 @@ workspace holds ``2 * tokens * H`` elements of the partial's dtype (512 MiB at H
 
 MIN_WORKSPACE_TOKENS = 256  # smallest size class: decode-only runs stay small
 SIGNAL_CHANNELS = 4  # two barriers (flat kernel) + two chunk counters (pipelined kernel)
+LAMPORT_SLOT_BYTES = 256 << 10
+"""Bytes per (parity, source rank) slot of the Lamport region: the largest batch the Lamport one-shot
+kernel serves (``launch_plan.LAMPORT_MAX_BYTES``)."""
+
+
+def lamport_flag_slot(world: int) -> int:
+    """The pad slot of the Lamport kernel's call counter (the next slot counts finished programs):
+    just past the barrier and counter channels."""
+    return SIGNAL_CHANNELS * MAX_CTAS * world
+
+
+def lamport_region_elements(world: int, element_size: int) -> int:
+    return 2 * world * (LAMPORT_SLOT_BYTES // element_size)
 
 
 @dataclass
 class _Workspace:
-    """One rendezvoused symmetric buffer: ``staging [capacity] | recv [capacity]`` in ``dtype``."""
+    """One rendezvoused symmetric buffer: ``staging [capacity] | recv [capacity] | Lamport region`` in
+    ``dtype``; the Lamport region (``[2 parities][world][LAMPORT_SLOT_BYTES]``) holds negative zeros
+    between calls (kernels.fused_allreduce_rmsnorm_lamport_kernel)."""
 
-    buffer: torch.Tensor  # local view of the symmetric allocation, [2 * capacity]
+    buffer: torch.Tensor  # local view of the symmetric allocation, [2 * capacity + Lamport region]
     pad: torch.Tensor  # local signal pad, int32
     capacity: int  # elements per region
     buffer_deltas: tuple[int, ...]  # peer address - local address, in elements, padded to MAX_WORLD
     pad_deltas: tuple[int, ...]  # the same for signal pads, in int32 slots
     rank: int
     world: int
+
+    @property
+    def lamport_offset(self) -> int:
+        return 2 * self.capacity
+
+    @property
+    def lamport_slot_elements(self) -> int:
+        return LAMPORT_SLOT_BYTES // self.buffer.element_size()
 
 
 _WORKSPACES: dict[tuple[str, torch.dtype, int], list[_Workspace]] = {}
@@ -65,13 +89,16 @@ def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     import torch.distributed._symmetric_memory as symm_mem
 
     enable_symm_mem_for_group(group_name)
-    buffer = symm_mem.empty(2 * capacity, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = symm_mem.empty(2 * capacity + lamport_region_elements(resolve_group(group_name).size(), itemsize),
+                            dtype=dtype, device=device)
+    buffer[2 * capacity:].fill_(-0.0)  # "empty" before any peer can push (the rendezvous orders it)
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle.multicast_ptr != 0:  # never touched, but say so if the allocator made one anyway
         logger.warning("symmetric workspace got a multicast object; weave never uses it")
     rank, world = handle.rank, handle.world_size
     pad_slots = _signal_pad_bytes() // 4
-    if pad_slots < SIGNAL_CHANNELS * MAX_CTAS * world:
+    if pad_slots < lamport_flag_slot(world) + 2:
         raise RuntimeError(f"signal pad of {pad_slots} slots is too small for {world} ranks")
     pad = handle.get_signal_pad(rank, [pad_slots], torch.int32)
     size = buffer.element_size()
