@@ -74,7 +74,7 @@ def _ctas(world, overrides):
 MATRIX = {
     2: dict(dtypes=(torch.bfloat16, torch.float32), tokens=(1, 3, 16, 127, 1024, 4099), residual=(True, False)),
     4: dict(dtypes=(torch.bfloat16,), tokens=(3, 127, 4099), residual=(True,)),
-    8: dict(dtypes=(torch.bfloat16,), tokens=(3, 1024), residual=(True,)),
+    8: dict(dtypes=(torch.bfloat16,), tokens=(3,), residual=(True,)),
 }
 
 
@@ -99,7 +99,7 @@ def test_every_algorithm_matches_reference(world):
                     assert sim[dtype].lamport_clear(), f"{label}: Lamport region not left empty"
 
 
-@pytest.mark.parametrize("world", (2, 8))
+@pytest.mark.parametrize("world", (2, 4))
 def test_back_to_back_calls_mixing_algorithms(world):
     """200 calls without synchronising between them, cycling through every algorithm and a few sizes:
     a kernel that leaves a signal set, or overwrites a peer's rows before the peer read them, shows."""
