@@ -21,6 +21,7 @@ Compared in the same run, per hidden size (``--hidden``) and token count:
   run their peer-to-peer paths);
 * ``weave``: the cuda_symm kernel at the CTA count and algorithm of its rule; ``weave_ctaN`` the same
   with N CTAs forced; ``weave_one_shot`` / ``weave_two_shot`` with the algorithm forced;
+  ``weave_lamport`` (``_ctaN``) the Lamport one-shot kernel (no barriers) where the batch fits its slot;
   ``weave_flat_ctaN`` the flat (barrier-per-phase) two-shot kernel and ``weave_pipe_ctaN`` the
   chunk-pipelined one, N CTAs forced (``--compare-kernels``); ``weave_pipe_cC_ctaN`` the pipelined
   kernel with C tiles per chunk (``--chunk-variants``);
@@ -244,7 +245,7 @@ def _bench_rank(
     import torch.distributed._symmetric_memory as symm_mem
 
     from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
-    from weavepass.runtime.cuda.launch_plan import choose_launch_plan
+    from weavepass.runtime.cuda.launch_plan import LAMPORT_MAX_BYTES, choose_launch_plan
 
     group = dist.group.WORLD.group_name
     max_tokens = max(tokens_list)
@@ -314,6 +315,10 @@ def _bench_rank(
                     results[f"weave_pipe_c{chunk}_cta{ctas}"] = (_time_op(op, calls, replays), ctas)
         if tokens <= FORCED_ONE_SHOT_MAX_TOKENS:
             results["weave_one_shot"] = (_time_op(weave(None, True), calls, replays), None)
+        if tokens * hidden * partial.element_size() <= LAMPORT_MAX_BYTES:
+            results["weave_lamport"] = (_time_op(weave(None, lamport=True), calls, replays), None)
+            for ctas in (4, 16):
+                results[f"weave_lamport_cta{ctas}"] = (_time_op(weave(ctas, lamport=True), calls, replays), ctas)
         results["weave_two_shot"] = (_time_op(weave(None, False), calls, replays), None)
         for tile, warps in tile_variants:
             for ctas in (16, 32):
@@ -398,7 +403,7 @@ def _plot(rows, path) -> None:
     hiddens = sorted({r["hidden"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, len(hiddens), figsize=(9 * len(hiddens), 6), squeeze=False)
     methods = ("nccl", "nccl_rs_ag", "nccl_symm", "nccl_symm_rs_ag", "symm_two_shot", "symm_one_shot",
-               "weave", "weave_cta16", "p2p_bound")
+               "weave", "weave_cta16", "weave_lamport", "p2p_bound")
     for ax, hidden in zip(axes[0], hiddens):
         for method in methods:
             points = sorted((r["tokens"], r["ms"]) for r in rows if r["method"] == method and r["hidden"] == hidden)

@@ -9,6 +9,9 @@
 #   tests      GPU tests: model, overlap and FlashComm end to end, then the kernel's own tests (each
 #              file spawns its ranks once and runs all its cases there, tests/gpu/gpu_cases.py; the
 #              kernel tests run on WEAVE_GPU_WORLD ranks, default 2)
+#   onegpu     the tests that need only one GPU: the launch path at world 1 and the kernels of 2, 4
+#              and 8 ranks simulated on one GPU (tests/gpu/test_kernel_sim_one_gpu.py; ~3 min, mostly
+#              compiling every rank's kernels); the step for the `nvidia-h200` kind
 #   host       bench_host_overhead (host cost per fused-op call)
 #   overlap    bench_overlap at 70b_tp8sim and 8b_tp2, 2K/4K/8K/16K tokens, one sequence
 #              (--quick: inductor, weave_fuse, weave_overlap, weave_auto, no_comm; else
@@ -41,7 +44,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks import weavepass from the checkout
 OUT="${OUT:-gpu_suite_out}"
 QUICK="${1:-}"
-ALL_STEPS="tests,host,overlap,overlap2,decode,decode70,fused,flashcomm"
+ALL_STEPS="tests,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
@@ -89,6 +92,8 @@ if wanted tests; then
   step pytest_kernel "${KERNEL_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -rA --durations=10 \
       tests/gpu/test_cuda_kernel.py
 fi
+wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -rA \
+    --durations=10 tests/gpu/test_cuda_kernel_one_gpu.py tests/gpu/test_kernel_sim_one_gpu.py
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-60}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT"
 wanted overlap && step bench_overlap "${OVERLAP_TIMEOUT_S:-240}" \
