@@ -69,8 +69,8 @@ def _poison(tokens, hidden, dtype, out_dtype):
     torch.cuda.synchronize()
     dist.barrier()  # no peer is still writing into our workspace
     for workspaces in _WORKSPACES.values():
-        for ws in workspaces:
-            ws.buffer.fill_(float("nan"))
+        for ws in workspaces:  # not the Lamport region: it must hold "empty" (-0.0) between calls
+            ws.buffer[: ws.lamport_offset].fill_(float("nan"))
     blocks = [
         torch.full((tokens, hidden), float("nan"), dtype=out_dtype, device="cuda"),
         torch.full((tokens, hidden), float("nan"), dtype=dtype, device="cuda"),
@@ -150,10 +150,14 @@ def _modes_worker(rank, world):
         dict(one_shot=False, pipelined=False),
         dict(one_shot=False, pipelined=True),
         dict(one_shot=False, pipelined=True, chunk_tiles=1),
+        dict(lamport=True),
     )
     for kernel in kernels:
         for ctas in (2, 3, 16, 32):
             for tokens in (1, 5, 129, 1000):
+                # Lamport: peers needed, and 127 x 1032 bf16 rows fill its 256 KiB slot
+                if kernel.get("lamport") and (world == 1 or tokens > 127):
+                    continue
                 errors += _check_call(
                     rank, world, 31 * tokens + ctas, tokens, 1032, torch.bfloat16, True,
                     torch.bfloat16, num_ctas=ctas, **kernel,
@@ -179,8 +183,11 @@ def _back_to_back_worker(rank, world, calls, batch):
         for i, (tokens, (partials, residual, weight)) in enumerate(inputs):
             ctas = (2, 8, 16, 32, None)[(start + i) % 5]
             pipelined = (None, True, False)[(start + i) % 3]
+            # Lamport on some small calls, between the barrier one-shot ones (it needs peers)
+            lamport = True if world > 1 and tokens <= 8 and (start + i) % 2 else None
             outputs.append(fused_allreduce_rmsnorm_cuda(
-                partials[rank], residual, weight, EPS, group, dtype, num_ctas=ctas, pipelined=pipelined
+                partials[rank], residual, weight, EPS, group, dtype, num_ctas=ctas, pipelined=pipelined,
+                lamport=lamport,
             ))
         for i, ((tokens, (partials, residual, weight)), (normed, res_out)) in enumerate(
             zip(inputs, outputs)
@@ -199,7 +206,10 @@ def _cuda_graph_worker(rank, world):
 
     group = dist.group.WORLD.group_name
     hidden, dtype = 4096, torch.bfloat16
-    layer_tokens = (1024, 1024, 8, 4096)  # flat two-shot, flat, one-shot, pipelined two-shot (forced)
+    # flat two-shot, flat, one-shot, Lamport one-shot twice (forced: its call counter must alternate
+    # inside the graph and across replays), pipelined two-shot (forced)
+    layer_tokens = (1024, 1024, 8, 8, 8, 4096)
+    lamport_layers = (3, 4)
     static = [_make_inputs(i, t, hidden, dtype, True, world) for i, t in enumerate(layer_tokens)]
 
     def layers():
@@ -209,7 +219,8 @@ def _cuda_graph_worker(rank, world):
                 residual = outs[-1][1]  # the residual stream carries on
             pipelined = True if i == len(layer_tokens) - 1 else None
             outs.append(fused_allreduce_rmsnorm_cuda(
-                partials[rank], residual, weight, EPS, group, dtype, pipelined=pipelined
+                partials[rank], residual, weight, EPS, group, dtype, pipelined=pipelined,
+                lamport=True if i in lamport_layers and world > 1 else None,  # needs peers
             ))
         return outs
 
