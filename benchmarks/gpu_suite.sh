@@ -23,6 +23,9 @@
 #   decode70   the same at 70b_tp8sim (bench_decode_70b.csv / .png)
 #   fused      bench_fused_allreduce_rmsnorm, hidden 8192 and 4096 (--quick: fewer sizes and CTAs)
 #   flashcomm  bench_flashcomm
+#   hf         bench_hf_llama: HF Llama at Llama-3-8B widths (2 layers, random bf16), tp_plan="auto" on
+#              2 GPUs, weave fuse / split / FlashComm vs eager and Inductor, checked against fp32
+#              (--quick: 4096 tokens; else 2048 and 8192)
 # Splitting into calls of <= 600 s (sums of the step limits; typical runs should be shorter, but
 # compile times of the new presets and of the 16-layer decode model, one compile per variant and
 # batch size, are not measured on the device yet):
@@ -44,7 +47,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks import weavepass from the checkout
 OUT="${OUT:-gpu_suite_out}"
 QUICK="${1:-}"
-ALL_STEPS="tests,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm"
+ALL_STEPS="tests,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
@@ -117,4 +120,8 @@ wanted fused && step bench_fused_allreduce_rmsnorm "${FUSED_TIMEOUT_S:-200}" \
     ${QUICK:+--tokens 1 8 128 1024 4096 16384 --ctas 16 32 --replays 10}
 wanted flashcomm && step bench_flashcomm "${FLASHCOMM_TIMEOUT_S:-200}" \
     python3 benchmarks/bench_flashcomm.py --out "$OUT" $QUICK
+HF_TOKENS="2048 8192"
+[ -n "$QUICK" ] && HF_TOKENS="4096"
+wanted hf && step bench_hf_llama "${HF_TIMEOUT_S:-420}" \
+    python3 benchmarks/bench_hf_llama.py --out "$OUT" --tokens $HF_TOKENS
 exit $status
