@@ -124,12 +124,11 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
     site = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=False)
     lowering, code, note = scheduler.choose_lowering(site, WeaveConfig())
     assert lowering == "cuda_symm" and code is ReasonCode.CUDA_COPY and "copies the partial sums" in note
-    # A training site needs the inverse RMS, which the CUDA kernel does not write: it stays as
-    # all_reduce (auto or asked for), never portable, which is slower than NCCL on CUDA.
+    # A training site needs the inverse RMS: the CUDA kernel writes it too (return_inv_rms), so
+    # training sites take the same lowering as inference ones.
     training = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=True)
     for config in (WeaveConfig(), WeaveConfig(lowering="cuda_symm")):
-        lowering, code, note = scheduler.choose_lowering(training, config)
-        assert lowering is None and code is ReasonCode.TRAINING and "training" in note and "saved for backward" in note, note
+        assert scheduler.choose_lowering(training, config)[0] == "cuda_symm"
     assert scheduler.choose_lowering(training, WeaveConfig(lowering="portable"))[0] == "portable"
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: "hidden 12 is odd")
     assert scheduler.choose_lowering(site, WeaveConfig()) == (

@@ -137,18 +137,6 @@ def test_training_forward_graph_fuses_and_returns_the_saved_inverse_rms(dtype):
     assert not any(n.target is torch.ops.aten.rsqrt.default for n in forward.nodes)
 
 
-def test_training_sites_stay_all_reduce_on_a_lowering_without_inverse_rms():
-    """The CUDA kernel does not return the inverse RMS: such sites stay as all_reduce (never the
-    portable lowering instead, which is slower than NCCL on CUDA), with a reason."""
-    backend, _ = _train_compile(weavepass.WeaveConfig(lowering="cuda_symm"), torch.float32)
-    forward_report = backend.report.graphs[0]
-    assert TRAIN_OP not in forward_report.ops_after
-    reasons = [r.reason for r in forward_report.records if not r.lowering]
-    assert len(reasons) == 2
-    for reason in reasons:
-        assert "training" in reason and "saved for backward" in reason and "cuda_symm" in reason
-
-
 def test_training_norm_in_bf16_is_refused_with_a_training_reason():
     """A norm computed in bf16 saves a bf16 rsqrt; the op's inverse RMS is fp32, so it cannot
     stand in for it."""

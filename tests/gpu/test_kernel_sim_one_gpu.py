@@ -144,3 +144,28 @@ def test_lamport_negative_zero_partials(world):
         outputs = sim.run(partials, residual, weight, EPS, dtype, ALGORITHMS["lamport"], timeout_s=20)
         _check(outputs, partials, residual, weight, dtype, f"world={world} {dtype} -0.0 partials")
         assert sim.lamport_clear() and sim.signals_clear()
+
+
+def test_inverse_rms_for_training():
+    """Every algorithm also writes the per-row inverse RMS a training graph saves for backward
+    (``return_inv_rms``), for the rows each rank reduces and those it finalises from its peers."""
+    from weavepass.runtime.reference import accumulation_dtype, add_rmsnorm_local
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    world, hidden = 2, 4096
+    for dtype in (torch.bfloat16, torch.float32):
+        sim = SimulatedRanks(world, hidden, 1024, dtype)
+        for name, overrides in ALGORITHMS.items():
+            for tokens in (3, 16, 1024):
+                if not _serves(name, tokens, hidden, dtype):
+                    continue
+                partials, residual, weight = _inputs(5 + tokens, world, tokens, hidden, dtype)
+                outputs = sim.run(partials, residual, weight, EPS, dtype, overrides, return_inv_rms=True)
+                summed = torch.stack([p.to(accumulation_dtype(dtype)) for p in partials]).sum(0)
+                want = add_rmsnorm_local(summed, residual, weight, EPS, dtype, dtype, return_inv_rms=True)
+                label = f"{name} {dtype} T={tokens}"
+                _check([o[:2] for o in outputs], partials, residual, weight, dtype, label)
+                for rank, (_, _, inv_rms) in enumerate(outputs):
+                    # fp32 either way: rsqrt.approx and the sum-of-squares order, ~1e-6 relative.
+                    torch.testing.assert_close(inv_rms, want[2], rtol=2e-5, atol=0,
+                                               msg=lambda m: f"{label} rank {rank} inv_rms: {m}")

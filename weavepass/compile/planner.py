@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
-from weavepass.runtime import TRAINING_LOWERINGS
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.tokens import TokenCount
@@ -81,11 +80,6 @@ def choose_lowering(
     """
     auto = config.lowering == "auto"
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
-    if site.training and wanted not in TRAINING_LOWERINGS:
-        # Never portable instead: on CUDA it is slower than the model's own NCCL all_reduce.
-        return None, ReasonCode.TRAINING, (
-            f"left as all_reduce: training: the norm's inverse RMS is saved for backward, and the "
-            f"{wanted} lowering does not return it (only {', '.join(TRAINING_LOWERINGS)} does)")
     if wanted != "cuda_symm":
         return wanted, ReasonCode.NONE, ""
     reason = _cuda_unsupported_reason(site)

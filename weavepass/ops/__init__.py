@@ -14,8 +14,8 @@ backends with different sizes never share a setting); other lowerings ignore it.
 same op for the forward graph of a training compile, where AOT autograd saves the norm's inverse
 RMS for the backward graph: ``inv_rms = rsqrt(mean(x^2, -1) + eps)`` with ``x`` the upcast
 ``residual_out``, shape ``partial.shape[:-1] + [1]``, dtype fp32 (fp64 for fp64 inputs). It is a
-separate op, so the inference op's schema, outputs and host cost stay as they are; only the
-portable lowering computes it (the planner keeps training sites of other lowerings as all_reduce).
+separate op, so the inference op's schema, outputs and host cost stay as they are; every lowering
+computes it when asked (``return_inv_rms``).
 
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and ``weave.hold_inputs``
 are the token split's fused op on a second CUDA stream and the op that keeps its inputs alive

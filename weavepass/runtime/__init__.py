@@ -28,7 +28,9 @@ class FusedLowering(Protocol):
     ``out_dtype``, ``residual_out = all_reduce(partial) + residual`` in ``partial.dtype``. Fresh
     tensors: nothing is mutated or aliased. ``max_workspace_tokens`` is the largest batch a lowering
     with a preallocated workspace serves (the op call's ``workspace_tokens``, from
-    ``WeaveConfig.cuda_workspace_tokens``); lowerings without one ignore it.
+    ``WeaveConfig.cuda_workspace_tokens``); lowerings without one ignore it. With ``return_inv_rms``
+    a third output follows: the per-row inverse RMS ``[..., 1]`` in
+    ``reference.accumulation_dtype`` (a training graph saves it for backward).
     """
 
     def __call__(
@@ -41,7 +43,8 @@ class FusedLowering(Protocol):
         out_dtype: torch.dtype,
         *,
         max_workspace_tokens: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        return_inv_rms: bool = False,
+    ) -> tuple[torch.Tensor, ...]: ...
 
 
 # name -> "module:function"; modules that need triton or torch_npu are imported on first use only.
@@ -49,10 +52,6 @@ _LAZY_LOWERINGS: dict[str, str] = {
     "cuda_symm": "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_cuda",
 }
 _LOWERINGS: dict[str, FusedLowering] = {"portable": fused_allreduce_rmsnorm_portable}
-
-TRAINING_LOWERINGS = ("portable",)
-"""Lowerings that also return the inverse RMS a training graph saves for backward
-(``weave.fused_allreduce_rmsnorm_train``). The CUDA kernel does not write it."""
 
 
 def get_lowering(name: str) -> FusedLowering:
@@ -80,11 +79,6 @@ def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtyp
 
 def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, out_dtype, lowering,
                                   workspace_tokens):
-    """The kernel of ``weave.fused_allreduce_rmsnorm_train``: ``(normed, residual_out, inv_rms)``
-    (the workspace size does not apply: only the portable lowering returns the inverse RMS)."""
-    if lowering not in TRAINING_LOWERINGS:
-        raise ValueError(f"weave lowering {lowering!r} does not return the inverse RMS; training "
-                         f"sites need one of {TRAINING_LOWERINGS}")
-    return fused_allreduce_rmsnorm_portable(
-        partial, residual, weight, eps, group_name, out_dtype, return_inv_rms=True
-    )
+    """The kernel of ``weave.fused_allreduce_rmsnorm_train``: ``(normed, residual_out, inv_rms)``."""
+    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
+                                  max_workspace_tokens=workspace_tokens, return_inv_rms=True)

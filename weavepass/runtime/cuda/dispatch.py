@@ -92,9 +92,11 @@ def fused_allreduce_rmsnorm_cuda(
     out_dtype: torch.dtype,
     *,
     max_workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
+    return_inv_rms: bool = False,
     **overrides,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``partial`` [..., H] -> ``(normed, residual_out)``, same math and shapes as the portable lowering.
+) -> tuple[torch.Tensor, ...]:
+    """``partial`` [..., H] -> ``(normed, residual_out)``, same math and shapes as the portable lowering;
+    with ``return_inv_rms`` also the per-row inverse RMS ``[..., 1]`` in fp32 (a training graph's).
 
     The partial sums are copied (pushed by the kernel) into the peers' symmetric staging buffers;
     writing the producing matmul straight into symmetric memory is a later optimisation. Outputs are
@@ -115,23 +117,26 @@ def fused_allreduce_rmsnorm_cuda(
         partial.shape, partial.dtype, partial.device, partial.is_contiguous(),
         None if residual is None else (residual.shape, residual.dtype, residual.device, residual.is_contiguous()),
         None if weight is None else (weight.shape, weight.dtype, weight.device, weight.is_contiguous()),
-        group_name, out_dtype, max_workspace_tokens, options,
+        group_name, out_dtype, max_workspace_tokens, options, return_inv_rms,
     )
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _prepare(partial, residual, weight, group_name, out_dtype, max_workspace_tokens,
-                          LaunchOverrides(**overrides))
+                          LaunchOverrides(**overrides), return_inv_rms)
         if launch is not None:
             _LAUNCHES[key] = launch
     if not isinstance(launch, _Launch):  # unsupported or no workspace: the reason was warned once
-        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype)
+        return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype,
+                                                return_inv_rms=return_inv_rms)
     # The kernel reads rows through raw pointers: a contiguous tensor of any shape [..., H] is its
     # [T, H] matrix already (no reshape needed); others are copied once.
     rows = partial if key[3] else partial.contiguous()
     normed = torch.empty_like(rows, dtype=out_dtype)
     residual_out = torch.empty_like(rows)
+    # Training only: the kernel writes one fp32 per row (any pointer stands in otherwise).
+    inv_rms = partial.new_empty((*partial.shape[:-1], 1), dtype=torch.float32) if return_inv_rms else normed
     if launch.empty:
-        return normed, residual_out
+        return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
     if residual is None:
         res = rows
     else:
@@ -140,14 +145,14 @@ def fused_allreduce_rmsnorm_cuda(
         w = launch.ones
     else:
         w = weight if key[5][3] else weight.contiguous()
-    _launch(launch, (rows, res, w, normed, residual_out, *launch.tail, eps))
-    return normed, residual_out
+    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, *launch.tail, eps))
+    return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
 
 
 def _aligned(args: tuple) -> bool:
-    """Whether the five tensor pointers (partial, residual, weight, outputs) are 16-byte aligned."""
+    """Whether the six tensor pointers (partial, residual, weight, outputs) are 16-byte aligned."""
     return not ((args[0].data_ptr() | args[1].data_ptr() | args[2].data_ptr()
-                 | args[3].data_ptr() | args[4].data_ptr()) & 15)
+                 | args[3].data_ptr() | args[4].data_ptr() | args[5].data_ptr()) & 15)
 
 
 def _launch(launch: _Launch, args: tuple) -> None:
@@ -192,6 +197,7 @@ def _triton_runtime_knobs():
 
 def _prepare(
     partial, residual, weight, group_name, out_dtype, max_tokens: int, overrides: LaunchOverrides,
+    return_inv_rms: bool = False,
 ) -> _Launch | str | None:
     """Validate a new call signature and plan its launch. ``_PORTABLE`` when the kernel cannot
     serve it; None when no workspace fits now (not cached: the batch may fit later outside
@@ -225,21 +231,23 @@ def _prepare(
         )
         return None  # not cached: outside capture a later call may allocate it
 
-    kernel, tail, meta = kernel_arguments(plan, ws, hidden, residual is not None, elem, num_tokens)
+    kernel, tail, meta = kernel_arguments(plan, ws, hidden, residual is not None, elem, num_tokens,
+                                          return_inv_rms)
     ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
     return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0)
 
 
-def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int):
+def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int,
+                     has_inv_rms: bool = False):
     """``(kernel, tail, meta)`` of one call planned as ``plan`` on workspace ``ws``: the kernel runs
-    as ``kernel[(plan.num_ctas,)](partial, residual, weight, normed, residual_out, *tail, eps, **meta)``
-    (also by ``weavepass.testing.kernel_sim``, on simulated workspaces)."""
+    as ``kernel[(plan.num_ctas,)](partial, residual, weight, normed, residual_out, inv_rms, *tail,
+    eps, **meta)`` (also by ``weavepass.testing.kernel_sim``, on simulated workspaces)."""
     from weavepass.runtime.cuda import kernels
 
     world = ws.world
     meta = dict(
         RANK=ws.rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
-        HAS_RESIDUAL=has_residual, num_warps=plan.num_warps,
+        HAS_RESIDUAL=has_residual, HAS_INV_RMS=has_inv_rms, num_warps=plan.num_warps,
     )
     if plan.lamport:
         meta.update(BITS=8 * element_size, FLAG_SLOT=lamport_flag_slot(world))

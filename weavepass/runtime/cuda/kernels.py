@@ -97,20 +97,33 @@ def _block_barrier(
 
 
 @triton.jit
-def _rms_norm_rows(x, w, eps, HIDDEN: tl.constexpr):
-    """``x * rsqrt(mean(x^2) + eps) * w`` over the last dim of an fp32 tile whose padding is zero."""
+def _norm_rows(
+    res,  # [ROWS, BLOCK_H] residual_out rows in dtype(P), padding zero
+    w, eps, normed_ptr, inv_rms_ptr, offs,
+    row,  # [ROWS] row indices in [T]
+    mask,
+    HIDDEN: tl.constexpr,
+    HAS_INV_RMS: tl.constexpr,
+):
+    """``normed = x * rsqrt(mean(x^2) + eps) * w`` over the last dim of ``x = fp32(res)``, stored;
+    with ``HAS_INV_RMS`` also the per-row ``rsqrt(mean(x^2) + eps)`` (fp32; what a training graph saves
+    for backward)."""
+    x = res.to(tl.float32)
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HIDDEN + eps)
-    return x * inv_rms[:, None] * w[None, :]
+    tl.store(normed_ptr + offs, (x * inv_rms[:, None] * w[None, :]).to(normed_ptr.dtype.element_ty), mask=mask)
+    if HAS_INV_RMS:
+        tl.store(inv_rms_ptr + row, inv_rms, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
 
 
 @triton.jit
 def _finalise_rows(
-    normed_ptr, residual_out_ptr, ws_ptr, recv_offset,
+    normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset,
     start,  # first row of the peer's shard
     end,  # one past its last row (rows at or beyond it are masked)
     local,  # [ROWS] row indices within the shard
     eps, w, cols, col_mask,
     HIDDEN: tl.constexpr,
+    HAS_INV_RMS: tl.constexpr,
 ):
     """Step 5 for one tile of a peer's shard: copy its ``residual_out`` rows from the local recv
     buffer and normalise them into ``normed`` (both kernels finalise this way)."""
@@ -118,8 +131,7 @@ def _finalise_rows(
     offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
     res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
     tl.store(residual_out_ptr + offs, res, mask=mask)
-    normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
-    tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+    _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS)
 
 
 @triton.jit
@@ -162,6 +174,7 @@ def fused_allreduce_rmsnorm_kernel(
     weight_ptr,  # [HIDDEN] norm weight
     normed_ptr,  # [T, HIDDEN] output, out_dtype
     residual_out_ptr,  # [T, HIDDEN] output, dtype(P)
+    inv_rms_ptr,  # [T] fp32 output (only with HAS_INV_RMS; any pointer otherwise)
     ws_ptr,  # this rank's symmetric workspace, dtype(P): staging at 0, recv at recv_offset
     pad_ptr,  # int32* this rank's symmetric signal pad
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,  # peer workspace address - local one, in elements
@@ -178,6 +191,7 @@ def fused_allreduce_rmsnorm_kernel(
     ONE_SHOT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     MAX_CTAS: tl.constexpr,  # signal slots per channel
+    HAS_INV_RMS: tl.constexpr,  # also write the per-row inverse RMS (training graphs)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -228,8 +242,7 @@ def fused_allreduce_rmsnorm_kernel(
                 if dst != RANK:
                     delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
                     tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
-        normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
-        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+        _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS)
 
     _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 1, RANK, WORLD, MAX_CTAS)
 
@@ -241,8 +254,8 @@ def fused_allreduce_rmsnorm_kernel(
                 end = tl.minimum(start + owned, num_tokens)
                 for tile in range(pid, num_tiles, num_programs):
                     local = tile * ROWS + rows
-                    _finalise_rows(normed_ptr, residual_out_ptr, ws_ptr, recv_offset, start, end,
-                                   local, eps, w, cols, col_mask, HIDDEN)
+                    _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
+                                   local, eps, w, cols, col_mask, HIDDEN, HAS_INV_RMS)
 
 
 # ------------------------------------------------------------------ pipelined two-shot (large batches)
@@ -314,7 +327,7 @@ def _push_chunk(
 
 @triton.jit
 def _reduce_chunk(
-    partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, ws_ptr,
+    partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
     RANK: tl.constexpr,
@@ -324,6 +337,7 @@ def _reduce_chunk(
     ROWS: tl.constexpr,
     CHUNK_ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_INV_RMS: tl.constexpr,
 ):
     start = RANK * shard_rows
     end = tl.minimum(start + shard_rows, num_tokens)
@@ -338,19 +352,19 @@ def _reduce_chunk(
                 delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
                 tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
-        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+        _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS)
 
 
 @triton.jit
 def _finalise_chunk(
-    normed_ptr, residual_out_ptr, ws_ptr,
+    normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
     chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK_ROWS: tl.constexpr,
+    HAS_INV_RMS: tl.constexpr,
 ):
     for owner in tl.static_range(WORLD):
         if owner != RANK:
@@ -358,13 +372,13 @@ def _finalise_chunk(
             end = tl.minimum(start + shard_rows, num_tokens)
             for k in tl.static_range(CHUNK_ROWS // ROWS):
                 local = chunk * CHUNK_ROWS + k * ROWS + rows
-                _finalise_rows(normed_ptr, residual_out_ptr, ws_ptr, recv_offset, start, end,
-                               local, eps, w, cols, col_mask, HIDDEN)
+                _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
+                               local, eps, w, cols, col_mask, HIDDEN, HAS_INV_RMS)
 
 
 @triton.jit
 def fused_allreduce_rmsnorm_pipelined_kernel(
-    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, ws_ptr, pad_ptr,
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,
     num_tokens, shard_rows, recv_offset, eps,
@@ -377,6 +391,7 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     PUSH_ROWS: tl.constexpr,  # rows per push load/store
     HAS_RESIDUAL: tl.constexpr,
     MAX_CTAS: tl.constexpr,
+    HAS_INV_RMS: tl.constexpr,
 ):
     """Two-shot, software-pipelined over chunks of ``CHUNK_ROWS`` rows (see the module docstring).
 
@@ -413,21 +428,21 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
                         chunk + num_programs, num_tokens, shard_rows, cols, col_mask,
                         RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS)
         _wait_counters(pad_ptr, 2, c + 1, RANK, WORLD, MAX_CTAS)
-        _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, ws_ptr,
+        _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                       wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                       chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
-                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL)
+                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS)
         if c > 0:
             _wait_counters(pad_ptr, 3, c, RANK, WORLD, MAX_CTAS)
-            _finalise_chunk(normed_ptr, residual_out_ptr, ws_ptr,
+            _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                             chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w,
-                            rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS)
+                            rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS)
         _signal_counters(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, more, RANK, WORLD, MAX_CTAS)
     if n > 0:
         _wait_counters(pad_ptr, 3, n, RANK, WORLD, MAX_CTAS)
-        _finalise_chunk(normed_ptr, residual_out_ptr, ws_ptr,
+        _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                         pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w,
-                        rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS)
+                        rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS)
         for peer in tl.static_range(WORLD):  # consume this call's counts (the peers' next call may
             if peer != RANK:  # already be adding: counters are exact, so subtracting keeps those)
                 tl.atomic_add(pad_ptr + (2 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")
@@ -458,7 +473,7 @@ def _empty_value(ROWS: tl.constexpr, BLOCK_H: tl.constexpr, dtype: tl.constexpr,
 
 @triton.jit
 def fused_allreduce_rmsnorm_lamport_kernel(
-    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, ws_ptr, pad_ptr,
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     num_tokens,
     lamport_offset,  # element offset of the Lamport region in the workspace
@@ -472,6 +487,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BITS: tl.constexpr,  # bits per element of dtype(P): 16 or 32
     FLAG_SLOT: tl.constexpr,  # pad slots: [FLAG_SLOT] = calls so far, [FLAG_SLOT + 1] = CTAs done
+    HAS_INV_RMS: tl.constexpr,
 ):
     """One-shot without barriers, for decode-sized batches (Lamport's scheme, as in TensorRT-LLM's and
     FlashInfer's one-shot all-reduce).
@@ -537,8 +553,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        normed = _rms_norm_rows(res.to(tl.float32), w, eps, HIDDEN)
-        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+        _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, local, mask, HIDDEN, HAS_INV_RMS)
 
     # 3. the last program to finish advances the call counter (and resets the done count)
     tl.debug_barrier()
