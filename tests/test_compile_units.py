@@ -5,6 +5,7 @@ planner and the strategies' decisions, on graphs traced with ``make_fx`` on a fa
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import pytest
@@ -54,8 +55,9 @@ def no_norm(x, w):
     return funcol.all_reduce(x @ w, "sum", dist.group.WORLD) * 2
 
 
-def _args(tokens: int):
-    return (torch.randn(tokens, 32), torch.randn(tokens, H), torch.randn(32, H), torch.randn(H),
+def _args(*tokens: int):
+    """``two_sites``' arguments for ``tokens`` rows: ``[T, 32]`` or ``[B, S, 32]`` inputs."""
+    return (torch.randn(*tokens, 32), torch.randn(*tokens, H), torch.randn(32, H), torch.randn(H),
             torch.randn(H, H), torch.randn(H))
 
 
@@ -214,6 +216,31 @@ def test_split_decision(world2):
                                     "2 sites x 2 halves"]
 
 
+@pytest.mark.parametrize("tokens, mode", [((640,), "fake"), ((640,), "symbolic"), ((4, 10), "symbolic"),
+                                          ((1, 40), "symbolic")], ids=["static", "T", "BxS", "1xS"])
+def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mode):
+    """The split plans its cut through one ``plan_split`` call on the planner's ``TokenCount`` of the
+    sites: the same value (for ``[B, S, H]`` the product of both symbols, not one of them), the same
+    hint, and the plan is for that hint."""
+    calls = []
+
+    def spy(count, *args, **kwargs):
+        calls.append((count, plan_split(count, *args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr("weavepass.compile.strategies.split.plan_split", spy)
+    rewrite = _rewrite(_trace(two_sites, *_args(*tokens), mode=mode), WeaveConfig(overlap="force"))
+    planned = [TokenCount.of(plan.site.partial) for plan in rewrite.plans]
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    SplitStrategy().apply(rewrite, SplitStrategy().decide(rewrite))
+    ((count, plan),) = calls
+    for site_count in planned:  # str: comparing SymInts would install a guard
+        assert (str(count.value), count.static, count.hint) == (str(site_count.value), site_count.static, site_count.hint)
+    assert count.symbolic == (mode == "symbolic")
+    assert plan.tokens == count.hint == math.prod(tokens)
+    assert plan.first is not None and rewrite.report.notes[-1].startswith("token split"), rewrite.report.notes
+
+
 def test_split_refuses_training_after_fuse(world2):
     rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(overlap="force"))
     FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
@@ -232,10 +259,10 @@ def test_plan_split_is_the_planner_call_of_the_split(world2):
     overlap window is refused on its value (the guard) before any cut is planned."""
     gemms = [GemmShape(n=8192, k=8192)]
     auto = WeaveConfig(overlap="auto", overlap_min_tokens=1024, overlap_min_tokens_moe=4096, overlap_max_tokens=8192)
-    assert plan_split(TokenCount(4096), 1, 4096, gemms, auto, torch.device("cpu")) == \
+    assert plan_split(TokenCount(4096), 1, gemms, auto, torch.device("cpu")) == \
         plan_token_split(1, 4096, gemms, auto, WaveModel())
     site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40), mode="symbolic"))[0][0]
-    refused = plan_split(TokenCount.of(site.partial), 1, 40, gemms, auto, torch.device("cpu"))
+    refused = plan_split(TokenCount.of(site.partial), 1, gemms, auto, torch.device("cpu"))
     assert refused.first is None and refused.reason.startswith("symbolic token count below the overlap threshold")
 
 
@@ -296,8 +323,6 @@ def test_local_sm_count_changes_the_split_and_the_plan_check_stops_it(monkeypatc
     lines = []
     for rank, model in enumerate((WaveModel(sms=132), WaveModel())):
         monkeypatch.setattr("weavepass.compile.wave_model.device_wave_model", lambda device, m=model: m)
-        monkeypatch.setattr("weavepass.compile.strategies.split.device_wave_model",
-                            lambda device, m=model: m, raising=False)
         lines.append(_lines_on_rank(rank, SPLIT))
     assert "float32[320, 64]" in lines[0][0][1] and "float32[256, 64]" in lines[1][0][1]
     for me, error in enumerate(_exchange(lines)):

@@ -26,7 +26,7 @@ from torch import nn
 
 from weavepass import WeaveConfig, make_backend
 from weavepass.compile.strategies.flashcomm import force_device_kind
-from weavepass.compile.tokens import padded_token_count
+from weavepass.compile.tokens import TokenCount
 from weavepass.runtime import npu
 from weavepass.testing import (
     TPConfig,
@@ -131,11 +131,11 @@ def symm_mem_on_cpu():
 
 
 def test_padding_rule():
-    assert padded_token_count(1, 2) == 32
-    assert padded_token_count(32, 2) == 32
-    assert padded_token_count(33, 2) == 64
-    assert padded_token_count(2, 3) == 48
-    assert padded_token_count(8192, 8) == 8192
+    assert TokenCount(1).padded(2) == 32
+    assert TokenCount(32).padded(2) == 32
+    assert TokenCount(33).padded(2) == 64
+    assert TokenCount(2).padded(3) == 48
+    assert TokenCount(8192).padded(8) == 8192
 
 
 A2, A3, A950 = "Ascend910B3", "Ascend910_9382", "Ascend950PR"

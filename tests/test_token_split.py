@@ -48,14 +48,13 @@ CASES_WORLD_3 = [
 ]
 
 
-def _tiny_second_half(*args, **kwargs):
-    plan = _plan_token_split(*args, **kwargs)
-    unit = plan.tokens if plan.mode == "sequence" else kwargs.get("batch", args[0])
-    step = 1 if plan.mode == "sequence" else plan.tokens // unit
+def _tiny_second_half(tokens, batch, *args, **kwargs):
+    plan = _plan_split(tokens, batch, *args, **kwargs)
+    step = 1 if plan.mode == "sequence" else plan.tokens // batch
     return TokenSplitPlan(plan.tokens, plan.tokens - step, plan.mode, "", False)
 
 
-_plan_token_split = token_split.plan_token_split
+_plan_split = token_split.plan_split
 
 
 def _compile_and_compare(rank, world, cfg_name, batch, seq, config=FORCE):
@@ -74,10 +73,10 @@ def _compile_and_compare(rank, world, cfg_name, batch, seq, config=FORCE):
 def _numerics(rank, world, cases):
     results = []
     for cfg_name, batch, seq, share in cases:
-        token_split.plan_token_split = _tiny_second_half if share == "tiny" else _plan_token_split
+        token_split.plan_split = _tiny_second_half if share == "tiny" else _plan_split
         diff, graph = _compile_and_compare(rank, world, cfg_name, batch, seq)
         results.append((diff, graph.note, dict(graph.ops_before), dict(graph.ops_after)))
-    token_split.plan_token_split = _plan_token_split
+    token_split.plan_split = _plan_split
     return results
 
 

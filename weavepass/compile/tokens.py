@@ -10,7 +10,7 @@ API (for the planner, the strategies and the split)::
     count.hint                       # int: the example value, read without installing a guard
     count.padded(world_size)         # FlashComm's padding: a multiple of TOKEN_ALIGNMENT * world_size (static only)
     count.rows_per_rank(world_size)  # count.padded(world_size) // world_size
-    padded_token_count(n, world)     # the padding rule on a plain int
+    TokenCount(n).padded(world)      # the padding rule on a plain int
 
 Reading ``value`` in a comparison installs a guard; ``static``, ``symbolic`` and ``hint`` never do.
 """
@@ -26,12 +26,6 @@ from torch.fx import Node
 TOKEN_ALIGNMENT = 16
 """Tokens are padded to a multiple of ``world_size * TOKEN_ALIGNMENT``: each rank's shard then has a
 multiple of 16 rows, which keeps fused kernels (MMRS tiles, vectorised norms) on aligned shapes."""
-
-
-def padded_token_count(num_tokens: int, world_size: int) -> int:
-    """``num_tokens`` rounded up to a multiple of ``world_size * TOKEN_ALIGNMENT``."""
-    align = world_size * TOKEN_ALIGNMENT
-    return -(-num_tokens // align) * align
 
 
 def size_hint(size) -> int:
@@ -75,7 +69,8 @@ class TokenCount:
         """FlashComm's padded count: ``static`` rounded up to a multiple of ``world_size * 16``."""
         if self.static is None:
             raise ValueError("padding needs a static token count")
-        return padded_token_count(self.static, world_size)
+        align = world_size * TOKEN_ALIGNMENT
+        return -(-self.static // align) * align
 
     def rows_per_rank(self, world_size: int) -> int:
         """Rows of each rank's shard after FlashComm's padding."""

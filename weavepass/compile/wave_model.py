@@ -145,6 +145,17 @@ def overlap_window_reason(tokens, config: WeaveConfig, moe: bool = False) -> str
     return None
 
 
+def split_mode(batch: int) -> str:
+    """How ``batch`` sequences (hint) are cut: ``"batch"`` (between sequences) for several,
+    ``"sequence"`` (inside the one sequence) otherwise."""
+    return "batch" if batch >= 2 else "sequence"
+
+
+def too_few_tokens_reason(tokens: int) -> str | None:
+    """Why ``tokens`` (a hint) cannot be cut in two, or None."""
+    return f"{tokens} token(s): nothing to split" if tokens < 2 else None
+
+
 def plan_token_split(
     batch: int,
     seq_len: int,
@@ -157,9 +168,10 @@ def plan_token_split(
     shapes, config and the device model enter). Several sequences are cut between sequences; one
     sequence is cut inside (half B then attends to A's keys too)."""
     tokens = batch * seq_len
-    mode = "batch" if batch >= 2 else "sequence"
-    if tokens < 2:
-        return TokenSplitPlan(tokens, None, mode, f"{tokens} token(s): nothing to split")
+    mode = split_mode(batch)
+    too_few = too_few_tokens_reason(tokens)
+    if too_few is not None:
+        return TokenSplitPlan(tokens, None, mode, too_few)
     outside = overlap_window_reason(tokens, config, moe)
     if outside is not None:
         return TokenSplitPlan(tokens, None, mode, outside)
@@ -179,14 +191,14 @@ def device_wave_model(device) -> WaveModel:
 def plan_split(
     tokens: TokenCount,
     batch: int,
-    seq_len: int,
     gemms: list[GemmShape],
     config: WeaveConfig,
     device,
     moe: bool = False,
 ) -> TokenSplitPlan:
-    """The split's one call into the planner: where to cut ``tokens`` (``batch`` sequences of
-    ``seq_len`` tokens, hint values), on ``device``'s wave model.
+    """The split's one call into the planner: where to cut ``tokens``, ``batch`` sequences of
+    ``tokens.hint // batch`` tokens (hint values; ``batch`` is 1 when the tokens are one
+    sequence), on ``device``'s wave model.
 
     A symbolic count is first checked against the overlap window on its ``value`` (installing the
     window's guards, see ``overlap_window_reason``); the cut is then planned on the hints, so a
@@ -195,5 +207,5 @@ def plan_split(
     if tokens.symbolic:
         outside = overlap_window_reason(tokens.value, config, moe)
         if outside is not None:
-            return TokenSplitPlan(tokens.hint, None, "batch" if batch >= 2 else "sequence", outside)
-    return plan_token_split(batch, seq_len, gemms, config, device_wave_model(device), moe)
+            return TokenSplitPlan(tokens.hint, None, split_mode(batch), outside)
+    return plan_token_split(batch, tokens.hint // batch, gemms, config, device_wave_model(device), moe)

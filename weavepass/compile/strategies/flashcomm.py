@@ -52,7 +52,7 @@ from weavepass.compile.patterns.rmsnorm import is_target, val
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
-from weavepass.compile.tokens import TokenCount, padded_token_count
+from weavepass.compile.tokens import TokenCount
 
 log = logging.getLogger("weavepass")
 
@@ -79,12 +79,20 @@ class FlashCommDecision(Decision):
 
     group_name: str = ""
     world_size: int = 0
-    num_tokens: int = 0
-    padded_tokens: int = 0
+    tokens: TokenCount = TokenCount(0)
+    """every site's (static) token count"""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.static
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.tokens.padded(self.world_size)
 
     @property
     def rows_per_rank(self) -> int:
-        return self.padded_tokens // self.world_size
+        return self.tokens.rows_per_rank(self.world_size)
 
 
 def _carried(site: FusedAllReduceRMSNormSite) -> Node:
@@ -129,16 +137,16 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
     tokens = None
     for plan in plans:
         site = plan.site
-        rows = TokenCount.of(site.partial).static
-        if rows is None:
+        count = TokenCount.of(site.partial)
+        if count.symbolic:
             return no(ReasonCode.SYMBOLIC_TOKENS, f"site {site.all_reduce.name}: the token count is symbolic (dynamic shapes); "
                       "FlashComm decides guard-free, on static token counts only", site)
-        if site.hidden != first.hidden or (tokens is not None and rows != tokens):
-            return no(ReasonCode.UNEQUAL_SITES, f"site {site.all_reduce.name} has {rows} tokens x {site.hidden}, not "
-                      f"{tokens} x {first.hidden} like the first site", site)
-        tokens = rows
-    if tokens < config.flashcomm_min_prefill_tokens:
-        return no(ReasonCode.TOO_FEW_TOKENS, f"{tokens} tokens < flashcomm_min_prefill_tokens="
+        if site.hidden != first.hidden or (tokens is not None and count.static != tokens.static):
+            return no(ReasonCode.UNEQUAL_SITES, f"site {site.all_reduce.name} has {count.static} tokens x {site.hidden}, not "
+                      f"{tokens.static} x {first.hidden} like the first site", site)
+        tokens = count
+    if tokens.static < config.flashcomm_min_prefill_tokens:
+        return no(ReasonCode.TOO_FEW_TOKENS, f"{tokens.static} tokens < flashcomm_min_prefill_tokens="
                   f"{config.flashcomm_min_prefill_tokens}")
     for before, plan in zip(plans, plans[1:]):
         site, prev = plan.site, before.site
@@ -151,8 +159,7 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
                       f"{site.all_reduce.name} is {site.residual.name}, not the stream value "
                       f"{_carried(prev).name} of {prev.all_reduce.name}; the stream cannot stay "
                       "sharded across it", site)
-    return FlashCommDecision(True, group_name=first.group_name, world_size=world, num_tokens=tokens,
-                             padded_tokens=padded_token_count(tokens, world))
+    return FlashCommDecision(True, group_name=first.group_name, world_size=world, tokens=tokens)
 
 
 # ----------------------------------------------------------------------------------------------

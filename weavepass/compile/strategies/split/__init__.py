@@ -20,7 +20,8 @@ values with the causal diagonal aligned at the lower right (a B query at positio
 leaves the graph fuse-only with the reason in ``report.note``: the analysis finishes before the
 graph is touched.
 
-Token counts: static shapes get the wave-aware cut of ``weavepass.compile.wave_model.plan_token_split``. A
+Token counts: the first site's ``TokenCount`` (the planner's) goes to ``weavepass.compile.wave_model.plan_split``,
+once per graph. Static shapes get its wave-aware cut. A
 symbolic token count gets its cut computed at run time from the symbol (half the sequences; or
 half the tokens rounded down to the GEMM row tile), so one graph serves every size from
 ``MIN_SYMBOLIC_UNITS`` (4) units on, through one guard; 2 or 3 units compile once more, fuse-only
@@ -35,25 +36,20 @@ sequence's attention), ``symbolic`` (the cut and its size arithmetic), ``rewrite
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.wave_model import (
-    TokenSplitPlan,
-    device_wave_model,
-    overlap_window_reason,
-    plan_token_split,
-)
+from weavepass.compile.tokens import TokenCount
+from weavepass.compile.wave_model import plan_split, too_few_tokens_reason
 from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.report import GraphReport
 
-from .analysis import Analysis, analyse
-from .base import Unsupported, val
+from .analysis import analyse
+from .base import Unsupported
 from .rewrite import rewrite
-from .symbolic import MIN_SYMBOLIC_UNITS, Cut, hint, shape
+from .symbolic import MIN_SYMBOLIC_UNITS, Cut, hint
 
 __all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "Unsupported", "apply_token_split"]
 
@@ -80,44 +76,30 @@ def apply_token_split(
     fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
     if len(fused_nodes) < 2:
         return skip(f"{len(fused_nodes)} fused site(s): no compute between sites to overlap with")
-    tokens = math.prod(shape(fused_nodes[0].args[0])[:-1])  # hints: reading sizes adds no guard
-    if tokens < 2:
-        return skip(f"{tokens} token(s): nothing to split")
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    sites = sorted(fused_nodes, key=position.__getitem__)
+    tokens = TokenCount.of(sites[0].args[0])  # the planner's count of the first site
+    too_few = too_few_tokens_reason(tokens.hint)  # before the analysis: a decode step needs none
+    if too_few is not None:
+        return skip(too_few)
     try:
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        sites = sorted(fused_nodes, key=position.__getitem__)
         cut = Cut.of(sites[0])
         info = analyse(graph, sites, cut)
-        tokens_sym = math.prod(val(fused_nodes[0].args[0]).shape[:-1])
-        if isinstance(tokens_sym, torch.SymInt):  # static counts: plan_token_split checks them
-            outside = overlap_window_reason(tokens_sym, config, info.moe)  # guards the window
-            if outside is not None:
-                return skip(outside)
-        if isinstance(cut.units, torch.SymInt) and not cut.units >= MIN_SYMBOLIC_UNITS:  # one guard
-            return skip(f"{hint(cut.units)} {cut.mode} unit(s) on a symbolic count: a half of one "
-                        f"unit would specialise the graph; split from {MIN_SYMBOLIC_UNITS} units on")
-        plan = _plan(cut, info, config)
+        plan = plan_split(tokens, hint(cut.batch), info.gemms, config, cut.device, moe=info.moe)
         if plan.first is None:
             return skip(plan.reason)
-        unit = plan.tokens // hint(cut.units)
-        cut.first = plan.first // unit
+        symbolic_cut = isinstance(cut.units, torch.SymInt)  # batch mode on a symbolic S cuts static units
+        if symbolic_cut and not cut.units >= MIN_SYMBOLIC_UNITS:  # one guard
+            return skip(f"{hint(cut.units)} {cut.mode} unit(s) on a symbolic count: a half of one "
+                        f"unit would specialise the graph; split from {MIN_SYMBOLIC_UNITS} units on")
+        cut.first = plan.first // (plan.tokens // hint(cut.units))
         info = analyse(graph, sites, cut)  # re-check every view against the real cut
     except Unsupported as error:
         return skip(f"token split not possible: {error}")
     rewrite(graph, info, config)
-    symbolic = isinstance(cut.units, torch.SymInt)
-    where = "computed at run time from the symbolic size" if symbolic else (
+    where = "computed at run time from the symbolic size" if symbolic_cut else (
         f"A = {plan.first} / B = {plan.tokens - plan.first} tokens"
         + (", wave inequality holds" if plan.free else ", wave inequality does not hold"))
     report.add_note(f"token split ({plan.mode}): {where}; {len(fused_nodes)} sites x 2 halves")
     log.info("weavepass: %s", report.notes[-1])
     return True
-
-
-def _plan(cut: Cut, info: Analysis, config: WeaveConfig) -> TokenSplitPlan:
-    """The planner's cut for the hint sizes: sequences in batch mode, tokens in sequence mode."""
-    batch, seq = hint(cut.batch), hint(cut.seq)
-    return plan_token_split(
-        batch if cut.mode == "batch" else 1, seq if cut.mode == "batch" else batch * seq,
-        info.gemms, config, device_wave_model(cut.device), moe=info.moe,
-    )

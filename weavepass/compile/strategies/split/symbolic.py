@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from weavepass.compile.tokens import size_hint
-from weavepass.compile.wave_model import device_wave_model
+from weavepass.compile.wave_model import device_wave_model, split_mode
 
 from .base import Unsupported, val
 
@@ -73,7 +73,7 @@ class Cut:
             batch, seq = 1, value.shape[0]
         else:
             raise Unsupported(f"first site's input has shape {tuple(value.shape)}, not [B, S, H] or [T, H]")
-        mode = "batch" if hint(batch) >= 2 else "sequence"
+        mode = split_mode(hint(batch))
         return cls(partial, batch, seq, mode, batch if mode == "batch" else seq,
                    0 if mode == "batch" or value.dim() == 2 else 1, value.device)
 
