@@ -147,3 +147,26 @@ def test_scaled_sums_in_bf16(runs, family):
         (graph,) = run.graphs
         assert graph.rewritten == EXPECTED[family].fused == len(graph.records), _describe(run)
         assert any("sum scaled by" in r.kind for r in graph.records), _describe(run)
+
+
+GENERATION_PROMPTS = (9, 6)
+"""Two prompt lengths: the second prefill recompiles with a symbolic length (Dynamo's automatic
+dynamic shapes), so a guard weave added to the first prefill's graph would show."""
+
+
+def test_generation_with_a_static_cache(tmp_path):
+    """Greedy ``generate`` (static cache, ``model.forward`` compiled with ``fullgraph=True``) gives
+    eager's tokens, Dynamo hands weave exactly the graphs it hands a backend that adds no guards
+    (prefill, decode, the second prefill: no recompile comes from weave), and every site of the
+    decode graph (one token) is fused."""
+    path = str(tmp_path / "llama")
+    hf.save_family("llama", path)
+    per_rank = spawn(hf.run_generation, 2, "gloo", path, GENERATION_PROMPTS, 8, timeout_s=600)
+    for run in per_rank:
+        assert run.tokens["weave"] == run.eager == run.tokens["eager"]
+        assert [len(t) for t in run.eager] == [n + 8 for n in GENERATION_PROMPTS]
+        assert run.frames["weave"] == run.frames["eager"], run.frames
+        assert len(run.frames["weave"]) == 3 and run.frames["weave"][1] == (1, 1), run.frames
+        assert len(run.graphs) == len(run.frames["weave"])
+        decode = run.graphs[1]
+        assert decode.rewritten == EXPECTED["llama"].fused == len(decode.records), str(WeaveReport(run.graphs))
