@@ -286,6 +286,49 @@ def test_topk_outputs_and_gather_along_other_dims():
     assert reason == "gather (gather.default) indexes along the token dim"
 
 
+@pytest.mark.parametrize("stable", [False, True], ids=["sort", "sort-stable"])
+def test_sort_along_another_dim_and_refused_along_the_tokens(stable):
+    """Sorting one token's experts keeps both outputs token-wise; sorting along the tokens (MoE
+    routing that groups every token-expert pair by expert) orders tokens across the cut."""
+    sort = (lambda x, dim: torch.sort(x, dim=dim, stable=True)) if stable else torch.sort
+    assert _token_dims(lambda x: sort(x, -1), [(1, 8, 4)], {0: 1})[0] == [1, 1]
+    op = "sort.stable" if stable else "sort.default"
+    assert _refused(lambda x: sort(x.view(-1), 0), [(8, 2)], {0: 0}) == f"sort ({op}) works along the token dim"
+
+
+def test_copy_and_slice_scatter_line_up_like_elementwise_ops():
+    """Functionalised ``buf[..., :8] = y`` (DeepSeek-V3's rotary half written into a buffer):
+    ``copy`` into a slice of a token-free buffer, then ``slice_scatter`` back; the buffer is sliced
+    per half in the token dim (and the slice ``copy`` writes into)."""
+    def write_half(buf, y):
+        return aten.slice_scatter(buf, aten.copy(aten.slice(buf, 2, 0, 8), y), 2, 0, 8)
+
+    dims, info = _token_dims(write_half, [(1, 8, 16), (1, 8, 8)], {1: 1})
+    assert dims == [1]
+    assert _sliced(info, aten.copy.default) == {"slice_1": 1}
+    assert _sliced(info, aten.slice_scatter.default) == {"buf_1": 1}
+    reason = _refused(lambda buf, y: aten.slice_scatter(buf, y, 1, 0, 4), [(1, 8, 16), (1, 4, 16)], {1: 1})
+    assert reason == "slice_scatter (slice_scatter.default) indexes along the token dim"
+
+
+def test_in_place_copy_is_refused():
+    reason = _refused(lambda buf, x: buf.copy_(x), [(1, 8, 16), (1, 8, 16)], {1: 1})
+    assert reason.startswith("copy_ (copy_) writes into buf_1 in place"), reason
+
+
+def test_all_gather_keeps_tokens_outside_dim_0():
+    """Phi3's gathered column-parallel outputs: ``[1, T, X]`` gathered along dim 0 to ``[N, T, X]``,
+    then the rank blocks moved to the last dim. Tokens in dim 0 are refused: a half's gather
+    interleaves the ranks' blocks differently."""
+    def gather(x):
+        full = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "0"))
+        return torch.cat(full.split(x.shape[0]), dim=-1)
+
+    assert _token_dims(gather, [(1, 8, 16)], {0: 1})[0] == [1]
+    reason = _refused(gather, [(8, 16)], {0: 0})
+    assert reason.startswith("all_gather_into_tensor (all_gather_into_tensor) gathers along the token dim"), reason
+
+
 # ---- sizes ------------------------------------------------------------------------------------------
 
 def test_sizes_of_other_dims_are_shared_and_the_token_size_is_refused():
