@@ -232,13 +232,58 @@ def test_matmul_with_tokens_outside_the_left_rows_is_refused(fn, shapes, tokens)
     assert "tokens are not the rows of the left operand" in _refused(fn, shapes, tokens)
 
 
-def test_bmm_only_over_whole_sequences():
+def test_bmm_over_whole_sequences_or_as_attention():
     bmm = lambda a, b: torch.bmm(a, b)  # noqa: E731
     assert _token_dims(bmm, [(4, 3, 3), (4, 3, 8)], {0: 0, 1: 0}, BATCH)[0] == [0]
-    reason = _refused(bmm, [(4, 8, 8), (4, 8, 8)], {0: 0, 1: 0}, SEQ)
-    assert reason == "bmm (bmm): attention as a math decomposition across a cut sequence"
+    reason = _refused(bmm, [(4, 3, 3), (4, 3, 8)], {0: 0}, BATCH)
+    assert reason == "bmm (bmm): the right operand does not carry the same sequences in dim 0"
+    reason = _refused(bmm, [(4, 8, 8), (4, 8, 8)], {0: 1, 1: 1}, SEQ)  # contracts over tokens
+    assert reason.startswith("bmm (bmm): over a cut sequence, neither q @ k^T"), reason
     reason = _refused(bmm, [(4, 3, 3), (4, 3, 8)], {1: 0}, BATCH)
     assert reason == "bmm (bmm.default) contracts or indexes over the token dim"
+
+
+def _eager_attention(q, k, v, mask):
+    """Hugging Face's eager attention with Gemma2's softcapping: bmm, scale, softcap, additive mask,
+    softmax in fp32 (decomposed as Inductor does), bmm."""
+    scores = torch.tanh(q @ k.transpose(2, 3) * 0.25 / 50.0) * 50.0 + mask
+    scores = scores - scores.amax(-1, keepdim=True)
+    probs = scores.exp() / scores.exp().sum(-1, keepdim=True)
+    return probs.to(q.dtype) @ v
+
+
+def test_attention_as_bmm_over_a_cut_sequence():
+    """Scores carry the queries in the token dim and the keys in a second dim; half B reads k^T and
+    v over both halves (``key_operands``) and the mask's keys whole, half A its own keys
+    (``key_sliced``), both in their query rows (``sliced``)."""
+    mask = torch.zeros(1, 1, 8, 8)
+    dims, info = _token_dims(_eager_attention, [(1, 2, 8, 4)] * 3 + [mask], {0: 2, 1: 2, 2: 2})
+    assert dims == [2]
+    qk, pv = [n for n in info.token if n.target is aten.bmm.default]
+    assert (info.token[qk], info.keys[qk], info.token[pv]) == (1, 2, 1) and pv not in info.keys
+    assert [(a.target, d) for a, d in info.key_operands[qk].items()] == [(aten.view.default, 2)]  # k^T
+    assert [(a.target, d) for a, d in info.key_operands[pv].items()] == [(aten.view.default, 1)]  # v
+    assert _sliced(info, aten.add.Tensor) == {"mask_1": 2}
+    (masked,) = info.key_sliced
+    assert masked.target is aten.add.Tensor and {a.name: d for a, d in info.key_sliced[masked].items()} == {"mask_1": 3}
+    assert {info.keys[n] for n in info.keys if n.target is aten.exp.default} == {3}
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        (lambda q, k, w: torch.softmax(q @ k.transpose(2, 3), dim=2), "works along another dim than the keys"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)).sum(2, keepdim=True), "reduces attention scores over other dims"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)).flip(-1), "no rule for flip.default on attention scores"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)) @ w, "probabilities times something other than the values"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)) + q, "q_1 is lined up with the keys"),
+    ],
+    ids=["softmax-over-queries", "sum-over-queries", "flip", "scores-times-weights", "token-bias-on-keys"],
+)
+def test_attention_scores_refusals(fn, reason):
+    """Only ops whose meaning over the keys is known read scores; the rest is refused (``w`` is
+    token-free: contracting the keys with it is no attention)."""
+    assert reason in _refused(fn, [(1, 2, 8, 8)] * 3, {0: 2, 1: 2})
 
 
 # ---- reductions and ops along one dim -----------------------------------------------------------------

@@ -373,13 +373,18 @@ def _rows(node: Node, info: Analysis) -> int:
 
 @register(aten.bmm.default)
 def _batched_rows(node: Node, info: Analysis) -> int:
-    """Batched over (sequence x head): only whole sequences on each side, i.e. batch mode."""
+    """Batched over (sequence x head): whole sequences on each side (batch mode), or, over a cut
+    sequence, attention's ``q @ k^T`` (``scores``)."""
+    from .scores import scores_bmm  # scores builds on this module's rules
+
     a, b = node.args
     if info.token.get(a) is None:
         raise Unsupported(f"{node.name} ({op_name(node.target)}) contracts or indexes over the token dim")
-    if info.cut.mode == "batch" and info.token.get(a) == 0 and info.token.get(b) == 0:
+    if info.cut.mode == "sequence":
+        return scores_bmm(node, info)
+    if info.token.get(a) == 0 and info.token.get(b) == 0:
         return 0
-    raise Unsupported(f"{node.name} (bmm): attention as a math decomposition across a cut sequence")
+    raise Unsupported(f"{node.name} (bmm): the right operand does not carry the same sequences in dim 0")
 
 
 register(*ATTENTION)(attention_dims)
