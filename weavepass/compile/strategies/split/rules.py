@@ -335,7 +335,11 @@ def _sort(node: Node, info: Analysis) -> tuple[int, int]:
     the token dim the order of each half's tokens is not their order in the whole (MoE routing
     that groups every token-expert pair by expert sorts the flattened pairs): refused."""
     default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
-    d = _along(node, info, node.kwargs.get("dim", default))
+    dim = node.kwargs.get("dim", default)
+    if norm_dim(dim, _rank(node)) == input_token_dim(node, info):
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts along the token dim: a half's order "
+                          "is not its part of the whole's (MoE routing that groups tokens by expert)")
+    d = _along(node, info, dim)
     return d, d
 
 
@@ -373,17 +377,18 @@ def _rows(node: Node, info: Analysis) -> int:
 
 @register(aten.bmm.default)
 def _batched_rows(node: Node, info: Analysis) -> int:
-    """Batched over (sequence x head): whole sequences on each side (batch mode), or, over a cut
-    sequence, attention's ``q @ k^T`` (``scores``)."""
+    """Batched over the tokens (dim 0 of both operands: whole sequences x heads in batch mode, or
+    one product per token), whose batch entries are independent; or, over a cut sequence,
+    attention's ``q @ k^T`` (``scores``)."""
     from .scores import scores_bmm  # scores builds on this module's rules
 
     a, b = node.args
     if info.token.get(a) is None:
         raise Unsupported(f"{node.name} ({op_name(node.target)}) contracts or indexes over the token dim")
-    if info.cut.mode == "sequence":
-        return scores_bmm(node, info)
     if info.token.get(a) == 0 and info.token.get(b) == 0:
         return 0
+    if info.cut.mode == "sequence":
+        return scores_bmm(node, info)
     raise Unsupported(f"{node.name} (bmm): the right operand does not carry the same sequences in dim 0")
 
 
