@@ -147,16 +147,16 @@ def test_scaled_sums_in_bf16(runs, family):
         assert any("sum scaled by" in r.kind for r in graph.records), _describe(run)
 
 
-GENERATION_PROMPTS = (9, 6)
-"""Two prompt lengths: the second prefill recompiles with a symbolic length (Dynamo's automatic
-dynamic shapes), so a guard weave added to the first prefill's graph would show."""
+GENERATION_PROMPTS = (9, 6, 7)
+"""Three prompt lengths: the second prefill recompiles with a symbolic length (Dynamo's automatic
+dynamic shapes), and the third reuses that graph unless a backend guarded it on the length."""
 
 
 def test_generation_with_a_static_cache(tmp_path):
     """Greedy ``generate`` (static cache, ``model.forward`` compiled with ``fullgraph=True``) gives
     eager's tokens, Dynamo hands weave exactly the graphs it hands a backend that adds no guards
-    (prefill, decode, the second prefill: no recompile comes from weave), and every site of the
-    decode graph (one token) is fused."""
+    (prefill, decode, the symbolic prefill that serves the later prompts: no recompile comes from
+    weave), and every site of the decode graph (one token) is fused."""
     path = str(tmp_path / "llama")
     hf.save_family("llama", path)
     per_rank = spawn(hf.run_generation, 2, "gloo", path, GENERATION_PROMPTS, 8, timeout_s=600)
