@@ -7,6 +7,9 @@ FlashComm forced. Per family and strategy the test asserts what a user reads in 
 report: how many all_reduces were fused, the reason for each one kept, the graph-wide note, and
 that the compiled graphs equal the eager ones (fp32: ``ATOL[float32]`` relative to the output).
 
+``test_generation_with_a_static_cache`` runs greedy ``generate`` with a static cache on Llama,
+compiled, against eager, and counts the graphs Dynamo compiles.
+
 One spawned pair of ranks serves every family (spawn, load and Dynamo trace cost seconds each; the
 results come back to this process and the assertions are parametrized over them). CI runs
 ``CI_FAMILIES``; ``WEAVE_HF_FULL=1`` runs every family (``bash scripts/test_hf_full.sh``).
