@@ -377,6 +377,27 @@ def test_shared_expert_sites_keep_the_stream_sharded():
     assert graph.ops_after["weave.flashcomm_shard_rows.default"] == 2, graph.ops_after
 
 
+def test_shared_expert_site_off_the_stream_names_the_residual_not_the_shared_output():
+    """``(S + x) + 2h``: the stream stops at the residual ``2h``; the reason names it, not ``x``."""
+    def f(h, w, g):
+        h = h + funcol.all_reduce(h @ w, "sum", dist.group.WORLD)
+        y = _rms(h, g)
+        shared = torch.sigmoid(y[:, :1]) * torch.tanh(y)
+        h = funcol.all_reduce(y @ w, "sum", dist.group.WORLD) + shared + 2 * h
+        return _rms(h, g)
+
+    with fake_process_group(2):
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        with torch.no_grad():
+            compile_fn(f)(torch.randn(8, 64), torch.randn(64, 64) / 8, torch.ones(64))
+    graph = backend.report.graphs[0]
+    assert "stream cannot stay sharded" in graph.note, graph.note
+    residual = graph.note.split("the residual of all_reduce_1 is ")[1].split(",")[0]
+    kind = graph.records[1].kind
+    shared = kind.split(" added to the sum before the residual add")[0].split(", ")[-1]
+    assert residual.startswith("mul") and shared.startswith("mul") and residual != shared, (residual, kind)
+
+
 def test_symbolic_token_count_is_declined():
     with fake_process_group(2):
         backend = make_backend(WeaveConfig(**ON))
