@@ -92,6 +92,25 @@ class TwoSites(nn.Module):
         return _rms(h, self.norms[2])
 
 
+class SharedExpertTwoSites(TwoSites):
+    """``TwoSites`` with Qwen2-MoE's shared expert at both sites: a replicated, gated branch of the
+    normed rows added to the experts' sum before the residual add, ``(S + x) + h``. At the first
+    site ``h`` comes from outside; at the second it is the carried stream."""
+
+    def __init__(self, dtype, rank: int, world: int):
+        super().__init__((256, 256), (False, False), dtype, rank, world)
+        gate = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)) / 8
+        self.gate = nn.Parameter(gate.to(dtype), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(2):
+            x = _rms(h, self.norms[i])
+            shared = torch.sigmoid(F.linear(x, self.gate)) * torch.tanh(x)
+            y = F.silu(F.linear(x, self.up[i]))
+            h = funcol.all_reduce(F.linear(y, self.down[i]), "sum", dist.group.WORLD) + shared + h
+        return _rms(h, self.norms[2])
+
+
 class BrokenStream(nn.Module):
     """The second site's residual is ``2 * h``, not the first site's output: not shardable."""
 
@@ -341,6 +360,44 @@ def test_broken_residual_stream_names_the_boundary():
     assert not any(r.lowering.startswith("flashcomm") for r in graph.records)
 
 
+def test_shared_expert_sites_keep_the_stream_sharded():
+    """``(S + x) + h`` with a replicated ``x``: the op's residual is ``x + h``; FlashComm adds
+    ``x``'s rows of this rank's shard to the carried shard, so the stream is never gathered: one
+    all_gather per site (its norm output), and ``x`` sharded like the first site's residual."""
+    with fake_process_group(2):
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        with torch.no_grad():
+            compile_fn(SharedExpertTwoSites(torch.float32, 0, 2))(torch.randn(7, 64))
+    graph = backend.report.graphs[0]
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2, graph
+    assert all("moved onto the residual" in r.kind for r in graph.records), graph.records
+    assert not any("all_reduce" in op for op in graph.ops_after), graph.ops_after
+    assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == 2, graph.ops_after
+    # the first site's residual h + x, and the second site's x
+    assert graph.ops_after["weave.flashcomm_shard_rows.default"] == 2, graph.ops_after
+
+
+def test_shared_expert_site_off_the_stream_names_the_residual_not_the_shared_output():
+    """``(S + x) + 2h``: the stream stops at the residual ``2h``; the reason names it, not ``x``."""
+    def f(h, w, g):
+        h = h + funcol.all_reduce(h @ w, "sum", dist.group.WORLD)
+        y = _rms(h, g)
+        shared = torch.sigmoid(y[:, :1]) * torch.tanh(y)
+        h = funcol.all_reduce(y @ w, "sum", dist.group.WORLD) + shared + 2 * h
+        return _rms(h, g)
+
+    with fake_process_group(2):
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        with torch.no_grad():
+            compile_fn(f)(torch.randn(8, 64), torch.randn(64, 64) / 8, torch.ones(64))
+    graph = backend.report.graphs[0]
+    assert "stream cannot stay sharded" in graph.note, graph.note
+    residual = graph.note.split("the residual of all_reduce_1 is ")[1].split(",")[0]
+    kind = graph.records[1].kind
+    shared = kind.split(" added to the sum before the residual add")[0].split(", ")[-1]
+    assert residual.startswith("mul") and shared.startswith("mul") and residual != shared, (residual, kind)
+
+
 def test_symbolic_token_count_is_declined():
     with fake_process_group(2):
         backend = make_backend(WeaveConfig(**ON))
@@ -488,6 +545,10 @@ def _numerics_world_2(rank, world):
         h = torch.randn(5, 320, generator=torch.Generator().manual_seed(2)).to(dtype)
         model_fn = lambda d, dtype=dtype: TwoSites((256, 384), (False, False), d or dtype, rank, world, hidden=320)  # noqa: E731
         results[name] = _check(model_fn, h, mmrs, "npu", chip)
+    # Qwen2-MoE's shared expert at both sites: the op's residual x + h built on the shard.
+    h = torch.randn(7, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    results["shared-expert"] = _check(lambda d: SharedExpertTwoSites(d or torch.bfloat16, rank, world), h,
+                                      WeaveConfig(**ON), "portable")
     # Fallbacks: each site falls back to mm -> reduce_scatter with its reason, and stays correct.
     for name, ks, biases, dtype in [("k128+bias", (128, 256), (False, True), torch.bfloat16),
                                     ("fp32", (256, 256), (False, False), torch.float32)]:
@@ -523,6 +584,7 @@ def test_numerics_world_2_gloo():
     assert results["dense-7"][1] == ["flashcomm:portable"] * sites
     assert results["dense-7-cuda"][1] == ["flashcomm:portable"] + ["flashcomm:cuda_symm"] * (sites - 1)
     assert "flashcomm:npu_mmrs" in results["moe-3-mmrs"][1]
+    assert results["shared-expert"][1] == ["flashcomm:portable"] * 2, results["shared-expert"][0]
     for name in ("agmm-bf16-a2", "agmm-fp16-a950"):
         _, lowerings, reasons, calls = results[name]
         assert lowerings == ["flashcomm:npu_mmrs"] * 2, (name, reasons)

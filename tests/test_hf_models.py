@@ -7,6 +7,9 @@ FlashComm forced. Per family and strategy the test asserts what a user reads in 
 report: how many all_reduces were fused, the reason for each one kept, the graph-wide note, and
 that the compiled graphs equal the eager ones (fp32: ``ATOL[float32]`` relative to the output).
 
+``test_generation_with_a_static_cache`` runs greedy ``generate`` with a static cache on Llama,
+compiled, against eager, and counts the graphs Dynamo compiles.
+
 One spawned pair of ranks serves every family (spawn, load and Dynamo trace cost seconds each; the
 results come back to this process and the assertions are parametrized over them). CI runs
 ``CI_FAMILIES``; ``WEAVE_HF_FULL=1`` runs every family (``bash scripts/test_hf_full.sh``).
@@ -36,6 +39,7 @@ SPLIT = "token split (sequence)"
 FLASHCOMM = "FlashComm (portable): 9 tokens padded to 32"
 AR = "_c10d_functional.all_reduce.default"
 NO_STREAM = "has no residual add, so the residual stream does not continue through it"
+MOE_SORT = "(sort.default) sorts along the token dim"
 
 
 @dataclass(frozen=True)
@@ -63,27 +67,24 @@ EXPECTED: dict[str, Expected] = {
     "gemma": Expected(5),
     # Gemma2/3 and OLMo2 norm the branch before the residual add (sandwich / post-norm): their
     # sites have no residual add, and FlashComm needs one to keep the stream sharded.
-    "gemma2": Expected(5, split="attention as a math decomposition across a cut sequence",
-                       flashcomm=NO_STREAM),
+    "gemma2": Expected(5, flashcomm=NO_STREAM),
     "gemma3": Expected(5, flashcomm=NO_STREAM),
-    "phi3": Expected(5, split="no rule for all_gather_into_tensor"),
-    "olmo2": Expected(4, (f"after adding mul_12: {NOT_A_NORM}",),
-                      split="no rule for all_gather_into_tensor", flashcomm=NO_STREAM),
+    "phi3": Expected(5),
+    "olmo2": Expected(4, (f"after adding mul_12: {NOT_A_NORM}",), flashcomm=NO_STREAM),
     "granite": Expected(5),
     # Attention and MLP in parallel: residual + attn + mlp, then a LayerNorm.
     "cohere": Expected(0, (f"after adding wait_tensor_1: {NOT_A_NORM}", f"after adding wait_tensor: {NOT_A_NORM}",
                            LAYER_NORM, f"after adding add_6: {NOT_A_NORM}", LAYER_NORM),
                        split="fuse-only: 0 fused site(s)", flashcomm="no all_reduce -> RMSNorm site in the graph"),
-    "mixtral": Expected(5, split="no rule for sort.default"),
+    "mixtral": Expected(5, split=MOE_SORT),
     # The replicated shared expert is added to the experts' sum before the residual add: it moves
-    # onto the residual (before the op), and FlashComm, which keeps only the stream sharded, stops there.
-    "qwen2_moe": Expected(5, split="no rule for sort.default",
-                          flashcomm="the residual of all_reduce_2 is mul_14, not the stream value"),
-    "qwen3_moe": Expected(5, split="no rule for sort.default"),
+    # onto the residual (before the op); FlashComm adds its rows of the shard to the carried stream.
+    "qwen2_moe": Expected(5, split=MOE_SORT),
+    "qwen3_moe": Expected(5, split=MOE_SORT),
     # The routed and the shared experts' all_reduces are summed before the residual add: one
     # collective carries both (4 all_reduces, 3 sites). Attention is not sharded (5.24's plan), so
     # the MLP's residual is not the embedding's stream value.
-    "deepseek_v3": Expected(3, merged=1, split="copy.default", flashcomm="the stream cannot stay sharded"),
+    "deepseek_v3": Expected(3, merged=1, split=MOE_SORT, flashcomm="the stream cannot stay sharded"),
     "gpt_oss": Expected(1, split="1 fused site(s): no compute between sites"),
 }
 assert set(EXPECTED) == set(hf.FAMILIES)
@@ -147,3 +148,26 @@ def test_scaled_sums_in_bf16(runs, family):
         (graph,) = run.graphs
         assert graph.rewritten == EXPECTED[family].fused == len(graph.records), _describe(run)
         assert any("sum scaled by" in r.kind for r in graph.records), _describe(run)
+
+
+GENERATION_PROMPTS = (9, 6, 7)
+"""Three prompt lengths: the second prefill recompiles with a symbolic length (Dynamo's automatic
+dynamic shapes), and the third reuses that graph unless a backend guarded it on the length."""
+
+
+def test_generation_with_a_static_cache(tmp_path):
+    """Greedy ``generate`` (static cache, ``model.forward`` compiled with ``fullgraph=True``) gives
+    eager's tokens, Dynamo hands weave exactly the graphs it hands a backend that adds no guards
+    (prefill, decode, the symbolic prefill that serves the later prompts: no recompile comes from
+    weave), and every site of the decode graph (one token) is fused."""
+    path = str(tmp_path / "llama")
+    hf.save_family("llama", path)
+    per_rank = spawn(hf.run_generation, 2, "gloo", path, GENERATION_PROMPTS, 8, timeout_s=600)
+    for run in per_rank:
+        assert run.tokens["weave"] == run.eager == run.tokens["eager"]
+        assert [len(t) for t in run.eager] == [n + 8 for n in GENERATION_PROMPTS]
+        assert run.frames["weave"] == run.frames["eager"], run.frames
+        assert len(run.frames["weave"]) == 3 and run.frames["weave"][1] == (1, 1), run.frames
+        assert len(run.graphs) == len(run.frames["weave"])
+        decode = run.graphs[1]
+        assert decode.rewritten == EXPECTED["llama"].fused == len(decode.records), str(WeaveReport(run.graphs))

@@ -232,13 +232,59 @@ def test_matmul_with_tokens_outside_the_left_rows_is_refused(fn, shapes, tokens)
     assert "tokens are not the rows of the left operand" in _refused(fn, shapes, tokens)
 
 
-def test_bmm_only_over_whole_sequences():
+def test_bmm_over_whole_sequences_or_as_attention():
     bmm = lambda a, b: torch.bmm(a, b)  # noqa: E731
     assert _token_dims(bmm, [(4, 3, 3), (4, 3, 8)], {0: 0, 1: 0}, BATCH)[0] == [0]
-    reason = _refused(bmm, [(4, 8, 8), (4, 8, 8)], {0: 0, 1: 0}, SEQ)
-    assert reason == "bmm (bmm): attention as a math decomposition across a cut sequence"
+    assert _token_dims(bmm, [(8, 1, 3), (8, 3, 4)], {0: 0, 1: 0}, SEQ)[0] == [0]  # one product per token
+    reason = _refused(bmm, [(4, 3, 3), (4, 3, 8)], {0: 0}, BATCH)
+    assert reason == "bmm (bmm): the right operand does not carry the same sequences in dim 0"
+    reason = _refused(bmm, [(4, 8, 8), (4, 8, 8)], {0: 1, 1: 1}, SEQ)  # contracts over tokens
+    assert reason.startswith("bmm (bmm): over a cut sequence, neither q @ k^T"), reason
     reason = _refused(bmm, [(4, 3, 3), (4, 3, 8)], {1: 0}, BATCH)
     assert reason == "bmm (bmm.default) contracts or indexes over the token dim"
+
+
+def _eager_attention(q, k, v, mask):
+    """Hugging Face's eager attention with Gemma2's softcapping: bmm, scale, softcap, additive mask,
+    softmax in fp32 (decomposed as Inductor does), bmm."""
+    scores = torch.tanh(q @ k.transpose(2, 3) * 0.25 / 50.0) * 50.0 + mask
+    scores = scores - scores.amax(-1, keepdim=True)
+    probs = scores.exp() / scores.exp().sum(-1, keepdim=True)
+    return probs.to(q.dtype) @ v
+
+
+def test_attention_as_bmm_over_a_cut_sequence():
+    """Scores carry the queries in the token dim and the keys in a second dim; half B reads k^T and
+    v over both halves (``key_operands``) and the mask's keys whole, half A its own keys
+    (``key_sliced``), both in their query rows (``sliced``)."""
+    mask = torch.zeros(1, 1, 8, 8)
+    dims, info = _token_dims(_eager_attention, [(1, 2, 8, 4)] * 3 + [mask], {0: 2, 1: 2, 2: 2})
+    assert dims == [2]
+    qk, pv = [n for n in info.token if n.target is aten.bmm.default]
+    assert (info.token[qk], info.keys[qk], info.token[pv]) == (1, 2, 1) and pv not in info.keys
+    assert [(a.target, d) for a, d in info.key_operands[qk].items()] == [(aten.view.default, 2)]  # k^T
+    assert [(a.target, d) for a, d in info.key_operands[pv].items()] == [(aten.view.default, 1)]  # v
+    assert _sliced(info, aten.add.Tensor) == {"mask_1": 2}
+    (masked,) = info.key_sliced
+    assert masked.target is aten.add.Tensor and {a.name: d for a, d in info.key_sliced[masked].items()} == {"mask_1": 3}
+    assert {info.keys[n] for n in info.keys if n.target is aten.exp.default} == {3}
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        (lambda q, k, w: torch.softmax(q @ k.transpose(2, 3), dim=2), "works along another dim than the keys"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)).sum(2, keepdim=True), "reduces attention scores over other dims"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)).flip(-1), "no rule for flip.default on attention scores"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)) @ w, "probabilities times something other than the values"),
+        (lambda q, k, w: (q @ k.transpose(2, 3)) + q, "q_1 is lined up with the keys"),
+    ],
+    ids=["softmax-over-queries", "sum-over-queries", "flip", "scores-times-weights", "token-bias-on-keys"],
+)
+def test_attention_scores_refusals(fn, reason):
+    """Only ops whose meaning over the keys is known read scores; the rest is refused (``w`` is
+    token-free: contracting the keys with it is no attention)."""
+    assert reason in _refused(fn, [(1, 2, 8, 8)] * 3, {0: 2, 1: 2})
 
 
 # ---- reductions and ops along one dim -----------------------------------------------------------------
@@ -284,6 +330,50 @@ def test_topk_outputs_and_gather_along_other_dims():
     index = torch.zeros(1, 2, 16, dtype=torch.long)
     reason = _refused(lambda x, i: torch.gather(x, 1, i), [(1, 8, 16), index], {0: 1})
     assert reason == "gather (gather.default) indexes along the token dim"
+
+
+@pytest.mark.parametrize("stable", [False, True], ids=["sort", "sort-stable"])
+def test_sort_along_another_dim_and_refused_along_the_tokens(stable):
+    """Sorting one token's experts keeps both outputs token-wise; sorting along the tokens (MoE
+    routing that groups every token-expert pair by expert) orders tokens across the cut."""
+    sort = (lambda x, dim: torch.sort(x, dim=dim, stable=True)) if stable else torch.sort
+    assert _token_dims(lambda x: sort(x, -1), [(1, 8, 4)], {0: 1})[0] == [1, 1]
+    op = "sort.stable" if stable else "sort.default"
+    reason = _refused(lambda x: sort(x.view(-1), 0), [(8, 2)], {0: 0})
+    assert reason.startswith(f"sort ({op}) sorts along the token dim: a half's order is not"), reason
+
+
+def test_copy_and_slice_scatter_line_up_like_elementwise_ops():
+    """Functionalised ``buf[..., :8] = y`` (DeepSeek-V3's rotary half written into a buffer):
+    ``copy`` into a slice of a token-free buffer, then ``slice_scatter`` back; the buffer is sliced
+    per half in the token dim (and the slice ``copy`` writes into)."""
+    def write_half(buf, y):
+        return aten.slice_scatter(buf, aten.copy(aten.slice(buf, 2, 0, 8), y), 2, 0, 8)
+
+    dims, info = _token_dims(write_half, [(1, 8, 16), (1, 8, 8)], {1: 1})
+    assert dims == [1]
+    assert _sliced(info, aten.copy.default) == {"slice_1": 1}
+    assert _sliced(info, aten.slice_scatter.default) == {"buf_1": 1}
+    reason = _refused(lambda buf, y: aten.slice_scatter(buf, y, 1, 0, 4), [(1, 8, 16), (1, 4, 16)], {1: 1})
+    assert reason == "slice_scatter (slice_scatter.default) indexes along the token dim"
+
+
+def test_in_place_copy_is_refused():
+    reason = _refused(lambda buf, x: buf.copy_(x), [(1, 8, 16), (1, 8, 16)], {1: 1})
+    assert reason.startswith("copy_ (copy_) writes into buf_1 in place"), reason
+
+
+def test_all_gather_keeps_tokens_outside_dim_0():
+    """Phi3's gathered column-parallel outputs: ``[1, T, X]`` gathered along dim 0 to ``[N, T, X]``,
+    then the rank blocks moved to the last dim. Tokens in dim 0 are refused: a half's gather
+    interleaves the ranks' blocks differently."""
+    def gather(x):
+        full = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "0"))
+        return torch.cat(full.split(x.shape[0]), dim=-1)
+
+    assert _token_dims(gather, [(1, 8, 16)], {0: 1})[0] == [1]
+    reason = _refused(gather, [(8, 16)], {0: 0})
+    assert reason.startswith("all_gather_into_tensor (all_gather_into_tensor) gathers along the token dim"), reason
 
 
 # ---- sizes ------------------------------------------------------------------------------------------

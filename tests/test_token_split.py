@@ -26,11 +26,14 @@ DENSE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, hea
 MOE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head_dim=8, intermediate=40, n_experts=4)
 MASKED = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80,
                   explicit_mask=True)  # attention with a boolean attn_mask tensor, not is_causal
-CONFIGS = {"dense": DENSE, "moe": MOE, "mask": MASKED}
+EAGER = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80,
+                 eager_attention=True)  # attention as bmm + softmax + bmm (HF's eager attention)
+CONFIGS = {"dense": DENSE, "moe": MOE, "mask": MASKED, "eager": EAGER}
 FORCE = WeaveConfig(overlap="force")
 ASYNC = "weave.fused_allreduce_rmsnorm_async.default"
 FUSED = "weave.fused_allreduce_rmsnorm.default"
 MM = "aten.mm.default"
+BMM = "aten.bmm.default"
 SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 # (model, batch, seq, half B's share: None = the planner's cut, else "tiny" = one token/sequence)
@@ -40,11 +43,13 @@ CASES = [
     ("dense", 4, 3, None),      # several short sequences: cut between sequences
     ("moe", 1, 7, None),        # odd: one sequence cut inside, B attends to A's keys
     ("mask", 1, 13, None),      # explicit mask, one sequence cut: B's rows of the mask over all keys
+    ("eager", 1, 11, None),     # bmm attention, one sequence cut: B's scores over A's and B's keys
 ]
 CASES_WORLD_3 = [
     ("dense", 1, 2, None),      # the smallest cut: one token per half
     ("dense", 3, 5, "tiny"),    # a one-sequence half B
     ("mask", 2, 6, None),       # explicit [S, S] mask shared by the sequences of both halves
+    ("eager", 1, 5, "tiny"),    # bmm attention with a one-token half B
 ]
 
 
@@ -100,6 +105,8 @@ def _check_case(case, result):
     if SDPA in before:
         merged = batch == 1 and cfg_name != "mask"
         assert after[SDPA] == (3 if merged else 2) * before[SDPA], (case, after[SDPA])
+    if BMM in before:  # q @ k^T and probabilities @ v, once per half
+        assert after[BMM] == 2 * before[BMM] == 4 * CONFIGS[cfg_name].n_layers, (case, after[BMM])
     assert after["_c10d_functional.wait_tensor.default"] >= 2 * sites
 
 

@@ -180,3 +180,57 @@ def _rel_diff(compiled, eager) -> float:
         if isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel():
             worst = max(worst, ((c - e).abs().max() / e.abs().max().clamp(min=1)).item())
     return worst
+
+
+@dataclass
+class GenerationRun:
+    """``generate`` on one rank: eager, and with the forward compiled by a frame-counting backend."""
+
+    eager: list[list[int]] = field(default_factory=list)
+    """eager's tokens, per prompt"""
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    """backend name -> the compiled model's tokens, per prompt"""
+    frames: dict[str, list[tuple]] = field(default_factory=dict)
+    """backend name -> the token shape of every graph Dynamo handed it, in order"""
+    graphs: list[GraphReport] = field(default_factory=list)
+    """the weave backend's report, one graph per frame"""
+
+
+def run_generation(rank: int, world: int, path: str, prompt_lengths: tuple[int, ...],
+                   max_new_tokens: int) -> GenerationRun:
+    """On one rank: greedy ``generate`` with a static cache, one prompt per length in turn, eager and
+    with ``model.forward`` compiled (``fullgraph=True``, as Hugging Face recommends for a static
+    cache) by the weave backend and by a backend that returns the graph uncompiled ("eager"). Both
+    backends count the graphs Dynamo gives them: guards a backend adds to a graph (reading a
+    symbolic size, say) show up as extra graphs on later calls.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from weavepass.backend import WeaveBackend
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    mesh = init_device_mesh("cpu", (world,))
+    prompts = [torch.randint(0, _COMMON["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+               for n in prompt_lengths]
+
+    def generate(model) -> list[list[int]]:
+        return [model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                               cache_implementation="static", max_new_tokens=max_new_tokens)[0].tolist()
+                for ids in prompts]
+
+    run = GenerationRun(eager=generate(load_tp(path, mesh)))
+    weave = WeaveBackend(WeaveConfig())
+    for name, backend in (("eager", lambda gm, inputs: gm.forward), ("weave", weave)):
+        frames = run.frames[name] = []
+
+        def counting(gm, inputs, backend=backend, frames=frames):
+            ids = next(i for i in inputs if isinstance(i, torch.Tensor) and i.dtype == torch.int64 and i.dim() == 2)
+            frames.append(tuple(s if isinstance(s, int) else str(s) for s in ids.shape))
+            return backend(gm, inputs)
+
+        model = load_tp(path, mesh)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend=counting, fullgraph=True)
+        run.tokens[name] = generate(model)
+    run.graphs = weave.report.graphs
+    return run

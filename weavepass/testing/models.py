@@ -74,6 +74,9 @@ class TPConfig:
     """Seed of the fp32 weights; the same seed gives the same model for every world size."""
     explicit_mask: bool = False
     """Attention gets its causal mask as a boolean ``attn_mask`` tensor instead of ``is_causal``."""
+    eager_attention: bool = False
+    """Attention written out as Hugging Face's eager attention, ``softmax(q k^T * scale + mask) v``
+    with an additive causal mask (two ``bmm`` and a decomposed softmax in the graph), not SDPA."""
 
     def __post_init__(self) -> None:
         if self.norm_impl not in NORM_IMPLS:
@@ -213,11 +216,12 @@ class TPAttention(nn.Module):
     """
 
     def __init__(self, q, k, v, o, n_local_heads: int, n_local_kv_heads: int, head_dim: int,
-                 explicit_mask: bool = False):
+                 explicit_mask: bool = False, eager_attention: bool = False):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.n_heads, self.n_kv_heads, self.head_dim = n_local_heads, n_local_kv_heads, head_dim
         self.explicit_mask = explicit_mask
+        self.eager_attention = eager_attention
         self.register_buffer("k_cache", None, persistent=False)  # attach_static_kv_cache sets them
         self.register_buffer("v_cache", None, persistent=False)
 
@@ -270,6 +274,11 @@ class TPAttention(nn.Module):
         elif self.explicit_mask:
             mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.eager_attention:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            scores = q @ k.transpose(2, 3) * self.head_dim ** -0.5
+            scores = scores + torch.where(causal, 0.0, torch.finfo(scores.dtype).min)
+            out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)
@@ -425,6 +434,7 @@ def build_tp_model(
             cfg.n_kv_heads // world_size,
             cfg.head_dim,
             cfg.explicit_mask,
+            cfg.eager_attention,
         )
         if cfg.n_experts:
             experts = [swiglu(f"{p}experts.{e}.") for e in range(cfg.n_experts)]

@@ -106,12 +106,22 @@ class FusedAllReduceRMSNormSite:
             return None
         if self.inner is not None and self.inner.partner is None:
             # The op's residual will be ``x + r`` (``fold_inner_add``), not the stream's value: until
-            # then, ``x`` stands for it, so that no strategy takes it for the stream.
+            # then, ``x`` stands for it, so that no strategy takes it for the stream by mistake
+            # (FlashComm reads ``shared`` and ``stream_residual()`` for such a site).
             return self.inner.other
-        return self._stream_residual()
+        return self.stream_residual()
 
-    def _stream_residual(self) -> Node:
-        """The residual add's operand that is not the (scaled, merged) sum."""
+    @property
+    def shared(self) -> Node | None:
+        """Before ``prepare``: the replicated ``x`` of ``(S + x) + r`` (a shared expert's output),
+        which ``fold_inner_add`` moves onto the residual; else None."""
+        if self.add is None or self.inner is None or self.inner.partner is not None:
+            return None
+        return self.inner.other
+
+    def stream_residual(self) -> Node:
+        """The residual add's operand that is not the (scaled, merged) sum: before ``prepare``, the
+        residual stream's value ``r``, also where ``x`` is added to the sum first (``shared``)."""
         start = self.inner.add if self.inner is not None else self.scale or self.wait
         summed = self.views_to_add[-1] if self.views_to_add else start
         return self.add.args[1] if self.add.args[0] is summed else self.add.args[0]
@@ -210,7 +220,7 @@ class FusedAllReduceRMSNormSite:
 
     def _add_to_residual(self, graph: Graph) -> None:
         inner, add = self.inner, self.add
-        x, residual = inner.other, self._stream_residual()
+        x, residual = inner.other, self.stream_residual()
         with graph.inserting_before(add):
             x_rows = _replay(graph, self.views_to_add, x)  # in the residual add's shape
             new_residual = graph.call_function(aten.add.Tensor, (x_rows, residual))
@@ -246,7 +256,7 @@ class FusedAllReduceRMSNormSite:
                 nodes.append(self.inner.partner.all_reduce.args[0])
                 views = views + self.inner.partner.views
             elif self.add is not None:
-                nodes.append(self._stream_residual())
+                nodes.append(self.stream_residual())
         for view in views:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes

@@ -154,9 +154,10 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
             return no(ReasonCode.STREAM_BROKEN, f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: "
                       f"{site.all_reduce.name} has no residual add, so the residual stream does not "
                       "continue through it", site)
-        if _through_views(site.residual) is not _carried(prev):
+        stream_in = site.stream_residual()
+        if _through_views(stream_in) is not _carried(prev):
             return no(ReasonCode.STREAM_BROKEN, f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: the residual of "
-                      f"{site.all_reduce.name} is {site.residual.name}, not the stream value "
+                      f"{site.all_reduce.name} is {stream_in.name}, not the stream value "
                       f"{_carried(prev).name} of {prev.all_reduce.name}; the stream cannot stay "
                       "sharded across it", site)
     return FlashCommDecision(True, group_name=first.group_name, world_size=world, tokens=tokens)
@@ -285,16 +286,18 @@ class _FlashCommRewrite:
 
     def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
-        site.prepare(self.graph)
+        shared = site.shared
+        stream_in = site.stream_residual() if site.add is not None else None
+        site.prepare(self.graph)  # a shared expert's x is now in the op's residual x + r
         with self.graph.inserting_before(site.insertion_point()):
             shard, label, notes = self.reduce_scatter(site)
             residual = None
             if site.add is not None:
-                residual = self.carried_shard.get(_through_views(site.residual))
+                residual = self.carried_shard.get(_through_views(stream_in))
                 if residual is None:  # the first site: a residual from outside the stream
-                    rows = self.call(aten.reshape.default, site.residual, [self.d.num_tokens, site.hidden])
-                    residual = self.call(FLASHCOMM_SHARD_ROWS, rows,
-                                         self.d.padded_tokens, self.d.world_size, self.d.group_name)
+                    residual = self.shard_rows(site.residual, site.hidden)
+                elif shared is not None:
+                    residual = self.add_shared(site, shared, residual)
             normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
             notes.append(norm_note)
             self.flush()
@@ -307,6 +310,24 @@ class _FlashCommRewrite:
         self.dead.update([*site.norm.nodes, site.norm.output, *site.views_to_norm, _carried(site),
                           *site.views_to_add, site.wait, site.all_reduce])
         return label, [n for n in notes if n]
+
+    def shard_rows(self, full: Node, hidden: int) -> Node:
+        """This rank's ``[R, H]`` rows of a replicated value of ``T x H`` elements (any view)."""
+        rows = self.call(aten.reshape.default, full, [self.d.num_tokens, hidden])
+        return self.call(FLASHCOMM_SHARD_ROWS, rows, self.d.padded_tokens, self.d.world_size, self.d.group_name)
+
+    def add_shared(self, site: FusedAllReduceRMSNormSite, shared: Node, stream_shard: Node) -> Node:
+        """The op's residual ``x + r`` on the shard (``x`` replicated, ``r`` the carried stream):
+        ``x``'s rows for this rank's shard plus the carried shard, rounded where the fuse path
+        rounds ``x + r``. The full-row ``x + r`` that ``prepare`` made (and its views of ``x``)
+        is replaced; it would otherwise make ``finish`` gather the stream for it."""
+        folded = site.residual
+        x_rows = folded.args[0]  # fold_inner_add builds add(views of x, r)
+        self.dead.add(folded)
+        while x_rows is not shared:
+            self.dead.add(x_rows)
+            x_rows = x_rows.args[0]
+        return self.call(aten.add.Tensor, self.shard_rows(shared, site.hidden), stream_shard)
 
     def reduce_scatter(self, site: FusedAllReduceRMSNormSite) -> tuple[Node, str, list[str]]:
         """The site's reduced rows ``[R, H]``: fused with the producer matmul where possible."""

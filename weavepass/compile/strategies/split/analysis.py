@@ -13,6 +13,7 @@ from weavepass.compile.wave_model import GemmShape
 
 from .base import Unsupported
 from .rules import rule_for, site_dims
+from .scores import score_dims
 from .symbolic import Cut, shape
 
 aten = torch.ops.aten
@@ -30,6 +31,13 @@ class Analysis:
     """token node -> its token dim (int), or a tuple of dims (None: not a token tensor) for tuples"""
     sliced: dict[Node, dict[Node, int]] = field(default_factory=dict)
     """token node -> {token-free input that must be sliced: the dim to slice}"""
+    keys: dict[Node, int] = field(default_factory=dict)
+    """attention score node -> its dim over the key tokens (``scores``: half A's copy has A's keys,
+    half B's all keys)"""
+    key_operands: dict[Node, dict[Node, int]] = field(default_factory=dict)
+    """bmm node -> {its k^T or v: their token dim}, read by half B over all keys (A's and B's copies)"""
+    key_sliced: dict[Node, dict[Node, int]] = field(default_factory=dict)
+    """score node -> {token-free input lined up with the keys: the dim}, read in A's keys by half A"""
     segment: dict[Node, int] = field(default_factory=dict)
     """token node -> the site it follows (0: between the first and the second)"""
     gemms: list[GemmShape] = field(default_factory=list)
@@ -62,11 +70,16 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
             weight = shape(node.args[-1])
             info.gemms.append(GemmShape(n=weight[1], k=weight[0]))
         info.moe |= node.target is aten.topk.default
+    for node in info.keys:  # halves of scores have different key counts: no cat can join them
+        if any(u not in info.token for u in node.users):
+            raise Unsupported(f"{node.name}: attention scores are read after the last site")
     return info
 
 
 def token_dims(node: Node, info: Analysis):
     """The token dim(s) of ``node``'s output, from its inputs' (or ``Unsupported``)."""
+    if any(a in info.keys for a in node.all_input_nodes):
+        return score_dims(node, info)
     if node.op != "call_function":
         raise Unsupported(f"{node.name} ({node.op}) reads token tensors")
     return rule_for(node.target)(node, info)

@@ -45,6 +45,7 @@ class Rewrite:
         self.waited: dict[Node, Node] = {}
         self.held: set[Node] = set()  # async ops whose inputs a hold_inputs already reads
         self.slices: dict[tuple, Node] = {}
+        self.joins: dict[Node, Node] = {}  # attention's k^T and v over both halves (half B)
         self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
         self.split_point = None
 
@@ -93,6 +94,12 @@ class Rewrite:
             self.slices[key] = self.emit(aten.slice.Tensor, (node, dim, start, end))
         return self.slices[key]
 
+    def joined(self, node: Node, dim: int) -> Node:
+        """Token node ``node`` over both halves, A's copy then B's, along ``dim`` (emitted once)."""
+        if node not in self.joins:
+            self.joins[node] = self.emit(aten.cat.default, ([self.read(node, h) for h in HALVES], dim))
+        return self.joins[node]
+
     def read(self, node: Node, half: str) -> Node:
         """``node``'s copy for ``half``, through its wait when it is an async fused op's output."""
         copy = self.copies[half][node]
@@ -111,12 +118,17 @@ class Rewrite:
         """Emit ``half``'s copy of token node ``node``."""
         info = self.info
         sliced = info.sliced.get(node, {})
+        key_sliced = info.key_sliced.get(node, {}) if half == "A" else {}
+        all_keys = info.key_operands.get(node, {}) if half == "B" else {}
 
         def arg(a):
+            if a in all_keys:  # attention's k^T or v, over A's keys and B's
+                return self.joined(a, all_keys[a])
             if a in info.token:
                 return self.read(a, half)
-            if a in sliced:
-                return self.slice(a, sliced[a], half)
+            if a in sliced or a in key_sliced:
+                part = self.slice(a, sliced[a], half) if a in sliced else a
+                return self.slice(part, key_sliced[a], "A") if a in key_sliced else part
             return a
 
         if node.target is operator.getitem and (node.args[0], half) in self.merged:
@@ -128,10 +140,15 @@ class Rewrite:
             target = FUSED_ALLREDUCE_RMSNORM_ASYNC
             args = (*args, self.config.overlap_comm_ctas)
         elif target in VIEWS:
-            args = (args[0], half_view_size(node, info.token[node], args[1]), *args[2:])
+            size = half_view_size(node, info.token[node], args[1])
+            if node in info.keys:  # the half's key count, from the scores it views
+                size[info.keys[node]] = self.emit(aten.sym_size.int, (args[0], info.keys[node.args[0]]))
+            args = (args[0], size, *args[2:])
         elif target is aten.expand.default:
             size = list(args[1])
-            size[info.token[node]] = -1  # keep the half's own size, whatever the cut
+            for dim in (info.token[node], info.keys.get(node)):
+                if dim is not None:
+                    size[dim] = -1  # keep the half's own size, whatever the cut
             args = (args[0], size, *args[2:])
         elif target is aten.sym_size.int:
             self.copies[half][node] = self.copies["A"][node] if half == "B" else self.emit(target, args)

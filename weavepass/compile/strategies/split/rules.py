@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
 
 Rule = Callable[[Node, "Analysis"], object]
 
@@ -135,12 +136,35 @@ def broadcast_dims(node: Node, info: Analysis) -> int:
     return d
 
 
+@register(aten.copy.default)
+def _copy(node: Node, info: Analysis) -> int:
+    """``copy(self, src)``: ``src`` broadcast into ``self``'s shape, like an elementwise op (a
+    token-free ``self`` as long as the tokens is sliced per half)."""
+    return broadcast_dims(node, info)
+
+
+@register(aten.copy_.default)
+def _copy_in_place(node: Node, info: Analysis):
+    raise Unsupported(f"{node.name} (copy_) writes into {node.args[0].name} in place: the halves would "
+                      "each write a part of one tensor that lives outside them")
+
+
 @register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
           aten.scatter.reduce, aten.index_select.default)
 def _indexed(node: Node, info: Analysis) -> int:
     """Same-rank tensors lined up like an elementwise op, indexed along ``dim`` (arg 1)."""
+    return _lined_up_along(node, info, node.args[1])
+
+
+@register(aten.slice_scatter.default)
+def _slice_scattered(node: Node, info: Analysis) -> int:
+    """``src`` written into a slice of ``self`` along ``dim`` (arg 2; functionalised ``x[..., a:b] = y``)."""
+    return _lined_up_along(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+
+
+def _lined_up_along(node: Node, info: Analysis, dim: int) -> int:
     d = broadcast_dims(node, info)
-    if norm_dim(node.args[1], val(node).dim()) == d:
+    if norm_dim(dim, val(node).dim()) == d:
         raise Unsupported(f"{node.name} ({op_name(node.target)}) indexes along the token dim")
     return d
 
@@ -305,6 +329,40 @@ def _topk(node: Node, info: Analysis) -> tuple[int, int]:
     return d, d
 
 
+@register(aten.sort.default, aten.sort.stable)
+def _sort(node: Node, info: Analysis) -> tuple[int, int]:
+    """Along another dim (the experts of one token): values and indices carry the tokens. Along
+    the token dim the order of each half's tokens is not their order in the whole (MoE routing
+    that groups every token-expert pair by expert sorts the flattened pairs): refused."""
+    default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
+    dim = node.kwargs.get("dim", default)
+    if norm_dim(dim, _rank(node)) == input_token_dim(node, info):
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts along the token dim: a half's order "
+                          "is not its part of the whole's (MoE routing that groups tokens by expert)")
+    d = _along(node, info, dim)
+    return d, d
+
+
+# ---- collectives on token tensors -------------------------------------------------------------------
+
+@register(c10d.all_gather_into_tensor.default)
+def _all_gather(node: Node, info: Analysis) -> int:
+    """The ranks' tensors stacked along dim 0 (a gathered column-parallel output, before the model
+    moves the rank blocks to the last dim): the tokens stay where they are when dim 0 is not
+    theirs. Along the token dim a half's gather is ``[rank 0's half; rank 1's half; ...]``,
+    which is not a half of the whole gather's ``[rank 0's rows; rank 1's rows; ...]``."""
+    d = input_token_dim(node, info)
+    if d == 0:
+        raise Unsupported(f"{node.name} (all_gather_into_tensor) gathers along the token dim: each half's "
+                          "gather would interleave the ranks' blocks differently from the whole")
+    return d
+
+
+@register(c10d.wait_tensor.default)
+def _wait(node: Node, info: Analysis) -> int:
+    return input_token_dim(node, info)
+
+
 # ---- matrix products and attention -----------------------------------------------------------------------
 
 @register(aten.mm.default, aten.addmm.default)
@@ -319,13 +377,19 @@ def _rows(node: Node, info: Analysis) -> int:
 
 @register(aten.bmm.default)
 def _batched_rows(node: Node, info: Analysis) -> int:
-    """Batched over (sequence x head): only whole sequences on each side, i.e. batch mode."""
+    """Batched over the tokens (dim 0 of both operands: whole sequences x heads in batch mode, or
+    one product per token), whose batch entries are independent; or, over a cut sequence,
+    attention's ``q @ k^T`` (``scores``)."""
+    from .scores import scores_bmm  # scores builds on this module's rules
+
     a, b = node.args
     if info.token.get(a) is None:
         raise Unsupported(f"{node.name} ({op_name(node.target)}) contracts or indexes over the token dim")
-    if info.cut.mode == "batch" and info.token.get(a) == 0 and info.token.get(b) == 0:
+    if info.token.get(a) == 0 and info.token.get(b) == 0:
         return 0
-    raise Unsupported(f"{node.name} (bmm): attention as a math decomposition across a cut sequence")
+    if info.cut.mode == "sequence":
+        return scores_bmm(node, info)
+    raise Unsupported(f"{node.name} (bmm): the right operand does not carry the same sequences in dim 0")
 
 
 register(*ATTENTION)(attention_dims)

@@ -1,0 +1,130 @@
+"""Attention written out as ``bmm -> softmax -> bmm`` (Hugging Face's eager attention, which Gemma2's
+softcapping needs) over a sequence cut in two, handled as the fused attention ops are
+(``attention.py``)::
+
+    scores = q @ k^T      [BH, Tq, Tk]    (bmm: q's tokens in dim 1, k^T's in dim 2)
+    scores -> scale, softcap, + mask, softmax over the keys (amax, exp, sum, div)
+    out = probs @ v       [BH, Tq, d]     (bmm: v's tokens in dim 1, contracted with the keys)
+
+A score tensor carries the query tokens in its token dim (``info.token``) and the key tokens in a
+second dim (``info.keys``). Half A's copy has A's queries and A's keys; half B's has B's queries
+and all keys, ``k`` and ``v`` being read as ``cat(A's copy, B's copy)`` (``info.key_operands``).
+A token-free tensor lined up with the keys (the mask) is read in A's keys by half A and whole by
+half B (``info.key_sliced``), and in the half's query rows (``info.sliced``), as for the fused ops.
+
+Half A leaving out B's keys assumes what the fused ops' masked path assumes: no query of A sees a
+key of B (a causal or sliding-window decoder mask, what every family with a TP plan has). Only
+ops whose meaning over the keys is known are taken: elementwise ops, views and expands that keep
+the keys in the last dim, reductions and softmax over the keys, and ``probs @ v``; anything else
+reading a score tensor is refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import Node
+
+from .base import Unsupported, norm_dim, op_name, val
+from .rules import VIEWS, broadcast_dims, half_view_size, view_dim
+from .symbolic import hint
+
+if TYPE_CHECKING:
+    from .analysis import Analysis
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+_SOFTMAX = (aten._softmax.default, aten._log_softmax.default, aten.softmax.int)
+_ELEMENTWISE = (aten.clone.default, aten._to_copy.default, prims.convert_element_type.default, aten.alias.default)
+
+
+def scores_bmm(node: Node, info: Analysis) -> int:
+    """``q @ k^T`` over a cut sequence: q's tokens are the rows (dim 1), k^T's the columns (dim 2);
+    the product's rows are the queries, its columns the keys."""
+    a, b = node.args
+    if info.token.get(a) != 1 or info.token.get(b) != 2 or a in info.keys or b in info.keys:
+        raise Unsupported(f"{node.name} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q "
+                          "and dim 2 of k^T) nor probabilities @ v")
+    info.keys[node] = 2
+    info.key_operands[node] = {b: 2}
+    return 1
+
+
+def score_dims(node: Node, info: Analysis) -> int:
+    """The token dim of an op reading a score tensor (and its key dim, into ``info.keys``)."""
+    if node.op != "call_function":
+        raise Unsupported(f"{node.name} ({node.op}) reads attention scores")
+    target = node.target
+    x = node.args[0]
+    if target is aten.bmm.default:
+        return _probs_times_values(node, info)
+    if target in _ELEMENTWISE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+        return _elementwise(node, info)
+    if x not in info.keys:
+        raise Unsupported(f"{node.name} ({op_name(target)}): attention scores in an unsupported argument position")
+    d, k, rank = info.token[x], info.keys[x], val(x).dim()
+    if target in VIEWS:
+        return _view(node, info, d, k)
+    if target is aten.expand.default:
+        shift = len(node.args[1]) - rank
+        info.keys[node] = k + shift
+        return d + shift
+    if target in _REDUCTIONS:
+        dims = [norm_dim(i, rank) for i in node.args[1]] if len(node.args) > 1 and node.args[1] else []
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if dims != [k] or not keep:
+            raise Unsupported(f"{node.name} ({op_name(target)}) reduces attention scores over other dims than the keys")
+        return d
+    if target in _SOFTMAX:
+        if norm_dim(node.args[1], rank) != k:
+            raise Unsupported(f"{node.name} ({op_name(target)}) works along another dim than the keys")
+        info.keys[node] = k
+        return d
+    raise Unsupported(f"{node.name}: the token split has no rule for {op_name(target)} on attention scores")
+
+
+def _probs_times_values(node: Node, info: Analysis) -> int:
+    a, b = node.args
+    if info.keys.get(a) != 2 or info.token.get(a) != 1 or info.token.get(b) != 1 or b in info.keys:
+        raise Unsupported(f"{node.name} (bmm): attention probabilities times something other than the values "
+                          "(tokens in dim 1)")
+    info.key_operands[node] = {b: 1}
+    return 1
+
+
+def _view(node: Node, info: Analysis, d: int, k: int) -> int:
+    """Views that keep the keys as the last dim, of the same size (the rewrite writes the half's
+    key count there)."""
+    src, dst = val(node.args[0]).shape, val(node).shape
+    if k != len(src) - 1 or hint(dst[-1]) != hint(src[-1]):
+        raise Unsupported(f"{node.name}: view of attention scores that does not keep the keys in the last dim")
+    out = view_dim(node, d, info)
+    half_view_size(node, out, node.args[1])
+    info.keys[node] = len(dst) - 1
+    return out
+
+
+def _elementwise(node: Node, info: Analysis) -> int:
+    """Inputs aligned from the right: every score input has its keys in one dim; other token
+    tensors broadcast over the keys (a softmax's row max or sum); a token-free input as long as
+    the keys (the mask) is read in the half's keys."""
+    d = broadcast_dims(node, info)  # the query rows: consistent, token-free inputs sliced
+    rank = val(node).dim()
+    tensors = [t for t in node.all_input_nodes if isinstance(val(t), torch.Tensor)]
+    keys = {info.keys[t] - val(t).dim() + rank for t in tensors if t in info.keys}
+    if len(keys) != 1:
+        raise Unsupported(f"{node.name}: attention scores with keys in different dims {sorted(keys)}")
+    k = keys.pop()
+    full = hint(val(node).shape[k])
+    for t in tensors:
+        pos = k - rank + val(t).dim()
+        if t in info.keys or pos < 0 or hint(val(t).shape[pos]) == 1:
+            continue
+        if t in info.token or hint(val(t).shape[pos]) != full:
+            raise Unsupported(f"{node.name}: {t.name} is lined up with the keys of attention scores")
+        info.key_sliced.setdefault(node, {})[t] = pos
+    info.keys[node] = k
+    return d
