@@ -420,8 +420,11 @@ def test_attention_carries_tokens_in_the_sequence_or_batch_dim():
          [(1, 2, 8, 4)] * 3, {0: 2, 1: 2, 2: 2}, "attention outputs other than the result are used"),
         (lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.5, True)[0], [(1, 2, 8, 4)] * 3,
          {0: 2, 1: 2, 2: 2}, "attention with dropout"),
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [(1, 2, 8, 4)] * 3, {0: 2, 1: 2, 2: 2},
+         "bidirectional attention (no mask, not causal) over a cut sequence: half A's queries would miss "
+         "half B's keys"),
     ],
-    ids=["wrong-dim", "token-mask", "lse-read", "dropout"],
+    ids=["wrong-dim", "token-mask", "lse-read", "dropout", "bidirectional"],
 )
 def test_attention_refusals(fn, inputs, tokens, reason):
     assert _refused(fn, inputs, tokens, SEQ).endswith(reason)

@@ -57,6 +57,13 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
     expected = 0 if info.cut.mode == "batch" else 2
     if dims != {expected}:
         raise Unsupported(f"{node.name}: q/k/v carry tokens in dims {dims}, expected {expected}")
+    causal_index = ATTENTION[node.target][1]
+    causal = node.args[causal_index] if len(node.args) > causal_index else node.kwargs.get("is_causal", False)
+    if info.cut.mode == "sequence" and mask is None and not causal:
+        # Half A runs before half B's keys exist: only attention in which no query of A sees a key
+        # of B (causal, or a mask that says so) can be cut inside a sequence.
+        raise Unsupported(f"{node.name}: bidirectional attention (no mask, not causal) over a cut sequence: "
+                          "half A's queries would miss half B's keys")
     if isinstance(mask, Node):
         mshape = shape(mask)
         if info.cut.mode == "batch":
@@ -77,6 +84,8 @@ def emit_attention(rw: Rewrite, node: Node, half: str, args, kwargs) -> Node:
     scale = kwargs.get("scale")
     if half == "A":
         if isinstance(mask, Node):  # queries [0, sA) x keys [0, sA)
+            rank = val(mask).dim()
+            emit_keys_hidden_check(rw, mask, rank - 2, rank - 1, "false" if val(mask).dtype == torch.bool else "additive")
             mask = _mask_rows_keys(rw, mask, "A")
             args, kwargs = _with_mask(node.target, args, kwargs, mask)
         return rw.emit(node.target, args, kwargs)
@@ -100,6 +109,37 @@ def emit_attention(rw: Rewrite, node: Node, half: str, args, kwargs) -> Node:
         bias = _additive(rw.emit, bias, val(q).dtype)
     bias = rw.emit(aten.expand.default, (bias, [hint(s) for s in val(q).shape[:2]] + [-1, -1]))
     return rw.emit(CUDA_EFFICIENT, (q, k, v, bias, False, 0.0, False), {"scale": scale})
+
+
+HIDDEN_KEYS_MESSAGE = (
+    "weave token split: the attention mask lets a query before the cut attend to a key after it "
+    "(bidirectional attention); the split computes the first half before the second half's keys "
+    "exist. Compile this model with WeaveConfig(overlap='off')."
+)
+
+
+def emit_keys_hidden_check(rw: Rewrite, mask: Node, row_dim: int | None, key_dim: int, blocks: str) -> None:
+    """Half A leaves out half B's keys, which is right only if ``mask`` hides every key of B from
+    every query of A (a causal or sliding-window mask). The mask is an input, not known at compile
+    time: emit a run-time assertion (once per mask) that its block ``[A's rows, B's keys]`` hides
+    all: every element False (``blocks == "false"``) or at most the dtype's lowest value, which is
+    what -inf and Hugging Face's ``finfo.min`` masks hold (``"additive"``). A failing check stops the
+    run with ``HIDDEN_KEYS_MESSAGE`` (on CUDA as a device-side assertion) instead of a wrong answer."""
+    if mask in rw.checked_masks:
+        return
+    rw.checked_masks.add(mask)
+    sizes = shape(mask)
+    block = mask
+    if row_dim is not None and hint(sizes[row_dim]) != 1:
+        block = rw.emit(aten.slice.Tensor, (block, row_dim, *rw.bounds(mask, row_dim, "A")))
+    if hint(sizes[key_dim]) != 1:
+        block = rw.emit(aten.slice.Tensor, (block, key_dim, *rw.bounds(mask, key_dim, "B")))
+    if blocks == "false":
+        visible = block
+    else:
+        visible = rw.emit(aten.gt.Scalar, (block, torch.finfo(val(mask).dtype).min))
+    hidden = rw.emit(aten.logical_not.default, (rw.emit(aten.any.default, (visible,)),))
+    rw.emit(aten._assert_async.msg, (hidden, HIDDEN_KEYS_MESSAGE))
 
 
 def attend(emit, target, q: Node, k: Node, v: Node, causal: bool, scale) -> tuple[Node, Node]:

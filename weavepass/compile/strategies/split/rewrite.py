@@ -20,8 +20,9 @@ from weavepass.config import WeaveConfig
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC, HOLD_INPUTS, WAIT_TENSOR
 
 from .analysis import Analysis
-from .attention import ATTENTION, emit_attention
+from .attention import ATTENTION, emit_attention, emit_keys_hidden_check
 from .rules import VIEWS, half_view_size
+from .scores import mask_blocks
 from .symbolic import emit_new
 
 aten = torch.ops.aten
@@ -47,6 +48,7 @@ class Rewrite:
         self.slices: dict[tuple, Node] = {}
         self.joins: dict[Node, Node] = {}  # attention's k^T and v over both halves (half B)
         self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
+        self.checked_masks: set[Node] = set()  # masks whose hidden [A rows, B keys] block is asserted
         self.split_point = None
 
     def emit(self, target, args, kwargs=None) -> Node | int:
@@ -127,6 +129,8 @@ class Rewrite:
             if a in info.token:
                 return self.read(a, half)
             if a in sliced or a in key_sliced:
+                if a in key_sliced:  # half A leaves out B's keys: the mask must hide them
+                    emit_keys_hidden_check(self, a, sliced.get(a), key_sliced[a], mask_blocks(node, a))
                 part = self.slice(a, sliced[a], half) if a in sliced else a
                 return self.slice(part, key_sliced[a], "A") if a in key_sliced else part
             return a

@@ -125,6 +125,21 @@ def _elementwise(node: Node, info: Analysis) -> int:
             continue
         if t in info.token or hint(val(t).shape[pos]) != full:
             raise Unsupported(f"{node.name}: {t.name} is lined up with the keys of attention scores")
+        if mask_blocks(node, t) is None:
+            raise Unsupported(f"{node.name} ({op_name(node.target)}): {t.name} is lined up with the keys but is "
+                              "neither an additive mask nor where()'s condition, so the split cannot check "
+                              "that no query before the cut sees a key after it")
         info.key_sliced.setdefault(node, {})[t] = pos
     info.keys[node] = k
     return d
+
+
+def mask_blocks(node: Node, mask: Node) -> str | None:
+    """How ``mask``, lined up with the keys, hides a key from a query in ``node``: ``"additive"``
+    (a float added to the scores: the dtype's lowest value or -inf hides), ``"false"`` (a boolean
+    condition of ``where(mask, scores, ...)``: False hides), or None when that is not known."""
+    if val(mask).is_floating_point():
+        return "additive" if node.target in (aten.add.Tensor, aten.sub.Tensor) else None
+    if val(mask).dtype == torch.bool and node.target is aten.where.self and node.args[0] is mask:
+        return "false"
+    return None
