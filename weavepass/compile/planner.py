@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
-from weavepass.runtime import TRAINING_LOWERINGS
+from weavepass.runtime import LAYER_NORM_LOWERINGS, TRAINING_LOWERINGS
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
+from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.tokens import TokenCount
 
@@ -86,6 +87,11 @@ def choose_lowering(
         return None, ReasonCode.TRAINING, (
             f"left as all_reduce: training: the norm's inverse RMS is saved for backward, and the "
             f"{wanted} lowering does not return it (only {', '.join(TRAINING_LOWERINGS)} does)")
+    if site.norm.kind == LAYER_NORM and wanted not in LAYER_NORM_LOWERINGS:
+        # Never portable instead, for the same reason as training sites.
+        return None, ReasonCode.LAYER_NORM, (
+            f"left as all_reduce: the {wanted} lowering does not carry LayerNorm yet (only "
+            f"{', '.join(LAYER_NORM_LOWERINGS)} does)")
     if wanted != "cuda_symm":
         return wanted, ReasonCode.NONE, ""
     reason = _cuda_unsupported_reason(site)

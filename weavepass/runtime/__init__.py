@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
+from weavepass.runtime.portable import fused_allreduce_layernorm_portable, fused_allreduce_rmsnorm_portable
 
 
 class FusedLowering(Protocol):
@@ -54,6 +54,10 @@ TRAINING_LOWERINGS = ("portable",)
 """Lowerings that also return the inverse RMS a training graph saves for backward
 (``weave.fused_allreduce_rmsnorm_train``). The CUDA kernel does not write it."""
 
+LAYER_NORM_LOWERINGS = ("portable",)
+"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``). The CUDA kernel
+normalises by the root mean square only."""
+
 
 def get_lowering(name: str) -> FusedLowering:
     """The implementation registered under ``name`` (importing it on first use)."""
@@ -88,3 +92,14 @@ def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, ou
     return fused_allreduce_rmsnorm_portable(
         partial, residual, weight, eps, group_name, out_dtype, return_inv_rms=True
     )
+
+
+def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
+                              workspace_tokens):
+    """The kernel of ``weave.fused_allreduce_layernorm``: ``(normed, residual_out)`` with a
+    LayerNorm (``weavepass.runtime.reference.add_layernorm_local``); the workspace size does not
+    apply (only the portable lowering carries it)."""
+    if lowering not in LAYER_NORM_LOWERINGS:
+        raise ValueError(f"weave lowering {lowering!r} does not carry LayerNorm; LayerNorm sites "
+                         f"need one of {LAYER_NORM_LOWERINGS}")
+    return fused_allreduce_layernorm_portable(partial, residual, weight, bias, eps, group_name, out_dtype)

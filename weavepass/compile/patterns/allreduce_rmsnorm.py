@@ -1,4 +1,4 @@
-"""Find ``[matmul] -> all_reduce(sum) -> [residual add] -> RMSNorm`` sites in a post-grad graph.
+"""Find ``[matmul] -> all_reduce(sum) -> [residual add] -> RMSNorm | LayerNorm`` sites in a post-grad graph.
 
 ``find_allreduce_rmsnorm_sites(graph)`` looks at every all_reduce and returns, for each, either a
 ``FusedAllReduceRMSNormSite`` (which knows its nodes and how to replace itself) or a
@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.patterns.rmsnorm import RMSNormMatch, add_alpha, is_target, match_rmsnorm, val
+from weavepass.compile.patterns.rmsnorm import (
+    RMS_NORM,
+    RMSNormMatch,
+    add_alpha,
+    is_target,
+    match_rmsnorm,
+    val,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -74,7 +81,8 @@ class RejectedAllReduce:
 
 @dataclass
 class FusedAllReduceRMSNormSite:
-    """``partial -> all_reduce -> wait -> views -> [add residual] -> views -> RMSNorm``."""
+    """``partial -> all_reduce -> wait -> views -> [add residual] -> views -> RMSNorm`` (or a
+    LayerNorm: ``norm.kind``)."""
 
     all_reduce: Node
     wait: Node
@@ -134,7 +142,9 @@ class FusedAllReduceRMSNormSite:
         scaled = f", sum scaled by {self.scale_text}" if self.scale_text else ""
         inner = f", {self.inner_text}" if self.inner_text else ""
         weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
-        return f"{residual}{scaled}{inner}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
+        bias = "" if self.norm.bias is None else f", bias {val(self.norm.bias).dtype}"
+        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, {self.dtype}, "
+                f"hidden {self.hidden}")
 
     @property
     def stream(self) -> Node:
@@ -237,7 +247,7 @@ class FusedAllReduceRMSNormSite:
     def inputs(self) -> list[Node]:
         """Nodes the fused op and its replayed views read (and, before ``fold_inner_add``, the
         nodes it reads)."""
-        nodes = [n for n in (self.partial, self.residual, self.norm.weight) if n is not None]
+        nodes = [n for n in (self.partial, self.residual, self.norm.weight, self.norm.bias) if n is not None]
         views = self.views_to_add + self.views_to_norm
         if self.inner is not None:
             nodes.append(self.inner.other)
@@ -253,13 +263,15 @@ class FusedAllReduceRMSNormSite:
 
     def replace_with(self, graph: Graph, fused_op, workspace_tokens: int) -> Node:
         """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node.
-        ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA workspace's capacity)."""
+        ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA workspace's capacity).
+        A LayerNorm site's op takes the bias after the weight (``weave.fused_allreduce_layernorm``)."""
         self.prepare(graph)
         with graph.inserting_before(self.insertion_point()):
             partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
+            affine = (self.norm.weight,) if self.norm.kind == RMS_NORM else (self.norm.weight, self.norm.bias)
             fused = graph.call_function(
                 fused_op,
-                (partial, self.residual, self.norm.weight, self.norm.eps, self.group_name,
+                (partial, self.residual, *affine, self.norm.eps, self.group_name,
                  self.norm.out_dtype, self.lowering, workspace_tokens),
             )
             normed = graph.call_function(operator.getitem, (fused, 0))
