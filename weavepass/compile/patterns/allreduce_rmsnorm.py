@@ -197,6 +197,8 @@ class FusedAllReduceRMSNormSite:
             return
         if self.inner.partner is not None:
             self._merge_partner(graph)
+        elif self.inner.parallel is not None:
+            self._merge_parallel(graph)
         else:
             self._add_to_residual(graph)
         self.inner = None
@@ -217,6 +219,26 @@ class FusedAllReduceRMSNormSite:
         if self.norm.input is inner.add:  # no residual add: the norm read the merged sum
             self.norm.input = wait
         self.all_reduce, self.wait, self.matmul = merged, wait, None
+
+    def _merge_parallel(self, graph: Graph) -> None:
+        """``(S + x) + S_2 -> all_reduce(p + p_2) + x``: the residual add keeps its node (later
+        sites read it as their residual) and now adds ``x`` to the merged sum."""
+        inner, parallel, add = self.inner, self.inner.parallel, self.add
+        summed = inner.views[-1] if inner.views else self.wait  # the scale is hoisted by now
+        x = inner.add.args[1] if inner.add.args[0] is summed else inner.add.args[0]
+        with graph.inserting_before(add):
+            mine = _replay(graph, inner.views, self.partial)
+            theirs = _replay(graph, parallel.views, parallel.partial)
+            both = graph.call_function(aten.add.Tensor, (mine, theirs))
+            merged = graph.call_function(c10d.all_reduce.default, (both, "sum", self.group_name))
+            wait = graph.call_function(WAIT, (merged,))
+        _set_fake_vals([*_chain(self.partial, mine), *_chain(parallel.partial, theirs), both,
+                        merged, wait])
+        add.replace_input_with(parallel.views[-1] if parallel.views else parallel.wait, wait)
+        add.replace_input_with(inner.add, x)
+        _erase_dead([inner.add, *reversed(inner.views), self.wait, self.all_reduce,
+                     *reversed(parallel.views), parallel.wait, parallel.all_reduce], graph)
+        self.all_reduce, self.wait, self.matmul, self.views_to_add = merged, wait, None, []
 
     def _add_to_residual(self, graph: Graph) -> None:
         inner, add = self.inner, self.add
@@ -257,6 +279,9 @@ class FusedAllReduceRMSNormSite:
                 views = views + self.inner.partner.views
             elif self.add is not None:
                 nodes.append(self._stream_residual())
+            if self.inner.parallel is not None:
+                nodes.append(self.inner.parallel.partial)
+                views = views + self.inner.parallel.views
         for view in views:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes
@@ -322,6 +347,14 @@ class InnerAdd:
     other: Node
     """``add``'s operand that is not this all_reduce's sum"""
     partner: PartnerSum | None = None
+    parallel: PartnerSum | None = None
+    """Another all_reduce's sum that the residual add right after ``add`` adds: ``(S + x) + S_2``
+    (Cohere's attention and MLP run in parallel on one input: ``x`` is the residual stream)."""
+
+    @property
+    def merged(self) -> PartnerSum | None:
+        """The all_reduce whose sum this site's one collective carries, if any."""
+        return self.partner or self.parallel
 
 
 def _replay(graph: Graph, views: list[Node], node: Node) -> Node:
@@ -499,15 +532,31 @@ def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order
         if isinstance(partner, str):
             return RejectedAllReduce(ar, f"the sum is added to another all_reduce's sum, which "
                                          f"cannot share its collective: {partner}")
+        inner.parallel = _parallel_sum(add, views_to_add, inner.add, ar)
         text = (f"{other.name} added to the sum before the residual add: moved onto the residual "
                 f"({other.name} + residual; eager adds it to the sum first, so the rounding order differs)")
+        if inner.parallel is not None:
+            text = (f"summed with {inner.parallel.all_reduce.name}, which the next add adds (parallel "
+                    f"branches: one all_reduce of the partials' sum, then + {other.name}; eager adds "
+                    "each sum to the stream in turn)")
     else:
         text = (f"summed with {inner.partner.all_reduce.name} ({other.name}): one all_reduce of the "
                 "partials' sum (eager rounds each sum, then their sum)")
     site = FusedAllReduceRMSNormSite(ar, wait, ar.args[2], views_to_add, add, views_to_norm, norm,
-                                     None if inner.partner else _producer_matmul(ar.args[0]),
+                                     None if inner.merged else _producer_matmul(ar.args[0]),
                                      inner=inner, inner_text=text)
     return _with_scale(site, scale, order)
+
+
+def _parallel_sum(add: Node, views_to_add: list[Node], inner_add: Node, ar: Node) -> PartnerSum | None:
+    """The residual add ``add = (S + x) + S_2`` right after ``inner_add = S + x`` (no views between),
+    with ``S_2`` another all_reduce's sum that can share ``ar``'s collective, as a ``PartnerSum``;
+    else None (``S_2`` is then an ordinary residual)."""
+    if views_to_add:
+        return None
+    residual = add.args[1] if add.args[0] is inner_add else add.args[0]
+    partner = _partner_sum(residual, ar)
+    return partner if isinstance(partner, PartnerSum) else None
 
 
 def _unfit_residual_add(add: Node, summed: Node) -> str | None:
@@ -649,8 +698,8 @@ def find_allreduce_rmsnorm_sites(
             found = _claim(found, claimed)
         if isinstance(found, FusedAllReduceRMSNormSite):
             sites.append(found)
-            if found.inner is not None and found.inner.partner is not None:
-                merged.add(found.inner.partner.all_reduce)
+            if found.inner is not None and found.inner.merged is not None:
+                merged.add(found.inner.merged.all_reduce)
         else:
             rejected.append(found)
     return sites, rejected

@@ -185,11 +185,11 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
         weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps")
         if eps is None:
             eps = 1e-5 if layer else torch.finfo(val(x).dtype).eps
-        output, nodes = user, []
+        output, nodes = user, [user]
         if user.target not in (aten.rms_norm.default, aten.layer_norm.default):
             # _fused_rms_norm returns (out, rstd), native_layer_norm (out, mean, rstd); only
-            # ``out`` may be used.
-            getters = list(user.users)
+            # ``out`` may be used (make_fx keeps getitems nobody reads).
+            getters = [g for g in user.users if g.users]
             if any(g.target is not operator.getitem or g.args[1] != 0 for g in getters):
                 saved = [g for g in getters if g.target is operator.getitem and g.args[1] != 0
                          and any(u.op == "output" and _saved_for_backward(g, u) for u in g.users)]
@@ -199,7 +199,8 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
                 return "the norm's statistics outputs are used elsewhere"
             if len(getters) != 1:
                 return "the norm output is read through several getitems"
-            output, nodes = getters[0], [user]
+            output = getters[0]
+            nodes = [user, *(g for g in user.users if g is not output), output]
         if not isinstance(eps, (int, float)):
             return EPS_NOT_CONSTANT
         return RMSNormMatch(x, output, weight, float(eps), f"{user.target}", nodes,
@@ -393,8 +394,8 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
             squares = [u for c in centred for u in c.users
                        if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args == (c, 2))
                        or (is_target(u, MULS) and u.args == (c, c))]
-            if not squares:
-                return None
+            if not squares:  # (a variance may still come from a var_mean)
+                continue
             var = _sole_user_reason(squares[0], "the squared deviation", MEAN, "a mean")
             if isinstance(var, str):
                 return var
