@@ -103,12 +103,15 @@ def _saved_for_backward(node: Node, output: Node) -> bool:
     return num_forward is not None and bool(positions) and min(positions) >= num_forward
 
 
-def used_also_by(node: Node, user: Node) -> str:
-    """Why ``node`` cannot be folded into a fused op: ``user`` reads it too."""
-    if user.op == "output" and _saved_for_backward(node, user):
-        return (f"training: {node.name} is saved for backward, and the fused op can return only "
-                "the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs (run the model "
-                "under torch.no_grad() or torch.inference_mode() to fuse it)")
+def used_also_by(node: Node, user: Node, kind: str = "RMSNorm") -> str:
+    """Why ``node`` cannot be folded into a fused op: ``user`` reads it too (``kind``: the norm's)."""
+    saved_as = "" if user.op == "output" else f" (as {user.name})"  # one step, e.g. rsqrt / H
+    if (user.op == "output" and _saved_for_backward(node, user)) or (
+            user.users and all(u.op == "output" and _saved_for_backward(user, u) for u in user.users)):
+        returns = ("can return only the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs"
+                   if kind == "RMSNorm" else "for a LayerNorm returns only its outputs")
+        return (f"training: {node.name} is saved for backward{saved_as}, and the fused op {returns} (run the "
+                "model under torch.no_grad() or torch.inference_mode() to fuse it)")
     if user.op == "output":
         return f"{node.name} is also used by output (the graph returns it)"
     return f"{node.name} is also used by {user.name}"
@@ -358,7 +361,7 @@ def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
         extra = [u for u in n.users if u not in inner and u is not out]
         if extra:
             what = "the upcast norm input" if n is xf else "the norm's intermediate"
-            return f"{what} {used_also_by(n, extra[0])}"
+            return f"{what} {used_also_by(n, extra[0], LAYER_NORM)}"
     form = f"LayerNorm ({form}{'+fp32-upcast' if xf is not x else ''})"
     return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out],
                         kind=LAYER_NORM, bias=bias)
@@ -383,7 +386,8 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
             var, mean = getters[0], getters[1]
             centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
             if len(centred) != len(mean.users):
-                return f"the norm's mean {used_also_by(mean, next(u for u in mean.users if u not in centred))}"
+                other = next(u for u in mean.users if u not in centred)
+                return f"the norm's mean {used_also_by(mean, other, LAYER_NORM)}"
             return var, centred, [user, var, mean, *centred], "var_mean"
         if is_target(user, MEAN) and user.args[0] is xf and _is_last_dim(user.args[1], ndim):
             unfit = _unfit_last_dim_mean(user, ndim, "the mean")
