@@ -232,6 +232,19 @@ def test_flashcomm_apply_takes_the_graph(world2):
     assert rewrite.report.notes[0] == "FlashComm (portable): 40 tokens padded to 64, 32 rows per rank on 2 ranks"
 
 
+def test_check_replicated_reads_the_layer_norm_op_by_argument_name(world2):
+    """The LayerNorm op has a bias after the weight: the check gets the residual, the weight and
+    the group from their names, not from the RMSNorm op's positions."""
+    rewrite = _rewrite(_trace(layer_norm_sites, *_args(40)), WeaveConfig(check_replicated=True))
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    checks = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.check_replicated.default]
+    fused = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.fused_allreduce_layernorm.default]
+    assert len(checks) == len(fused) == 2
+    for check, op in zip(checks, fused):
+        x, weight, what, site, group = check.args
+        assert (what, group) == ("residual", "0") and weight is op.args[2] and op.args[1] is check
+
+
 @pytest.mark.parametrize("kind, norm_note", [
     ("portable", None),
     ("npu", "norm: aten on the shard (npu_add_rms_norm: the norm is a LayerNorm (npu_add_rms_norm "

@@ -103,13 +103,13 @@ def _saved_for_backward(node: Node, output: Node) -> bool:
     return num_forward is not None and bool(positions) and min(positions) >= num_forward
 
 
-def used_also_by(node: Node, user: Node, kind: str = "RMSNorm") -> str:
+def used_also_by(node: Node, user: Node, kind: str = RMS_NORM) -> str:
     """Why ``node`` cannot be folded into a fused op: ``user`` reads it too (``kind``: the norm's)."""
     saved_as = "" if user.op == "output" else f" (as {user.name})"  # one step, e.g. rsqrt / H
     if (user.op == "output" and _saved_for_backward(node, user)) or (
             user.users and all(u.op == "output" and _saved_for_backward(user, u) for u in user.users)):
         returns = ("can return only the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs"
-                   if kind == "RMSNorm" else "for a LayerNorm returns only its outputs")
+                   if kind == RMS_NORM else "for a LayerNorm returns only its outputs")
         return (f"training: {node.name} is saved for backward{saved_as}, and the fused op {returns} (run the "
                 "model under torch.no_grad() or torch.inference_mode() to fuse it)")
     if user.op == "output":
@@ -357,7 +357,7 @@ def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
     out, weight, bias = _affine(scales[0], hidden, nodes, LAYER_NORM)
     # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
     inner = set(nodes) - {out}
-    for n in ([xf] if xf is not x else []) + [n for n in nodes if n is not xf and n is not out]:
+    for n in (n for n in nodes if n is not out):  # graph order: every rank gives the same reason
         extra = [u for u in n.users if u not in inner and u is not out]
         if extra:
             what = "the upcast norm input" if n is xf else "the norm's intermediate"
@@ -389,10 +389,7 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
                 other = next(u for u in mean.users if u not in centred)
                 return f"the norm's mean {used_also_by(mean, other, LAYER_NORM)}"
             return var, centred, [user, var, mean, *centred], "var_mean"
-        if is_target(user, MEAN) and user.args[0] is xf and _is_last_dim(user.args[1], ndim):
-            unfit = _unfit_last_dim_mean(user, ndim, "the mean")
-            if unfit is not None:
-                return unfit
+        if is_target(user, MEAN) and user.args[0] is xf and _unfit_last_dim_mean(user, ndim, "") is None:
             mean = user
             centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
             squares = [u for c in centred for u in c.users
