@@ -126,6 +126,48 @@ def test_finder_layer_norm_fields(world2):
     assert "aten.native_layer_norm.default, weight torch.float32, bias torch.float32" in first.kind
 
 
+def _site_with(norm):
+    def f(x, r, w1, g1, w2, g2):
+        h = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+        return norm(h, g1), h
+    return f
+
+
+def _centred_norm(var):
+    """``(h - mean) * rsqrt(var(h) + eps) * g``, written out; ``var`` computes the variance."""
+    def norm(h, g):
+        d = h - h.mean(-1, keepdim=True)
+        return d * torch.rsqrt(var(h, d) + 1e-5) * g
+    return norm
+
+
+@pytest.mark.parametrize("norm, form, weight, bias", [
+    (lambda h, g: torch.nn.functional.layer_norm(h, (H,)), "aten.native_layer_norm.default", False, False),
+    (lambda h, g: torch.nn.functional.layer_norm(h, (H,), None, g), "aten.native_layer_norm.default", False, True),
+    (_centred_norm(lambda h, d: d.pow(2).mean(-1, keepdim=True)), "LayerNorm (decomposed)", True, False),
+    (_centred_norm(lambda h, d: (d * d).mean(-1, keepdim=True)), "LayerNorm (decomposed)", True, False),
+])
+def test_finder_layer_norm_forms(world2, norm, form, weight, bias):
+    """make_fx graphs (aten, not decomposed by Inductor): the undecomposed op with or without
+    weight and bias, and the written-out form with either square."""
+    (site,), rejected = find_allreduce_rmsnorm_sites(_trace(_site_with(norm), *_args(8)))
+    assert rejected == [] and site.norm.kind == LAYER_NORM and site.norm.form == form
+    assert (site.norm.weight is not None, site.norm.bias is not None) == (weight, bias)
+    assert site.norm.input is site.add and site.norm.eps == 1e-5
+
+
+@pytest.mark.parametrize("norm, reason", [
+    # torch.var_mean without correction: unbiased.
+    (_centred_norm(lambda h, d: torch.var_mean(h, -1, keepdim=True)[0]),
+     "the variance has correction=1; LayerNorm's is biased (0)"),
+    # Mean-subtracted, then scaled by the input's inverse RMS, not the deviation's: neither norm.
+    (_centred_norm(lambda h, d: h.pow(2).mean(-1, keepdim=True)), "the inverse RMS does not scale the norm's own input"),
+])
+def test_finder_rejects_what_is_not_a_layer_norm(world2, norm, reason):
+    sites, (rejected,) = find_allreduce_rmsnorm_sites(_trace(_site_with(norm), *_args(8)))
+    assert sites == [] and reason in rejected.reason, rejected.reason
+
+
 def test_finder_rejects_all_reduce_without_norm(world2):
     graph = _trace(no_norm, torch.randn(8, 32), torch.randn(32, H))
     sites, rejected = find_allreduce_rmsnorm_sites(graph)
