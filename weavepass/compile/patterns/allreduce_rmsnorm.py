@@ -533,12 +533,13 @@ def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order
             return RejectedAllReduce(ar, f"the sum is added to another all_reduce's sum, which "
                                          f"cannot share its collective: {partner}")
         inner.parallel = _parallel_sum(add, views_to_add, inner.add, ar)
-        text = (f"{other.name} added to the sum before the residual add: moved onto the residual "
-                f"({other.name} + residual; eager adds it to the sum first, so the rounding order differs)")
         if inner.parallel is not None:
             text = (f"summed with {inner.parallel.all_reduce.name}, which the next add adds (parallel "
                     f"branches: one all_reduce of the partials' sum, then + {other.name}; eager adds "
                     "each sum to the stream in turn)")
+        else:
+            text = (f"{other.name} added to the sum before the residual add: moved onto the residual "
+                    f"({other.name} + residual; eager adds it to the sum first, so the rounding order differs)")
     else:
         text = (f"summed with {inner.partner.all_reduce.name} ({other.name}): one all_reduce of the "
                 "partials' sum (eager rounds each sum, then their sum)")
