@@ -20,7 +20,8 @@ from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import GraphRewrite, inductor_patches
-from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm
+from weavepass.compile.patterns.rmsnorm import LAYER_NORM
+from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm, force_device_kind
 from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.overlap import SplitStrategy
 from weavepass.compile.tokens import TokenCount
@@ -49,6 +50,16 @@ def broken_stream(x, r, w1, g1, w2, g2):
     h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
     h2 = funcol.all_reduce(torch.relu(_rms(h1, g1)) @ w2, "sum", dist.group.WORLD) + r
     return _rms(h2, g2), h2
+
+
+def layer_norm_sites(x, r, w1, g1, w2, g2):
+    """``two_sites`` with ``F.layer_norm`` (weight and bias): ``native_layer_norm`` under make_fx."""
+    def norm(h, g):
+        return torch.nn.functional.layer_norm(h, (H,), g, g.flip(0), 1e-5)
+
+    h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+    h2 = funcol.all_reduce(torch.relu(norm(h1, g1)) @ w2, "sum", dist.group.WORLD) + h1
+    return norm(h2, g2), h2
 
 
 def no_norm(x, w):
@@ -106,6 +117,59 @@ def test_finder_match_fields(world2):
     assert second.residual is first.add and second.norm.weight.name == "g2_1"
 
 
+def test_finder_layer_norm_fields(world2):
+    graph = _trace(layer_norm_sites, *_args(40))
+    sites, rejected = find_allreduce_rmsnorm_sites(graph)
+    assert rejected == [] and len(sites) == 2
+    first, second = sites
+    assert (first.norm.kind, first.norm.eps, first.norm.form) == (LAYER_NORM, 1e-5, "aten.native_layer_norm.default")
+    assert first.norm.weight.name == "g1_1" and first.norm.bias.target is torch.ops.aten.flip.default
+    assert first.norm.input is first.add and second.residual is first.add
+    assert "aten.native_layer_norm.default, weight torch.float32, bias torch.float32" in first.kind
+
+
+def _site_with(norm):
+    def f(x, r, w1, g1, w2, g2):
+        h = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+        return norm(h, g1), h
+    return f
+
+
+def _centred_norm(var):
+    """``(h - mean) * rsqrt(var(h) + eps) * g``, written out; ``var`` computes the variance."""
+    def norm(h, g):
+        d = h - h.mean(-1, keepdim=True)
+        return d * torch.rsqrt(var(h, d) + 1e-5) * g
+    return norm
+
+
+@pytest.mark.parametrize("norm, form, weight, bias", [
+    (lambda h, g: torch.nn.functional.layer_norm(h, (H,)), "aten.native_layer_norm.default", False, False),
+    (lambda h, g: torch.nn.functional.layer_norm(h, (H,), None, g), "aten.native_layer_norm.default", False, True),
+    (_centred_norm(lambda h, d: d.pow(2).mean(-1, keepdim=True)), "LayerNorm (decomposed)", True, False),
+    (_centred_norm(lambda h, d: (d * d).mean(-1, keepdim=True)), "LayerNorm (decomposed)", True, False),
+])
+def test_finder_layer_norm_forms(world2, norm, form, weight, bias):
+    """make_fx graphs (aten, not decomposed by Inductor): the undecomposed op with or without
+    weight and bias, and the written-out form with either square."""
+    (site,), rejected = find_allreduce_rmsnorm_sites(_trace(_site_with(norm), *_args(8)))
+    assert rejected == [] and site.norm.kind == LAYER_NORM and site.norm.form == form
+    assert (site.norm.weight is not None, site.norm.bias is not None) == (weight, bias)
+    assert site.norm.input is site.add and site.norm.eps == 1e-5
+
+
+@pytest.mark.parametrize("norm, reason", [
+    # torch.var_mean without correction: unbiased.
+    (_centred_norm(lambda h, d: torch.var_mean(h, -1, keepdim=True)[0]),
+     "the variance has correction=1; LayerNorm's is biased (0)"),
+    # Mean-subtracted, then scaled by the input's inverse RMS, not the deviation's: neither norm.
+    (_centred_norm(lambda h, d: h.pow(2).mean(-1, keepdim=True)), "the inverse RMS does not scale the norm's own input"),
+])
+def test_finder_rejects_what_is_not_a_layer_norm(world2, norm, reason):
+    sites, (rejected,) = find_allreduce_rmsnorm_sites(_trace(_site_with(norm), *_args(8)))
+    assert sites == [] and reason in rejected.reason, rejected.reason
+
+
 def test_finder_rejects_all_reduce_without_norm(world2):
     graph = _trace(no_norm, torch.randn(8, 32), torch.randn(32, H))
     sites, rejected = find_allreduce_rmsnorm_sites(graph)
@@ -149,6 +213,17 @@ def test_plan_sites_codes(world2, monkeypatch):
     monkeypatch.setattr("weavepass.compile.planner.group_size", lambda name: None)
     unknown = plan_sites(sites, WeaveConfig())
     assert [(p.lowering, p.code) for p in unknown] == [(None, ReasonCode.GROUP_UNKNOWN)] * 2
+
+
+def test_plan_keeps_layer_norm_sites_off_lowerings_without_it(world2):
+    """Only ``LAYER_NORM_LOWERINGS`` carry a LayerNorm; on any other the site stays an all_reduce
+    (never portable instead: on CUDA that is slower than the model's own all_reduce)."""
+    sites, _ = find_allreduce_rmsnorm_sites(_trace(layer_norm_sites, *_args(40)))
+    assert [(p.lowering, p.code) for p in plan_sites(sites, WeaveConfig())] == [("portable", ReasonCode.NONE)] * 2
+    plans = plan_sites(sites, WeaveConfig(lowering="cuda_symm"))
+    assert [(p.lowering, p.code) for p in plans] == [(None, ReasonCode.LAYER_NORM)] * 2
+    assert plans[0].reason == ("left as all_reduce: the cuda_symm lowering does not carry LayerNorm "
+                               "yet (only portable does)")
 
 
 # --- the strategies' decisions -------------------------------------------------------------------
@@ -199,6 +274,39 @@ def test_flashcomm_apply_takes_the_graph(world2):
     assert ops["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert [r.lowering for r in rewrite.report.records] == ["flashcomm:portable"] * 2
     assert rewrite.report.notes[0] == "FlashComm (portable): 40 tokens padded to 64, 32 rows per rank on 2 ranks"
+
+
+def test_check_replicated_reads_the_layer_norm_op_by_argument_name(world2):
+    """The LayerNorm op has a bias after the weight: the check gets the residual, the weight and
+    the group from their names, not from the RMSNorm op's positions."""
+    rewrite = _rewrite(_trace(layer_norm_sites, *_args(40)), WeaveConfig(check_replicated=True))
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    checks = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.check_replicated.default]
+    fused = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.fused_allreduce_layernorm.default]
+    assert len(checks) == len(fused) == 2
+    for check, op in zip(checks, fused):
+        x, weight, what, site, group = check.args
+        assert (what, group) == ("residual", "0") and weight is op.args[2] and op.args[1] is check
+
+
+@pytest.mark.parametrize("kind, norm_note", [
+    ("portable", None),
+    ("npu", "norm: aten on the shard (npu_add_rms_norm: the norm is a LayerNorm (npu_add_rms_norm "
+            "normalises by the root mean square only))"),
+])
+def test_flashcomm_carries_layer_norm_sites(world2, kind, norm_note):
+    """FlashComm replays the site's own LayerNorm nodes on the shard; on NPU not as
+    ``npu_add_rms_norm`` (an RMSNorm), with the reason on each record."""
+    rewrite = _rewrite(_trace(layer_norm_sites, *_args(40)), WeaveConfig(**FLASHCOMM))
+    strategy = FlashCommStrategy()
+    with force_device_kind(kind):
+        assert strategy.apply(rewrite, strategy.decide(rewrite)) is True
+    ops = op_counts(rewrite.graph)
+    assert "_c10d_functional.all_reduce.default" not in ops and "weave.npu_add_rms_norm.default" not in ops
+    assert ops["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert ops["aten.native_layer_norm.default"] == 2  # replayed on the [R, H] shards
+    assert [r.lowering for r in rewrite.report.records] == ["flashcomm:portable"] * 2
+    assert [r.reason or None for r in rewrite.report.records] == [norm_note] * 2
 
 
 def test_split_decision(world2):

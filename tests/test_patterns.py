@@ -20,6 +20,7 @@ from weavepass import WeaveConfig
 AR = "_c10d_functional.all_reduce.default"
 WAIT = "_c10d_functional.wait_tensor.default"
 FUSED = "weave.fused_allreduce_rmsnorm.default"
+FUSED_LN = "weave.fused_allreduce_layernorm.default"
 H = 64
 
 
@@ -154,7 +155,7 @@ def test_scale_by_a_token_tensor_is_not_a_site():
         gate = torch.sigmoid(x[:, :1])  # one value per token, not a scalar: not linear in the sum
         return llama_norm(r + ar(x @ w) * gate, weight)
 
-    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm consumes the value (first user: aten.mul")
+    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm or LayerNorm consumes the value (first user: aten.mul")
 
 
 @pytest.mark.parametrize(
@@ -316,16 +317,101 @@ def cohere_layer_norm(x, weight, eps=1e-5):
     return (weight.to(torch.float32) * ((x - mean) * torch.rsqrt(variance + eps))).to(dtype)
 
 
-@pytest.mark.parametrize("norm, residual", [("cohere", True), ("torch", False)])
-def test_reject_layer_norm_says_layer_norm(norm, residual):
+def torch_layer_norm(affine: str):
+    """``F.layer_norm`` with the weight and bias that ``affine`` names (Inductor: ``var_mean``)."""
+    def norm(h, weight):
+        w = weight if "weight" in affine else None
+        b = weight.flip(0) if "bias" in affine else None
+        return F.layer_norm(h, (h.shape[-1],), w, b, 1e-5)
+    return norm
+
+
+@pytest.mark.parametrize("norm, residual, dtype, form", [
+    ("cohere", True, torch.bfloat16, "LayerNorm (decomposed+fp32-upcast), weight torch.float32,"),
+    ("cohere", False, torch.float32, "LayerNorm (decomposed), weight torch.float32,"),
+    ("weight+bias", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), weight torch.bfloat16, bias torch.bfloat16,"),
+    ("weight+bias", False, torch.float32, "LayerNorm (var_mean), weight torch.float32, bias torch.float32,"),
+    ("weight", True, torch.float32, "LayerNorm (var_mean), weight torch.float32, torch.float32"),
+    ("bias", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), bias torch.bfloat16,"),
+    ("none", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), torch.bfloat16"),
+])
+def test_layer_norm_is_a_site(norm, residual, dtype, form):
+    """Every LayerNorm form Inductor's post-grad graph holds becomes one
+    ``weave.fused_allreduce_layernorm``; the report names the LayerNorm, its weight and bias."""
+    layer_norm = cohere_layer_norm if norm == "cohere" else torch_layer_norm(norm)
+
     def f(x, w, r, weight):
         h = ar(x @ w) + r if residual else ar(x @ w)
-        if norm == "cohere":
-            return cohere_layer_norm(h, weight)
-        return F.layer_norm(h, (h.shape[-1],), weight)
+        return layer_norm(h, weight), h
 
-    graph = compile_report(f, *inputs())
-    assert_unchanged(graph, "a LayerNorm (mean-subtracted) consumes the value, not an RMSNorm")
+    graph = compile_report(f, *inputs(dtype=dtype))
+    assert graph.ops_after[FUSED_LN] == 1 and graph.ops_after[FUSED] == 0, graph.records
+    assert graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    assert graph.ops_after["aten.var_mean.correction"] == graph.ops_after["aten.rsqrt.default"] == 0
+    (record,) = graph.records
+    assert record.lowering == "portable"
+    assert record.kind.startswith(f"{'residual' if residual else 'no-residual'}, {form}"), record.kind
+
+
+@pytest.mark.parametrize("norm, reason", [
+    # torch.var_mean's default variance is unbiased: not LayerNorm's.
+    (lambda h: (h - h.mean(-1, keepdim=True)) * torch.rsqrt(torch.var_mean(h, -1, keepdim=True)[0] + 1e-5),
+     "the variance has correction=1; LayerNorm's is biased (0)"),
+    # The inverse deviation scales the input, not the mean-subtracted input.
+    (lambda h: h * torch.rsqrt((h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-5),
+     "the inverse standard deviation does not scale the mean-subtracted input"),
+    # Mean-subtracted over the tokens, not the hidden dim: no norm at all.
+    (lambda h: h - h.mean(0, keepdim=True), "no RMSNorm or LayerNorm consumes the value"),
+])
+def test_not_a_layer_norm_is_rejected_with_its_reason(norm, reason):
+    def f(x, w, r, weight):
+        return norm((ar(x @ w) + r).float())
+
+    assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), reason)
+
+
+def test_layer_norm_mean_used_elsewhere_is_rejected():
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        mean = h.mean(-1, keepdim=True)
+        d = h - mean
+        return d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5) * weight, mean
+
+    assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), "is also used by output")
+
+
+def parallel_branches(norm):
+    """Cohere's layer: attention and MLP read one normed input; ``(h + attn) + mlp``, each a sum."""
+    def layer(x, w, r, weight):
+        a = ar(x @ w)
+        m = ar(x @ w.flip(0))
+        h = r + a + m
+        return norm(h, weight), h
+    return layer
+
+
+@pytest.mark.parametrize("norm", [cohere_layer_norm, llama_norm])
+def test_parallel_branch_sums_become_one_all_reduce(norm):
+    """``(r + S_a) + S_m -> norm``: one all_reduce of both partials, then the residual add (either
+    norm kind); the second all_reduce has no record of its own."""
+    graph = compile_report(parallel_branches(norm), *inputs())
+    assert graph.ops_before[AR] == 2 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    assert graph.ops_after[FUSED_LN if norm is cohere_layer_norm else FUSED] == 1
+    (record,) = graph.records
+    assert record.kind.startswith("residual, summed with all_reduce_1, which the next add adds"), record.kind
+    assert record.matmul == ""  # the op reads the partials' sum
+    assert "all_reduce_1 is summed with all_reduce's sum into one all_reduce" in graph.note, graph.note
+
+
+def test_token_split_refuses_layer_norm_sites_with_a_reason():
+    def f(x, w, r, weight):
+        h1 = ar(x @ w) + r
+        h2 = ar(cohere_layer_norm(h1, weight)[:, :32] @ w) + h1
+        return cohere_layer_norm(h2, weight), h2
+
+    graph = compile_report(f, *inputs(), config=WeaveConfig(overlap="force"))
+    assert graph.ops_after[FUSED_LN] == 2
+    assert "fuse-only: 2 LayerNorm site(s): the split's async op" in graph.note, graph.note
 
 
 def test_reject_group_below_min_world_size():
@@ -668,3 +754,15 @@ def test_moe_sums_equal_eager_on_gloo(moe_sums_on_gloo, dtype):
         assert rewritten == 2, kinds
         assert "moved onto the residual" in kinds[0] and "one all_reduce" in kinds[1], kinds
         assert passed, table
+
+
+def test_flashcomm_takes_merged_parallel_branch_sites():
+    """FlashComm on Cohere-like layers (embedding sum -> LayerNorm, then ``(h + S_a) + S_m``):
+    the merged all_reduce gets a new name when the site is prepared; its record is the site's."""
+    def f(x, w, r, weight):
+        h = ar(x @ w)  # the embedding's sum
+        return parallel_branches(cohere_layer_norm)(cohere_layer_norm(h, weight)[:, :32], w, h, weight)
+
+    graph = compile_report(f, *inputs(), config=WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1))
+    assert graph.ops_after[AR] == 0 and graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2, graph.records

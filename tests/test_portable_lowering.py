@@ -136,6 +136,63 @@ def test_portable_lowering_matches_reference_and_eager(world):
     assert counts == [counts[0]] * world and counts[0] >= 20
 
 
+def _eager_layer_norm(partial, residual, weight, bias, eps):
+    """What a TP model with a LayerNorm computes without weave: all_reduce in its dtype, add,
+    ``F.layer_norm``."""
+    summed = partial.clone()
+    dist.all_reduce(summed)
+    h = summed if residual is None else summed + residual
+    return torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
+
+
+def _layer_norm_rank(rank: int, world: int) -> int:
+    """``weave.fused_allreduce_layernorm`` on the portable lowering against the reference math
+    (``OP_TOL`` for the residual; for ``normed`` see below) and against eager (not less accurate,
+    measured against the fp32 reference), over dtypes, odd token counts, with and without residual,
+    weight and bias."""
+    group_name = dist.group.WORLD.group_name
+    checked = 0
+    for dtype in DTYPES:
+        for seed, (tokens, hidden, residual_on, affine) in enumerate([
+            (1, 24, True, "weight+bias"), (max(world - 1, 1), 64, False, "weight"), (9, 64, True, "bias"),
+            (37, 136, True, "none"), (37, 136, False, "weight+bias"),
+        ]):
+            partials = _partials(seed, world, tokens, hidden, dtype)
+            g = torch.Generator().manual_seed(seed + 7)
+            residual = torch.randn(tokens, hidden, generator=g).to(dtype) if residual_on else None
+            weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype) if "weight" in affine else None
+            bias = (0.1 * torch.randn(hidden, generator=g)).to(dtype) if "bias" in affine else None
+            normed, res_out = torch.ops.weave.fused_allreduce_layernorm(
+                partials[rank], residual, weight, bias, 1e-5, group_name, dtype, "portable", WORKSPACE)
+            ref_normed, ref_res = fused_allreduce_rmsnorm_reference(
+                partials, residual, weight, 1e-5, dtype, bias=bias, layer_norm=True)
+            assert normed.dtype == res_out.dtype == dtype and normed.shape == res_out.shape == (tokens, hidden)
+            torch.testing.assert_close(res_out, ref_res, **OP_TOL[dtype])
+            # A 1-ulp flip of one residual_out element x_i (the fp32 sums' order, as in OP_TOL)
+            # moves normed_i by up to eps(dtype) * |x_i| * rstd * |w_i|: unlike RMSNorm's, that is
+            # not relative to normed_i (x_i - mean may be ~0), so the bound is absolute, at the
+            # largest |x_i| * rstd of the rows; plus normed's own rounding (rtol).
+            x = ref_res.double()
+            spread = (x.abs() / x.std(-1, correction=0, keepdim=True)).max().item()
+            w_max = 1.0 if weight is None else weight.double().abs().max().item()
+            torch.testing.assert_close(normed, ref_normed, rtol=2 * EPS[dtype], atol=2 * EPS[dtype] * spread * w_max)
+
+            # The exact values, in fp64 and through F.layer_norm (not the code under test).
+            exact_res = sum(p.double() for p in partials) + (0 if residual is None else residual.double())
+            exact_normed = torch.nn.functional.layer_norm(
+                exact_res, (hidden,), None if weight is None else weight.double(),
+                None if bias is None else bias.double(), 1e-5)
+            eager_normed, eager_res = _eager_layer_norm(partials[rank], residual, weight, bias, 1e-5)
+            assert_not_less_accurate(res_out, eager_res, exact_res, dtype)
+            assert_not_less_accurate(normed, eager_normed, exact_normed, dtype)
+            checked += 1
+    return checked
+
+
+def test_portable_layer_norm_matches_reference_and_eager():
+    assert spawn(_layer_norm_rank, 2, "gloo") == [15, 15]
+
+
 def test_unknown_lowering_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown weave lowering 'nccl'"):
         torch.ops.weave.fused_allreduce_rmsnorm(

@@ -23,6 +23,7 @@ from weavepass.testing.harness import check_against_eager
 
 HIDDEN, INNER = 8, 16
 TRAIN_OP = "weave.fused_allreduce_rmsnorm_train.default"
+LAYER_NORM_OP = "weave.fused_allreduce_layernorm.default"
 ALL_REDUCES = ("_c10d_functional.all_reduce.default", "_c10d_functional.all_reduce_.default")
 
 
@@ -47,16 +48,20 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, upcast: bool) -> torch.Tens
     return weight * x.to(dtype)
 
 
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, upcast: bool) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, None, 1e-5)
+
+
 class TwoSites(nn.Module):
     """Two row-parallel sums, each followed by a residual add and an RMSNorm; every weight trains.
 
     Rank ``rank`` holds its own shard of the two matmuls; the norms are replicated.
     """
 
-    def __init__(self, group, rank: int, dtype: torch.dtype, upcast: bool = True):
+    def __init__(self, group, rank: int, dtype: torch.dtype, upcast: bool = True, norm=_rms_norm):
         super().__init__()
         gen = torch.Generator().manual_seed(rank)
-        self.group, self.upcast = group, upcast
+        self.group, self.upcast, self.norm = group, upcast, norm
         self.w1 = nn.Parameter((torch.randn(INNER, HIDDEN, generator=gen) / 4).to(dtype))
         self.w2 = nn.Parameter((torch.randn(HIDDEN, HIDDEN, generator=gen) / 3).to(dtype))
         gen = torch.Generator().manual_seed(100)  # the norm weights are the same on every rank
@@ -65,9 +70,9 @@ class TwoSites(nn.Module):
 
     def forward(self, x, residual):
         residual = _RowParallelSum.apply(x @ self.w1, self.group) + residual
-        h = _rms_norm(residual, self.norm1, self.upcast)
+        h = self.norm(residual, self.norm1, self.upcast)
         residual = _RowParallelSum.apply(h @ self.w2, self.group) + residual
-        return _rms_norm(residual, self.norm2, self.upcast), residual
+        return self.norm(residual, self.norm2, self.upcast), residual
 
 
 class TrainStep:
@@ -99,7 +104,7 @@ def _inputs(dtype: torch.dtype):
             torch.randn(2, 5, HIDDEN, generator=gen).to(dtype))
 
 
-def _train_compile(config: weavepass.WeaveConfig, dtype: torch.dtype, upcast: bool = True):
+def _train_compile(config: weavepass.WeaveConfig, dtype: torch.dtype, upcast: bool = True, norm=_rms_norm):
     """One training step of ``TwoSites`` compiled on a fake group of 2; returns the backend and
     the post-grad graphs after the weave pass, in compile order (forward, then backward)."""
     graphs = []
@@ -112,7 +117,7 @@ def _train_compile(config: weavepass.WeaveConfig, dtype: torch.dtype, upcast: bo
     with fake_process_group(2) as group, torch._inductor.config.patch(
         post_grad_custom_post_pass=capture, fx_graph_cache=False
     ):
-        model = TwoSites(group, 0, dtype, upcast)
+        model = TwoSites(group, 0, dtype, upcast, norm)
         TrainStep(torch.compile(model, backend=backend), model)(*_inputs(dtype))
     return backend, graphs
 
@@ -149,6 +154,19 @@ def test_training_norm_in_bf16_is_refused_with_a_training_reason():
         assert "training: " in reason and "saved for backward" in reason, reason
 
 
+def test_training_layer_norm_fuses_where_backward_saves_only_its_outputs():
+    """AOT autograd saves the first LayerNorm's normalised rows and ``rsqrt / H`` (the LayerNorm op
+    returns neither: refused with a training reason) and recomputes the last one from the residual
+    stream, the op's ``residual_out`` (fused)."""
+    backend, _ = _train_compile(weavepass.WeaveConfig(), torch.float32, norm=_layer_norm)
+    forward_report = backend.report.graphs[0]
+    assert forward_report.ops_after["weave.fused_allreduce_layernorm.default"] == 1
+    first, second = forward_report.records
+    assert not first.lowering and "training: rsqrt is saved for backward (as div_1), and the fused op " \
+        "for a LayerNorm returns only its outputs" in first.reason, first.reason
+    assert second.lowering == "portable" and "LayerNorm (var_mean)" in second.kind
+
+
 @pytest.mark.parametrize("config,note", [
     (weavepass.WeaveConfig(overlap="force"), "fuse-only: training"),
     (weavepass.WeaveConfig(enable_flashcomm=True), "FlashComm not used: training"),
@@ -164,9 +182,9 @@ def test_training_graphs_skip_the_split_and_flashcomm_with_a_note(config, note):
 def _rank(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = TwoSites(group, rank, dtype)
-        reference = TwoSites(group, rank, torch.float32)
+    for dtype, norm in ((torch.float32, _rms_norm), (torch.bfloat16, _rms_norm), (torch.float32, _layer_norm)):
+        model = TwoSites(group, rank, dtype, norm=norm)
+        reference = TwoSites(group, rank, torch.float32, norm=norm)
         backend = weavepass.make_backend()
         torch._dynamo.reset()
         comparison = check_against_eager(
@@ -175,8 +193,8 @@ def _rank(rank: int, world: int) -> dict:
             TrainStep(reference), dtype,
         )
         forward_report = backend.report.graphs[0]
-        results[str(dtype)] = dict(
-            fused=forward_report.ops_after[TRAIN_OP],
+        results[f"{dtype} {norm.__name__}"] = dict(
+            fused=forward_report.ops_after[TRAIN_OP] + forward_report.ops_after[LAYER_NORM_OP],
             compared=len(comparison.outputs),
             max_abs=comparison.max_abs_diff,
         )
@@ -188,5 +206,6 @@ def test_training_outputs_and_gradients_match_eager_on_gloo():
     (``check_against_eager``: against an fp32 reference, per-dtype tolerance)."""
     for rank_result in spawn(_rank, 2, "gloo"):
         for dtype, got in rank_result.items():
-            # 2 outputs + gradients of x, residual and the 4 parameters.
-            assert got["fused"] == 2 and got["compared"] == 8, (dtype, got)
+            # 2 outputs + gradients of x, residual and the 4 parameters; LayerNorm: the last site
+            # (test_training_layer_norm_fuses_where_backward_saves_only_its_outputs).
+            assert got["fused"] == (1 if "layer_norm" in dtype else 2) and got["compared"] == 8, (dtype, got)

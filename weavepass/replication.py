@@ -67,7 +67,9 @@ def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int
     to its fused op. Returns how many sites are checked."""
     checked = 0
     for site, node in fused.items():
-        partial, residual, weight, _eps, group_name, *_ = node.args
+        # By name: the LayerNorm op has a bias after the weight.
+        args = dict(zip((a.name for a in node.target._schema.arguments), node.args))
+        residual, weight, group_name = args["residual"], args["weight"], args["group_name"]
         target_index, x = (1, residual) if residual is not None else (2, weight)
         if x is None:  # no residual and no weight: nothing assumed replicated
             continue

@@ -128,7 +128,7 @@ class WeavePass(CustomGraphPass):
         report.records = [records[i] for i in sorted(records)]
         for plan in plans:  # a merged all_reduce has no record of its own: the graph says where it went
             site = plan.site
-            partner = site.inner.partner if site.inner is not None else None
+            partner = site.inner.merged if site.inner is not None else None
             if partner is not None and plan.lowering is not None:  # merged only when rewritten
                 report.add_note(f"{partner.all_reduce.name} is summed with {site.all_reduce.name}'s sum "
                                 f"into one all_reduce (see {site.all_reduce.name})")

@@ -17,6 +17,12 @@ RMS for the backward graph: ``inv_rms = rsqrt(mean(x^2, -1) + eps)`` with ``x`` 
 separate op, so the inference op's schema, outputs and host cost stay as they are; every lowering
 computes it when asked (``return_inv_rms``).
 
+``weave.fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, out_dtype,
+lowering, workspace_tokens) -> (normed, residual_out)`` replaces ``all_reduce(sum) -> [+ residual]
+-> LayerNorm`` (weight and bias optional; ``weavepass.runtime.reference.add_layernorm_local``). A
+separate op with the bias after the weight, so the RMSNorm op's schema, generated calls and host
+cost stay as they are; only the portable lowering carries it (``runtime.LAYER_NORM_LOWERINGS``).
+
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and ``weave.hold_inputs``
 are the token split's fused op on a second CUDA stream and the op that keeps its inputs alive
 (``weavepass.runtime.streams``). ``weave.check_replicated`` is the debug check of
@@ -93,6 +99,14 @@ FUSED_ALLREDUCE_RMSNORM_TRAIN = define_hot_op(
 FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
     "fused_allreduce_rmsnorm_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
     _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_async"), _fake,
+)
+FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
+    "fused_allreduce_layernorm",
+    "(Tensor partial, Tensor? residual, Tensor? weight, Tensor? bias, float eps, str group_name, "
+    "ScalarType out_dtype, str lowering, int workspace_tokens) -> (Tensor, Tensor)",
+    _runtime("weavepass.runtime:fused_allreduce_layernorm"),
+    lambda partial, residual, weight, bias, eps, group_name, out_dtype, *_:
+        _fake(partial, residual, weight, eps, group_name, out_dtype),
 )
 HOLD_INPUTS = define_hot_op(
     "hold_inputs", "(Tensor(a!) joined, Tensor[] inputs) -> ()",

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
+from weavepass.runtime.portable import fused_allreduce_layernorm_portable, fused_allreduce_rmsnorm_portable
 
 
 class FusedLowering(Protocol):
@@ -53,6 +53,10 @@ _LAZY_LOWERINGS: dict[str, str] = {
 }
 _LOWERINGS: dict[str, FusedLowering] = {"portable": fused_allreduce_rmsnorm_portable}
 
+LAYER_NORM_LOWERINGS = ("portable",)
+"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``). The CUDA kernel
+normalises by the root mean square only."""
+
 
 def get_lowering(name: str) -> FusedLowering:
     """The implementation registered under ``name`` (importing it on first use)."""
@@ -82,3 +86,14 @@ def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, ou
     """The kernel of ``weave.fused_allreduce_rmsnorm_train``: ``(normed, residual_out, inv_rms)``."""
     return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
                                   max_workspace_tokens=workspace_tokens, return_inv_rms=True)
+
+
+def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
+                              workspace_tokens):
+    """The kernel of ``weave.fused_allreduce_layernorm``: ``(normed, residual_out)`` with a
+    LayerNorm (``weavepass.runtime.reference.add_layernorm_local``); the workspace size does not
+    apply (only the portable lowering carries it)."""
+    if lowering not in LAYER_NORM_LOWERINGS:
+        raise ValueError(f"weave lowering {lowering!r} does not carry LayerNorm; LayerNorm sites "
+                         f"need one of {LAYER_NORM_LOWERINGS}")
+    return fused_allreduce_layernorm_portable(partial, residual, weight, bias, eps, group_name, out_dtype)

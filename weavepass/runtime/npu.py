@@ -237,9 +237,12 @@ def add_rms_norm(
 
 
 def add_rms_norm_unsupported_reason(
-    dtype: torch.dtype, weight_dtype: torch.dtype | None, out_dtype: torch.dtype, has_residual: bool
+    dtype: torch.dtype, weight_dtype: torch.dtype | None, out_dtype: torch.dtype, has_residual: bool,
+    layer_norm: bool = False,
 ) -> str | None:
-    """Why the shard's add + RMSNorm cannot run as ``npu_add_rms_norm``, or None."""
+    """Why the shard's add + norm cannot run as ``npu_add_rms_norm``, or None."""
+    if layer_norm:
+        return "the norm is a LayerNorm (npu_add_rms_norm normalises by the root mean square only)"
     if not has_residual:
         return "no residual add"
     if dtype not in ADD_RMS_NORM_DTYPES:

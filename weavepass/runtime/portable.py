@@ -1,4 +1,4 @@
-"""Portable lowering: reduce_scatter -> add + RMSNorm on 1/N of the tokens -> all_gather.
+"""Portable lowering: reduce_scatter -> add + RMSNorm (or LayerNorm) on 1/N of the tokens -> all_gather.
 
 Runs on any process group (gloo on CPU included) through eager ``torch.distributed`` calls. This is
 the TokenWeave reorder without the fused kernel, and it is the reference the CUDA and NPU lowerings
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from weavepass.runtime.reference import accumulation_dtype, add_rmsnorm_local
+from weavepass.runtime.reference import accumulation_dtype, add_layernorm_local, add_rmsnorm_local
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -65,6 +65,28 @@ def fused_allreduce_rmsnorm_portable(
     both exactly (both were already rounded to their dtypes); the inverse RMS, when asked for, rides
     in the same gather as one more column (the carrier holds ``accumulation_dtype`` exactly).
     """
+    return _reduce_norm_gather(partial, residual, group_name, out_dtype, add_rmsnorm_local,
+                               (weight, eps, out_dtype, partial.dtype, return_inv_rms))
+
+
+def fused_allreduce_layernorm_portable(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_allreduce_rmsnorm_portable`` with a LayerNorm (``add_layernorm_local``) on the
+    rows each rank owns: the kernel of ``weave.fused_allreduce_layernorm``."""
+    return _reduce_norm_gather(partial, residual, group_name, out_dtype, add_layernorm_local,
+                               (weight, bias, eps, out_dtype, partial.dtype))
+
+
+def _reduce_norm_gather(partial, residual, group_name, out_dtype, add_norm, norm_args):
+    """reduce_scatter of the padded rows -> ``add_norm(shard, shard_residual, *norm_args)`` ->
+    one all_gather of its outputs (``fused_allreduce_rmsnorm_portable`` says how)."""
     group = resolve_group(group_name)
     world, rank = group.size(), group.rank()
     hidden = partial.shape[-1]
@@ -84,9 +106,7 @@ def fused_allreduce_rmsnorm_portable(
         if hi > lo:
             shard_residual[: hi - lo] = residual.reshape(-1, hidden)[lo:hi]
 
-    local = add_rmsnorm_local(
-        shard, shard_residual, weight, eps, out_dtype, partial.dtype, return_inv_rms
-    )
+    local = add_norm(shard, shard_residual, *norm_args)
     carrier = torch.promote_types(padded.dtype, out_dtype)
     packed = torch.cat([t.to(carrier) for t in local], dim=1)
     gathered = packed.new_empty((per_rank * world, packed.shape[1]))
@@ -97,7 +117,7 @@ def fused_allreduce_rmsnorm_portable(
         gathered[:, :hidden].to(out_dtype, copy=True).reshape(partial.shape),
         gathered[:, hidden:2 * hidden].to(partial.dtype, copy=True).reshape(partial.shape),
     )
-    if return_inv_rms:
+    if len(local) == 3:  # the inverse RMS (training)
         inv_rms = gathered[:, 2 * hidden:].to(local[2].dtype, copy=True)
         return (*outputs, inv_rms.reshape(*partial.shape[:-1], 1))
     return outputs

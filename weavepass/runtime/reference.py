@@ -1,4 +1,4 @@
-"""The math every lowering of ``weave.fused_allreduce_rmsnorm`` must agree with.
+"""The math every lowering of ``weave.fused_allreduce_rmsnorm`` (and ``_layernorm``) must agree with.
 
 Given the partial sums ``P_r`` of ``N`` ranks (shape ``[..., H]``, dtype ``d``), an optional
 residual ``R`` and a weight ``w`` of shape ``[H]``, with ``acc = promote(d, fp32)`` (fp32 for
@@ -7,6 +7,10 @@ bf16/fp16/fp32, fp64 for fp64):
     S          = round_to(d, sum_r P_r)                    (summed in acc, rounded once to d)
     residual'  = round_to(d, acc(S) + acc(R))               (the new residual stream)
     normed     = round_to(out_dtype, x * rsqrt(mean(x^2, -1) + eps) * w),  x = acc(residual')
+
+and for ``weave.fused_allreduce_layernorm`` (LayerNorm, optional weight ``w`` and bias ``b``)
+
+    normed     = round_to(out_dtype, d * rsqrt(mean(d^2, -1) + eps) * w + b),  d = x - mean(x, -1)
 
 ``S`` is rounded to ``d`` before the add because eager code does exactly that: its all_reduce
 returns a tensor of dtype ``d``. So an fp16 sum beyond fp16's range is inf, as in eager, even
@@ -23,6 +27,27 @@ import torch
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums and the norm run in: fp32, or the input's own dtype when it is wider (fp64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _add_residual(summed, residual, residual_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(residual_out, x)``: ``S`` rounded like eager's all_reduce output, plus the residual,
+    rounded to ``residual_dtype``; ``x`` is that rounded value in the accumulation dtype."""
+    acc = accumulation_dtype(residual_dtype)
+    total = summed.to(residual_dtype).to(acc)  # eager's all_reduce output is in residual_dtype
+    if residual is not None:
+        total = total + residual.to(acc)
+    residual_out = total.to(residual_dtype)
+    return residual_out, residual_out.to(acc)
+
+
+def _affine(normed: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """``round(out_dtype, normed * w + b)``, in ``normed``'s dtype (or the weight's, when wider)."""
+    if weight is not None:
+        normed = normed * weight.to(torch.promote_types(normed.dtype, weight.dtype))
+    if bias is not None:
+        normed = normed + bias.to(torch.promote_types(normed.dtype, bias.dtype))
+    return normed.to(out_dtype)
 
 
 def add_rmsnorm_local(
@@ -43,20 +68,30 @@ def add_rmsnorm_local(
     inverse RMS ``rsqrt(mean(x^2, -1) + eps)`` [..., 1] in ``accumulation_dtype`` (what the backward
     of a training graph saves).
     """
-    acc = accumulation_dtype(residual_dtype)
-    total = summed.to(residual_dtype).to(acc)  # eager's all_reduce output is in residual_dtype
-    if residual is not None:
-        total = total + residual.to(acc)
-    residual_out = total.to(residual_dtype)
-    x = residual_out.to(acc)
+    residual_out, x = _add_residual(summed, residual, residual_dtype)
     inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    normed = x * inv_rms
-    if weight is not None:
-        normed = normed * weight.to(torch.promote_types(acc, weight.dtype))
-    normed = normed.to(out_dtype)
+    normed = _affine(x * inv_rms, weight, None, out_dtype)
     if return_inv_rms:
         return normed, residual_out, inv_rms
     return normed, residual_out
+
+
+def add_layernorm_local(
+    summed: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    residual_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rmsnorm_local`` with a LayerNorm: ``d = x - mean(x, -1)``,
+    ``normed = round(out_dtype, d * rsqrt(mean(d^2, -1) + eps) * w + b)`` (biased variance, the
+    order ``F.layer_norm``'s decomposition and CohereLayerNorm compute in; ``w``, ``b`` optional)."""
+    residual_out, x = _add_residual(summed, residual, residual_dtype)
+    centred = x - x.mean(-1, keepdim=True)
+    normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    return _affine(normed, weight, bias, out_dtype), residual_out
 
 
 def fused_allreduce_rmsnorm_reference(
@@ -65,8 +100,13 @@ def fused_allreduce_rmsnorm_reference(
     weight: torch.Tensor | None,
     eps: float,
     out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    layer_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-process reference: ``partials`` holds every rank's partial sum."""
+    """Single-process reference: ``partials`` holds every rank's partial sum; ``layer_norm``
+    (with an optional ``bias``) for ``weave.fused_allreduce_layernorm``."""
     acc = accumulation_dtype(partials[0].dtype)
     summed = torch.stack([p.to(acc) for p in partials]).sum(0)
+    if layer_norm:
+        return add_layernorm_local(summed, residual, weight, bias, eps, out_dtype, partials[0].dtype)
     return add_rmsnorm_local(summed, residual, weight, eps, out_dtype, partials[0].dtype)

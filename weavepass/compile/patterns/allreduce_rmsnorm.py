@@ -1,4 +1,4 @@
-"""Find ``[matmul] -> all_reduce(sum) -> [residual add] -> RMSNorm`` sites in a post-grad graph.
+"""Find ``[matmul] -> all_reduce(sum) -> [residual add] -> RMSNorm | LayerNorm`` sites in a post-grad graph.
 
 ``find_allreduce_rmsnorm_sites(graph)`` looks at every all_reduce and returns, for each, either a
 ``FusedAllReduceRMSNormSite`` (which knows its nodes and how to replace itself) or a
@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.patterns.rmsnorm import RMSNormMatch, add_alpha, is_target, match_rmsnorm, val
+from weavepass.compile.patterns.rmsnorm import (
+    RMS_NORM,
+    RMSNormMatch,
+    add_alpha,
+    is_target,
+    match_rmsnorm,
+    val,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -74,7 +81,8 @@ class RejectedAllReduce:
 
 @dataclass
 class FusedAllReduceRMSNormSite:
-    """``partial -> all_reduce -> wait -> views -> [add residual] -> views -> RMSNorm``."""
+    """``partial -> all_reduce -> wait -> views -> [add residual] -> views -> RMSNorm`` (or a
+    LayerNorm: ``norm.kind``)."""
 
     all_reduce: Node
     wait: Node
@@ -144,7 +152,9 @@ class FusedAllReduceRMSNormSite:
         scaled = f", sum scaled by {self.scale_text}" if self.scale_text else ""
         inner = f", {self.inner_text}" if self.inner_text else ""
         weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
-        return f"{residual}{scaled}{inner}, {self.norm.form}{weight}, {self.dtype}, hidden {self.hidden}"
+        bias = "" if self.norm.bias is None else f", bias {val(self.norm.bias).dtype}"
+        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, {self.dtype}, "
+                f"hidden {self.hidden}")
 
     @property
     def stream(self) -> Node:
@@ -197,6 +207,8 @@ class FusedAllReduceRMSNormSite:
             return
         if self.inner.partner is not None:
             self._merge_partner(graph)
+        elif self.inner.parallel is not None:
+            self._merge_parallel(graph)
         else:
             self._add_to_residual(graph)
         self.inner = None
@@ -217,6 +229,26 @@ class FusedAllReduceRMSNormSite:
         if self.norm.input is inner.add:  # no residual add: the norm read the merged sum
             self.norm.input = wait
         self.all_reduce, self.wait, self.matmul = merged, wait, None
+
+    def _merge_parallel(self, graph: Graph) -> None:
+        """``(S + x) + S_2 -> all_reduce(p + p_2) + x``: the residual add keeps its node (later
+        sites read it as their residual) and now adds ``x`` to the merged sum."""
+        inner, parallel, add = self.inner, self.inner.parallel, self.add
+        summed = inner.views[-1] if inner.views else self.wait  # the scale is hoisted by now
+        x = inner.add.args[1] if inner.add.args[0] is summed else inner.add.args[0]
+        with graph.inserting_before(add):
+            mine = _replay(graph, inner.views, self.partial)
+            theirs = _replay(graph, parallel.views, parallel.partial)
+            both = graph.call_function(aten.add.Tensor, (mine, theirs))
+            merged = graph.call_function(c10d.all_reduce.default, (both, "sum", self.group_name))
+            wait = graph.call_function(WAIT, (merged,))
+        _set_fake_vals([*_chain(self.partial, mine), *_chain(parallel.partial, theirs), both,
+                        merged, wait])
+        add.replace_input_with(parallel.views[-1] if parallel.views else parallel.wait, wait)
+        add.replace_input_with(inner.add, x)
+        _erase_dead([inner.add, *reversed(inner.views), self.wait, self.all_reduce,
+                     *reversed(parallel.views), parallel.wait, parallel.all_reduce], graph)
+        self.all_reduce, self.wait, self.matmul, self.views_to_add = merged, wait, None, []
 
     def _add_to_residual(self, graph: Graph) -> None:
         inner, add = self.inner, self.add
@@ -247,7 +279,7 @@ class FusedAllReduceRMSNormSite:
     def inputs(self) -> list[Node]:
         """Nodes the fused op and its replayed views read (and, before ``fold_inner_add``, the
         nodes it reads)."""
-        nodes = [n for n in (self.partial, self.residual, self.norm.weight) if n is not None]
+        nodes = [n for n in (self.partial, self.residual, self.norm.weight, self.norm.bias) if n is not None]
         views = self.views_to_add + self.views_to_norm
         if self.inner is not None:
             nodes.append(self.inner.other)
@@ -257,19 +289,24 @@ class FusedAllReduceRMSNormSite:
                 views = views + self.inner.partner.views
             elif self.add is not None:
                 nodes.append(self.stream_residual())
+            if self.inner.parallel is not None:
+                nodes.append(self.inner.parallel.partial)
+                views = views + self.inner.parallel.views
         for view in views:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes
 
     def replace_with(self, graph: Graph, fused_op, workspace_tokens: int) -> Node:
         """Insert ``fused_op`` for this site and erase the nodes it replaces; returns the op node.
-        ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA workspace's capacity)."""
+        ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA workspace's capacity).
+        A LayerNorm site's op takes the bias after the weight (``weave.fused_allreduce_layernorm``)."""
         self.prepare(graph)
         with graph.inserting_before(self.insertion_point()):
             partial = _replay(graph, self.views_to_add if self.add is not None else [], self.partial)
+            affine = (self.norm.weight,) if self.norm.kind == RMS_NORM else (self.norm.weight, self.norm.bias)
             fused = graph.call_function(
                 fused_op,
-                (partial, self.residual, self.norm.weight, self.norm.eps, self.group_name,
+                (partial, self.residual, *affine, self.norm.eps, self.group_name,
                  self.norm.out_dtype, self.lowering, workspace_tokens),
             )
             normed = graph.call_function(operator.getitem, (fused, 0))
@@ -320,6 +357,14 @@ class InnerAdd:
     other: Node
     """``add``'s operand that is not this all_reduce's sum"""
     partner: PartnerSum | None = None
+    parallel: PartnerSum | None = None
+    """Another all_reduce's sum that the residual add right after ``add`` adds: ``(S + x) + S_2``
+    (Cohere's attention and MLP run in parallel on one input: ``x`` is the residual stream)."""
+
+    @property
+    def merged(self) -> PartnerSum | None:
+        """The all_reduce whose sum this site's one collective carries, if any."""
+        return self.partner or self.parallel
 
 
 def _replay(graph: Graph, views: list[Node], node: Node) -> Node:
@@ -497,15 +542,32 @@ def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order
         if isinstance(partner, str):
             return RejectedAllReduce(ar, f"the sum is added to another all_reduce's sum, which "
                                          f"cannot share its collective: {partner}")
-        text = (f"{other.name} added to the sum before the residual add: moved onto the residual "
-                f"({other.name} + residual; eager adds it to the sum first, so the rounding order differs)")
+        inner.parallel = _parallel_sum(add, views_to_add, inner.add, ar)
+        if inner.parallel is not None:
+            text = (f"summed with {inner.parallel.all_reduce.name}, which the next add adds (parallel "
+                    f"branches: one all_reduce of the partials' sum, then + {other.name}; eager adds "
+                    "each sum to the stream in turn)")
+        else:
+            text = (f"{other.name} added to the sum before the residual add: moved onto the residual "
+                    f"({other.name} + residual; eager adds it to the sum first, so the rounding order differs)")
     else:
         text = (f"summed with {inner.partner.all_reduce.name} ({other.name}): one all_reduce of the "
                 "partials' sum (eager rounds each sum, then their sum)")
     site = FusedAllReduceRMSNormSite(ar, wait, ar.args[2], views_to_add, add, views_to_norm, norm,
-                                     None if inner.partner else _producer_matmul(ar.args[0]),
+                                     None if inner.merged else _producer_matmul(ar.args[0]),
                                      inner=inner, inner_text=text)
     return _with_scale(site, scale, order)
+
+
+def _parallel_sum(add: Node, views_to_add: list[Node], inner_add: Node, ar: Node) -> PartnerSum | None:
+    """The residual add ``add = (S + x) + S_2`` right after ``inner_add = S + x`` (no views between),
+    with ``S_2`` another all_reduce's sum that can share ``ar``'s collective, as a ``PartnerSum``;
+    else None (``S_2`` is then an ordinary residual)."""
+    if views_to_add:
+        return None
+    residual = add.args[1] if add.args[0] is inner_add else add.args[0]
+    partner = _partner_sum(residual, ar)
+    return partner if isinstance(partner, PartnerSum) else None
 
 
 def _unfit_residual_add(add: Node, summed: Node) -> str | None:
@@ -647,8 +709,8 @@ def find_allreduce_rmsnorm_sites(
             found = _claim(found, claimed)
         if isinstance(found, FusedAllReduceRMSNormSite):
             sites.append(found)
-            if found.inner is not None and found.inner.partner is not None:
-                merged.add(found.inner.partner.all_reduce)
+            if found.inner is not None and found.inner.merged is not None:
+                merged.add(found.inner.merged.all_reduce)
         else:
             rejected.append(found)
     return sites, rejected

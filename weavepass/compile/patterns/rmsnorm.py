@@ -1,4 +1,4 @@
-"""Recognise RMSNorm in a post-grad (aten-level) FX graph.
+"""Recognise RMSNorm and LayerNorm in a post-grad (aten-level) FX graph.
 
 Models emit RMSNorm in several forms; after AOT decomposition they reach the post-grad graph as:
 
@@ -13,8 +13,22 @@ Models emit RMSNorm in several forms; after AOT decomposition they reach the pos
 
 * ``aten.rms_norm`` / ``aten._fused_rms_norm`` when a backend keeps them undecomposed.
 
-``match_rmsnorm(x)`` returns an ``RMSNormMatch`` or a reason string saying why ``x`` does not feed an
-RMSNorm over its last dim. eps is read from the graph, never assumed.
+LayerNorm (``kind == LAYER_NORM``) reaches it as::
+
+      xf = convert(x, f32)?            # upcast, optional
+      var, mean = var_mean(xf, [-1], correction=0, keepdim)      # F.layer_norm's decomposition
+        | mean = mean(xf, [-1], keepdim); var = mean(pow(xf - mean, 2) | d * d, [-1], keepdim)
+                                       # written out (CohereLayerNorm; ``xf - mean`` once or twice)
+      y  = (xf - mean) * rsqrt(var + eps)                        # or / sqrt(var + eps)
+      y  = convert(y, dtype)?          # downcast, optional
+      y  = y * w  |  w * y             # weight, optional
+      y  = y + b  |  b + y             # bias, optional
+      y  = convert(y, dtype)?          # final cast, optional
+
+or as ``aten.native_layer_norm`` / ``aten.layer_norm`` when a backend keeps them undecomposed.
+
+``match_rmsnorm(x)`` returns an ``RMSNormMatch`` (either kind) or a reason string saying why ``x``
+does not feed a norm over its last dim. eps is read from the graph, never assumed.
 """
 
 from __future__ import annotations
@@ -33,7 +47,10 @@ MEAN = {aten.mean.dim}
 ADDS = {aten.add.Tensor, aten.add.Scalar}
 MULS = {aten.mul.Tensor}
 FUSED_RMS_NORMS = {aten.rms_norm.default}
-LAYER_NORMS = {aten.native_layer_norm.default, aten.layer_norm.default, aten.var_mean.correction}
+FUSED_LAYER_NORMS = {aten.native_layer_norm.default, aten.layer_norm.default}
+VAR_MEAN = aten.var_mean.correction
+RMS_NORM, LAYER_NORM = "RMSNorm", "LayerNorm"
+"""``RMSNormMatch.kind``: ``x * rsqrt(mean(x^2) + eps) * w``, or ``(x - mean(x)) * rsqrt(var(x) + eps) * w + b``."""
 if hasattr(aten, "_fused_rms_norm"):
     FUSED_RMS_NORMS.add(aten._fused_rms_norm.default)
 
@@ -86,12 +103,15 @@ def _saved_for_backward(node: Node, output: Node) -> bool:
     return num_forward is not None and bool(positions) and min(positions) >= num_forward
 
 
-def used_also_by(node: Node, user: Node) -> str:
-    """Why ``node`` cannot be folded into a fused op: ``user`` reads it too."""
-    if user.op == "output" and _saved_for_backward(node, user):
-        return (f"training: {node.name} is saved for backward, and the fused op can return only "
-                "the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs (run the model "
-                "under torch.no_grad() or torch.inference_mode() to fuse it)")
+def used_also_by(node: Node, user: Node, kind: str = RMS_NORM) -> str:
+    """Why ``node`` cannot be folded into a fused op: ``user`` reads it too (``kind``: the norm's)."""
+    saved_as = "" if user.op == "output" else f" (as {user.name})"  # one step, e.g. rsqrt / H
+    if (user.op == "output" and _saved_for_backward(node, user)) or (
+            user.users and all(u.op == "output" and _saved_for_backward(user, u) for u in user.users)):
+        returns = ("can return only the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs"
+                   if kind == RMS_NORM else "for a LayerNorm returns only its outputs")
+        return (f"training: {node.name} is saved for backward{saved_as}, and the fused op {returns} (run the "
+                "model under torch.no_grad() or torch.inference_mode() to fuse it)")
     if user.op == "output":
         return f"{node.name} is also used by output (the graph returns it)"
     return f"{node.name} is also used by {user.name}"
@@ -121,7 +141,8 @@ def _other_operand(node: Node, operand: Node):
 
 @dataclass
 class RMSNormMatch:
-    """One RMSNorm: ``output = rmsnorm(input) * weight``, normalised over the last dim."""
+    """One norm over the last dim: ``output = rmsnorm(input) * weight`` (``kind == RMS_NORM``) or
+    ``output = layernorm(input) * weight + bias`` (``kind == LAYER_NORM``; biased variance)."""
 
     input: Node
     output: Node
@@ -133,6 +154,9 @@ class RMSNormMatch:
     # Training: the rsqrt node the graph also returns as saved for backward; the fused op then
     # returns the inverse RMS, and the saved node is replaced by that output.
     saved_inv_rms: Node | None = None
+    kind: str = RMS_NORM
+    bias: Node | None = None
+    """LayerNorm only: the bias added after the weight, ``[H]``, or None."""
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -152,32 +176,38 @@ def _is_last_dim(dims, ndim: int) -> bool:
 
 def _match_fused(x: Node) -> RMSNormMatch | str | None:
     for user in x.users:
-        if not is_target(user, FUSED_RMS_NORMS) or user.args[0] is not x:
+        if not is_target(user, FUSED_RMS_NORMS | FUSED_LAYER_NORMS) or user.args[0] is not x:
             continue
         shape = user.args[1]
         if len(shape) != 1:
             return f"{user.target} normalises over {len(shape)} dims, not only the last"
-        weight = user.args[2] if len(user.args) > 2 else user.kwargs.get("weight")
-        eps = user.args[3] if len(user.args) > 3 else user.kwargs.get("eps")
+        layer = user.target in FUSED_LAYER_NORMS
+        # rms_norm(x, shape, weight, eps); layer_norm(x, shape, weight, bias, eps, ...)
+        names = ("weight", "bias", "eps") if layer else ("weight", "eps")
+        given = {**dict(zip(names, user.args[2:])), **{k: v for k, v in user.kwargs.items() if k in names}}
+        weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps")
         if eps is None:
-            eps = torch.finfo(val(x).dtype).eps
-        output, nodes = user, []
-        if user.target is not aten.rms_norm.default:
-            # _fused_rms_norm returns (out, rstd); only ``out`` may be used.
-            getters = list(user.users)
+            eps = 1e-5 if layer else torch.finfo(val(x).dtype).eps
+        output, nodes = user, [user]
+        if user.target not in (aten.rms_norm.default, aten.layer_norm.default):
+            # _fused_rms_norm returns (out, rstd), native_layer_norm (out, mean, rstd); only
+            # ``out`` may be used (make_fx keeps getitems nobody reads).
+            getters = [g for g in user.users if g.users]
             if any(g.target is not operator.getitem or g.args[1] != 0 for g in getters):
-                saved = [g for g in getters if g.target is operator.getitem and g.args[1] == 1
+                saved = [g for g in getters if g.target is operator.getitem and g.args[1] != 0
                          and any(u.op == "output" and _saved_for_backward(g, u) for u in g.users)]
                 if saved:
-                    return (f"training: the norm's rstd output {saved[0].name} is saved for "
+                    return (f"training: the norm's statistics output {saved[0].name} is saved for "
                             f"backward ({user.target} is not fused in training graphs)")
-                return "the norm's rstd output is used elsewhere"
+                return "the norm's statistics outputs are used elsewhere"
             if len(getters) != 1:
                 return "the norm output is read through several getitems"
-            output, nodes = getters[0], [user]
+            output = getters[0]
+            nodes = [user, *(g for g in user.users if g is not output), output]
         if not isinstance(eps, (int, float)):
             return EPS_NOT_CONSTANT
-        return RMSNormMatch(x, output, weight, float(eps), f"{user.target}", nodes)
+        return RMSNormMatch(x, output, weight, float(eps), f"{user.target}", nodes,
+                            kind=LAYER_NORM if layer else RMS_NORM, bias=bias)
     return None
 
 
@@ -186,37 +216,46 @@ def _match_inv_rms(square: Node, xf: Node, ndim: int) -> tuple[Node, list[Node],
     mean = _sole_user_reason(square, "the squared input", MEAN, "a mean")
     if isinstance(mean, str):
         return mean
-    dims = mean.args[1]
+    unfit = _unfit_last_dim_mean(mean, ndim, "the mean of squares")
+    if unfit is not None:
+        return unfit
+    found = _eps_rsqrt(mean, "the mean of squares")
+    return found if isinstance(found, str) else (found[0], [square, mean, *found[1]], *found[2:])
+
+
+def _unfit_last_dim_mean(mean: Node, ndim: int, what: str) -> str | None:
+    """Why ``mean`` (``aten.mean.dim``) is not a mean over the last dim that keeps it, or None."""
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if not _is_last_dim(dims, ndim):
-        return f"the norm reduces over dims {list(dims)}, not the last dim"
+    if not _is_last_dim(mean.args[1], ndim):
+        return f"the norm reduces over dims {list(mean.args[1])}, not the last dim"
     if not keepdim:
-        return "the mean of squares drops its dim"
-    add_eps = _sole_user_reason(mean, "the mean of squares", ADDS, "an eps add")
+        return f"{what} drops its dim"
+    return None
+
+
+def _eps_rsqrt(var: Node, what: str) -> tuple[Node, list[Node], float, bool] | str:
+    """``rsqrt(var + eps)`` or ``sqrt(var + eps)`` after ``var`` (``what`` names it):
+    ``(rsqrt or sqrt, [add, rsqrt or sqrt], eps, is_rsqrt)``."""
+    add_eps = _sole_user_reason(var, what, ADDS, "an eps add")
     if isinstance(add_eps, str):
         return add_eps
-    eps = _other_operand(add_eps, mean)
+    eps = _other_operand(add_eps, var)
     if not isinstance(eps, (int, float)):
         return EPS_NOT_CONSTANT
-    if add_alpha(add_eps) != 1:  # mean + alpha * eps: refuse rather than guess which eps is meant
+    if add_alpha(add_eps) != 1:  # var + alpha * eps: refuse rather than guess which eps is meant
         return f"the eps add scales eps by alpha={add_alpha(add_eps)}; only mean + eps is matched"
-    rsqrt = _only_user(add_eps, {aten.rsqrt.default})
-    if rsqrt is not None:
-        return rsqrt, [square, mean, add_eps, rsqrt], float(eps), True
-    sqrt = _only_user(add_eps, {aten.sqrt.default})
-    if sqrt is not None:
-        return sqrt, [square, mean, add_eps, sqrt], float(eps), False
-    return "the mean of squares plus eps is not followed by rsqrt or sqrt"
+    for target, is_rsqrt in ((aten.rsqrt.default, True), (aten.sqrt.default, False)):
+        root = _only_user(add_eps, {target})
+        if root is not None:
+            return root, [add_eps, root], float(eps), is_rsqrt
+    return f"{what} plus eps is not followed by rsqrt or sqrt"
 
 
 def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     xv = val(x)
     hidden, ndim = xv.shape[-1], xv.dim()
-    xf, nodes = x, []
-    upcasts = [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
-    if xv.dtype != torch.float32 and upcasts:
-        xf = upcasts[0]
-        nodes.append(xf)
+    xf = _upcast(x)
+    nodes = [xf] if xf is not x else []
 
     squares = [
         u for u in xf.users
@@ -240,22 +279,7 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     scale = scales[0]
     nodes.append(scale)
 
-    out, weight = scale, None
-    down = _only_user(out, CONVERTS)
-    if down is not None:
-        nodes.append(down)
-        out = down
-    mul_w = _only_user(out, MULS)
-    if mul_w is not None:
-        w = _other_operand(mul_w, out)
-        wv = val(w)
-        if wv is not None and list(wv.shape) == [hidden]:
-            weight, out = w, mul_w
-            nodes.append(mul_w)
-            cast = _only_user(out, CONVERTS)
-            if cast is not None:
-                nodes.append(cast)
-                out = cast
+    out, weight, _ = _affine(scale, hidden, nodes, RMS_NORM)
     # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
     inner = set(nodes[:-1])
     if xf is not x and set(xf.users) - {squares[0], scale}:
@@ -272,6 +296,117 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out], saved)
 
 
+def _upcast(x: Node) -> Node:
+    """``x``'s fp32 upcast when it has one and is not fp32 already, else ``x``."""
+    upcasts = [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
+    return upcasts[0] if val(x).dtype != torch.float32 and upcasts else x
+
+
+def _hidden_vector(node, hidden: int) -> bool:
+    v = val(node)
+    return v is not None and list(v.shape) == [hidden]
+
+
+def _affine(out: Node, hidden: int, nodes: list[Node], kind: str) -> tuple[Node, Node | None, Node | None]:
+    """After the normalised ``out``: ``convert? -> (* w)? -> (+ b)? -> convert?`` (a bias only for
+    LayerNorm), each step the previous one's only user; appends the steps to ``nodes``. Returns
+    ``(output, weight, bias)``."""
+    weight = bias = None
+    down = _only_user(out, CONVERTS)
+    if down is not None:
+        nodes.append(down)
+        out = down
+    mul_w = _only_user(out, MULS)
+    if mul_w is not None and _hidden_vector(_other_operand(mul_w, out), hidden):
+        weight, out = _other_operand(mul_w, out), mul_w
+        nodes.append(mul_w)
+    add_b = _only_user(out, {aten.add.Tensor}) if kind == LAYER_NORM else None
+    if add_b is not None and add_alpha(add_b) == 1 and _hidden_vector(_other_operand(add_b, out), hidden):
+        bias, out = _other_operand(add_b, out), add_b
+        nodes.append(add_b)
+    cast = _only_user(out, CONVERTS) if weight is not None or bias is not None else None
+    if cast is not None:
+        nodes.append(cast)
+        out = cast
+    return out, weight, bias
+
+
+def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
+    """The decomposed LayerNorm over the last dim that ``x`` (or its fp32 upcast) feeds, a reason,
+    or None when no mean or ``var_mean`` over the last dim reads it."""
+    xv = val(x)
+    hidden, ndim = xv.shape[-1], xv.dim()
+    xf = _upcast(x)
+    nodes = [xf] if xf is not x else []
+    stats = _layer_norm_stats(xf, ndim)
+    if stats is None:
+        return None
+    if isinstance(stats, str):
+        return stats
+    var, centred, stat_nodes, form = stats
+    inv = _eps_rsqrt(var, "the variance")
+    if isinstance(inv, str):
+        return inv
+    root, inv_nodes, eps, is_rsqrt = inv
+    scales = [u for u in root.users
+              if is_target(u, MULS if is_rsqrt else {aten.div.Tensor})
+              and _other_operand(u, root) in centred and (is_rsqrt or u.args[1] is root)]
+    if not scales:
+        return "the inverse standard deviation does not scale the mean-subtracted input"
+    nodes += [*stat_nodes, *inv_nodes, scales[0]]
+    out, weight, bias = _affine(scales[0], hidden, nodes, LAYER_NORM)
+    # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
+    inner = set(nodes) - {out}
+    for n in (n for n in nodes if n is not out):  # graph order: every rank gives the same reason
+        extra = [u for u in n.users if u not in inner and u is not out]
+        if extra:
+            what = "the upcast norm input" if n is xf else "the norm's intermediate"
+            return f"{what} {used_also_by(n, extra[0], LAYER_NORM)}"
+    form = f"LayerNorm ({form}{'+fp32-upcast' if xf is not x else ''})"
+    return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out],
+                        kind=LAYER_NORM, bias=bias)
+
+
+def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node], str] | str | None:
+    """``(var, centred, nodes, form)``: the biased variance of ``xf`` over the last dim, the
+    ``xf - mean`` nodes (one or two), and the nodes computing them; a reason; or None when nothing
+    takes ``xf``'s mean over the last dim."""
+    for user in xf.users:
+        if is_target(user, {VAR_MEAN}) and user.args[0] is xf:
+            correction = user.kwargs.get("correction")
+            correction = 1 if correction is None else correction  # var_mean's default: unbiased
+            dims = user.args[1] if len(user.args) > 1 else None
+            if dims is None or not _is_last_dim(dims, ndim) or not user.kwargs.get("keepdim", False):
+                return "the norm's var_mean is not over the last dim with keepdim"
+            if correction != 0:
+                return f"the variance has correction={correction}; LayerNorm's is biased (0)"
+            getters = {g.args[1]: g for g in user.users if g.target is operator.getitem}
+            if len(user.users) != 2 or set(getters) != {0, 1}:
+                return "the norm's var_mean outputs are not each read once"
+            var, mean = getters[0], getters[1]
+            centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+            if len(centred) != len(mean.users):
+                other = next(u for u in mean.users if u not in centred)
+                return f"the norm's mean {used_also_by(mean, other, LAYER_NORM)}"
+            return var, centred, [user, var, mean, *centred], "var_mean"
+        if is_target(user, MEAN) and user.args[0] is xf and _unfit_last_dim_mean(user, ndim, "") is None:
+            mean = user
+            centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+            squares = [u for c in centred for u in c.users
+                       if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args == (c, 2))
+                       or (is_target(u, MULS) and u.args == (c, c))]
+            if not squares:  # (a variance may still come from a var_mean)
+                continue
+            var = _sole_user_reason(squares[0], "the squared deviation", MEAN, "a mean")
+            if isinstance(var, str):
+                return var
+            unfit = _unfit_last_dim_mean(var, ndim, "the variance")
+            if unfit is not None:
+                return unfit
+            return var, centred, [mean, *centred, squares[0], var], "decomposed"
+    return None
+
+
 def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype) -> bool:
     """Whether the only use of ``rsqrt`` outside the norm is being saved for backward, in the
     dtype the fused training op returns it in (``accumulation_dtype`` of the norm's input)."""
@@ -285,34 +420,16 @@ def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype
 
 
 def match_rmsnorm(x: Node) -> RMSNormMatch | str:
-    """The RMSNorm over the last dim that ``x`` feeds, or the reason there is none."""
+    """The RMSNorm or LayerNorm over the last dim that ``x`` feeds, or the reason there is none."""
     if val(x) is None:
         return f"{x.name} has no tensor metadata"
-    for matcher in (_match_fused, _match_decomposed):
+    for matcher in (_match_fused, _match_decomposed, _match_layer_norm):
         found = matcher(x)
         if found is not None:
             return found
-    if _feeds_layer_norm(x):
-        return LAYER_NORM_REASON
     first = next(iter(x.users), None)
     used_by = f"{first.target}" if first is not None else "nothing"
-    return f"no RMSNorm consumes the value (first user: {used_by})"
+    return f"{NO_NORM} (first user: {used_by})"
 
 
-LAYER_NORM_REASON = ("a LayerNorm (mean-subtracted) consumes the value, not an RMSNorm; the fused op "
-                     "normalises by the root mean square only")
-
-
-def _feeds_layer_norm(x: Node) -> bool:
-    """``x`` (or its fp32 upcast) feeds a LayerNorm: ``native_layer_norm``, Inductor's
-    ``var_mean`` decomposition, or ``x - mean(x, -1, keepdim)`` written out (Cohere)."""
-    sources = [x] + [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
-    for source in sources:
-        for user in source.users:
-            if is_target(user, LAYER_NORMS) and user.args[0] is source:
-                return True
-            if is_target(user, MEAN) and _is_last_dim(user.args[1], val(source).dim()) and any(
-                is_target(sub, {aten.sub.Tensor}) and sub.args == (source, user) for sub in user.users
-            ):
-                return True
-    return False
+NO_NORM = "no RMSNorm or LayerNorm consumes the value"

@@ -48,7 +48,7 @@ from weavepass.config import WeaveConfig
 from weavepass.ops import FLASHCOMM_SHARD_ROWS, NPU_ADD_RMS_NORM, NPU_ALL_GATHER_MM, NPU_MM_REDUCE_SCATTER
 from weavepass.runtime import symm_mem_matmul, npu
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
-from weavepass.compile.patterns.rmsnorm import is_target, val
+from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
@@ -378,7 +378,7 @@ class _FlashCommRewrite:
         if self.kind == "npu":
             weight_dtype = val(norm.weight).dtype if norm.weight is not None else None
             reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
-                                                         residual is not None)
+                                                         residual is not None, norm.kind == LAYER_NORM)
             if reason is None:
                 fused = self.call(NPU_ADD_RMS_NORM, shard, residual,
                                   norm.weight, norm.eps)
@@ -571,8 +571,8 @@ class FlashCommStrategy(Strategy):
         kind = device_kind(plans[0].site.device)
         flashcomm = _FlashCommRewrite(graph, decision, config, kind)
         for plan in plans:
+            record = records[plan.site.all_reduce.name]  # (before: merging sums renames the all_reduce)
             label, notes = flashcomm.rewrite_site(plan.site)
-            record = records[plan.site.all_reduce.name]
             record.lowering = f"flashcomm:{label}"
             record.reason = "; ".join(notes)
             log.info("weavepass: %s -> FlashComm (%s)", record.node, label)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
+from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
+from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
 from weavepass.replication import insert_checks
@@ -30,7 +31,11 @@ class FuseStrategy(Strategy):
                 log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
             plan.site.lowering = plan.lowering
-            op = FUSED_ALLREDUCE_RMSNORM_TRAIN if plan.site.training else FUSED_ALLREDUCE_RMSNORM
+            op = FUSED_ALLREDUCE_RMSNORM
+            if plan.site.training:
+                op = FUSED_ALLREDUCE_RMSNORM_TRAIN
+            elif plan.site.norm.kind == LAYER_NORM:
+                op = FUSED_ALLREDUCE_LAYERNORM
             rewrite.fused[record.node] = plan.site.replace_with(
                 rewrite.graph, op, rewrite.config.cuda_workspace_tokens)
             record.lowering = plan.lowering

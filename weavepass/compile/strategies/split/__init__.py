@@ -44,7 +44,7 @@ from torch.fx import Graph, Node
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import plan_split, too_few_tokens_reason
 from weavepass.config import WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
+from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM
 from weavepass.report import GraphReport
 
 from .analysis import analyse
@@ -74,6 +74,10 @@ def apply_token_split(
         log.info("weavepass: token split skipped: %s", reason)
         return False
 
+    layer_norms = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_LAYERNORM]
+    if layer_norms:  # (only the portable lowering fuses them, and the split pays off on CUDA only)
+        return skip(f"{len(layer_norms)} LayerNorm site(s): the split's async op "
+                    "(weave.fused_allreduce_rmsnorm_async) carries RMSNorm sites only")
     fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
     if len(fused_nodes) < 2:
         return skip(f"{len(fused_nodes)} fused site(s): no compute between sites to overlap with")
