@@ -9,7 +9,8 @@ Shapes (``--shape``, several at once; per-rank widths, heads of 128):
     70b_tp8sim  the widths of 70b_tp8, named for the runs at --world 2 (70B's per-rank compute at
                 TP=8 with the all_reduce of 2 GPUs), meant to predict 70b_tp8 at --world 8
     8b_tp2      hidden 4096, 16 q / 4 kv heads, MLP  7168
-    8b_tp8sim   hidden 4096,  4 q / 1 kv heads, MLP  1792
+    8b_tp8      hidden 4096,  4 q / 1 kv heads, MLP  1792  (8B at TP=8: real at --world 8)
+    8b_tp8sim   the widths of 8b_tp8, named for the runs at --world 2
     tiny        hidden 64, 4 q / 2 kv heads of 16, MLP 128  (``--smoke`` only)
 
 The widths are per rank whatever ``--world`` is: a preset of TP=t run at another world size keeps
@@ -104,11 +105,12 @@ SHAPES = {
     "70b_tp4": Shape(8192, 16, 2, 7168, tp=4),
     "70b_tp8": Shape(8192, 8, 1, 3584, tp=8),
     "8b_tp2": Shape(4096, 16, 4, 7168, tp=2),
-    "8b_tp8sim": Shape(4096, 4, 1, 1792, tp=8),
+    "8b_tp8": Shape(4096, 4, 1, 1792, tp=8),
     "tiny": Shape(64, 4, 2, 128, head_dim=16),
 }
-# Same widths, the name the 2-GPU tables carry (run at --world 2 to predict TP=8).
+# Same widths, the names the 2-GPU tables carry (run at --world 2 to predict TP=8).
 SHAPES["70b_tp8sim"] = SHAPES["70b_tp8"]
+SHAPES["8b_tp8sim"] = SHAPES["8b_tp8"]
 VOCAB_PER_RANK = 4096
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_auto", "no_comm",
             "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "inductor_nccl_symm",
