@@ -34,7 +34,7 @@ import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from report import pyplot, save_figure, world_name, write_csv  # noqa: E402  (benchmarks/report.py)
+from report import pyplot, save_figure, world_name, world_size, write_csv  # noqa: E402  (benchmarks/report.py)
 from timing import progress_bar, times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from weavepass import WeaveConfig, make_backend  # noqa: E402
@@ -84,7 +84,7 @@ def _bench(rank, world, tokens_list, modes, warmup, iters):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--world", type=int, default=2, help="ranks (TP degree), one GPU each; divides 8")
+    parser.add_argument("--world", type=world_size, default=2, help="ranks (TP degree), one GPU each; divides 8")
     parser.add_argument("--name", default=None,
                         help="file name of the CSV and PNG, without suffix (default bench_flashcomm, "
                              "with _tpN when --world is not 2)")
@@ -93,8 +93,6 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     args = parser.parse_args()
     world = args.world
-    if world < 2:
-        parser.error("--world must be at least 2 (FlashComm shards the tokens over the ranks)")
     try:
         LLAMA70B.check_world_size(world)
     except ValueError as err:

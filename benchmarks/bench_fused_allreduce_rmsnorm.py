@@ -63,7 +63,7 @@ import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from report import pyplot, save_figure, world_name, write_csv  # noqa: E402  (benchmarks/report.py)
+from report import pyplot, save_figure, world_name, world_size, write_csv  # noqa: E402  (benchmarks/report.py)
 from timing import progress_bar  # noqa: E402  (benchmarks/timing.py)
 from weavepass.testing.distributed import spawn  # noqa: E402
 
@@ -471,7 +471,7 @@ def _nccl_symm_rows(world, hiddens, tokens, replays, timeout_s) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="folder for the CSV and the PNG")
-    parser.add_argument("--world", type=int, default=2, help="ranks, one GPU each (default 2)")
+    parser.add_argument("--world", type=world_size, default=2, help="ranks, one GPU each (default 2)")
     parser.add_argument("--name", default=None,
                         help="file name of the CSV and PNG, without suffix (default "
                              "bench_fused_allreduce_rmsnorm, with _tpN when --world is not 2)")
@@ -495,8 +495,6 @@ def main():
                         help="tiles per chunk of the pipelined kernel to time at 16 and 32 CTAs")
     parser.add_argument("--no-nccl-symm", action="store_true", help="skip the NCCL symmetric-window baselines")
     args = parser.parse_args()
-    if args.world < 2:
-        parser.error("--world must be at least 2 (an all-reduce needs peers)")
     world = args.world
     if not args.smoke and torch.cuda.device_count() < world:
         parser.error(f"--world {world} needs {world} GPUs, found {torch.cuda.device_count()} (or --smoke)")

@@ -43,6 +43,14 @@ def save_figure(fig, path: str | Path, dpi: int = 110, **savefig) -> Path:
     return Path(path)
 
 
+def world_size(text: str) -> int:
+    """``--world`` of every benchmark: ranks, one GPU each; at least 2 (an all-reduce needs peers)."""
+    world = int(text)
+    if world < 2:
+        raise argparse.ArgumentTypeError(f"--world must be at least 2 (an all-reduce needs peers), got {world}")
+    return world
+
+
 def world_name(stem: str, world: int) -> str:
     """File name (no suffix) of a benchmark's output at ``world`` ranks: ``stem`` at 2, the world of
     every table measured before the 4- and 8-GPU machines, else ``stem_tpN``, so TP=4 and TP=8
@@ -58,7 +66,7 @@ def model_bench_parser(doc: str, name: str, quick_help: str, shape_choices, shap
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape on --world CPU processes (gloo), wall-clock timed: checks the script runs")
-    parser.add_argument("--world", type=int, default=2, help="ranks, one GPU each (default 2)")
+    parser.add_argument("--world", type=world_size, default=2, help="ranks, one GPU each (default 2)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
     parser.add_argument("--name", default=None,
                         help=f"file name of the CSV and PNG, without suffix (default {name}, with _tpN when "
