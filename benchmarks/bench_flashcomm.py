@@ -74,6 +74,8 @@ def _bench(rank, world, tokens_list, modes, warmup, iters):
         lowerings = sorted({r.lowering for r in backend.report.records}) if backend else []
         rows.append({"world": world, "tokens": tokens, "mode": mode, "median_ms": statistics.median(times),
                      "min_ms": min(times), "lowerings": " ".join(lowerings)})
+        if rank == 0:  # in the log as it comes, should a time limit stop the run before the table
+            print(f"row: {rows[-1]}", flush=True)
         if progress is not None:
             progress.update()
     if progress is not None:

@@ -385,6 +385,8 @@ def _bench_rank(
         for name, (ms, ctas) in results.items():
             rows.append({"hidden": hidden, "tokens": tokens, "method": name, "ctas": ctas, "ms": ms,
                          "bytes": size_bytes})
+            if rank == 0:  # in the log as it comes, should a time limit stop the run before the table
+                print(f"row: {rows[-1]}", flush=True)
         del nccl_buf, partial, residual
         torch.cuda.empty_cache()
         if progress is not None:
