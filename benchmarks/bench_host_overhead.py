@@ -20,7 +20,8 @@ for these ways of running all_reduce + add + RMSNorm:
 
 ``--world 1`` runs on one GPU: the kernel then has no peers (add + RMSNorm), but the host side is the
 same code, so the host column is the real one. Ranks are aligned with a barrier before each loop. Output: a table on stdout and
-``<out>/bench_host_overhead.csv`` (``_tpN`` when ``--world`` is not 2). Run: ``python3 benchmarks/bench_host_overhead.py``.
+``<out>/bench_host_overhead.csv`` (``_tpN`` when ``--world`` is not 2).
+Run: ``python3 benchmarks/bench_host_overhead.py``.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ and no_comm, also for the ``_cg`` variants.
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
 the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` (with a ``world`` column)
-and ``<out>/bench_overlap.png`` (``bench_overlap_tpN.*`` when ``--world`` is not 2) (latency normalised to ``inductor``, like TokenWeave's Figure 11; one
-row of panels per shape).
+and ``<out>/bench_overlap.png`` (``bench_overlap_tpN.*`` when ``--world`` is not 2; latency
+normalised to ``inductor``, like TokenWeave's Figure 11; one row of panels per shape).
 
 Compiled variants mark the token dim dynamic, so each compiles once per shape and layout (the
 split point is computed at run time; docs/overlap.md); everything runs in one spawn, so compile

@@ -102,9 +102,17 @@ def test_auto_split_at_70b_widths_is_free_and_balanced(tp):
 # --- the rewrite on every rank of a fake group -----------------------------------------------------
 
 CUDA_SYMM = WeaveConfig(lowering="cuda_symm")
-CONFIGS = {"fuse": WeaveConfig(), "split": WeaveConfig(overlap="force"), "flashcomm": WeaveConfig(**FLASHCOMM),
-           "cuda_symm": CUDA_SYMM}
 TOKENS = 40
+CONFIGS = {
+    "fuse": WeaveConfig(),
+    "split": WeaveConfig(overlap="force"),
+    # overlap="auto" with the 40 tokens inside its window, and below it (fuse-only, the reason said)
+    "auto_split": WeaveConfig(overlap="auto", overlap_min_tokens=32, overlap_min_tokens_moe=32, overlap_max_tokens=64),
+    "auto_below": WeaveConfig(overlap="auto", overlap_min_tokens=48, overlap_min_tokens_moe=48, overlap_max_tokens=64),
+    "flashcomm": WeaveConfig(**FLASHCOMM),
+    "cuda_symm": CUDA_SYMM,
+}
+SPLITS = {"split", "auto_split"}
 
 
 def _lines(world: int, rank: int, config: WeaveConfig, tokens: int = TOKENS) -> list[tuple[str, str]]:
@@ -118,11 +126,11 @@ def _lines(world: int, rank: int, config: WeaveConfig, tokens: int = TOKENS) -> 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("world", (4, 8))
 def test_every_rank_rewrites_the_same_way(monkeypatch, world, name):
-    """Fuse, split, FlashComm and the CUDA lowering (its availability check stubbed: no GPU here)
-    on all ranks of 4 and 8: every rank publishes the same collectives and the cross-rank check
-    passes. What the world changes is only FlashComm's shard (tokens padded to a multiple of
-    ``16 * N``, ``padded / N`` rows per rank) and the group size in its collectives; the fused and
-    split graphs are those of 2 ranks."""
+    """Fuse, split (forced, and ``auto`` inside and below its window), FlashComm and the CUDA
+    lowering (its availability check stubbed: no GPU here) on all ranks of 4 and 8: every rank
+    publishes the same collectives and the cross-rank check passes. What the world changes is only
+    FlashComm's shard (tokens padded to a multiple of ``16 * N``, ``padded / N`` rows per rank) and
+    the group size in its collectives; the fused and split graphs are those of 2 ranks."""
     monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site: None)
     config = CONFIGS[name]
     lines = [_lines(world, rank, config) for rank in range(world)]
@@ -139,7 +147,7 @@ def test_every_rank_rewrites_the_same_way(monkeypatch, world, name):
         assert lines[0] == _lines(2, 0, config)  # the world enters only through FlashComm's shard
         lowering = "'cuda_symm'" if config is CUDA_SYMM else "'portable'"
         assert all(op.startswith("weave.fused_allreduce_rmsnorm") and lowering in op for op in ops), ops
-        assert len(ops) == (4 if name == "split" else 2)  # two sites, each in two halves when split
+        assert len(ops) == (4 if name in SPLITS else 2)  # two sites, each in two halves when split
 
 
 def test_a_rank_that_splits_differently_is_named_at_world_8(monkeypatch):
