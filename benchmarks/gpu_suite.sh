@@ -26,6 +26,9 @@
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
+# A session has 30 minutes of device time in all: the four WORLD=8 calls may not leave room for
+# the WORLD=4 ones (WORLD=4 STEPS=fused,overlap --quick then shares one call, limits 540 + 540 s,
+# or goes to a later session).
 # At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
 # range; --quick: 1 8 128 1024 4096 16384 and 16 / 32 CTAs).
 #
@@ -59,8 +62,8 @@
 #   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
 #   call 4: STEPS=overlap2 --quick
 # With only two calls, run 1 and 2: they cover issues 11 and 15 and the NCCL-symmetric variants of
-# issue 18 inside the models. Rows of bench_overlap / bench_decode are also printed to the log as
-# they are measured, so a step stopped by its limit still leaves its numbers in suite.log.
+# issue 18 inside the models. Rows of every benchmark but bench_host_overhead are also printed to the
+# log as they are measured, so a step stopped by its limit still leaves its numbers in the log.
 # Each step is bounded by its own timeout (env *_TIMEOUT_S); a failing step is reported and the
 # suite goes on (the exit status says if any failed). Add a step with one `step NAME SECONDS
 # command...` line below and its name in ALL_STEPS.
