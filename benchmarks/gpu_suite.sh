@@ -26,9 +26,8 @@
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
-# A session has 30 minutes of device time in all: the four WORLD=8 calls may not leave room for
-# the WORLD=4 ones (WORLD=4 STEPS=fused,overlap --quick then shares one call, limits 540 + 540 s,
-# or goes to a later session).
+# A session has 30 minutes of device time in all (10 per call): the four WORLD=8 calls may leave
+# no room for the three WORLD=4 ones, which then go to a later session.
 # At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
 # range; --quick: 1 8 128 1024 4096 16384 and 16 / 32 CTAs).
 #
