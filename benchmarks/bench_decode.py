@@ -1,4 +1,5 @@
-"""Decode-step benchmark: one step of a 16-layer TP decoder with a static KV cache, two GPUs, bf16.
+"""Decode-step benchmark: one step of a 16-layer TP decoder with a static KV cache, N GPUs
+(``--world``, default 2), bf16.
 
 The model is the reference decoder (``weavepass.testing.models``) with per-rank widths from
 ``bench_overlap.SHAPES`` (default ``8b_tp2`` and ``70b_tp8sim``) and a static KV cache
@@ -28,9 +29,9 @@ Batches are static (``dynamic=False``): one compile per variant and batch size, 
 CUDA-event-timed steps (rank 0's). Output: a table (ms and the ratio to Inductor in the same
 mode), ``<out>/bench_decode.csv`` (with ``sites_fused``: fused / all all_reduce sites of each weave
 variant's graph, from its report; the reasons for kept sites are printed) and
-``<out>/bench_decode.png``.
+``<out>/bench_decode.png`` (``bench_decode_tpN.*`` when ``--world`` is not 2).
 ``--quick``: batches 1, 32, 256 and fewer iterations. ``--smoke``: the ``tiny`` shape, 2 layers,
-on 2 CPU processes (gloo), wall-clock timed, CUDA-only variants skipped with the reason.
+on ``--world`` CPU processes (gloo), wall-clock timed, CUDA-only variants skipped with the reason.
 Run: ``python3 benchmarks/bench_decode.py --quick --shape 8b_tp2``.
 NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABLE=0 and friends).
 """
@@ -44,7 +45,7 @@ import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sy
 import torch
 import torch.distributed as dist
 from bench_overlap import SHAPES, VOCAB_PER_RANK, build_model  # benchmarks/bench_overlap.py
-from report import model_bench_parser, parse_variants, pyplot, save_figure, write_csv  # benchmarks/report.py
+from report import model_bench_parser, parse_variants, pyplot, save_figure, world_name, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "inductor_nccl_symm")
@@ -141,7 +142,7 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                         if rank == 0:
                             print(f"{shape_name} {variant} batch {batch}: sites fused {sites}"
                                   + (f"; kept because: {'; '.join(kept)}" if kept else ""), flush=True)
-                    rows.append({"shape": shape_name, "variant": variant, "batch": batch,
+                    rows.append({"shape": shape_name, "world": world, "variant": variant, "batch": batch,
                                  "context": context, "ms": ms, "sites_fused": sites})
                     if rank == 0:  # in the log as it comes, should a time limit stop the run
                         print(f"row: {rows[-1]}", flush=True)
@@ -164,7 +165,7 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_decode")
     for r in rows:
         ref = by_key.get((r["shape"], BASELINE.get(r["variant"], "inductor"), r["batch"]))
         r["vs_inductor_same_mode"] = round(r["ms"] / ref, 4) if ref else ""
-    csv_path = write_csv(out / f"{name}.csv", rows, ["shape", "variant", "batch", "context", "ms",
+    csv_path = write_csv(out / f"{name}.csv", rows, ["shape", "world", "variant", "batch", "context", "ms",
                                                      "vs_inductor_same_mode", "sites_fused"])
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = sorted({(r["shape"], r["batch"]) for r in rows})
@@ -210,8 +211,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
     args = parser.parse_args()
     variants = parse_variants(parser, args, VARIANTS)
-    if not args.smoke and torch.cuda.device_count() < 2:
-        raise SystemExit("bench_decode needs 2 GPUs (or --smoke)")
+    if not args.smoke and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"bench_decode --world {args.world} needs {args.world} GPUs (or --smoke)")
     from weavepass.testing import spawn
 
     if args.smoke:
@@ -230,8 +231,8 @@ def main() -> None:
         "warmup": warmup,
         "iters": iters,
     }
-    rows = spawn(_run_rank, 2, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
-    report(rows, Path(args.out), config["layers"], args.name)
+    rows = spawn(_run_rank, args.world, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
+    report(rows, Path(args.out), config["layers"], args.name or world_name("bench_decode", args.world))
 
 
 if __name__ == "__main__":

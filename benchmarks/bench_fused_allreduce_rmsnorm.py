@@ -1,4 +1,5 @@
-"""all_reduce + residual add + RMSNorm on 2 GPUs (one process per GPU), hidden 8192 and 4096, bf16.
+"""all_reduce + residual add + RMSNorm on N GPUs (``--world``, default 2; one process per GPU),
+hidden 8192 and 4096, bf16.
 
 Compared in the same run, per hidden size (``--hidden``) and token count:
 
@@ -25,20 +26,28 @@ Compared in the same run, per hidden size (``--hidden``) and token count:
   ``weave_flat_ctaN`` the flat (barrier-per-phase) two-shot kernel and ``weave_pipe_ctaN`` the
   chunk-pipelined one, N CTAs forced (``--compare-kernels``); ``weave_pipe_cC_ctaN`` the pipelined
   kernel with C tiles per chunk (``--chunk-variants``);
-* ``p2p_bound``: a kernel that only stores ``2 (N-1)/N * S`` bytes into the peer's symmetric buffer
-  (best of several CTA counts, both ranks at once): the time any all-reduce of ``S`` bytes needs at the
-  measured link bandwidth, the lower bound ("(d)").
+* ``p2p_bound``: a kernel that only stores ``2 (N-1)/N * S`` bytes into the peers' symmetric buffers,
+  ``2 S / N`` into each of the ``N - 1`` peers at once (the traffic of a two-shot all-reduce: S/N to
+  every peer in the reduce-scatter and again in the all-gather), every rank at once, best of several
+  CTA counts (``p2p_store_ctaN``: N CTAs in all, split evenly over the peers): the time any
+  all-reduce of ``S`` bytes needs at the measured link bandwidth, the lower bound ("(d)"). At N = 2
+  it is the one-peer store of the 2-GPU tables.
 
 Timing: each op is captured ``k`` times into a CUDA graph (so host launch cost is not measured) and the
 graph is replayed with CUDA events around each replay; the median per op is reported. Every rank runs
 the same fixed number of replays: ``triton.testing.do_bench`` picks its repeat count from a local
 estimate, which can differ between ranks and would deadlock the cross-rank barriers.
 
-Writes ``bench_fused_allreduce_rmsnorm.csv`` and ``.png`` under ``--out`` and prints a table with the
-median ms, algorithm bandwidth (S / time), the ratio to ``nccl``, to the fastest baseline (every
-method not named ``weave*`` or ``p2p*``) and the multiple of ``p2p_bound``.
+Token counts need not be multiples of N: the reduce-scatter baselines skip those sizes (their
+collectives need equal shards), every other method runs them (weave pads internally; 1 token on 8
+ranks leaves 7 ranks owning no row in two-shot).
 
-``--smoke`` runs ``nccl`` and ``nccl_rs_ag`` on 2 CPU processes (gloo, fp32, hidden 64, wall-clock
+Writes ``bench_fused_allreduce_rmsnorm.csv`` and ``.png`` under ``--out`` (``..._tpN`` when N is not
+2, ``report.world_name``; ``--name`` sets the stem) and prints a table with the world, median ms,
+algorithm bandwidth (S / time), the ratio to ``nccl``, to the fastest baseline (every method not named
+``weave*`` or ``p2p*``) and the multiple of ``p2p_bound``; the CSV has a ``world`` column.
+
+``--smoke`` runs ``nccl`` and ``nccl_rs_ag`` on N CPU processes (gloo, fp32, hidden 64, wall-clock
 timed, no CUDA graphs) and prints why every other method is skipped: it checks the script, not the
 speed.
 """
@@ -54,7 +63,7 @@ import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from report import pyplot, save_figure, write_csv  # noqa: E402  (benchmarks/report.py)
+from report import pyplot, save_figure, world_name, world_size, write_csv  # noqa: E402  (benchmarks/report.py)
 from timing import progress_bar  # noqa: E402  (benchmarks/timing.py)
 from weavepass.testing.distributed import spawn  # noqa: E402
 
@@ -76,20 +85,43 @@ FORCED_ONE_SHOT_MAX_TOKENS = 8192
 def _peer_store_kernel_fn(
     src_ptr,  # local buffer, n elements
     dst_ptr,  # local view of the symmetric buffer
-    peer_delta,  # peer's address of the symmetric buffer - local one, in elements
-    n,  # elements to move
+    deltas_ptr,  # int64 [peers]: where peer p's copy goes - dst_ptr, in elements (peer_store_deltas)
+    n,  # elements to move to each peer
     BLOCK: tl.constexpr,
 ):
-    """Grid-stride copy of local memory into the peer's symmetric buffer: stores only, 16-byte vectors."""
+    """Grid-stride copy of local memory into every peer's symmetric buffer at once (program column
+    ``program_id(1)`` serves one peer): stores only, 16-byte vectors."""
     pid = tl.program_id(0)
+    delta = tl.load(deltas_ptr + tl.program_id(1))
     step = tl.num_programs(0) * BLOCK
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(dst_ptr + peer_delta + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+        tl.store(dst_ptr + delta + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
 _peer_store_kernel = triton.jit(_peer_store_kernel_fn) if triton is not None else None
+
+
+def peer_store_deltas(buffer_ptrs: list[int], rank: int, per_peer: int, element_size: int) -> list[int]:
+    """For each peer of ``rank`` (in rank order), the offset in elements from ``rank``'s view of the
+    symmetric buffer to where its ``per_peer`` elements land in that peer's buffer. Each sender gets
+    its own slot ``(rank - peer) mod N - 1`` of the receiver, so the N - 1 senders into one buffer
+    never overlap: the buffer needs ``(N - 1) * per_peer`` elements."""
+    world = len(buffer_ptrs)
+    deltas = []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        slot = (rank - peer) % world - 1
+        deltas.append((buffer_ptrs[peer] - buffer_ptrs[rank]) // element_size + slot * per_peer)
+    return deltas
+
+
+def bound_grid(ctas: int, world: int) -> tuple[int, int]:
+    """The peer-store grid for ``ctas`` CTAs in all: as many per peer, at least one, on N - 1 peers."""
+    peers = world - 1
+    return max(1, ctas // peers), peers
 
 
 def _time_op(op, calls_per_graph: int, replays: int) -> float:
@@ -254,10 +286,10 @@ def _bench_rank(
     if rank == 0:
         progress = progress_bar(len(tokens_list) * len(hiddens), "cases")
 
-    scratch = symm_mem.empty(max_tokens * max(hiddens), dtype=DTYPE, device="cuda")
+    # Twice the largest batch: the bound's N - 1 senders write 2 S / N elements each into every buffer.
+    scratch = symm_mem.empty(2 * max_tokens * max(hiddens), dtype=DTYPE, device="cuda")
     scratch_handle = symm_mem.rendezvous(scratch, group)
-    peer = (rank + 1) % world
-    peer_delta = (scratch_handle.buffer_ptrs[peer] - scratch_handle.buffer_ptrs[rank]) // scratch.element_size()
+    buffer_ptrs = list(scratch_handle.buffer_ptrs)
 
     for hidden, tokens in [(h, t) for h in hiddens for t in tokens_list]:
         partial, residual, weight = _inputs(tokens, hidden, rank, "cuda", DTYPE)
@@ -326,19 +358,23 @@ def _bench_rank(
                 op = weave(ctas, tile_elements=tile, num_warps=warps)
                 results[name] = (_time_op(op, calls, replays), ctas)
 
-        move = 2 * (world - 1) * tokens * hidden // world
+        # 2 S / N elements to each peer (2 (N-1)/N S in all), read from the partial (S >= 2 S / N elements).
+        per_peer = -(-2 * tokens * hidden // world)
+        deltas = torch.tensor(peer_store_deltas(buffer_ptrs, rank, per_peer, scratch.element_size()),
+                              dtype=torch.int64, device="cuda")
         best = None
         for ctas in BOUND_CTAS:
             def copy(ctas=ctas):
-                _peer_store_kernel[(ctas,)](partial, scratch, peer_delta, move, BLOCK=8192, num_warps=8)
+                _peer_store_kernel[bound_grid(ctas, world)](partial, scratch, deltas, per_peer, BLOCK=8192,
+                                                            num_warps=8)
 
             ms = _time_op(copy, calls, replays)
             results[f"p2p_store_cta{ctas}"] = (ms, ctas)
             best = ms if best is None else min(best, ms)
         for ctas, block, warps in ((16, 32768, 16), (32, 32768, 16)):  # more bytes in flight per CTA
             def copy(ctas=ctas, block=block, warps=warps):
-                _peer_store_kernel[(ctas,)](
-                    partial, scratch, peer_delta, move, BLOCK=block, num_warps=warps
+                _peer_store_kernel[bound_grid(ctas, world)](
+                    partial, scratch, deltas, per_peer, BLOCK=block, num_warps=warps
                 )
 
             ms = _time_op(copy, calls, replays)
@@ -349,6 +385,8 @@ def _bench_rank(
         for name, (ms, ctas) in results.items():
             rows.append({"hidden": hidden, "tokens": tokens, "method": name, "ctas": ctas, "ms": ms,
                          "bytes": size_bytes})
+            if rank == 0:  # in the log as it comes, should a time limit stop the run before the table
+                print(f"row: {rows[-1]}", flush=True)
         del nccl_buf, partial, residual
         torch.cuda.empty_cache()
         if progress is not None:
@@ -385,17 +423,18 @@ def _annotate(rows):
 
 
 def _print_table(rows):
-    print(f"{'hidden':>6} {'tokens':>6} {'method':<22} {'ctas':>4} {'median ms':>10} {'GB/s':>7} {'/nccl':>6} "
-          f"{'/best':>6} {'/bound':>6}  best baseline")
+    print(f"{'world':>5} {'hidden':>6} {'tokens':>6} {'method':<22} {'ctas':>4} {'median ms':>10} {'GB/s':>7} "
+          f"{'/nccl':>6} {'/best':>6} {'/bound':>6}  best baseline")
     for r in sorted(rows, key=lambda r: (-r["hidden"], r["tokens"])):
         ctas = "" if r["ctas"] is None else r["ctas"]
         print(
-            f"{r['hidden']:>6} {r['tokens']:>6} {r['method']:<22} {ctas:>4} {r['ms']:>10.4f} {r['gbps']:>7.1f} "
+            f"{r['world']:>5} {r['hidden']:>6} {r['tokens']:>6} {r['method']:<22} {ctas:>4} {r['ms']:>10.4f} "
+            f"{r['gbps']:>7.1f} "
             f"{r['vs_nccl']:>6.2f} {r['vs_best_baseline']:>6.2f} {r['vs_bound']:>6.2f}  {r['best_baseline']}"
         )
 
 
-def _plot(rows, path) -> None:
+def _plot(rows, path, world: int) -> None:
     """The PNG, one panel per hidden size (none where matplotlib is missing)."""
     plt = pyplot()
     if plt is None:
@@ -413,16 +452,16 @@ def _plot(rows, path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel(f"tokens (hidden {hidden}, bf16)")
         ax.set_ylabel("median ms per call")
-        ax.set_title(f"all_reduce + add + RMSNorm, hidden {hidden}, 2 x H200")
+        ax.set_title(f"all_reduce + add + RMSNorm, hidden {hidden}, {world} x H200")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, path, bbox_inches="tight")
 
 
-def _nccl_symm_rows(hiddens, tokens, replays, timeout_s) -> list[dict]:
+def _nccl_symm_rows(world, hiddens, tokens, replays, timeout_s) -> list[dict]:
     """The NCCL-symmetric baselines from their own spawn; on any failure, say what and go on."""
     try:
-        rows, notes = spawn(_nccl_symm_rank, 2, "nccl", hiddens, tokens, replays, timeout_s=timeout_s)[0]
+        rows, notes = spawn(_nccl_symm_rank, world, "nccl", hiddens, tokens, replays, timeout_s=timeout_s)[0]
     except Exception as err:  # e.g. an NCCL error that killed the ranks
         print(f"nccl_symm baselines failed, carrying on without them:\n{err}", flush=True)
         return []
@@ -434,8 +473,12 @@ def _nccl_symm_rows(hiddens, tokens, replays, timeout_s) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="folder for the CSV and the PNG")
+    parser.add_argument("--world", type=world_size, default=2, help="ranks, one GPU each (default 2)")
+    parser.add_argument("--name", default=None,
+                        help="file name of the CSV and PNG, without suffix (default "
+                             "bench_fused_allreduce_rmsnorm, with _tpN when --world is not 2)")
     parser.add_argument("--smoke", action="store_true",
-                        help="2 CPU processes (gloo): the NCCL-style baselines only, to check the script runs")
+                        help="--world CPU processes (gloo): the NCCL-style baselines only, to check the script runs")
     parser.add_argument("--hidden", type=int, nargs="+", default=None,
                         help=f"hidden sizes (default {' '.join(map(str, HIDDENS))}; 64 with --smoke)")
     parser.add_argument("--tokens", type=int, nargs="*", default=None,
@@ -454,25 +497,29 @@ def main():
                         help="tiles per chunk of the pipelined kernel to time at 16 and 32 CTAs")
     parser.add_argument("--no-nccl-symm", action="store_true", help="skip the NCCL symmetric-window baselines")
     args = parser.parse_args()
+    world = args.world
+    if not args.smoke and torch.cuda.device_count() < world:
+        parser.error(f"--world {world} needs {world} GPUs, found {torch.cuda.device_count()} (or --smoke)")
     os.makedirs(args.out, exist_ok=True)
 
     if args.smoke:
         hiddens, tokens = args.hidden or [64], args.tokens or [1, 8]
         for method in ("nccl_symm", "nccl_symm_rs_ag", "symm_two_shot", "symm_one_shot", "weave*", "p2p*"):
             print(f"{method} skipped on the CPU: needs CUDA (NCCL windows, symmetric memory or Triton)")
-        rows = spawn(_smoke_rank, 2, "gloo", hiddens, tokens, 3, timeout_s=args.timeout_s)[0]
+        rows = spawn(_smoke_rank, world, "gloo", hiddens, tokens, 3, timeout_s=args.timeout_s)[0]
     else:
         hiddens, tokens = args.hidden or list(HIDDENS), args.tokens or list(TOKENS)
-        rows = [] if args.no_nccl_symm else _nccl_symm_rows(hiddens, tokens, args.replays, args.timeout_s)
+        rows = [] if args.no_nccl_symm else _nccl_symm_rows(world, hiddens, tokens, args.replays, args.timeout_s)
         tiles = [tuple(int(x) for x in v.split(":")) for v in args.tile_variants]
         rows += spawn(
-            _bench_rank, 2, "nccl", hiddens, tokens, args.replays, tiles, tuple(args.ctas),
+            _bench_rank, world, "nccl", hiddens, tokens, args.replays, tiles, tuple(args.ctas),
             args.compare_kernels, tuple(args.chunk_variants), timeout_s=args.timeout_s,
         )[0]
-    rows = _annotate(rows)
+    rows = _annotate([{"world": world, **r} for r in rows])
     _print_table(rows)
-    print(f"wrote {write_csv(os.path.join(args.out, 'bench_fused_allreduce_rmsnorm.csv'), rows)}")
-    _plot(rows, os.path.join(args.out, "bench_fused_allreduce_rmsnorm.png"))
+    name = args.name or world_name("bench_fused_allreduce_rmsnorm", world)
+    print(f"wrote {write_csv(os.path.join(args.out, f'{name}.csv'), rows)}")
+    _plot(rows, os.path.join(args.out, f"{name}.png"), world)
 
 
 if __name__ == "__main__":

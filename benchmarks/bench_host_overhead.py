@@ -20,7 +20,8 @@ for these ways of running all_reduce + add + RMSNorm:
 
 ``--world 1`` runs on one GPU: the kernel then has no peers (add + RMSNorm), but the host side is the
 same code, so the host column is the real one. Ranks are aligned with a barrier before each loop. Output: a table on stdout and
-``<out>/bench_host_overhead.csv``. Run: ``python3 benchmarks/bench_host_overhead.py``.
+``<out>/bench_host_overhead.csv`` (``_tpN`` when ``--world`` is not 2).
+Run: ``python3 benchmarks/bench_host_overhead.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
-from report import write_csv  # benchmarks/report.py
+from report import world_name, write_csv  # benchmarks/report.py
 
 WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op")
 
@@ -158,7 +159,7 @@ def main() -> None:
     rows = spawn(_run_rank, args.world, "nccl", config, timeout_s=600.0)[0]
     for row in rows:
         row["world"] = args.world
-    csv_path = write_csv(Path(args.out) / "bench_host_overhead.csv", rows)
+    csv_path = write_csv(Path(args.out) / f"{world_name('bench_host_overhead', args.world)}.csv", rows)
     print(f"{'way':>14} {'tokens':>6} {'host us/call':>13} {'GPU us/call':>12}  bound")
     for r in rows:
         bound = "host" if r["host_bound"] else "GPU"

@@ -1,13 +1,22 @@
-"""TokenWeave overlap benchmark: 4 decoder layers at per-rank Llama-3 widths, bf16, two GPUs.
+"""TokenWeave overlap benchmark: 4 decoder layers at per-rank Llama-3 widths, bf16, N GPUs
+(``--world``, default 2).
 
 Shapes (``--shape``, several at once; per-rank widths, heads of 128):
 
     70b_tp2     hidden 8192, 32 q / 4 kv heads, MLP 14336  (Llama-3-70B split over 2 GPUs)
-    70b_tp8sim  hidden 8192,  8 q / 1 kv heads, MLP  3584  (70B's per-rank compute at TP=8, with
-                                                            the all_reduce of 2 GPUs)
+    70b_tp4     hidden 8192, 16 q / 2 kv heads, MLP  7168  (70B at TP=4: real at --world 4)
+    70b_tp8     hidden 8192,  8 q / 1 kv heads, MLP  3584  (70B at TP=8: real at --world 8)
+    70b_tp8sim  the widths of 70b_tp8, named for the runs at --world 2 (70B's per-rank compute at
+                TP=8 with the all_reduce of 2 GPUs), meant to predict 70b_tp8 at --world 8
     8b_tp2      hidden 4096, 16 q / 4 kv heads, MLP  7168
-    8b_tp8sim   hidden 4096,  4 q / 1 kv heads, MLP  1792
+    8b_tp8      hidden 4096,  4 q / 1 kv heads, MLP  1792  (8B at TP=8: real at --world 8)
+    8b_tp8sim   the widths of 8b_tp8, named for the runs at --world 2
     tiny        hidden 64, 4 q / 2 kv heads of 16, MLP 128  (``--smoke`` only)
+
+The widths are per rank whatever ``--world`` is: a preset of TP=t run at another world size keeps
+t's compute per rank with the all_reduce of ``--world`` ranks (rank 0 says so), a simulation. The
+all_reduce moves ``tokens x hidden`` per site at every world size; what changes with the world is
+its cost (more peers) and the compute beside it (the per-rank widths).
 
 For each shape, token count (512 .. 16K) and layout (one sequence; 8 sequences) it times, in the
 same processes:
@@ -44,16 +53,17 @@ above 1 = faster than that floor, below 0 = slower than Inductor; left empty whe
 and no_comm, also for the ``_cg`` variants.
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
-the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` and
-``<out>/bench_overlap.png`` (latency normalised to ``inductor``, like TokenWeave's Figure 11; one
-row of panels per shape).
+the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` (with a ``world`` column)
+and ``<out>/bench_overlap.png`` (``bench_overlap_tpN.*`` when ``--world`` is not 2; latency
+normalised to ``inductor``, like TokenWeave's Figure 11; one row of panels per shape).
 
 Compiled variants mark the token dim dynamic, so each compiles once per shape and layout (the
 split point is computed at run time; docs/overlap.md); everything runs in one spawn, so compile
 caches are shared. ``--quick`` runs three token counts, one layout and fewer iterations, for
-scarce device time. ``--smoke`` runs the ``tiny`` shape on 2 CPU processes (gloo), wall-clock
-timed, skipping CUDA-only variants with the reason: it checks the script, not the speed.
-Run: ``python3 benchmarks/bench_overlap.py --quick --shape 70b_tp8sim 8b_tp2``.
+scarce device time. ``--smoke`` runs the ``tiny`` shape on ``--world`` CPU processes (gloo),
+wall-clock timed, skipping CUDA-only variants with the reason: it checks the script, not the speed.
+Run: ``python3 benchmarks/bench_overlap.py --quick --shape 70b_tp8sim 8b_tp2``;
+at TP=8: ``python3 benchmarks/bench_overlap.py --world 8 --quick --shape 70b_tp8``.
 NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABLE=0 and friends).
 """
 
@@ -66,28 +76,41 @@ from pathlib import Path
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
-from report import model_bench_parser, parse_variants, pyplot, save_figure, write_csv  # benchmarks/report.py
+from report import model_bench_parser, parse_variants, pyplot, save_figure, world_name, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Per-rank widths of one decoder layer (heads of ``head_dim``)."""
+    """Per-rank widths of one decoder layer (heads of ``head_dim``); ``tp``: the tensor-parallel
+    degree of the model these widths are a rank of (None: not a real model's)."""
 
     hidden: int
     heads: int
     kv_heads: int
     mlp: int
     head_dim: int = 128
+    tp: int | None = None
+
+    def simulation_note(self, world: int) -> str | None:
+        """What a run at ``world`` ranks measures when that is not the preset's TP degree."""
+        if self.tp is None or self.tp == world:
+            return None
+        return (f"per-rank widths of TP={self.tp} with the all_reduce of {world} ranks: a simulation of "
+                f"TP={self.tp}")
 
 
 SHAPES = {
-    "70b_tp2": Shape(8192, 32, 4, 14336),
-    "70b_tp8sim": Shape(8192, 8, 1, 3584),
-    "8b_tp2": Shape(4096, 16, 4, 7168),
-    "8b_tp8sim": Shape(4096, 4, 1, 1792),
+    "70b_tp2": Shape(8192, 32, 4, 14336, tp=2),
+    "70b_tp4": Shape(8192, 16, 2, 7168, tp=4),
+    "70b_tp8": Shape(8192, 8, 1, 3584, tp=8),
+    "8b_tp2": Shape(4096, 16, 4, 7168, tp=2),
+    "8b_tp8": Shape(4096, 4, 1, 1792, tp=8),
     "tiny": Shape(64, 4, 2, 128, head_dim=16),
 }
+# Same widths, the names the 2-GPU tables carry (run at --world 2 to predict TP=8).
+SHAPES["70b_tp8sim"] = SHAPES["70b_tp8"]
+SHAPES["8b_tp8sim"] = SHAPES["8b_tp8"]
 VOCAB_PER_RANK = 4096
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_auto", "no_comm",
             "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "inductor_nccl_symm",
@@ -222,6 +245,9 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
     progress = progress_bar(work, "bench_overlap") if rank == 0 else None
     for shape_name in args["shapes"]:
         shape = SHAPES[shape_name]
+        note = shape.simulation_note(world)
+        if rank == 0 and note:
+            print(f"{shape_name} at --world {world}: {note}", flush=True)
         model = build_model(shape, group, device, args["layers"], dtype)
         no_comm = build_model(shape, None, device, args["layers"], dtype)
         made = compilers(model, no_comm)
@@ -240,8 +266,8 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                         call = _nccl_symm_call(fn, ids, group, device, rank)
                     if call is not None:
                         ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
-                        rows.append({"shape": shape_name, "variant": variant, "sequences": seqs,
-                                     "tokens": tokens, "ms": ms})
+                        rows.append({"shape": shape_name, "world": world, "variant": variant,
+                                     "sequences": seqs, "tokens": tokens, "ms": ms})
                         if rank == 0:  # in the log as it comes, should a time limit stop the run
                             print(f"row: {rows[-1]}", flush=True)
                         if args["profile"] and variant != "eager" and not smoke:
@@ -276,8 +302,8 @@ def main() -> None:
                         help="also profile one call per case: top kernels and comm/compute overlap")
     args = parser.parse_args()
     variants = parse_variants(parser, args, VARIANTS)
-    if not args.smoke and torch.cuda.device_count() < 2:
-        raise SystemExit("bench_overlap needs 2 GPUs (or --smoke)")
+    if not args.smoke and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"bench_overlap --world {args.world} needs {args.world} GPUs (or --smoke)")
     from weavepass.testing import spawn
 
     if args.smoke:
@@ -297,8 +323,8 @@ def main() -> None:
         "warmup": warmup,
         "iters": iters,
     }
-    rows = spawn(_run_rank, 2, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
-    report(rows, Path(args.out), config["layers"], args.name)
+    rows = spawn(_run_rank, args.world, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
+    report(rows, Path(args.out), config["layers"], args.name or world_name("bench_overlap", args.world))
 
 
 def hidden_fraction(ms: float, inductor: float | None, no_comm: float | None) -> float | None:
@@ -320,7 +346,7 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
         frac = hidden_fraction(r["ms"], ref, by_key.get((key[0], "no_comm", *key[1:])))
         r["hidden"] = "" if frac is None or not r["variant"].startswith("weave") else round(frac, 4)
     csv_path = write_csv(out / f"{name}.csv", rows,
-                         ["shape", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
+                         ["shape", "world", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
     print(f"wrote {csv_path}")
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = sorted({(r["shape"], r["sequences"], r["tokens"]) for r in rows})

@@ -2,25 +2,54 @@
 # GPU suite: the GPU tests under tests/gpu, then the benchmarks. One log ($OUT/suite.log) plus each
 # benchmark's CSV and PNG go to $OUT (the device tool returns at most 8 files, 2 folder levels).
 #
-# Usage (repository root): OUT=/some/dir [STEPS=a,b,...] bash benchmarks/gpu_suite.sh [--quick]
+# Usage (repository root): OUT=/some/dir [WORLD=N] [STEPS=a,b,...] bash benchmarks/gpu_suite.sh [--quick]
+#
+# WORLD (default 2) is the number of ranks, one GPU each, of every multi-GPU test (WEAVE_GPU_WORLD)
+# and benchmark (--world). When it is not 2 every output name carries it (suite_tp4.log,
+# bench_overlap_tp4.csv, ...: benchmarks/report.py world_name), so TP=4 and TP=8 tables sit beside
+# the 2-GPU ones in one $OUT. The model-benchmark shapes follow the world: real per-rank widths of
+# that TP degree where a preset exists (70b_tp4 at 4; 70b_tp8 and 8b_tp8 at 8); a step with no
+# preset for the world says so and runs nothing (override with OVERLAP_SHAPES, OVERLAP2_SHAPES,
+# DECODE_SHAPES, DECODE70_SHAPES).
+#
+# Issues 16 and 17 (TP=8 and TP=4; NVLink multicast stays off, set below). Durations at 4 and 8
+# ranks are not measured yet: the test limits are the 2-GPU ones, and the overlap, fused and
+# flashcomm steps, one per call below, get 540 s at WORLD other than 2 (200-240 s at 2); a step
+# killed by its limit still leaves the rows it printed in the log. One call each, in this order:
+#   kind nvidia-h200-x4 (issue 17):
+#     WORLD=4 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=4 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#     WORLD=4 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#   kind nvidia-h200-x8 (issue 16; its first 4 GPUs also serve issue 17's WORLD=4 calls):
+#     WORLD=8 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=8 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
+# A session has 30 minutes of device time in all (10 per call): the four WORLD=8 calls may leave
+# no room for the three WORLD=4 ones, which then go to a later session.
+# At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
+# range; --quick: 1 8 128 1024 4096 16384 and 16 / 32 CTAs).
 #
 # STEPS picks the steps to run (default: all, in the order below), so the suite can be split into
 # device calls of at most 10 minutes each. Steps:
 #   tests      GPU tests: model, overlap and FlashComm end to end, then the kernel's own tests (each
-#              file spawns its ranks once and runs all its cases there, tests/gpu/gpu_cases.py; the
-#              kernel tests run on WEAVE_GPU_WORLD ranks, default 2)
+#              file spawns its ranks once and runs all its cases there, tests/gpu/gpu_cases.py; all
+#              run on WORLD ranks)
 #   onegpu     the tests that need only one GPU: the launch path at world 1 and the kernels of 2, 4
 #              and 8 ranks simulated on one GPU (tests/gpu/test_kernel_sim_one_gpu.py; ~3 min, mostly
 #              compiling every rank's kernels); the step for the `nvidia-h200` kind
 #   host       bench_host_overhead (host cost per fused-op call)
-#   overlap    bench_overlap at 70b_tp8sim and 8b_tp2, 2K/4K/8K/16K tokens, one sequence
+#   overlap    bench_overlap at 70b_tp8sim and 8b_tp2 (WORLD 4: 70b_tp4; 8: 70b_tp8 and 8b_tp8),
+#              2K/4K/8K/16K tokens, one sequence
 #              (--quick: inductor, weave_fuse, weave_overlap, weave_auto, no_comm; else
 #              all default variants + weave_fuse_cg / weave_overlap_cg / inductor_cg)
-#   overlap2   the same for 70b_tp2 and 8b_tp8sim (bench_overlap_2.csv / .png)
+#   overlap2   the same for 70b_tp2 and 8b_tp8sim (bench_overlap_2.csv / .png; WORLD 2 only)
 #   decode     bench_decode at 8b_tp2, 16 layers, 2K cached tokens (--quick: batches 1, 32, 256;
 #              without the default-mode `weave` variant, which at these sizes compiles the same
 #              graph as inductor since cuda_min_tokens=1024 keeps them on plain all_reduce)
-#   decode70   the same at 70b_tp8sim (bench_decode_70b.csv / .png)
+#              (WORLD 8: 8b_tp8; 4: none)
+#   decode70   the same at 70b_tp8sim (bench_decode_70b.csv / .png; WORLD 4: 70b_tp4, 8: 70b_tp8)
 #   fused      bench_fused_allreduce_rmsnorm, hidden 8192 and 4096 (--quick: fewer sizes and CTAs)
 #   flashcomm  bench_flashcomm
 #   hf         bench_hf_llama: HF Llama at Llama-3-8B widths (2 layers, random bf16), tp_plan="auto" on
@@ -35,8 +64,8 @@
 #   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
 #   call 4: STEPS=overlap2 --quick
 # With only two calls, run 1 and 2: they cover issues 11 and 15 and the NCCL-symmetric variants of
-# issue 18 inside the models. Rows of bench_overlap / bench_decode are also printed to the log as
-# they are measured, so a step stopped by its limit still leaves its numbers in suite.log.
+# issue 18 inside the models. Rows of every benchmark but bench_host_overhead are also printed to the
+# log as they are measured, so a step stopped by its limit still leaves its numbers in the log.
 # Each step is bounded by its own timeout (env *_TIMEOUT_S); a failing step is reported and the
 # suite goes on (the exit status says if any failed). Add a step with one `step NAME SECONDS
 # command...` line below and its name in ALL_STEPS.
@@ -47,10 +76,27 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks import weavepass from the checkout
 OUT="${OUT:-gpu_suite_out}"
 QUICK="${1:-}"
+WORLD="${WORLD:-2}"
+export WEAVE_GPU_WORLD="$WORLD"  # the GPU tests' world (tests/gpu/gpu_cases.py gpu_world)
+TP=""  # what every output name carries: nothing at 2 ranks, _tpN else (benchmarks/report.py world_name)
+[ "$WORLD" = 2 ] || TP="_tp$WORLD"
+case "$WORLD" in
+  2) SHAPES_OVERLAP="70b_tp8sim 8b_tp2" SHAPES_OVERLAP2="70b_tp2 8b_tp8sim"
+     SHAPES_DECODE="8b_tp2" SHAPES_DECODE70="70b_tp8sim" ;;
+  4) SHAPES_OVERLAP="70b_tp4" SHAPES_OVERLAP2="" SHAPES_DECODE="" SHAPES_DECODE70="70b_tp4" ;;
+  8) SHAPES_OVERLAP="70b_tp8 8b_tp8" SHAPES_OVERLAP2="" SHAPES_DECODE="8b_tp8" SHAPES_DECODE70="70b_tp8" ;;
+  *) SHAPES_OVERLAP="" SHAPES_OVERLAP2="" SHAPES_DECODE="" SHAPES_DECODE70="" ;;
+esac
+OVERLAP_SHAPES="${OVERLAP_SHAPES-$SHAPES_OVERLAP}"
+OVERLAP2_SHAPES="${OVERLAP2_SHAPES-$SHAPES_OVERLAP2}"
+DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
+DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
+ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
+[ "$WORLD" = 2 ] && ALONE_LIMIT=""
 ALL_STEPS="tests,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
-LOG="$OUT/suite.log"
+LOG="$OUT/suite$TP.log"
 status=0
 
 for s in ${STEPS//,/ }; do
@@ -61,6 +107,12 @@ for s in ${STEPS//,/ }; do
 done
 
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+with_shapes() {  # with_shapes STEP "SHAPES": false (and says why) when the world has no preset
+    [ -n "$2" ] && return 0
+    echo "=== $1: no shape preset for WORLD=$WORLD; skipped (set its *_SHAPES to run it)" | tee -a "$LOG"
+    return 1
+}
 
 step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to the suite log
     local name="$1" limit="$2"
@@ -74,7 +126,7 @@ step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to 
 }
 
 {
-  echo "steps: $STEPS ${QUICK}"
+  echo "steps: $STEPS ${QUICK}; world $WORLD"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
 } 2>&1 | tee -a "$LOG"
@@ -98,30 +150,33 @@ fi
 wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -rA \
     --durations=10 tests/gpu/test_cuda_kernel_one_gpu.py tests/gpu/test_kernel_sim_one_gpu.py
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-60}" \
-    python3 benchmarks/bench_host_overhead.py --out "$OUT"
-wanted overlap && step bench_overlap "${OVERLAP_TIMEOUT_S:-240}" \
-    python3 benchmarks/bench_overlap.py --out "$OUT" $QUICK --shape 70b_tp8sim 8b_tp2 \
+    python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
+wanted overlap && with_shapes overlap "$OVERLAP_SHAPES" && step bench_overlap "${OVERLAP_TIMEOUT_S:-${ALONE_LIMIT:-240}}" \
+    python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" $QUICK --shape $OVERLAP_SHAPES \
     --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
-wanted overlap2 && step bench_overlap_2 "${OVERLAP2_TIMEOUT_S:-240}" \
-    python3 benchmarks/bench_overlap.py --out "$OUT" --name bench_overlap_2 $QUICK --shape 70b_tp2 8b_tp8sim \
-    --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
+wanted overlap2 && with_shapes overlap2 "$OVERLAP2_SHAPES" && step bench_overlap_2 "${OVERLAP2_TIMEOUT_S:-240}" \
+    python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" --name "bench_overlap_2$TP" $QUICK \
+    --shape $OVERLAP2_SHAPES --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
 if [ -n "$QUICK" ]; then
   DECODE_VARIANTS="eager,inductor,inductor_cg,weave_min1,weave_cg,inductor_nccl_symm"
 else
   DECODE_VARIANTS="eager,inductor,inductor_cg,weave,weave_min1,weave_cg,inductor_nccl_symm"
 fi
-wanted decode && step bench_decode "${DECODE_TIMEOUT_S:-300}" \
-    python3 benchmarks/bench_decode.py --out "$OUT" $QUICK --shape 8b_tp2 --variants "$DECODE_VARIANTS"
-wanted decode70 && step bench_decode_70b "${DECODE70_TIMEOUT_S:-300}" \
-    python3 benchmarks/bench_decode.py --out "$OUT" --name bench_decode_70b $QUICK --shape 70b_tp8sim \
+wanted decode && with_shapes decode "$DECODE_SHAPES" && step bench_decode "${DECODE_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_decode.py --out "$OUT" --world "$WORLD" $QUICK --shape $DECODE_SHAPES \
     --variants "$DECODE_VARIANTS"
-wanted fused && step bench_fused_allreduce_rmsnorm "${FUSED_TIMEOUT_S:-200}" \
-    python3 benchmarks/bench_fused_allreduce_rmsnorm.py --out "$OUT" \
-    ${QUICK:+--tokens 1 8 128 1024 4096 16384 --ctas 16 32 --replays 10}
-wanted flashcomm && step bench_flashcomm "${FLASHCOMM_TIMEOUT_S:-200}" \
-    python3 benchmarks/bench_flashcomm.py --out "$OUT" $QUICK
+wanted decode70 && with_shapes decode70 "$DECODE70_SHAPES" && step bench_decode_70b "${DECODE70_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_decode.py --out "$OUT" --world "$WORLD" --name "bench_decode_70b$TP" $QUICK \
+    --shape $DECODE70_SHAPES --variants "$DECODE_VARIANTS"
+FUSED_SIZES=()  # at 2 ranks both hidden sizes, 1 .. 32K tokens (the script's defaults)
+[ "$WORLD" = 2 ] || FUSED_SIZES=(--hidden 8192 --tokens 1 8 32 128 512 1024 2048 4096 8192 16384)
+[ -n "$QUICK" ] && FUSED_SIZES=(${FUSED_SIZES[@]:0:2} --tokens 1 8 128 1024 4096 16384 --ctas 16 32 --replays 10)
+wanted fused && step bench_fused_allreduce_rmsnorm "${FUSED_TIMEOUT_S:-${ALONE_LIMIT:-200}}" \
+    python3 benchmarks/bench_fused_allreduce_rmsnorm.py --out "$OUT" --world "$WORLD" "${FUSED_SIZES[@]}"
+wanted flashcomm && step bench_flashcomm "${FLASHCOMM_TIMEOUT_S:-${ALONE_LIMIT:-200}}" \
+    python3 benchmarks/bench_flashcomm.py --out "$OUT" --world "$WORLD" $QUICK
 HF_TOKENS="2048 8192"
 [ -n "$QUICK" ] && HF_TOKENS="4096"
-wanted hf && step bench_hf_llama "${HF_TIMEOUT_S:-420}" \
+wanted hf && [ "$WORLD" = 2 ] && step bench_hf_llama "${HF_TIMEOUT_S:-420}" \
     python3 benchmarks/bench_hf_llama.py --out "$OUT" --tokens $HF_TOKENS
 exit $status

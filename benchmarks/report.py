@@ -43,15 +43,34 @@ def save_figure(fig, path: str | Path, dpi: int = 110, **savefig) -> Path:
     return Path(path)
 
 
+def world_size(text: str) -> int:
+    """``--world`` of every benchmark: ranks, one GPU each; at least 2 (an all-reduce needs peers)."""
+    world = int(text)
+    if world < 2:
+        raise argparse.ArgumentTypeError(f"--world must be at least 2 (an all-reduce needs peers), got {world}")
+    return world
+
+
+def world_name(stem: str, world: int) -> str:
+    """File name (no suffix) of a benchmark's output at ``world`` ranks: ``stem`` at 2, the world of
+    every table measured before the 4- and 8-GPU machines, else ``stem_tpN``, so TP=4 and TP=8
+    tables sit beside the 2-GPU ones."""
+    return stem if world == 2 else f"{stem}_tp{world}"
+
+
 def model_bench_parser(doc: str, name: str, quick_help: str, shape_choices, shape_help: str,
                        layers_help: str) -> argparse.ArgumentParser:
-    """The options of a model benchmark: --quick, --smoke, --out, --name, --shape, --layers."""
+    """The options of a model benchmark: --quick, --smoke, --world, --out, --name, --shape, --layers.
+    ``--name`` defaults to None: take ``world_name(name, args.world)``."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny shape on 2 CPU processes (gloo), wall-clock timed: checks the script runs")
+                        help="tiny shape on --world CPU processes (gloo), wall-clock timed: checks the script runs")
+    parser.add_argument("--world", type=world_size, default=2, help="ranks, one GPU each (default 2)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
-    parser.add_argument("--name", default=name, help="file name of the CSV and PNG, without suffix")
+    parser.add_argument("--name", default=None,
+                        help=f"file name of the CSV and PNG, without suffix (default {name}, with _tpN when "
+                             "--world is not 2)")
     parser.add_argument("--shape", nargs="+", choices=sorted(shape_choices), default=None, help=shape_help)
     parser.add_argument("--layers", type=int, default=None, help=layers_help)
     return parser

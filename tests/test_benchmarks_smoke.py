@@ -1,6 +1,7 @@
-"""The GPU benchmarks' ``--smoke`` modes (2 CPU processes on gloo, tiny shapes), so the scripts do
-not rot between the rare device runs: each runs, writes its CSV with the expected rows and says
-why it skips its CUDA-only variants. Plus the pure arithmetic of the overlap report."""
+"""The GPU benchmarks' ``--smoke`` modes (CPU processes on gloo, tiny shapes; the fused-kernel and
+overlap benchmarks on 4 ranks, the world-size path of issues 16 and 17), so the scripts do not rot
+between the rare device runs: each runs, writes its CSV with the expected rows and says why it
+skips its CUDA-only variants. Plus the pure arithmetic of the reports and of the P2P bound."""
 
 from __future__ import annotations
 
@@ -15,8 +16,21 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _smoke(script: str, out: Path, *args: str) -> tuple[str, list[dict]]:
-    """Run ``script --smoke`` and return its output and the rows of the CSV it wrote."""
+def _benchmarks():
+    """``benchmarks/`` importable (its modules import each other by bare name)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_fused_allreduce_rmsnorm
+        import bench_overlap
+        import report
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return bench_fused_allreduce_rmsnorm, bench_overlap, report
+
+
+def _smoke(script: str, out: Path, *args: str, csv_name: str | None = None) -> tuple[str, list[dict]]:
+    """Run ``script --smoke`` and return its output and the rows of the CSV it wrote (``csv_name``,
+    default the script's name)."""
     # One compile thread: a worker pool per rank only costs start-up time on a small CPU machine.
     env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     done = subprocess.run(
@@ -24,17 +38,17 @@ def _smoke(script: str, out: Path, *args: str) -> tuple[str, list[dict]]:
         capture_output=True, text=True, timeout=150, env=env, cwd=BENCHMARKS.parent,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    name = script.removesuffix(".py")
+    name = csv_name or script.removesuffix(".py")
     with open(out / f"{name}.csv") as f:
         return done.stdout, list(csv.DictReader(f))
 
 
 @pytest.mark.slow
 def test_overlap_smoke(tmp_path):
-    text, rows = _smoke("bench_overlap.py", tmp_path, "--variants", "eager,weave_fuse,inductor_cg",
-                        "--tokens", "16")
-    assert {(r["shape"], r["variant"], r["tokens"]) for r in rows} == {
-        ("tiny", v, "16") for v in ("eager", "weave_fuse")
+    text, rows = _smoke("bench_overlap.py", tmp_path, "--world", "4", "--variants", "eager,weave_fuse,inductor_cg",
+                        "--tokens", "16", csv_name="bench_overlap_tp4")
+    assert {(r["shape"], r["world"], r["variant"], r["tokens"]) for r in rows} == {
+        ("tiny", "4", v, "16") for v in ("eager", "weave_fuse")
     }
     assert all(float(r["ms"]) > 0 for r in rows)
     assert "inductor_cg skipped on the CPU" in text
@@ -53,9 +67,12 @@ def test_decode_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_fused_allreduce_rmsnorm_smoke(tmp_path):
-    text, rows = _smoke("bench_fused_allreduce_rmsnorm.py", tmp_path)
-    # The reduce-scatter form needs a token count divisible by the 2 ranks: not at 1 token.
-    assert {(r["tokens"], r["method"]) for r in rows} == {("1", "nccl"), ("8", "nccl"), ("8", "nccl_rs_ag")}
+    text, rows = _smoke("bench_fused_allreduce_rmsnorm.py", tmp_path, "--world", "4", "--tokens", "1", "6", "8",
+                        csv_name="bench_fused_allreduce_rmsnorm_tp4")
+    # The reduce-scatter form needs a token count divisible by the 4 ranks: not at 1 or 6 tokens.
+    assert {(r["tokens"], r["method"]) for r in rows} == {
+        ("1", "nccl"), ("6", "nccl"), ("8", "nccl"), ("8", "nccl_rs_ag")}
+    assert {r["world"] for r in rows} == {"4"}
     # The fastest baseline is one measured at the same size (which one depends on timing: not asserted).
     measured = {(r["tokens"], r["method"]) for r in rows}
     assert all((r["tokens"], r["best_baseline"]) in measured for r in rows)
@@ -63,11 +80,7 @@ def test_fused_allreduce_rmsnorm_smoke(tmp_path):
 
 
 def test_overlap_report_hidden_fraction(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_overlap
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    _, bench_overlap, _ = _benchmarks()
     assert bench_overlap.hidden_fraction(7.0, 10.0, 6.0) == pytest.approx(0.75)
     assert bench_overlap.hidden_fraction(5.0, 10.0, 6.0) == pytest.approx(1.25)  # beats the floor
     assert bench_overlap.hidden_fraction(7.0, 6.0, 6.0) is None  # nothing to hide
@@ -79,3 +92,40 @@ def test_overlap_report_hidden_fraction(tmp_path):
         hidden = {r["variant"]: r["hidden"] for r in csv.DictReader(f)}
     # Only weave variants get the fraction.
     assert hidden == {"inductor": "", "no_comm": "", "weave_overlap": "0.75", "eager": ""}
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_p2p_bound_slots(world):
+    """Every rank stores ``2 S / N`` elements into each peer, each sender into its own slot of the
+    receiver's buffer: the N - 1 slots of one buffer are disjoint and fill ``(N - 1) * per_peer``
+    elements from its start. Buffers at made-up addresses, 10**6 bytes apart."""
+    bench, _, _ = _benchmarks()
+    per_peer, elem = 30, 2
+    ptrs = [(5 + r) * 10**6 for r in range(world)]
+    landed = {peer: [] for peer in range(world)}  # element offsets in the receiver's buffer
+    for rank in range(world):
+        peers = [p for p in range(world) if p != rank]
+        for peer, delta in zip(peers, bench.peer_store_deltas(ptrs, rank, per_peer, elem)):
+            start = (ptrs[rank] + delta * elem - ptrs[peer]) // elem
+            landed[peer].append(start)
+        assert bench.bound_grid(32, world) == (max(1, 32 // (world - 1)), world - 1)
+    for peer, starts in landed.items():
+        assert sorted(starts) == [slot * per_peer for slot in range(world - 1)], (peer, starts)
+
+
+def test_world_in_names_and_presets():
+    """Output names carry the world when it is not 2; the TP=4/8 presets are 70B's per-rank widths
+    at that degree (70B: 64 q / 8 kv heads, MLP 28672), real at their own world and a simulation
+    elsewhere; 70b_tp8sim is 70b_tp8's widths under the name of the 2-GPU tables."""
+    _, bench_overlap, report = _benchmarks()
+    assert [report.world_name("bench_overlap", w) for w in (2, 4, 8)] == [
+        "bench_overlap", "bench_overlap_tp4", "bench_overlap_tp8"]
+    shapes = bench_overlap.SHAPES
+    for tp in (2, 4, 8):
+        shape = shapes[f"70b_tp{tp}"]
+        assert (shape.hidden, shape.heads * tp, shape.kv_heads * tp, shape.mlp * tp, shape.tp) == (
+            8192, 64, 8, 28672, tp)
+        assert shape.simulation_note(tp) is None
+    assert shapes["70b_tp8sim"] == shapes["70b_tp8"]
+    assert "with the all_reduce of 2 ranks" in shapes["70b_tp8sim"].simulation_note(2)
+    assert shapes["tiny"].simulation_note(4) is None

@@ -1,8 +1,9 @@
-"""FlashComm on 2 GPUs (NCCL, one process per GPU): the CUDA path against eager.
+"""FlashComm on 2 GPUs (NCCL, one process per GPU; ``WEAVE_GPU_WORLD`` / ``--gpu-world`` for 4 or 8):
+the CUDA path against eager.
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/gpu/test_flashcomm_gpu.py -q``.
 NVLink multicast stays off (conftest.py and ``spawn`` set NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1). One spawned pair of ranks runs every
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1). One spawned group of ranks runs every
 case (gpu_cases.py); each test asserts on its own case's result.
 """
 
@@ -12,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import Case, check_replays_match_eager, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
+from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
 from weavepass import WeaveConfig, make_backend
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids
 
-WORLD = 2
+WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 CFG = TPConfig(vocab=1000, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64,

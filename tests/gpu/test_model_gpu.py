@@ -1,7 +1,8 @@
-"""The reference TP model compiled with ``backend="weave"`` on 2 GPUs (NCCL) matches eager.
+"""The reference TP model compiled with ``backend="weave"`` on 2 GPUs (NCCL; ``WEAVE_GPU_WORLD``
+/ ``--gpu-world`` for 4 or 8) matches eager.
 
 On CUDA the planner's ``auto`` lowering must pick the symmetric-memory kernel for every site. One
-spawned pair of ranks runs every case (gpu_cases.py); each test asserts on its own case's result.
+spawned group of ranks runs every case (gpu_cases.py); each test asserts on its own case's result.
 """
 
 from __future__ import annotations
@@ -10,19 +11,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import Case, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
+from gpu_cases import Case, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
 import weavepass
 from weavepass.testing.harness import check_against_eager
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
 
-WORLD = 2
+WORLD = gpu_world()
 
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 
 def _rank(rank: int, world: int, batch: int, seq: int, n_experts: int) -> dict:
-    cfg = TPConfig(vocab=1024, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=128,
+    # 8 kv heads: whole heads on every rank up to 8 ranks (GQA groups of 2).
+    cfg = TPConfig(vocab=1024, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64,
                    intermediate=2048, n_experts=n_experts, dtype=torch.bfloat16)
     device = torch.device("cuda", rank)
     group = dist.group.WORLD

@@ -1,9 +1,10 @@
 """TokenWeave overlap on GPUs: the split model matches eager in bf16, its fused ops run on the
 communication stream, and it captures and replays in a CUDA graph.
 
-Run on a machine with 2+ GPUs: ``python3 -m pytest -m gpu tests/gpu/test_overlap_gpu.py``. NVLink
+Run on a machine with 2+ GPUs: ``python3 -m pytest -m gpu tests/gpu/test_overlap_gpu.py`` (on
+``WEAVE_GPU_WORLD`` / ``--gpu-world`` ranks, default 2). NVLink
 multicast stays off (conftest.py sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
-NVSHMEM_DISABLE_NVLS=1 before any process starts). One spawned pair of ranks runs every case
+NVSHMEM_DISABLE_NVLS=1 before any process starts). One spawned group of ranks runs every case
 (gpu_cases.py); each test asserts on its own case's result.
 """
 
@@ -15,17 +16,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import Case, check_replays_match_eager, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
+from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids
 
-WORLD = 2
+WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
-# Widths the CUDA kernel supports (hidden a multiple of 8 bf16 elements per 16 bytes).
-CFG = TPConfig(vocab=512, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=4, head_dim=64, intermediate=2048)
+# Widths the CUDA kernel supports (hidden a multiple of 8 bf16 elements per 16 bytes); 8 kv heads:
+# whole heads on every rank up to 8 ranks.
+CFG = TPConfig(vocab=512, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64, intermediate=2048)
 LAYOUTS = [(1, 384), (4, 96), (1, 257)]  # one sequence cut inside; four sequences; odd count
 LOWERINGS = ["portable", "auto"]
 
@@ -99,8 +101,10 @@ def test_overlap_captures_and_replays_in_cuda_graph(case_result, lowering):
 # Large enough that the GPU, not the host, sets the pace (each half's layer is ~1.5 ms of GEMMs at
 # 8192 tokens): with a host-bound run every kernel finishes before the next is launched and nothing
 # can overlap (seen on 2 x H200 with hidden 2048 at 4096 tokens: 2.9 ms of kernels in 21.7 ms).
-TRACE_CFG = TPConfig(vocab=512, hidden=4096, n_layers=2, n_heads=32, n_kv_heads=8, head_dim=128,
-                     intermediate=14336)
+# Per rank at every world size: 16 q / 4 kv heads and an MLP of 7168 (the whole model grows with the
+# world), so the compute beside each all_reduce, and with it the regime measured on 2 GPUs, stays.
+TRACE_CFG = TPConfig(vocab=512, hidden=4096, n_layers=2, n_heads=16 * WORLD, n_kv_heads=4 * WORLD,
+                     head_dim=128, intermediate=7168 * WORLD)
 TRACE_TOKENS = 8192
 
 

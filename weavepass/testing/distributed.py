@@ -100,9 +100,9 @@ def _run_rank(fn, rank, world_size, backend, port, args, results) -> None:
     """Child body: init the group, run ``fn``, report ``(rank, ok, result or traceback)``."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    else:
-        # Ranks share the CPU cores; oversubscribed intra-op threads make gloo runs crawl.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # Ranks share the CPU cores: oversubscribed intra-op threads make gloo runs crawl, and on GPUs
+    # the CPU work (e.g. drawing a model's fp32 weights, 8 ranks on one host) would too.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
