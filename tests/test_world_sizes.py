@@ -13,7 +13,7 @@ from test_compile_units import FLASHCOMM, _args, _exchange, _trace, two_sites  #
 
 from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass
-from weavepass.compile.tokens import padded_token_count
+from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_token_split
 from weavepass.plan_check import collective_lines
 from weavepass.runtime.cuda import launch_plan
@@ -138,7 +138,7 @@ def test_every_rank_rewrites_the_same_way(monkeypatch, world, name):
     assert _exchange(lines) == [None] * world
     ops = [text for _, text in lines[0]]
     if name == "flashcomm":
-        padded = padded_token_count(TOKENS, world)
+        padded = TokenCount(TOKENS).padded(world)
         assert padded % (16 * world) == 0 and padded >= TOKENS
         assert ops[0] == f"_c10d_functional.reduce_scatter_tensor(float32[{padded}, 64], 'sum', {world}, '0')"
         assert f"all_gather_into_tensor(float32[{padded // world}, 64], {world}, '0')" in ops[-1]

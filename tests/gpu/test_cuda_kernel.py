@@ -305,6 +305,38 @@ def _fp16_overflow_worker(rank, world):
     return "PASS"
 
 
+def _inverse_rms_worker(rank, world):
+    """Training: every algorithm also returns the per-row inverse RMS ``[T, 1]`` fp32 (the rows a
+    rank reduces and those it finalises from its peers), and the other outputs stay as they are."""
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.reference import accumulation_dtype, add_rmsnorm_local
+
+    group = dist.group.WORLD.group_name
+    kernels = [dict(one_shot=True), dict(one_shot=False, pipelined=False), dict(one_shot=False, pipelined=True)]
+    if world > 1:
+        kernels.append(dict(lamport=True))
+    errors, cases = [], 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for kernel in kernels:
+            for tokens in (3, 16, 1024):
+                if kernel.get("lamport") and tokens * 4096 * torch.empty((), dtype=dtype).element_size() > 256 << 10:
+                    continue
+                partials, residual, weight = _make_inputs(tokens, tokens, 4096, dtype, True, world)
+                summed = torch.stack([p.to(accumulation_dtype(dtype)) for p in partials]).sum(0)
+                want = add_rmsnorm_local(summed, residual, weight, EPS, dtype, dtype, return_inv_rms=True)
+                normed, res_out, inv_rms = fused_allreduce_rmsnorm_cuda(
+                    partials[rank], residual, weight, EPS, group, dtype, return_inv_rms=True, num_ctas=16, **kernel)
+                label = f"inv_rms T={tokens} {dtype} {kernel}"
+                errors += _compare(label + " residual_out", res_out, want[1], RESIDUAL_TOL[dtype])
+                errors += _compare(label + " normed", normed, want[0], NORMED_TOL[dtype])
+                # fp32 either way: rsqrt.approx and the sum-of-squares order, ~1e-6 relative.
+                errors += _compare(label, inv_rms, want[2], (2e-5, 0.0))
+                assert inv_rms.shape == (tokens, 1) and inv_rms.dtype == torch.float32
+                cases += 1
+    assert not errors, "\n".join(errors)
+    return cases
+
+
 def small_case_worker(rank, world):
     """One decode-size and one prefill-size call (for compute-sanitizer runs)."""
     errors = _check_call(rank, world, 5, 127, 4096, torch.bfloat16, True, torch.bfloat16)
@@ -327,6 +359,7 @@ CASES = {
     "test_back_to_back_calls_race_free": Case(_back_to_back_worker, (500, 10)),
     "test_cuda_graph_capture_and_replay": Case(_cuda_graph_worker),
     "test_fp16_overflow_as_in_eager": Case(_fp16_overflow_worker),
+    "test_inverse_rms_for_training": Case(_inverse_rms_worker),
     "test_fallbacks_to_portable": Case(_fallback_worker),
 }
 gpu_ranks, case_result = shared_ranks(CASES, WORLD)
@@ -336,6 +369,10 @@ gpu_ranks, case_result = shared_ranks(CASES, WORLD)
 def test_matches_reference(case_result, dtype):
     cases = case_result[0]
     assert cases == len(TOKENS) * len(HIDDENS) * 2 + (4 if dtype == torch.bfloat16 else 0) + 4
+
+
+def test_inverse_rms_for_training(case_result):
+    assert len(set(case_result)) == 1 and case_result[0] >= 18  # every rank, every case
 
 
 # The workers below assert inside the ranks; here: every rank ran its case to the end.

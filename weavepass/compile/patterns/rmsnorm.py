@@ -281,12 +281,13 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
 
     out, weight, _ = _affine(scale, hidden, nodes, RMS_NORM)
     # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
+    # Users and nodes in graph order, never a set's order: every rank must give the same reason.
     inner = set(nodes[:-1])
-    if xf is not x and set(xf.users) - {squares[0], scale}:
-        extra = next(iter(set(xf.users) - {squares[0], scale}))
-        return f"the upcast norm input {used_also_by(xf, extra)}"
+    others = [u for u in xf.users if u not in (squares[0], scale)] if xf is not x else []
+    if others:
+        return f"the upcast norm input {used_also_by(xf, others[0])}"
     saved = None
-    for n in inner:
+    for n in nodes[:-1]:
         extra = [u for u in n.users if u not in inner and u is not out]
         if extra and n is scale_src and is_rsqrt and _saved_inv_rms_only(n, extra, xv.dtype):
             saved = n
