@@ -215,15 +215,14 @@ def test_plan_sites_codes(world2, monkeypatch):
     assert [(p.lowering, p.code) for p in unknown] == [(None, ReasonCode.GROUP_UNKNOWN)] * 2
 
 
-def test_plan_keeps_layer_norm_sites_off_lowerings_without_it(world2):
-    """Only ``LAYER_NORM_LOWERINGS`` carry a LayerNorm; on any other the site stays an all_reduce
-    (never portable instead: on CUDA that is slower than the model's own all_reduce)."""
+def test_plan_gives_layer_norm_sites_every_lowering(world2, monkeypatch):
+    """Every lowering carries a LayerNorm (``weave.fused_allreduce_layernorm``): LayerNorm sites
+    take the lowering an RMSNorm site would."""
     sites, _ = find_allreduce_rmsnorm_sites(_trace(layer_norm_sites, *_args(40)))
     assert [(p.lowering, p.code) for p in plan_sites(sites, WeaveConfig())] == [("portable", ReasonCode.NONE)] * 2
+    monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site: None)
     plans = plan_sites(sites, WeaveConfig(lowering="cuda_symm"))
-    assert [(p.lowering, p.code) for p in plans] == [(None, ReasonCode.LAYER_NORM)] * 2
-    assert plans[0].reason == ("left as all_reduce: the cuda_symm lowering does not carry LayerNorm "
-                               "yet (only portable does)")
+    assert [(p.lowering, p.code) for p in plans] == [("cuda_symm", ReasonCode.CUDA_COPY)] * 2
 
 
 # --- the strategies' decisions -------------------------------------------------------------------

@@ -169,3 +169,32 @@ def test_inverse_rms_for_training():
                     # fp32 either way: rsqrt.approx and the sum-of-squares order, ~1e-6 relative.
                     torch.testing.assert_close(inv_rms, want[2], rtol=2e-5, atol=0,
                                                msg=lambda m: f"{label} rank {rank} inv_rms: {m}")
+
+
+def test_layer_norm_sites():
+    """Every algorithm with a LayerNorm (``weave.fused_allreduce_layernorm``'s CUDA lowering), with
+    and without bias, against the reference's ``add_layernorm_local``."""
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    world, hidden = 2, 4096
+    for dtype in (torch.bfloat16, torch.float32):
+        sim = SimulatedRanks(world, hidden, 1024, dtype)
+        for name, overrides in ALGORITHMS.items():
+            for tokens in (3, 1024):
+                if not _serves(name, tokens, hidden, dtype):
+                    continue
+                for with_bias in (False, True):
+                    partials, residual, weight = _inputs(9 + tokens, world, tokens, hidden, dtype)
+                    partials = [p + 0.5 for p in partials]  # a non-zero mean to subtract
+                    bias = (0.1 * torch.randn(hidden, device="cuda")).to(dtype) if with_bias else None
+                    outputs = sim.run(partials, residual, weight, EPS, dtype, overrides, layer_norm=True, bias=bias)
+                    want_normed, want_res = fused_allreduce_rmsnorm_reference(
+                        partials, residual, weight, EPS, dtype, bias=bias, layer_norm=True)
+                    label = f"LayerNorm {name} {dtype} T={tokens} bias={with_bias}"
+                    for rank, (normed, res_out) in enumerate(outputs):
+                        torch.testing.assert_close(res_out, want_res, rtol=RESIDUAL_TOL[dtype][0],
+                                                   atol=RESIDUAL_TOL[dtype][1], msg=lambda m: f"{label} {rank}: {m}")
+                        # As for RMSNorm, plus the mean's fp32 summation order: an absolute error of
+                        # ~1e-7 x |mean| / std on centred values near 0, inside atol.
+                        torch.testing.assert_close(normed, want_normed, rtol=NORMED_TOL[dtype][0],
+                                                   atol=NORMED_TOL[dtype][1], msg=lambda m: f"{label} {rank}: {m}")

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
-from weavepass.runtime import LAYER_NORM_LOWERINGS
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
-from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.tokens import TokenCount
 
@@ -82,11 +80,6 @@ def choose_lowering(
     """
     auto = config.lowering == "auto"
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
-    if site.norm.kind == LAYER_NORM and wanted not in LAYER_NORM_LOWERINGS:
-        # Never portable instead: on CUDA it is slower than the model's own NCCL all_reduce.
-        return None, ReasonCode.LAYER_NORM, (
-            f"left as all_reduce: the {wanted} lowering does not carry LayerNorm yet (only "
-            f"{', '.join(LAYER_NORM_LOWERINGS)} does)")
     if wanted != "cuda_symm":
         return wanted, ReasonCode.NONE, ""
     reason = _cuda_unsupported_reason(site)

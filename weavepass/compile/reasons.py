@@ -23,8 +23,6 @@ class ReasonCode(enum.Enum):
     TRAINING = "training"
     """A training graph: the norm's inverse RMS is saved for backward (a lowering or strategy that
     does not return it refuses)."""
-    LAYER_NORM = "layer_norm"
-    """A LayerNorm site whose lowering carries RMSNorm only (``runtime.LAYER_NORM_LOWERINGS``)."""
     CUDA_UNSUPPORTED = "cuda_unsupported"
     """The CUDA kernel cannot run the site; ``auto`` leaves it as all_reduce."""
     CUDA_MIN_TOKENS = "cuda_min_tokens"

@@ -21,7 +21,7 @@ computes it when asked (``return_inv_rms``).
 lowering, workspace_tokens) -> (normed, residual_out)`` replaces ``all_reduce(sum) -> [+ residual]
 -> LayerNorm`` (weight and bias optional; ``weavepass.runtime.reference.add_layernorm_local``). A
 separate op with the bias after the weight, so the RMSNorm op's schema, generated calls and host
-cost stay as they are; only the portable lowering carries it (``runtime.LAYER_NORM_LOWERINGS``).
+cost stay as they are; the portable and the CUDA lowering carry it (``runtime.LAYER_NORM_LOWERINGS``).
 
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and ``weave.hold_inputs``
 are the token split's fused op on a second CUDA stream and the op that keeps its inputs alive

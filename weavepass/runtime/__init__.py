@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from weavepass.runtime.portable import fused_allreduce_layernorm_portable, fused_allreduce_rmsnorm_portable
+from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
 
 
 class FusedLowering(Protocol):
@@ -53,9 +53,12 @@ _LAZY_LOWERINGS: dict[str, str] = {
 }
 _LOWERINGS: dict[str, FusedLowering] = {"portable": fused_allreduce_rmsnorm_portable}
 
-LAYER_NORM_LOWERINGS = ("portable",)
-"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``). The CUDA kernel
-normalises by the root mean square only."""
+_LAYER_NORM_LOWERINGS: dict[str, str] = {
+    "portable": "weavepass.runtime.portable:fused_allreduce_layernorm_portable",
+    "cuda_symm": "weavepass.runtime.cuda.dispatch:fused_allreduce_layernorm_cuda",
+}
+LAYER_NORM_LOWERINGS = tuple(_LAYER_NORM_LOWERINGS)
+"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``)."""
 
 
 def get_lowering(name: str) -> FusedLowering:
@@ -91,9 +94,12 @@ def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, ou
 def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
                               workspace_tokens):
     """The kernel of ``weave.fused_allreduce_layernorm``: ``(normed, residual_out)`` with a
-    LayerNorm (``weavepass.runtime.reference.add_layernorm_local``); the workspace size does not
-    apply (only the portable lowering carries it)."""
-    if lowering not in LAYER_NORM_LOWERINGS:
+    LayerNorm (``weavepass.runtime.reference.add_layernorm_local``) by the lowering named ``lowering``."""
+    if lowering not in _LAYER_NORM_LOWERINGS:
         raise ValueError(f"weave lowering {lowering!r} does not carry LayerNorm; LayerNorm sites "
                          f"need one of {LAYER_NORM_LOWERINGS}")
-    return fused_allreduce_layernorm_portable(partial, residual, weight, bias, eps, group_name, out_dtype)
+    module_name, attr = _LAYER_NORM_LOWERINGS[lowering].split(":")
+    run = getattr(importlib.import_module(module_name), attr)
+    if lowering == "portable":  # no workspace
+        return run(partial, residual, weight, bias, eps, group_name, out_dtype)
+    return run(partial, residual, weight, bias, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens)

@@ -94,9 +94,12 @@ class SimulatedRanks:
         wait: bool = True,
         timeout_s: float = 60.0,
         return_inv_rms: bool = False,
+        layer_norm: bool = False,
+        bias: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, ...]]:
         """Every rank's ``(normed, residual_out)`` (``return_inv_rms``: plus the per-row inverse RMS,
-        [T, 1] fp32) for the ranks' ``partials`` ([T, H] each), computed
+        [T, 1] fp32; ``layer_norm``: a LayerNorm with an optional ``bias``) for the ranks' ``partials``
+        ([T, H] each), computed
         after the calling stream's work so far. ``wait``: return once the kernels finished
         (``wait_all``). Without it each rank's calls queue up on its own stream, so one rank can
         start its next call while another is still in this one (as real ranks do); the outputs are
@@ -122,9 +125,10 @@ class SimulatedRanks:
             inv_rms = torch.empty(tokens, 1, dtype=torch.float32, device=partial.device)
             outputs.append((normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out))
             kernel, tail, rank_meta = kernel_arguments(
-                plan, self.workspaces[rank], hidden, residual is not None, elem, tokens, return_inv_rms)
+                plan, self.workspaces[rank], hidden, residual is not None, elem, tokens, return_inv_rms, layer_norm)
+            b = weight if not layer_norm else torch.zeros_like(weight) if bias is None else bias
             launches.append((partial, partial if residual is None else residual, weight, normed, residual_out,
-                             inv_rms, *tail, eps))
+                             inv_rms, b, *tail, eps))
             meta.append(rank_meta)
         # Compile and load every rank's kernel before launching any: once rank 0's kernel runs it
         # waits for the others, and loading a module (CUDA's lazy loading defers it to first use)

@@ -27,11 +27,13 @@ from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose
 from weavepass.runtime.cuda.support import SUPPORTED_DTYPES, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
+    constant_vector,
     get_workspace,
     lamport_flag_slot,
     ones_weight,
 )
 from weavepass.runtime.portable import (
+    fused_allreduce_layernorm_portable,
     fused_allreduce_rmsnorm_portable,
     resolve_group,
     rows_per_rank,
@@ -72,6 +74,7 @@ class _Launch:
     hidden: int
     ones: torch.Tensor | None = None  # the weight of a norm without scale
     empty: bool = False  # no rows: nothing to launch
+    zeros: torch.Tensor | None = None  # the bias of a LayerNorm without one
     compiled: object = None  # triton CompiledKernel, after the first launch
     constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
     aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
@@ -93,10 +96,14 @@ def fused_allreduce_rmsnorm_cuda(
     *,
     max_workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
     return_inv_rms: bool = False,
+    layer_norm: bool = False,
+    bias: torch.Tensor | None = None,
     **overrides,
 ) -> tuple[torch.Tensor, ...]:
     """``partial`` [..., H] -> ``(normed, residual_out)``, same math and shapes as the portable lowering;
     with ``return_inv_rms`` also the per-row inverse RMS ``[..., 1]`` in fp32 (a training graph's).
+    ``layer_norm``: a LayerNorm with an optional ``bias`` instead of the RMSNorm
+    (``fused_allreduce_layernorm_cuda``).
 
     The partial sums are copied (pushed by the kernel) into the peers' symmetric staging buffers;
     writing the producing matmul straight into symmetric memory is a later optimisation. Outputs are
@@ -118,14 +125,17 @@ def fused_allreduce_rmsnorm_cuda(
         None if residual is None else (residual.shape, residual.dtype, residual.device, residual.is_contiguous()),
         None if weight is None else (weight.shape, weight.dtype, weight.device, weight.is_contiguous()),
         group_name, out_dtype, max_workspace_tokens, options, return_inv_rms,
+        layer_norm and (None if bias is None else (bias.shape, bias.dtype, bias.device, bias.is_contiguous())),
     )
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _prepare(partial, residual, weight, group_name, out_dtype, max_workspace_tokens,
-                          LaunchOverrides(**overrides), return_inv_rms)
+                          LaunchOverrides(**overrides), return_inv_rms, layer_norm, bias)
         if launch is not None:
             _LAUNCHES[key] = launch
     if not isinstance(launch, _Launch):  # unsupported or no workspace: the reason was warned once
+        if layer_norm:
+            return fused_allreduce_layernorm_portable(partial, residual, weight, bias, eps, group_name, out_dtype)
         return fused_allreduce_rmsnorm_portable(partial, residual, weight, eps, group_name, out_dtype,
                                                 return_inv_rms=return_inv_rms)
     # The kernel reads rows through raw pointers: a contiguous tensor of any shape [..., H] is its
@@ -145,14 +155,25 @@ def fused_allreduce_rmsnorm_cuda(
         w = launch.ones
     else:
         w = weight if key[5][3] else weight.contiguous()
-    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, *launch.tail, eps))
+    # The bias: a LayerNorm's own (zeros without one); an RMSNorm reads none (the weight stands in).
+    b = w if not layer_norm else launch.zeros if bias is None else bias if bias.is_contiguous() else bias.contiguous()
+    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b, *launch.tail, eps))
     return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
 
 
+def fused_allreduce_layernorm_cuda(partial, residual, weight, bias, eps, group_name, out_dtype, *,
+                                   max_workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS, **overrides):
+    """The CUDA lowering of ``weave.fused_allreduce_layernorm``: the same kernels with a LayerNorm
+    (``reference.add_layernorm_local``) in place of the RMSNorm."""
+    return fused_allreduce_rmsnorm_cuda(partial, residual, weight, eps, group_name, out_dtype,
+                                        max_workspace_tokens=max_workspace_tokens, layer_norm=True,
+                                        bias=bias, **overrides)
+
+
 def _aligned(args: tuple) -> bool:
-    """Whether the six tensor pointers (partial, residual, weight, outputs) are 16-byte aligned."""
-    return not ((args[0].data_ptr() | args[1].data_ptr() | args[2].data_ptr()
-                 | args[3].data_ptr() | args[4].data_ptr() | args[5].data_ptr()) & 15)
+    """Whether the seven tensor pointers (partial, residual, weight, outputs, bias) are 16-byte aligned."""
+    return not ((args[0].data_ptr() | args[1].data_ptr() | args[2].data_ptr() | args[3].data_ptr()
+                 | args[4].data_ptr() | args[5].data_ptr() | args[6].data_ptr()) & 15)
 
 
 def _launch(launch: _Launch, args: tuple) -> None:
@@ -198,6 +219,8 @@ def _triton_runtime_knobs():
 def _prepare(
     partial, residual, weight, group_name, out_dtype, max_tokens: int, overrides: LaunchOverrides,
     return_inv_rms: bool = False,
+    layer_norm: bool = False,
+    bias=None,
 ) -> _Launch | str | None:
     """Validate a new call signature and plan its launch. ``_PORTABLE`` when the kernel cannot
     serve it; None when no workspace fits now (not cached: the batch may fit later outside
@@ -207,6 +230,8 @@ def _prepare(
         partial, residual, ones_weight(hidden, partial.dtype, partial.device) if weight is None else weight,
         group_name,
     )
+    if reason is None and layer_norm and bias is not None and (bias.shape != (hidden,) or bias.device != partial.device):
+        reason = "bias is not a [hidden] tensor on partial's device"
     if reason is not None:
         _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
         return _PORTABLE
@@ -232,22 +257,23 @@ def _prepare(
         return None  # not cached: outside capture a later call may allocate it
 
     kernel, tail, meta = kernel_arguments(plan, ws, hidden, residual is not None, elem, num_tokens,
-                                          return_inv_rms)
+                                          return_inv_rms, layer_norm)
     ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
-    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0)
+    zeros = constant_vector(hidden, partial.dtype, partial.device, 0.0) if layer_norm and bias is None else None
+    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0, zeros=zeros)
 
 
 def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int,
-                     has_inv_rms: bool = False):
+                     has_inv_rms: bool = False, layer_norm: bool = False):
     """``(kernel, tail, meta)`` of one call planned as ``plan`` on workspace ``ws``: the kernel runs
-    as ``kernel[(plan.num_ctas,)](partial, residual, weight, normed, residual_out, inv_rms, *tail,
-    eps, **meta)`` (also by ``weavepass.testing.kernel_sim``, on simulated workspaces)."""
+    as ``kernel[(plan.num_ctas,)](partial, residual, weight, normed, residual_out, inv_rms, bias,
+    *tail, eps, **meta)`` (also by ``weavepass.testing.kernel_sim``, on simulated workspaces)."""
     from weavepass.runtime.cuda import kernels
 
     world = ws.world
     meta = dict(
         RANK=ws.rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
-        HAS_RESIDUAL=has_residual, HAS_INV_RMS=has_inv_rms, num_warps=plan.num_warps,
+        HAS_RESIDUAL=has_residual, HAS_INV_RMS=has_inv_rms, NORM=int(layer_norm), num_warps=plan.num_warps,
     )
     if plan.lamport:
         meta.update(BITS=8 * element_size, FLAG_SLOT=lamport_flag_slot(world))

@@ -99,20 +99,39 @@ def _block_barrier(
 @triton.jit
 def _norm_rows(
     res,  # [ROWS, BLOCK_H] residual_out rows in dtype(P), padding zero
-    w, eps, normed_ptr, inv_rms_ptr, offs,
+    w,  # [BLOCK_H] fp32 weight
+    b,  # [BLOCK_H] fp32 bias (LayerNorm; zeros without one)
+    eps, normed_ptr, inv_rms_ptr, offs,
     row,  # [ROWS] row indices in [T]
     mask,
     HIDDEN: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,  # 0: RMSNorm, 1: LayerNorm
 ):
-    """``normed = x * rsqrt(mean(x^2) + eps) * w`` over the last dim of ``x = fp32(res)``, stored;
-    with ``HAS_INV_RMS`` also the per-row ``rsqrt(mean(x^2) + eps)`` (fp32; what a training graph saves
-    for backward)."""
+    """RMSNorm: ``normed = x * rsqrt(mean(x^2) + eps) * w`` over the last dim of ``x = fp32(res)``;
+    LayerNorm: ``d = x - mean(x)``, ``normed = d * rsqrt(mean(d^2) + eps) * w + b`` (biased variance,
+    ``reference.add_layernorm_local``'s order). Stored in the output's dtype; with ``HAS_INV_RMS``
+    also the per-row ``rsqrt(mean(x^2) + eps)`` (fp32; what a training graph saves for backward)."""
     x = res.to(tl.float32)
+    if NORM == 1:
+        x = tl.where(mask, x - (tl.sum(x, axis=1) / HIDDEN)[:, None], 0.0)  # padding stays 0
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HIDDEN + eps)
-    tl.store(normed_ptr + offs, (x * inv_rms[:, None] * w[None, :]).to(normed_ptr.dtype.element_ty), mask=mask)
+    y = x * inv_rms[:, None] * w[None, :]
+    if NORM == 1:
+        y = y + b[None, :]
+    tl.store(normed_ptr + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
     if HAS_INV_RMS:
         tl.store(inv_rms_ptr + row, inv_rms, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+
+
+@triton.jit
+def _load_bias(bias_ptr, cols, col_mask, w, NORM: tl.constexpr):
+    """The LayerNorm bias in fp32 (``NORM == 1``); an RMSNorm reads none (``w`` stands in, unused)."""
+    if NORM == 1:
+        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        b = w
+    return b
 
 
 @triton.jit
@@ -121,9 +140,10 @@ def _finalise_rows(
     start,  # first row of the peer's shard
     end,  # one past its last row (rows at or beyond it are masked)
     local,  # [ROWS] row indices within the shard
-    eps, w, cols, col_mask,
+    eps, w, b, cols, col_mask,
     HIDDEN: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Step 5 for one tile of a peer's shard: copy its ``residual_out`` rows from the local recv
     buffer and normalise them into ``normed`` (both kernels finalise this way)."""
@@ -131,7 +151,7 @@ def _finalise_rows(
     offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
     res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
     tl.store(residual_out_ptr + offs, res, mask=mask)
-    _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS)
+    _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
 
 
 @triton.jit
@@ -175,6 +195,7 @@ def fused_allreduce_rmsnorm_kernel(
     normed_ptr,  # [T, HIDDEN] output, out_dtype
     residual_out_ptr,  # [T, HIDDEN] output, dtype(P)
     inv_rms_ptr,  # [T] fp32 output (only with HAS_INV_RMS; any pointer otherwise)
+    bias_ptr,  # [HIDDEN] LayerNorm bias (only with NORM == 1; zeros without one; any pointer otherwise)
     ws_ptr,  # this rank's symmetric workspace, dtype(P): staging at 0, recv at recv_offset
     pad_ptr,  # int32* this rank's symmetric signal pad
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,  # peer workspace address - local one, in elements
@@ -192,6 +213,7 @@ def fused_allreduce_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     MAX_CTAS: tl.constexpr,  # signal slots per channel
     HAS_INV_RMS: tl.constexpr,  # also write the per-row inverse RMS (training graphs)
+    NORM: tl.constexpr,  # 0: RMSNorm, 1: LayerNorm (_norm_rows)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -225,6 +247,7 @@ def fused_allreduce_rmsnorm_kernel(
 
     # 3. reduce the owned rows, add the residual, push residual_out, normalise
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = _load_bias(bias_ptr, cols, col_mask, w, NORM)
     if ONE_SHOT:
         start = 0
     else:
@@ -242,7 +265,7 @@ def fused_allreduce_rmsnorm_kernel(
                 if dst != RANK:
                     delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
                     tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
-        _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS)
+        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
 
     _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 1, RANK, WORLD, MAX_CTAS)
 
@@ -255,7 +278,7 @@ def fused_allreduce_rmsnorm_kernel(
                 for tile in range(pid, num_tiles, num_programs):
                     local = tile * ROWS + rows
                     _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
-                                   local, eps, w, cols, col_mask, HIDDEN, HAS_INV_RMS)
+                                   local, eps, w, b, cols, col_mask, HIDDEN, HAS_INV_RMS, NORM)
 
 
 # ------------------------------------------------------------------ pipelined two-shot (large batches)
@@ -329,7 +352,7 @@ def _push_chunk(
 def _reduce_chunk(
     partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
-    chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
+    chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -338,6 +361,7 @@ def _reduce_chunk(
     CHUNK_ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     start = RANK * shard_rows
     end = tl.minimum(start + shard_rows, num_tokens)
@@ -352,19 +376,20 @@ def _reduce_chunk(
                 delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
                 tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS)
+        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
 
 
 @triton.jit
 def _finalise_chunk(
     normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
-    chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
+    chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK_ROWS: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     for owner in tl.static_range(WORLD):
         if owner != RANK:
@@ -373,12 +398,12 @@ def _finalise_chunk(
             for k in tl.static_range(CHUNK_ROWS // ROWS):
                 local = chunk * CHUNK_ROWS + k * ROWS + rows
                 _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
-                               local, eps, w, cols, col_mask, HIDDEN, HAS_INV_RMS)
+                               local, eps, w, b, cols, col_mask, HIDDEN, HAS_INV_RMS, NORM)
 
 
 @triton.jit
 def fused_allreduce_rmsnorm_pipelined_kernel(
-    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, pad_ptr,
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr, ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,
     num_tokens, shard_rows, recv_offset, eps,
@@ -392,6 +417,7 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     HAS_RESIDUAL: tl.constexpr,
     MAX_CTAS: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Two-shot, software-pipelined over chunks of ``CHUNK_ROWS`` rows (see the module docstring).
 
@@ -411,6 +437,7 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     total_chunks = tl.cdiv(shard_rows, CHUNK_ROWS)
     n = (total_chunks - pid + num_programs - 1) // num_programs
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = _load_bias(bias_ptr, cols, col_mask, w, NORM)
     if n > 0:
         _push_chunk(partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                     pid, num_tokens, shard_rows, cols, col_mask,
@@ -430,19 +457,19 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
         _wait_counters(pad_ptr, 2, c + 1, RANK, WORLD, MAX_CTAS)
         _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                       wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
-                      chunk, num_tokens, shard_rows, recv_offset, eps, w, rows, cols, col_mask,
-                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS)
+                      chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
+                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM)
         if c > 0:
             _wait_counters(pad_ptr, 3, c, RANK, WORLD, MAX_CTAS)
             _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
-                            chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w,
-                            rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS)
+                            chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
+                            rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM)
         _signal_counters(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, more, RANK, WORLD, MAX_CTAS)
     if n > 0:
         _wait_counters(pad_ptr, 3, n, RANK, WORLD, MAX_CTAS)
         _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
-                        pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w,
-                        rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS)
+                        pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
+                        rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM)
         for peer in tl.static_range(WORLD):  # consume this call's counts (the peers' next call may
             if peer != RANK:  # already be adding: counters are exact, so subtracting keeps those)
                 tl.atomic_add(pad_ptr + (2 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")
@@ -473,7 +500,7 @@ def _empty_value(ROWS: tl.constexpr, BLOCK_H: tl.constexpr, dtype: tl.constexpr,
 
 @triton.jit
 def fused_allreduce_rmsnorm_lamport_kernel(
-    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, pad_ptr,
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr, ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     num_tokens,
     lamport_offset,  # element offset of the Lamport region in the workspace
@@ -488,6 +515,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
     BITS: tl.constexpr,  # bits per element of dtype(P): 16 or 32
     FLAG_SLOT: tl.constexpr,  # pad slots: [FLAG_SLOT] = calls so far, [FLAG_SLOT + 1] = CTAs done
     HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One-shot without barriers, for decode-sized batches (Lamport's scheme, as in TensorRT-LLM's and
     FlashInfer's one-shot all-reduce).
@@ -532,6 +560,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
 
     # 2. reduce each tile once every peer's rows have arrived, then mark the slots empty again
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = _load_bias(bias_ptr, cols, col_mask, w, NORM)
     for tile in range(pid, num_tiles, num_programs):
         local = tile * ROWS + rows
         mask = (local < num_tokens)[:, None] & col_mask[None, :]
@@ -553,7 +582,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, eps, normed_ptr, inv_rms_ptr, offs, local, mask, HIDDEN, HAS_INV_RMS)
+        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, local, mask, HIDDEN, HAS_INV_RMS, NORM)
 
     # 3. the last program to finish advances the call counter (and resets the done count)
     tl.debug_barrier()

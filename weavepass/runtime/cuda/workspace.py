@@ -153,13 +153,18 @@ def get_workspace(group_name, dtype, device, needed: int, hidden: int, max_token
     return ws
 
 
-_ONES: dict[tuple, torch.Tensor] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def constant_vector(hidden: int, dtype: torch.dtype, device: torch.device, value: float) -> torch.Tensor:
+    """A cached ``[hidden]`` vector of ``value`` (kept for the process, outside CUDA-graph pools)."""
+    key = (hidden, dtype, device, value)
+    if key not in _CONSTANTS:
+        make = lambda: torch.full((hidden,), value, dtype=dtype, device=device)  # noqa: E731
+        _CONSTANTS[key] = outside_graph_pools(make, device) if device.type == "cuda" else make()
+    return _CONSTANTS[key]
 
 
 def ones_weight(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The weight of a norm without scale (multiplying by 1.0 in fp32 is exact)."""
-    key = (hidden, dtype, device)
-    if key not in _ONES:
-        make = lambda: torch.ones(hidden, dtype=dtype, device=device)  # noqa: E731
-        _ONES[key] = outside_graph_pools(make, device) if device.type == "cuda" else make()
-    return _ONES[key]
+    return constant_vector(hidden, dtype, device, 1.0)

@@ -75,7 +75,7 @@ def apply_token_split(
         return False
 
     layer_norms = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_LAYERNORM]
-    if layer_norms:  # (only the portable lowering fuses them, and the split pays off on CUDA only)
+    if layer_norms:  # (no LayerNorm form of the async op is written)
         return skip(f"{len(layer_norms)} LayerNorm site(s): the split's async op "
                     "(weave.fused_allreduce_rmsnorm_async) carries RMSNorm sites only")
     fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
