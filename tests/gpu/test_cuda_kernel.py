@@ -337,6 +337,38 @@ def _inverse_rms_worker(rank, world):
     return cases
 
 
+def _layer_norm_worker(rank, world):
+    """``weave.fused_allreduce_layernorm``'s CUDA lowering: every algorithm with a LayerNorm, with
+    and without bias, against the reference (tolerances as for RMSNorm: the mean's fp32 summation
+    order adds an absolute error of ~1e-7 x |mean| / std on centred values, inside atol)."""
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_layernorm_cuda
+
+    group = dist.group.WORLD.group_name
+    kernels = [dict(one_shot=True), dict(one_shot=False, pipelined=False), dict(one_shot=False, pipelined=True)]
+    if world > 1:
+        kernels.append(dict(lamport=True))
+    errors, cases = [], 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for kernel in kernels:
+            for tokens in (3, 1024):
+                if kernel.get("lamport") and tokens > 16:
+                    continue
+                for with_bias in (False, True):
+                    partials, residual, weight = _make_inputs(tokens + with_bias, tokens, 4096, dtype, True, world)
+                    partials = [p + 0.5 for p in partials]  # a non-zero mean to subtract
+                    bias = (0.1 * torch.arange(4096, device="cuda") / 4096).to(dtype) if with_bias else None
+                    want_normed, want_res = fused_allreduce_rmsnorm_reference(
+                        partials, residual, weight, EPS, dtype, bias=bias, layer_norm=True)
+                    normed, res_out = fused_allreduce_layernorm_cuda(
+                        partials[rank], residual, weight, bias, EPS, group, dtype, num_ctas=16, **kernel)
+                    label = f"LayerNorm T={tokens} {dtype} bias={with_bias} {kernel}"
+                    errors += _compare(label + " residual_out", res_out, want_res, RESIDUAL_TOL[dtype])
+                    errors += _compare(label + " normed", normed, want_normed, NORMED_TOL[dtype])
+                    cases += 1
+    assert not errors, "\n".join(errors)
+    return cases
+
+
 def small_case_worker(rank, world):
     """One decode-size and one prefill-size call (for compute-sanitizer runs)."""
     errors = _check_call(rank, world, 5, 127, 4096, torch.bfloat16, True, torch.bfloat16)
@@ -360,6 +392,7 @@ CASES = {
     "test_cuda_graph_capture_and_replay": Case(_cuda_graph_worker),
     "test_fp16_overflow_as_in_eager": Case(_fp16_overflow_worker),
     "test_inverse_rms_for_training": Case(_inverse_rms_worker),
+    "test_layer_norm": Case(_layer_norm_worker),
     "test_fallbacks_to_portable": Case(_fallback_worker),
 }
 gpu_ranks, case_result = shared_ranks(CASES, WORLD)
@@ -373,6 +406,10 @@ def test_matches_reference(case_result, dtype):
 
 def test_inverse_rms_for_training(case_result):
     assert len(set(case_result)) == 1 and case_result[0] >= 18  # every rank, every case
+
+
+def test_layer_norm(case_result):
+    assert len(set(case_result)) == 1 and case_result[0] >= 24  # every rank, every case
 
 
 # The workers below assert inside the ranks; here: every rank ran its case to the end.

@@ -22,6 +22,7 @@ from test_cuda_kernel import (  # noqa: E402  (tests/gpu is on sys.path under py
     _cuda_graph_worker,
     _dtype_id,
     _inverse_rms_worker,
+    _layer_norm_worker,
     _make_inputs,
     _matches_reference_worker,
     _modes_worker,
@@ -90,6 +91,7 @@ CASES = {
     "test_every_algorithm_and_cta_count_on_one_gpu": Case(_modes_worker),
     "test_cuda_graph_capture_and_replay_on_one_gpu": Case(_cuda_graph_worker),
     "test_inverse_rms_on_one_gpu": Case(_inverse_rms_worker),
+    "test_layer_norm_on_one_gpu": Case(_layer_norm_worker),
 }
 gpu_ranks, case_result = shared_ranks(CASES, 1)
 
@@ -114,3 +116,7 @@ def test_cuda_graph_capture_and_replay_on_one_gpu(case_result):
 
 def test_inverse_rms_on_one_gpu(case_result):
     assert case_result[0] == 18  # 2 dtypes x 3 kernels x 3 sizes (no Lamport without peers)
+
+
+def test_layer_norm_on_one_gpu(case_result):
+    assert case_result[0] == 24  # 2 dtypes x 3 kernels x 2 sizes x bias or not (no Lamport without peers)
