@@ -67,9 +67,10 @@ def test_cuda_lowering_caches_per_capacity():
             dispatch.fused_allreduce_rmsnorm_cuda(partial, residual, weight, 1e-6, group.group_name,
                                                   torch.float32, max_workspace_tokens=capacity)
         new = [key for key in dispatch._LAUNCHES if key not in known]
-    assert sorted(key[-2] for key in new) == [256, 1024]
+    # key: (..., group, out_dtype, capacity, options, return_inv_rms, LayerNorm bias)
+    assert sorted(key[-4] for key in new) == [256, 1024]
     assert all(dispatch._LAUNCHES[key] == dispatch._PORTABLE for key in new)
-    assert new[0][:-2] == new[1][:-2]  # the capacity is the only difference
+    assert new[0][:-4] == new[1][:-4] and new[0][-3:] == new[1][-3:]  # the capacity is the only difference
 
 
 def test_workspace_serves_at_most_the_asked_capacity():

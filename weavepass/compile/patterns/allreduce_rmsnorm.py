@@ -122,14 +122,18 @@ class FusedAllReduceRMSNormSite:
     @property
     def shared(self) -> Node | None:
         """Before ``prepare``: the replicated ``x`` of ``(S + x) + r`` (a shared expert's output),
-        which ``fold_inner_add`` moves onto the residual; else None."""
-        if self.add is None or self.inner is None or self.inner.partner is not None:
+        which ``fold_inner_add`` moves onto the residual; else None (also for the merged forms: a
+        partner's sum added first, or parallel branches, where ``x`` is the stream itself)."""
+        if self.add is None or self.inner is None or self.inner.merged is not None:
             return None
         return self.inner.other
 
     def stream_residual(self) -> Node:
-        """The residual add's operand that is not the (scaled, merged) sum: before ``prepare``, the
-        residual stream's value ``r``, also where ``x`` is added to the sum first (``shared``)."""
+        """The residual stream's value ``r`` this site adds: the residual add's operand that is not
+        the (scaled, merged) sum, also where ``x`` is added to the sum first (``shared``); for
+        parallel branches ``(S + x) + S_2``, ``x`` (the residual add's other operand is ``S_2``)."""
+        if self.inner is not None and self.inner.parallel is not None:
+            return self.inner.other
         start = self.inner.add if self.inner is not None else self.scale or self.wait
         summed = self.views_to_add[-1] if self.views_to_add else start
         return self.add.args[1] if self.add.args[0] is summed else self.add.args[0]
