@@ -69,7 +69,7 @@ def test_cuda_lowering_caches_per_capacity():
             dispatch.fused_allreduce_rmsnorm_cuda(partial, residual, weight, 1e-6, group.group_name,
                                                   torch.float32, max_workspace_tokens=capacity)
         new = [key for key in dispatch._LAUNCHES if key not in known]
-    capacity_index = -3  # the key ends with (capacity, options, return_inv_rms)
+    capacity_index = 8  # the key: partial's 4 properties, residual, weight, group, out_dtype, capacity, ...
     assert sorted(key[capacity_index] for key in new) == [256, 1024]
     assert all(dispatch._LAUNCHES[key] == dispatch._PORTABLE for key in new)
     without_capacity = {key[:capacity_index] + key[capacity_index + 1:] for key in new}
