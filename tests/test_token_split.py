@@ -383,43 +383,87 @@ def test_biased_linear_between_sites_is_split():
     assert graph.ops_after["aten.addmm.default"] == 2 * graph.ops_before["aten.addmm.default"]
 
 
-def _masked_attention_model(x, w_in, w_qkv, w_out, mask, eager):
-    """Two sites with attention between them whose mask is an input: SDPA with a boolean mask, or
-    Hugging Face's eager attention (``bmm`` + additive mask + softmax + ``bmm``) with a float one."""
+def _masked_attention_model(x, w_in, w_qkv, w_out, mask, form):
+    """Two sites with attention between them whose mask is an input: SDPA with a boolean mask
+    (``form="sdpa"``), or Hugging Face's eager attention (``bmm`` + mask + softmax + ``bmm``) with
+    the mask added (``"additive"``), as ``where(mask, scores, low)`` (``"where"``: True shows a key)
+    or as ``masked_fill(mask, low)`` (``"masked_fill"``: True hides a key; Inductor decomposes it to
+    ``where(mask, low, scores)``)."""
     h = funcol.all_reduce(x @ w_in, "sum", dist.group.WORLD)
     y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
     heads = (y @ w_qkv).view(*y.shape[:-1], -1, 8).transpose(1, 2)  # [B, 2, T, 8]
-    if eager:
-        scores = heads @ heads.transpose(2, 3) * 8**-0.5 + mask
-        out = torch.softmax(scores, dim=-1) @ heads
-    else:
+    if form == "sdpa":
         out = torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, attn_mask=mask)
+    else:
+        scores = heads @ heads.transpose(2, 3) * 8**-0.5
+        low = torch.finfo(scores.dtype).min
+        if form == "additive":
+            scores = scores + mask
+        elif form == "where":
+            scores = torch.where(mask, scores, low)
+        else:
+            scores = scores.masked_fill(mask, low)
+        out = torch.softmax(scores, dim=-1) @ heads
     h = h + funcol.all_reduce(out.transpose(1, 2).reshape(*y.shape[:-1], -1) @ w_out, "sum", dist.group.WORLD)
     return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["sdpa-bool-mask", "eager-additive-mask"])
-def test_a_mask_that_shows_keys_after_the_cut_stops_the_run(eager):
+@pytest.mark.parametrize("form", ["sdpa", "additive", "where", "masked_fill"])
+def test_a_mask_that_shows_keys_after_the_cut_stops_the_run(form):
     """Half A runs before half B's keys exist, so a sequence cut is right only for masks that hide
     every key after the cut from every query before it. The mask is an input: the split asserts that
     at run time (once per mask), so a bidirectional mask stops the run with a message instead of a
-    wrong answer, and a causal one passes. Graph only (a fake group computes no sums)."""
+    wrong answer, and a causal one passes. ``masked_fill``'s condition hides where it is True: the
+    check read it as where()'s (False hides) before, so a bidirectional mask ran (a wrong answer)
+    and a causal one stopped. Graph only (a fake group computes no sums)."""
     seq = 7
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(1, seq, 16, generator=g), torch.randn(16, 16, generator=g),
             torch.randn(16, 16, generator=g) / 4, torch.randn(16, 16, generator=g) / 4]
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     everything = torch.ones(seq, seq, dtype=torch.bool)
-    if eager:  # Hugging Face's additive form: the dtype's lowest value where a key is hidden
+    if form == "additive":  # Hugging Face's additive form: the dtype's lowest value where a key is hidden
         low = torch.finfo(torch.float32).min
         causal, everything = (torch.zeros(seq, seq).masked_fill(~m, low) for m in (causal, everything))
+    elif form == "masked_fill":  # True where a key is hidden
+        causal, everything = ~causal, ~everything
     backend = WeaveBackend(FORCE)
     fn = torch.compile(_masked_attention_model, backend=backend, fullgraph=True)
     with fake_process_group(2), torch.no_grad():
         torch._dynamo.reset()
-        fn(*args, causal, eager)
+        fn(*args, causal, form)
         (graph,) = backend.report.graphs
         assert graph.note.startswith("token split (sequence)"), graph.note
         assert graph.ops_after["aten._assert_async.msg"] == 1
         with pytest.raises(RuntimeError, match="bidirectional attention"):
-            fn(*args, everything, eager)
+            fn(*args, everything, form)
+
+
+def _zero_filled_attention_model(x, w_in, w_qkv, w_out, mask):
+    """``_masked_attention_model``'s eager attention with ``where(mask, scores, 0)``: a False
+    element scores 0, which the softmax still weighs, so no mask value hides a key."""
+    h = funcol.all_reduce(x @ w_in, "sum", dist.group.WORLD)
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+    heads = (y @ w_qkv).view(*y.shape[:-1], -1, 8).transpose(1, 2)
+    scores = torch.where(mask, heads @ heads.transpose(2, 3) * 8**-0.5, 0.0)
+    out = torch.softmax(scores, dim=-1) @ heads
+    h = h + funcol.all_reduce(out.transpose(1, 2).reshape(*y.shape[:-1], -1) @ w_out, "sum", dist.group.WORLD)
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+
+
+def test_a_where_mask_that_cannot_hide_a_key_is_refused():
+    """``where(mask, scores, 0)`` hides no key whatever the mask holds, so half A leaving out B's
+    keys would answer wrong even for a causal mask (it ran before, and the check passed): the split
+    refuses it at compile time, with a reason."""
+    seq = 7
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(1, seq, 16, generator=g), torch.randn(16, 16, generator=g),
+            torch.randn(16, 16, generator=g) / 4, torch.randn(16, 16, generator=g) / 4,
+            torch.ones(seq, seq, dtype=torch.bool).tril()]
+    backend = WeaveBackend(FORCE)
+    with fake_process_group(2), torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(_zero_filled_attention_model, backend=backend, fullgraph=True)(*args)
+    (graph,) = backend.report.graphs
+    assert not graph.note.startswith("token split"), graph.note
+    assert "where()'s condition choosing between the scores and the dtype's lowest value" in graph.note

@@ -101,20 +101,23 @@ def test_every_algorithm_matches_reference(world):
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_back_to_back_calls_mixing_algorithms(world):
-    """200 calls without synchronising between them, cycling through every algorithm and a few sizes:
-    a kernel that leaves a signal set, or overwrites a peer's rows before the peer read them, shows."""
+    """200 calls without synchronising between them, every algorithm on every size in turn (an
+    algorithm for 5 calls in a row: two Lamport calls back to back, on both parities, between
+    barrier kernels): a kernel that leaves a signal set, or overwrites a peer's rows before the
+    peer read them, shows. (Size and algorithm used to advance together: 4 sizes and 4 algorithms
+    paired each algorithm with one size, and the Lamport kernel's, 2048 tokens, never ran.)"""
     from weavepass.testing.kernel_sim import SimulatedRanks
 
     hidden, dtype = 8192, torch.bfloat16
     sim = SimulatedRanks(world, hidden, 2048, dtype)
     cases = []
-    for i, tokens in enumerate((1, 17, 512, 2048)):
+    for i, tokens in enumerate((1, 16, 17, 512, 2048)):  # 16: the Lamport slot's largest batch
         partials, residual, weight = _inputs(100 + i, world, tokens, hidden, dtype)
         cases.append((tokens, partials, residual, weight))
     results = []
     for call in range(200):
         tokens, partials, residual, weight = cases[call % len(cases)]
-        name = list(ALGORITHMS)[call % len(ALGORITHMS)]
+        name = list(ALGORITHMS)[call // len(cases) % len(ALGORITHMS)]
         if not _serves(name, tokens, hidden, dtype):
             name = "two_shot"
         overrides = ALGORITHMS[name]

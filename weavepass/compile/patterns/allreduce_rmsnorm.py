@@ -219,14 +219,7 @@ class FusedAllReduceRMSNormSite:
 
     def _merge_partner(self, graph: Graph) -> None:
         inner, partner = self.inner, self.inner.partner
-        with graph.inserting_before(inner.add):
-            mine = _replay(graph, inner.views, self.partial)
-            theirs = _replay(graph, partner.views, partner.partial)
-            summed = graph.call_function(aten.add.Tensor, (mine, theirs))
-            merged = graph.call_function(c10d.all_reduce.default, (summed, "sum", self.group_name))
-            wait = graph.call_function(WAIT, (merged,))
-        _set_fake_vals([*_chain(self.partial, mine), *_chain(partner.partial, theirs), summed,
-                        merged, wait])
+        merged, wait = self._one_all_reduce(graph, inner.add, partner)
         inner.add.replace_all_uses_with(wait)
         _erase_dead([inner.add, *reversed(inner.views), self.wait, self.all_reduce,
                      *reversed(partner.views), partner.wait, partner.all_reduce], graph)
@@ -240,19 +233,24 @@ class FusedAllReduceRMSNormSite:
         inner, parallel, add = self.inner, self.inner.parallel, self.add
         summed = inner.views[-1] if inner.views else self.wait  # the scale is hoisted by now
         x = inner.add.args[1] if inner.add.args[0] is summed else inner.add.args[0]
-        with graph.inserting_before(add):
-            mine = _replay(graph, inner.views, self.partial)
-            theirs = _replay(graph, parallel.views, parallel.partial)
-            both = graph.call_function(aten.add.Tensor, (mine, theirs))
-            merged = graph.call_function(c10d.all_reduce.default, (both, "sum", self.group_name))
-            wait = graph.call_function(WAIT, (merged,))
-        _set_fake_vals([*_chain(self.partial, mine), *_chain(parallel.partial, theirs), both,
-                        merged, wait])
+        merged, wait = self._one_all_reduce(graph, add, parallel)
         add.replace_input_with(parallel.views[-1] if parallel.views else parallel.wait, wait)
         add.replace_input_with(inner.add, x)
         _erase_dead([inner.add, *reversed(inner.views), self.wait, self.all_reduce,
                      *reversed(parallel.views), parallel.wait, parallel.all_reduce], graph)
         self.all_reduce, self.wait, self.matmul, self.views_to_add = merged, wait, None, []
+
+    def _one_all_reduce(self, graph: Graph, before: Node, other: PartnerSum) -> tuple[Node, Node]:
+        """``all_reduce(p + p_2)`` inserted before ``before``: this site's partial through the inner
+        sum's views plus ``other``'s partial through its views; returns (all_reduce, wait)."""
+        with graph.inserting_before(before):
+            mine = _replay(graph, self.inner.views, self.partial)
+            theirs = _replay(graph, other.views, other.partial)
+            summed = graph.call_function(aten.add.Tensor, (mine, theirs))
+            merged = graph.call_function(c10d.all_reduce.default, (summed, "sum", self.group_name))
+            wait = graph.call_function(WAIT, (merged,))
+        _set_fake_vals([*_chain(self.partial, mine), *_chain(other.partial, theirs), summed, merged, wait])
+        return merged, wait
 
     def _add_to_residual(self, graph: Graph) -> None:
         inner, add = self.inner, self.add

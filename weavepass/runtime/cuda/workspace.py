@@ -92,7 +92,12 @@ def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     itemsize = torch.empty((), dtype=dtype).element_size()
     buffer = symm_mem.empty(2 * capacity + lamport_region_elements(resolve_group(group_name).size(), itemsize),
                             dtype=dtype, device=device)
-    buffer[2 * capacity:].fill_(-0.0)  # "empty" before any peer can push (the rendezvous orders it)
+    buffer[2 * capacity:].fill_(-0.0)  # "empty" before any peer can push:
+    # done, not only queued, before the rendezvous lets a peer address the buffer. A peer leaves the
+    # rendezvous and may launch a Lamport call whose pushes would land before a queued fill (this
+    # stream waits behind the caller's work) and be overwritten: its data lost, this rank's poll
+    # never ends.
+    torch.cuda.synchronize(device)
     handle = symm_mem.rendezvous(buffer, group_name)
     if handle.multicast_ptr != 0:  # never touched, but say so if the allocator made one anyway
         logger.warning("symmetric workspace got a multicast object; weave never uses it")

@@ -122,8 +122,9 @@ def emit_keys_hidden_check(rw: Rewrite, mask: Node, row_dim: int | None, key_dim
     """Half A leaves out half B's keys, which is right only if ``mask`` hides every key of B from
     every query of A (a causal or sliding-window mask). The mask is an input, not known at compile
     time: emit a run-time assertion (once per mask) that its block ``[A's rows, B's keys]`` hides
-    all: every element False (``blocks == "false"``) or at most the dtype's lowest value, which is
-    what -inf and Hugging Face's ``finfo.min`` masks hold (``"additive"``). A failing check stops the
+    all: every element False (``blocks == "false"``), every element True (``"true"``: a
+    ``masked_fill`` condition) or at most the dtype's lowest value, which is what -inf and Hugging
+    Face's ``finfo.min`` masks hold (``"additive"``; ``scores.mask_blocks`` says which). A failing check stops the
     run with ``HIDDEN_KEYS_MESSAGE`` (on CUDA as a device-side assertion) instead of a wrong answer."""
     if mask in rw.checked_masks:
         return
@@ -136,6 +137,8 @@ def emit_keys_hidden_check(rw: Rewrite, mask: Node, row_dim: int | None, key_dim
         block = rw.emit(aten.slice.Tensor, (block, key_dim, *rw.bounds(mask, key_dim, "B")))
     if blocks == "false":
         visible = block
+    elif blocks == "true":
+        visible = rw.emit(aten.logical_not.default, (block,))
     else:
         visible = rw.emit(aten.gt.Scalar, (block, torch.finfo(val(mask).dtype).min))
     hidden = rw.emit(aten.logical_not.default, (rw.emit(aten.any.default, (visible,)),))

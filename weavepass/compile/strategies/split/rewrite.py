@@ -130,7 +130,8 @@ class Rewrite:
                 return self.read(a, half)
             if a in sliced or a in key_sliced:
                 if a in key_sliced:  # half A leaves out B's keys: the mask must hide them
-                    emit_keys_hidden_check(self, a, sliced.get(a), key_sliced[a], mask_blocks(node, a))
+                    emit_keys_hidden_check(self, a, sliced.get(a), key_sliced[a],
+                                           mask_blocks(node, a, info.keys))
                 part = self.slice(a, sliced[a], half) if a in sliced else a
                 return self.slice(part, key_sliced[a], "A") if a in key_sliced else part
             return a

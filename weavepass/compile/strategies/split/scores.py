@@ -125,21 +125,40 @@ def _elementwise(node: Node, info: Analysis) -> int:
             continue
         if t in info.token or hint(val(t).shape[pos]) != full:
             raise Unsupported(f"{node.name}: {t.name} is lined up with the keys of attention scores")
-        if mask_blocks(node, t) is None:
+        if mask_blocks(node, t, info.keys) is None:
             raise Unsupported(f"{node.name} ({op_name(node.target)}): {t.name} is lined up with the keys but is "
-                              "neither an additive mask nor where()'s condition, so the split cannot check "
-                              "that no query before the cut sees a key after it")
+                              "neither a mask added to the scores nor where()'s condition choosing between the "
+                              "scores and the dtype's lowest value, so the split cannot check that no query "
+                              "before the cut sees a key after it")
         info.key_sliced.setdefault(node, {})[t] = pos
     info.keys[node] = k
     return d
 
 
-def mask_blocks(node: Node, mask: Node) -> str | None:
-    """How ``mask``, lined up with the keys, hides a key from a query in ``node``: ``"additive"``
-    (a float added to the scores: the dtype's lowest value or -inf hides), ``"false"`` (a boolean
-    condition of ``where(mask, scores, ...)``: False hides), or None when that is not known."""
+def mask_blocks(node: Node, mask: Node, keys: dict) -> str | None:
+    """How ``mask``, lined up with the keys, hides a key from a query in ``node`` (``keys``: the
+    score tensors, ``info.keys``): ``"additive"`` (a float added to the scores: the dtype's lowest
+    value or -inf hides), ``"false"`` (``where(mask, scores, low)``: False hides), ``"true"``
+    (``where(mask, low, scores)``, what ``masked_fill(mask, low)`` decomposes to: True hides), or
+    None when that is not known. ``low`` must be a constant at most the dtype's lowest value: any
+    other fill (``where(mask, scores, 0)``) leaves the key in the softmax."""
     if val(mask).is_floating_point():
-        return "additive" if node.target in (aten.add.Tensor, aten.sub.Tensor) else None
-    if val(mask).dtype == torch.bool and node.target is aten.where.self and node.args[0] is mask:
+        # scores + mask only: ``scores - mask`` would turn a -inf mask into +inf (a key shown).
+        return "additive" if node.target is aten.add.Tensor else None
+    if val(mask).dtype != torch.bool or node.target is not aten.where.self or node.args[0] is not mask:
+        return None
+    on_true, on_false = node.args[1:3]
+    if on_true in keys and _hides(on_false, val(node).dtype):
         return "false"
+    if on_false in keys and _hides(on_true, val(node).dtype):
+        return "true"
     return None
+
+
+def _hides(fill, dtype: torch.dtype) -> bool:
+    """Whether ``fill`` is a constant that takes a score out of the softmax: a ``full`` of at most
+    ``dtype``'s lowest value (-inf included)."""
+    if not isinstance(fill, Node) or fill.target not in (aten.full.default, aten.scalar_tensor.default):
+        return False
+    value = fill.args[1] if fill.target is aten.full.default else fill.args[0]
+    return isinstance(value, (int, float)) and value <= torch.finfo(dtype).min
