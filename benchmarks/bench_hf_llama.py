@@ -101,22 +101,20 @@ def _rank(rank: int, world: int, path: str, tokens_list, variants, dtype, iters:
                 fn = torch.compile(model, backend=backend)
             row = dict(variant=variant, tokens=tokens, world=world, layers=model.config.num_hidden_layers,
                        hidden=model.config.hidden_size, dtype=str(dtype).removeprefix("torch."))
-            try:
-                if variant != "eager":
-                    report = check_against_eager(
-                        lambda x: model(x).logits, (ids,), lambda _: (lambda x: fn(x).logits),
-                        lambda x: reference(x).logits, dtype, raise_on_failure=False)
-                    row["check"] = "ok" if report.passed else "FAILED"
-                    row["max_rel_diff"] = f"{report.max_rel_diff:.3g}"
-                if backend is not None:
-                    graphs = backend.report.graphs
-                    row["sites_fused"] = sum(g.rewritten for g in graphs)
-                    row["sites"] = sum(len(g.records) for g in graphs)
-                    row["notes"] = " / ".join(g.note for g in graphs if g.note)[:300]
-                ms = times_ms(lambda x: fn(x), ids, warmup=2, iters=iters)
-                row["ms"] = statistics.median(ms)
-            except Exception as err:  # one variant's failure must not hide the others
-                row["check"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            # No try/except: a rank failing inside a forward pass would leave its peer waiting in a
+            # collective; a failing variant stops the run (spawn reports every rank's traceback).
+            if variant != "eager":
+                report = check_against_eager(
+                    lambda x: model(x).logits, (ids,), lambda _: (lambda x: fn(x).logits),
+                    lambda x: reference(x).logits, dtype, raise_on_failure=False)
+                row["check"] = "ok" if report.passed else "FAILED"
+                row["max_rel_diff"] = f"{report.max_rel_diff:.3g}"
+            if backend is not None:
+                graphs = backend.report.graphs
+                row["sites_fused"] = sum(g.rewritten for g in graphs)
+                row["sites"] = sum(len(g.records) for g in graphs)
+                row["notes"] = " / ".join(g.note for g in graphs if g.note)[:300]
+            row["ms"] = statistics.median(times_ms(lambda x: fn(x), ids, warmup=2, iters=iters))
             rows.append(row)
             if progress is not None:
                 progress.update(1)

@@ -245,7 +245,8 @@ def _prepare(
         two_shot = replace(overrides, one_shot=False)
         plan = choose_launch_plan(num_tokens, hidden, elem, world, two_shot)
     owned = num_tokens if plan.one_shot else rows_per_rank(num_tokens, world)
-    needed = max(world * owned, num_tokens) * hidden
+    # The Lamport kernel uses its own region of the workspace, never the staging and recv rows.
+    needed = hidden if plan.lamport else max(world * owned, num_tokens) * hidden
     ws = get_workspace(group_name, partial.dtype, partial.device, needed, hidden, max_tokens)
     if ws is None:
         _warn_once(
