@@ -284,8 +284,9 @@ def test_check_replicated_reads_the_layer_norm_op_by_argument_name(world2):
     fused = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.fused_allreduce_layernorm.default]
     assert len(checks) == len(fused) == 2
     for check, op in zip(checks, fused):
-        x, weight, what, site, group = check.args
+        x, weight, what, site, group, bias = check.args
         assert (what, group) == ("residual", "0") and weight is op.args[2] and op.args[1] is check
+        assert bias is op.args[3] and bias is not None  # the bias is compared across ranks too
 
 
 @pytest.mark.parametrize("kind, norm_note", [

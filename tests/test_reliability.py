@@ -135,7 +135,7 @@ def test_plan_check_passes_same_plans_and_a_harmless_rank_dependent_break_and_ch
     for normal, rewritten, replicated in spawn(_harmless_break_rank, 2, "gloo", timeout_s=120):
         assert (normal, rewritten) == (None, 1)
         assert replicated["same"] is None
-        for name in ("residual", "norm weight"):
+        for name in ("residual", "norm weight", "norm bias"):
             error = replicated[name]
             assert f"the {name} of site" in error and "ranks [1] differ from rank 0" in error, error
             assert "ReplicationError" in error and "replicated" in error, error
@@ -158,6 +158,13 @@ def _check_replicated_rank(rank):
         except Exception as error:  # noqa: BLE001  (the message is what is checked)
             errors[name] = f"{type(error).__name__}: {error}"
     assert "check_replicated: the residual and norm weight of 2 site(s)" in backend.report.graphs[0].note
+    from weavepass.replication import check_replicated  # a LayerNorm site's bias, checked directly
+
+    try:
+        check_replicated(r, w1, "residual", "add_7", dist.group.WORLD.group_name, bias=w1 * (1 + rank))
+        errors["norm bias"] = None
+    except Exception as error:  # noqa: BLE001
+        errors["norm bias"] = f"{type(error).__name__}: {error}"
     return errors
 
 

@@ -34,14 +34,16 @@ def digest(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, site: str,
-                     group_name: str) -> torch.Tensor:
-    """The kernel of ``weave.check_replicated`` (schema and fake: ``weavepass.ops``). Raise ``ReplicationError`` unless ``x`` and ``weight`` have the same digest on every rank
-    of the group; return a copy of ``x`` (the fused op reads the copy, so the check stays in the
-    functional graph ahead of it)."""
+                     group_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel of ``weave.check_replicated`` (schema and fake: ``weavepass.ops``). Raise
+    ``ReplicationError`` unless ``x``, ``weight`` and ``bias`` (a LayerNorm's) have the same digest
+    on every rank of the group; return a copy of ``x`` (the fused op reads the copy, so the check
+    stays in the functional graph ahead of it)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
-    tensors = {x_name: x} | ({"norm weight": weight} if weight is not None else {})
+    tensors = {x_name: x} | ({"norm weight": weight} if weight is not None else {}) | (
+        {"norm bias": bias} if bias is not None else {})
     local = torch.cat([digest(t) for t in tensors.values()])
     gathered = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
     dist.all_gather_into_tensor(gathered, local, group=group)
@@ -62,22 +64,25 @@ def check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, 
 
 
 def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int:
-    """Route each fused op's residual (or, without one, its weight) through
-    ``weave.check_replicated``; ``fused`` maps a site's name (its all_reduce's, as the report says)
+    """Route each fused op's residual (or, without one, its weight, or else a LayerNorm's bias)
+    through ``weave.check_replicated``, which compares the weight and the bias too; ``fused`` maps a site's name (its all_reduce's, as the report says)
     to its fused op. Returns how many sites are checked."""
     checked = 0
     for site, node in fused.items():
         # By name: the LayerNorm op has a bias after the weight.
         args = dict(zip((a.name for a in node.target._schema.arguments), node.args))
         residual, weight, group_name = args["residual"], args["weight"], args["group_name"]
+        bias = args.get("bias")  # the LayerNorm op's
         target_index, x = (1, residual) if residual is not None else (2, weight)
-        if x is None:  # no residual and no weight: nothing assumed replicated
+        if x is None:  # no residual and no weight: nothing assumed replicated but a bias
+            target_index, x = (3, bias) if bias is not None else (None, None)
+        if x is None:
             continue
         other = weight if target_index == 1 else None
+        name = {1: "residual", 2: "norm weight", 3: "norm bias"}[target_index]
         with graph.inserting_before(node):
             check = graph.call_function(
-                CHECK_REPLICATED,
-                (x, other, "residual" if target_index == 1 else "norm weight", site, group_name),
+                CHECK_REPLICATED, (x, other, name, site, group_name, bias if target_index != 3 else None),
             )
         check.meta["val"] = torch.empty_like(x.meta["val"])
         args = list(node.args)

@@ -121,16 +121,17 @@ WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 @torch.library.custom_op("weave::check_replicated", mutates_args=())
 def _check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, site: str,
-                      group_name: str) -> torch.Tensor:
-    """Raise ``ReplicationError`` unless ``x`` and ``weight`` are the same on every rank of the
-    group; returns a copy of ``x`` (``weavepass.replication.check_replicated``)."""
+                      group_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Raise ``ReplicationError`` unless ``x``, ``weight`` and ``bias`` (a LayerNorm's) are the
+    same on every rank of the group; returns a copy of ``x``
+    (``weavepass.replication.check_replicated``)."""
     from weavepass.replication import check_replicated
 
-    return check_replicated(x, weight, x_name, site, group_name)
+    return check_replicated(x, weight, x_name, site, group_name, bias)
 
 
 @_check_replicated.register_fake
-def _(x, weight, x_name, site, group_name):
+def _(x, weight, x_name, site, group_name, bias=None):
     return torch.empty_like(x)
 
 
