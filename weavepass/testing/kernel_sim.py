@@ -14,6 +14,9 @@ bandwidth or latency (times here mean nothing), and the symmetric-memory allocat
 
 All ranks' grids must be resident at once (the ranks wait for each other inside the kernels), so the
 sum of their CTAs must fit the GPU: ``run_ranks`` refuses more than ``max_resident_ctas``.
+
+``SimulatedPushRanks`` does the same for the token split's push variant (``runtime.cuda.push``),
+with two streams per simulated rank (side: pushes; main: reduces) in the split's fork/join order.
 """
 
 from __future__ import annotations
