@@ -109,8 +109,10 @@ def main(skewed: bool, residual: bool, dtype: torch.dtype) -> None:
         for rank in range(WORLD):
             normed, res_out = outputs[rank][i]
             label = f"call {i} (half {'AB'[i % 2]}) rank {rank}"
-            torch.testing.assert_close(res_out, want_res, rtol=tol[0][0], atol=tol[0][1], msg=lambda m: f"{label}: {m}")
-            torch.testing.assert_close(normed, want_normed, rtol=tol[1][0], atol=tol[1][1], msg=lambda m: f"{label}: {m}")
+            (res_rtol, res_atol), (normed_rtol, normed_atol) = tol
+            torch.testing.assert_close(res_out, want_res, rtol=res_rtol, atol=res_atol, msg=lambda m: f"{label}: {m}")
+            torch.testing.assert_close(normed, want_normed, rtol=normed_rtol, atol=normed_atol,
+                                       msg=lambda m: f"{label}: {m}")
     # Every slot: CALLS pushes and reduces done, DONE counts back to 0, the peer's PUSHED and
     # CONSUMED at the last call's sequence number, nothing else written.
     for rank, pad in enumerate(pads):

@@ -28,8 +28,8 @@ are the token split's fused op on a second CUDA stream and the op that keeps its
 (``weavepass.runtime.streams``). ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
 num_ctas, slot)`` is the split's push variant (``WeaveConfig.overlap_comm="push"``): only the push
 of the partial rows runs on the second stream, into staging slot ``slot`` (0 for half A, 1 for
-half B), and the reduce + add + RMSNorm runs on the waiting stream at the first wait. ``weave.check_replicated`` is the debug check of
-``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
+half B), and the reduce + add + RMSNorm runs on the waiting stream at the first wait.
+``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
 ``weave.npu_*`` are FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in
 ``weavepass.runtime.portable`` and ``weavepass.runtime.npu``).
 
