@@ -82,8 +82,9 @@ class WeaveConfig:
 
     overlap_comm_ctas: int = 0
     """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
-    half's compute (0: the kernel's own launch rule, up to 32). Fewer CTAs leave more SMs to the
-    GEMMs and make the communication itself slower."""
+    half's compute (0: the kernel's own launch rule, up to 32), or of the push kernel with
+    ``overlap_comm="push"`` (0: 16). Fewer CTAs leave more SMs to the GEMMs and make the
+    communication itself slower."""
 
     overlap_comm: str = "fused"
     """What the token split's communication stream runs per half and site. ``"fused"``: the whole
