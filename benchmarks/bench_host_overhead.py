@@ -17,6 +17,9 @@ for these ways of running all_reduce + add + RMSNorm:
     op             ``torch.ops.weave.fused_allreduce_rmsnorm`` (what a fuse-only graph calls)
     async_op       ``torch.ops.weave.fused_allreduce_rmsnorm_async`` + ``wait_tensor`` on both
                    outputs (what a split graph calls, per half and site)
+    push_op        ``torch.ops.weave.fused_allreduce_rmsnorm_push_async`` (slot 0) + ``wait_tensor``
+                   on both outputs (``overlap_comm="push"``: two launches through Triton's dispatch;
+                   on a world other than 2 it runs as async_op)
 
 ``--world 1`` runs on one GPU: the kernel then has no peers (add + RMSNorm), but the host side is the
 same code, so the host column is the real one. Ranks are aligned with a barrier before each loop. Output: a table on stdout and
@@ -37,12 +40,17 @@ import torch
 import torch.distributed as dist
 from report import world_name, write_csv  # benchmarks/report.py
 
-WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op")
+WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op", "push_op")
 
 
 def _callables(group_name: str):
     from weavepass.runtime.cuda import dispatch as cuda_symm
-    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    from weavepass.ops import (
+        FUSED_ALLREDUCE_RMSNORM,
+        FUSED_ALLREDUCE_RMSNORM_ASYNC,
+        FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC,
+        WAIT_TENSOR,
+    )
     from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
     from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
 
@@ -74,8 +82,13 @@ def _callables(group_name: str):
                                                     capacity, 0)
         return WAIT_TENSOR(normed), WAIT_TENSOR(res)
 
+    def push_op(p, r, w):
+        normed, res = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm",
+                                                         capacity, 0, 0)
+        return WAIT_TENSOR(normed), WAIT_TENSOR(res)
+
     return {"nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
-            "lowering_triton": lowering_triton, "op": op, "async_op": async_op}
+            "lowering_triton": lowering_triton, "op": op, "async_op": async_op, "push_op": push_op}
 
 
 _EMPTY_OP = []

@@ -26,6 +26,11 @@ same processes:
     weave_fuse     backend weave, overlap="off" (fused all_reduce + RMSNorm, no split)
     weave_overlap  backend weave, overlap="force" (two-way split, comm on a second stream)
     weave_overlap_c8  the same with the fused kernel on 8 CTAs (``overlap_comm_ctas=8``)
+    weave_overlap_push, weave_overlap_push_cg
+                   weave_overlap (and with mode="reduce-overhead") with ``overlap_comm="push"``: only
+                   a push of the partial rows on the communication stream (16 CTAs), the reduce +
+                   add + RMSNorm as a full-width kernel where the output is first waited for
+                   (docs/overlap.md, "The push variant"; world 2 only, else it is weave_overlap)
     weave_auto     backend weave, overlap="auto": the per-size strategy (split, fuse-only or plain
                    all_reduce, whichever the scheduler picks for the batch), what a user gets
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
@@ -112,8 +117,9 @@ SHAPES = {
 SHAPES["70b_tp8sim"] = SHAPES["70b_tp8"]
 SHAPES["8b_tp8sim"] = SHAPES["8b_tp8"]
 VOCAB_PER_RANK = 4096
-VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_auto", "no_comm",
-            "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "inductor_nccl_symm",
+VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_overlap_push",
+            "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_overlap_push_cg",
+            "inductor_nccl_symm",
             "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32")
 CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
 # Variants that need CUDA: Inductor CUDA graphs, CTA counts of the CUDA kernel, SM carve-out, NCCL.
@@ -122,6 +128,8 @@ CUDA_ONLY = {
     "inductor_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_fuse_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "weave_overlap_push": "the push kernels are CUDA's (elsewhere the op is weave_overlap's)",
+    "weave_overlap_push_cg": 'mode="reduce-overhead" records CUDA graphs',
     "inductor_nccl_symm": "NCCL symmetric-memory windows need NCCL on CUDA",
     **{name: "the SM carve-out applies to cuBLAS" for name in CARVEOUT},
 }
@@ -178,11 +186,14 @@ def compilers(model, no_comm) -> dict:
         "weave_fuse": weave(overlap="off"),
         "weave_overlap": weave(overlap="force"),
         "weave_overlap_c8": weave(overlap="force", overlap_comm_ctas=8),
+        "weave_overlap_push": weave(overlap="force", overlap_comm="push"),
         "weave_auto": weave(overlap="auto"),
         "no_comm": lambda: torch.compile(no_comm),
         "inductor_cg": lambda: torch.compile(model, mode="reduce-overhead"),
         "weave_fuse_cg": weave("reduce-overhead", overlap="off", allow_inductor_cudagraphs=True),
         "weave_overlap_cg": weave("reduce-overhead", overlap="force", allow_inductor_cudagraphs=True),
+        "weave_overlap_push_cg": weave("reduce-overhead", overlap="force", overlap_comm="push",
+                                       allow_inductor_cudagraphs=True),
         "inductor_nccl_symm": lambda: torch.compile(model),  # wrapped per size in _run_rank
     }
     for name, sms in CARVEOUT.items():

@@ -133,9 +133,9 @@ step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to 
 
 OVERLAP_TOKENS="2048 4096 8192 16384"
 if [ -n "$QUICK" ]; then
-  OVERLAP_VARIANTS="inductor,weave_fuse,weave_overlap,weave_auto,no_comm"  # inductor_nccl_symm aborted both ranks here (docs/cuda_kernel.md)
+  OVERLAP_VARIANTS="inductor,weave_fuse,weave_overlap,weave_overlap_push,weave_auto,no_comm"  # inductor_nccl_symm aborted both ranks here (docs/cuda_kernel.md)
 else
-  OVERLAP_VARIANTS="eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg"
+  OVERLAP_VARIANTS="eager,inductor,weave_fuse,weave_overlap,weave_overlap_push,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg,weave_overlap_push_cg"
 fi
 
 # Measured on 2 x H200 (2026-11-30, one spawn per test): the model + overlap files take ~205 s, the

@@ -324,6 +324,60 @@ def test_split_decision(world2):
                                     "2 sites x 2 halves"]
 
 
+def _split(config: WeaveConfig) -> GraphRewrite:
+    """``two_sites`` at 640 tokens, fused, then split under ``config`` (a fake group must be active)."""
+    rewrite = _rewrite(_trace(two_sites, *_args(640)), config)
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    SplitStrategy().apply(rewrite, SplitStrategy().decide(rewrite))
+    return rewrite
+
+
+PUSH_ASYNC = torch.ops.weave.fused_allreduce_rmsnorm_push_async.default
+
+
+def test_split_push_variant_passes_one_slot_per_half(world2):
+    """``overlap_comm="push"``: every site becomes the push op, half A's with staging slot 0 and
+    B's with slot 1 (a slot is reused only by the same half's next site, after its join), the
+    CTA count travels as before, and the waits and ``hold_inputs`` are those of the fused async op.
+    On this CPU graph the sites' lowering is portable: the note says the op runs there as the fused
+    async op."""
+    rewrite = _split(WeaveConfig(overlap="force", overlap_comm="push", overlap_comm_ctas=12))
+    ops = op_counts(rewrite.graph)
+    assert ops["weave.fused_allreduce_rmsnorm_push_async.default"] == 4
+    assert "weave.fused_allreduce_rmsnorm_async.default" not in ops
+    assert "weave.fused_allreduce_rmsnorm.default" not in ops
+    assert ops["_c10d_functional.wait_tensor.default"] == 8 and ops["weave.hold_inputs.default"] == 4
+    pushes = [n for n in rewrite.graph.nodes if n.target is PUSH_ASYNC]
+    # In graph order: site 1 A, site 1 B, site 2 A, site 2 B; rows of A before B's (A = 256 rows).
+    assert [n.args[-1] for n in pushes] == [0, 1, 0, 1]
+    assert [n.args[-2] for n in pushes] == [12] * 4
+    assert [n.args[0].meta["val"].shape[0] for n in pushes] == [256, 384, 256, 384]
+    assert rewrite.report.notes == [
+        "token split (sequence): A = 256 / B = 384 tokens, wave inequality holds; 2 sites x 2 halves; "
+        "communication: push (slot 0 for A, 1 for B); sites on lowering portable run it as the fused "
+        "async op (the push kernels are cuda_symm's)"]
+
+
+def test_split_push_variant_refused_beyond_two_ranks():
+    """On 3 ranks the push variant would move 2 S per rank against two-shot's 1.33 S: the split
+    keeps the fused async op, and the note says why."""
+    with fake_process_group(3):
+        rewrite = _split(WeaveConfig(overlap="force", overlap_comm="push"))
+    ops = op_counts(rewrite.graph)
+    assert ops["weave.fused_allreduce_rmsnorm_async.default"] == 4
+    assert "weave.fused_allreduce_rmsnorm_push_async.default" not in ops
+    (note,) = rewrite.report.notes
+    assert note.endswith("communication: fused kernel (overlap_comm='push' not used: the push variant serves "
+                         "2 ranks only, not 3: it pushes every row to every peer, (N-1) S = 2 S bytes per "
+                         "rank, where two-shot moves 2 (N-1)/N S = 1.33 S)"), note
+
+
+def test_overlap_comm_is_validated():
+    with pytest.raises(ValueError, match="overlap_comm must be one of"):
+        WeaveConfig(overlap_comm="lean")
+    assert WeaveConfig().overlap_comm == "fused"  # off by default: not measured on GPUs yet
+
+
 @pytest.mark.parametrize("tokens, mode", [((640,), "fake"), ((640,), "symbolic"), ((4, 10), "symbolic"),
                                           ((1, 40), "symbolic")], ids=["static", "T", "BxS", "1xS"])
 def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mode):

@@ -38,3 +38,50 @@ def test_lamport_rule_when_on(monkeypatch):
     assert not choose_launch_plan(32, 8192, 2, 2).lamport
     assert not choose_launch_plan(8, 8192, 2, 1).lamport  # one rank: nothing to exchange
     assert not choose_launch_plan(8, 8192, 2, 2, LaunchOverrides(lamport=False)).lamport
+
+
+def _push_workspace(rank, world, capacity):
+    """A ``_Workspace`` standing in for the push variant's (host arithmetic only: never launched)."""
+    import torch
+
+    from weavepass.runtime.cuda.workspace import _Workspace
+
+    deltas = tuple(range(8))
+    return _Workspace(torch.empty(0), torch.empty(0, dtype=torch.int32), capacity, deltas, deltas, rank, world)
+
+
+def test_push_arguments_address_the_call_slot_and_its_signals():
+    """The push variant's two launches for 1000 bf16 rows of 8192 into slot 1 of a 2-rank workspace:
+    the slot's region (``slot * capacity``) and signal block (``slot * (4 + 2 * WORLD)``) in both
+    kernels, the push on the asked CTAs with 64 KiB tiles, the reduce on one 16 KiB tile (one row
+    here) per CTA up to its cap."""
+    from weavepass.runtime.cuda.push import push_arguments, signal_slots
+
+    ws = _push_workspace(1, 2, 1024 * 8192)
+    args = push_arguments(ws, 1000, 8192, 2, 1, True, push_ctas=16, reduce_ctas=528)
+    assert signal_slots(2) == 8
+    assert args.push_tail[-3:] == args.reduce_tail[-3:] == (1000, 1024 * 8192, 8)
+    assert args.push_grid == (16,) and args.push_meta["ROWS"] == 4 and args.push_meta["num_warps"] == 16
+    assert args.reduce_grid == (528,) and args.reduce_meta["ROWS"] == 1 and args.reduce_meta["HAS_RESIDUAL"]
+    assert args.push_meta["RANK"] == args.reduce_meta["RANK"] == 1
+    small = push_arguments(ws, 3, 8192, 2, 0, False, push_ctas=16, reduce_ctas=528)
+    assert small.push_grid == (1,) and small.reduce_grid == (3,)  # no CTA without rows
+    assert small.push_tail[-3:] == (3, 0, 0)
+
+
+def test_push_arguments_refuse_a_third_slot_and_an_overfull_one():
+    from weavepass.runtime.cuda.push import push_arguments
+
+    ws = _push_workspace(0, 2, 16 * 64)
+    with pytest.raises(ValueError, match="slot 2"):
+        push_arguments(ws, 16, 64, 2, 2, True, 16, 64)
+    with pytest.raises(ValueError, match="exceed a staging slot"):
+        push_arguments(ws, 17, 64, 2, 0, True, 16, 64)
+
+
+def test_push_variant_serves_two_ranks_only():
+    from weavepass.runtime.cuda.support import push_unsupported_reason
+
+    assert push_unsupported_reason(2) is None
+    reason = push_unsupported_reason(8)
+    assert "2 ranks only, not 8" in reason and "7 S bytes per rank" in reason and "1.75 S" in reason

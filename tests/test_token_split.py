@@ -119,6 +119,22 @@ def test_split_matches_eager(world_size):
             _check_case(case, result)
 
 
+def _push_numerics(rank, world):
+    results = []
+    diff, graph = _compile_and_compare(rank, world, "dense", 1, 9, WeaveConfig(overlap="force", overlap_comm="push"))
+    return diff, graph.note, dict(graph.ops_after)
+
+
+def test_push_variant_matches_eager_on_cpu():
+    """``overlap_comm="push"`` on gloo: off CUDA the push op is the plain fused op, so the numbers
+    are those of the fused split (same tolerance), and every site is a push op."""
+    for diff, note, after in spawn(_push_numerics, 2, "gloo"):
+        assert diff < 1e-5, (diff, note)  # as the fused split's cases (test_split_matches_eager)
+        assert note.startswith("token split (sequence)") and "communication: push" in note, note
+        assert after.get("weave.fused_allreduce_rmsnorm_push_async.default") == 2 * 3, after
+        assert after.get(ASYNC, 0) == 0
+
+
 def _generated_code(rank, world):
     from torch._inductor.utils import run_and_get_code
 

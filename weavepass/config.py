@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 LOWERINGS = ("auto", "portable", "cuda_symm")
 OVERLAP_MODES = ("off", "auto", "force")
+OVERLAP_COMM_MODES = ("fused", "push")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
 # Field annotations are strings (``from __future__ import annotations``); every field is one of these.
 _FIELD_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}
@@ -81,8 +82,20 @@ class WeaveConfig:
 
     overlap_comm_ctas: int = 0
     """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
-    half's compute (0: the kernel's own launch rule, up to 32). Fewer CTAs leave more SMs to the
-    GEMMs and make the communication itself slower."""
+    half's compute (0: the kernel's own launch rule, up to 32), or of the push kernel with
+    ``overlap_comm="push"`` (0: 16). Fewer CTAs leave more SMs to the GEMMs and make the
+    communication itself slower."""
+
+    overlap_comm: str = "fused"
+    """What the token split's communication stream runs per half and site. ``"fused"``: the whole
+    fused kernel (push, reduce, add + RMSNorm, finalise) on the side stream. ``"push"``: only this
+    rank's partial rows stored into the peer's staging slot (a few CTAs of remote stores); the
+    reduce + add + RMSNorm of all rows runs as one full-width kernel on the compute stream where the
+    output is first waited for (docs/overlap.md, "The push variant"). World 2 only: there one-shot
+    moves the bytes of two-shot; on N ranks it would move (N-1) S per rank against 2 (N-1)/N S, so
+    other world sizes keep ``"fused"`` and the report says why. CUDA ``cuda_symm`` sites only: on
+    other lowerings and devices the push op runs as the fused async op (same numbers). Off by
+    default: not yet measured on GPUs (issue 11)."""
 
     enable_flashcomm: bool = False
     """FlashComm (xLLM's ``enable_flashcomm1``, ``weavepass/compile/strategies/flashcomm.py``, docs/flashcomm.md): keep
@@ -142,6 +155,10 @@ class WeaveConfig:
             raise ValueError(f"WeaveConfig.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"WeaveConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
+        if self.overlap_comm not in OVERLAP_COMM_MODES:
+            raise ValueError(
+                f"WeaveConfig.overlap_comm must be one of {OVERLAP_COMM_MODES}, got {self.overlap_comm!r}"
+            )
         if self.mmrs_comm_mode not in MMRS_COMM_MODES:
             raise ValueError(
                 f"WeaveConfig.mmrs_comm_mode must be one of {MMRS_COMM_MODES}, got {self.mmrs_comm_mode!r}"

@@ -201,3 +201,95 @@ def test_layer_norm_sites():
                         # ~1e-7 x |mean| / std on centred values near 0, inside atol.
                         torch.testing.assert_close(normed, want_normed, rtol=NORMED_TOL[dtype][0],
                                                    atol=NORMED_TOL[dtype][1], msg=lambda m: f"{label} {rank}: {m}")
+
+
+# ------------------------------------------------------------------ the split's push variant
+
+
+def _push_calls(world, tokens, hidden, dtype, count, with_residual=True, seed=0):
+    """``count`` calls (half ``i % 2`` of site ``i // 2``), each the ranks' partials and a residual."""
+    calls = []
+    for i in range(count):
+        partials, residual, _ = _inputs(seed + i, world, tokens, hidden, dtype, with_residual)
+        calls.append((partials, residual))
+    return calls
+
+
+def _check_push(sim, calls, outputs, weight, dtype, label):
+    for i, (partials, residual) in enumerate(calls):
+        _check([outputs[r][i] for r in range(sim.world)], partials, residual, weight, dtype,
+               f"{label} call {i} (half {'AB'[i % 2]})")
+
+
+def _push_signals_settled(sim, calls_per_slot):
+    """Every slot after ``calls_per_slot`` calls each: PUSH_SEQ and REDUCE_SEQ there, the DONE counts
+    back to 0, every peer's PUSHED and CONSUMED at that sequence number."""
+    from weavepass.runtime.cuda.push import STAGING_SLOTS, signal_slots
+
+    n = signal_slots(sim.world)
+    for rank, pad in enumerate(sim.signals()):
+        peers = [0 if src == rank else calls_per_slot for src in range(sim.world)]
+        for slot in range(STAGING_SLOTS):
+            assert pad[slot * n:(slot + 1) * n] == [calls_per_slot, 0, calls_per_slot, 0, *peers, *peers], (
+                rank, slot, pad)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_push_variant_back_to_back_alternating_slots(dtype):
+    """The push kernels as the split runs them (simulated world 2, a side and a main stream per
+    rank): 3 sizes x 40 calls alternating halves A/B (slots 0/1) without synchronising, poisoned
+    staging, with and without residual, against the reference; the signals advance by exactly one
+    per call and slot. Then with rank 1's reduces delayed (its main stream spins before each), so
+    rank 0's pushes run ahead into slots rank 1 has not read: only the CONSUMED wait keeps them
+    from being overwritten (tests/push_interpreter_case.py showed the wrong rows without it)."""
+    from weavepass.testing.kernel_sim import SimulatedPushRanks
+
+    world, hidden = 2, 4096
+    sim = SimulatedPushRanks(hidden, 4099, dtype, world)
+    sim.poison()
+    weight = _inputs(99, world, 1, hidden, dtype)[2]
+    per_slot = 0
+    for tokens, with_residual in ((1, True), (127, False), (4099, True)):
+        calls = _push_calls(world, tokens, hidden, dtype, 40, with_residual, seed=tokens)
+        outputs = sim.split_schedule(calls, weight, EPS, dtype)
+        torch.cuda.synchronize()
+        _check_push(sim, calls, outputs, weight, dtype, f"{dtype} T={tokens}")
+        per_slot += 20
+        _push_signals_settled(sim, per_slot)
+    calls = _push_calls(world, 512, hidden, dtype, 12, seed=7)
+    outputs = sim.split_schedule(calls, weight, EPS, dtype, delay_reduce_cycles={1: 2_000_000})
+    torch.cuda.synchronize()
+    _check_push(sim, calls, outputs, weight, dtype, f"{dtype} rank 1 late")
+    _push_signals_settled(sim, per_slot + 6)
+
+
+def test_push_variant_replays_in_cuda_graph():
+    """The split's push schedule captured once in a CUDA graph and replayed 5 times with new
+    inputs: the kernels keep no host state (sequence numbers live in the pads and advance on the
+    device), so every replay matches the reference and the signals end 5 calls per slot further."""
+    from weavepass.testing.kernel_sim import SimulatedPushRanks
+
+    world, hidden, dtype, tokens = 2, 4096, torch.bfloat16, 257
+    sim = SimulatedPushRanks(hidden, tokens, dtype, world)
+    weight = _inputs(98, world, 1, hidden, dtype)[2]
+    calls = _push_calls(world, tokens, hidden, dtype, 4)
+    sim.split_schedule(calls, weight, EPS, dtype)  # compiles and loads the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=capture):
+        outputs = sim.split_schedule(calls, weight, EPS, dtype)
+    torch.cuda.synchronize()
+    _push_signals_settled(sim, 2)  # captured, not run
+    for replay in range(5):
+        fresh = _push_calls(world, tokens, hidden, dtype, 4, seed=50 + 10 * replay)
+        for (partials, residual), (new_partials, new_residual) in zip(calls, fresh):
+            for p, q in zip(partials, new_partials):
+                p.copy_(q)
+            residual.copy_(new_residual)
+        sim.poison()
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_push(sim, calls, outputs, weight, dtype, f"replay {replay}")
+    _push_signals_settled(sim, 2 + 2 * 5)

@@ -25,8 +25,11 @@ cost stay as they are; the portable and the CUDA lowering carry it (``runtime.LA
 
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and ``weave.hold_inputs``
 are the token split's fused op on a second CUDA stream and the op that keeps its inputs alive
-(``weavepass.runtime.streams``). ``weave.check_replicated`` is the debug check of
-``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
+(``weavepass.runtime.streams``). ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
+num_ctas, slot)`` is the split's push variant (``WeaveConfig.overlap_comm="push"``): only the push
+of the partial rows runs on the second stream, into staging slot ``slot`` (0 for half A, 1 for
+half B), and the reduce + add + RMSNorm runs on the waiting stream at the first wait.
+``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
 ``weave.npu_*`` are FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in
 ``weavepass.runtime.portable`` and ``weavepass.runtime.npu``).
 
@@ -100,6 +103,13 @@ FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
     "fused_allreduce_rmsnorm_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
     _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_async"), _fake,
 )
+FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC = define_hot_op(
+    "fused_allreduce_rmsnorm_push_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas, int slot) -> (Tensor, Tensor)",
+    _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_push_async"), _fake,
+)
+ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC)
+"""The split's async fused ops: each output is read through ``WAIT_TENSOR``, and ``HOLD_INPUTS``
+follows the first wait."""
 FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
     "fused_allreduce_layernorm",
     "(Tensor partial, Tensor? residual, Tensor? weight, Tensor? bias, float eps, str group_name, "

@@ -29,6 +29,11 @@ No stream reuses a block the other still reads:
 
 On CPU (and every non-CUDA device) the op is the plain fused op and ``wait_tensor`` finds no
 work: both are no-ops around the same math.
+
+``weave::fused_allreduce_rmsnorm_push_async`` (``WeaveConfig.overlap_comm="push"``) forks only the
+push of the partial rows (``weavepass.runtime.cuda.push``); its join (``_PushJoin``) launches the
+reduce + add + RMSNorm of all rows on the waiting stream. Off CUDA, off the ``cuda_symm`` lowering,
+and for calls the push kernels cannot serve, it is the fused async op.
 """
 
 from __future__ import annotations
@@ -102,6 +107,72 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
     # stream after its wait; the side stream only reuses such a block in a later call, after that
     # call's fork has made it wait for everything the main stream had queued (the reads included).
     join = _StreamJoin(done, device, (partial, residual, weight))
+    for out in (normed, residual_out):
+        torch._C._distributed_c10d._register_work(out, join)
+    return normed, residual_out
+
+
+class _PushJoin(dist.Work):
+    """The join of a push call: the first ``wait()`` makes the current stream (the one that called
+    the op) wait for the push, then launches the reduce there; it writes both outputs, so a
+    second ``wait()`` (the other output's) does nothing. ``pending`` holds the reduce's arguments,
+    the op's inputs among them, until then: the push reads the partial on the side stream, and
+    the reduce reads all inputs on this stream, so after the launch the allocator may hand their
+    blocks to later kernels of this stream (stream order puts those after the reduce)."""
+
+    def __init__(self, event: torch.cuda.Event, stream: torch.cuda.Stream, call, pending: tuple):
+        super().__init__()
+        self.event = event
+        self.stream = stream
+        self.call = call
+        self.pending = pending
+
+    def wait(self, timeout=None) -> bool:
+        if self.pending is not None:
+            current = torch.cuda.current_stream(self.stream.device)
+            if current != self.stream:  # the outputs were allocated for, and are written on, that stream
+                raise RuntimeError("weave push op: waited on another stream than the one that called it")
+            current.wait_event(self.event)
+            self.call.reduce(*self.pending)
+            self.pending = None
+        return True
+
+
+def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_name, out_dtype, lowering,
+                                       workspace_tokens, num_ctas, slot):
+    """``weave.fused_allreduce_rmsnorm`` split in two (``WeaveConfig.overlap_comm="push"``): the
+    push of this rank's partial rows into the peer's staging slot ``slot`` (0: half A, 1: half B)
+    on the communication stream now, and the reduce + add + RMSNorm of all rows on the calling
+    stream when an output is first waited for (``_c10d_functional.wait_tensor``). Both outputs
+    must be waited on, on the calling stream, before the next call with the same ``slot`` (the
+    split does: a half's next site reads this one's outputs); a peer's push of the next call into
+    ``slot`` waits for this rank's reduce.
+
+    The outputs are allocated on the calling stream, which alone writes and reads them. Calls the
+    push kernels cannot serve, and every call off CUDA or off ``lowering="cuda_symm"``, run as
+    ``fused_allreduce_rmsnorm_async`` (same numbers; every rank decides the same, from the call's
+    shapes and group)."""
+    call = None
+    if partial.device.type == "cuda" and lowering == "cuda_symm":
+        from weavepass.runtime.cuda.push import prepare_push
+
+        call = prepare_push(partial, residual, weight, group_name, out_dtype, workspace_tokens, num_ctas)
+    if call is None:
+        return fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, out_dtype, lowering,
+                                             workspace_tokens, num_ctas)
+    device = partial.device
+    main = torch.cuda.current_stream(device)
+    normed = torch.empty_like(partial, dtype=out_dtype)
+    residual_out = torch.empty_like(partial)
+    side = comm_stream(device)
+    side.wait_stream(main)  # fork: the partial is ready
+    torch.cuda.set_stream(side)
+    try:
+        call.push(partial, slot)
+        done = side.record_event()
+    finally:
+        torch.cuda.set_stream(main)
+    join = _PushJoin(done, main, call, (partial, residual, weight, normed, residual_out, eps, slot))
     for out in (normed, residual_out):
         torch._C._distributed_c10d._register_work(out, join)
     return normed, residual_out

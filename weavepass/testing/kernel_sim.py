@@ -14,6 +14,9 @@ bandwidth or latency (times here mean nothing), and the symmetric-memory allocat
 
 All ranks' grids must be resident at once (the ranks wait for each other inside the kernels), so the
 sum of their CTAs must fit the GPU: ``run_ranks`` refuses more than ``max_resident_ctas``.
+
+``SimulatedPushRanks`` does the same for the token split's push variant (``runtime.cuda.push``),
+with two streams per simulated rank (side: pushes; main: reduces) in the split's fork/join order.
 """
 
 from __future__ import annotations
@@ -164,3 +167,126 @@ class SimulatedRanks:
         caller = torch.cuda.current_stream()
         for stream in self.streams:
             caller.wait_stream(stream)
+
+
+class SimulatedPushRanks:
+    """The token split's push variant (``weavepass.runtime.cuda.push``) with ``world`` simulated
+    ranks on one GPU: per rank a push workspace and signal pad of its own, and two streams, ``side``
+    (the push kernels, as the communication stream) and ``main`` (the reduce kernels, as the stream
+    that waits for the op's outputs). Workspaces and pads persist across calls, as the real ones do,
+    so back-to-back calls and CUDA-graph replays test the kernels' self-advancing signals."""
+
+    def __init__(self, hidden: int, max_tokens: int, dtype: torch.dtype, world: int = 2):
+        from weavepass.runtime.cuda.push import STAGING_SLOTS, signal_slots
+
+        self.world, self.hidden, self.dtype = world, hidden, dtype
+        capacity = (world - 1) * max_tokens * hidden
+        size = torch.empty((), dtype=dtype).element_size()
+        self.buffers = [torch.zeros(STAGING_SLOTS * capacity, dtype=dtype, device="cuda") for _ in range(world)]
+        self.pads = [torch.zeros(STAGING_SLOTS * signal_slots(world), dtype=torch.int32, device="cuda")
+                     for _ in range(world)]
+        self.side = [torch.cuda.Stream() for _ in range(world)]
+        self.main = [torch.cuda.Stream() for _ in range(world)]
+        padding = [0] * (MAX_WORLD - world)
+        self.workspaces = [
+            _Workspace(self.buffers[r], self.pads[r], capacity,
+                       (*[(b.data_ptr() - self.buffers[r].data_ptr()) // size for b in self.buffers], *padding),
+                       (*[(p.data_ptr() - self.pads[r].data_ptr()) // 4 for p in self.pads], *padding), r, world)
+            for r in range(world)
+        ]
+
+    def poison(self) -> None:
+        """NaN into every staging slot: a reduce that reads rows not pushed for its call shows it."""
+        for buffer in self.buffers:
+            buffer.fill_(float("nan"))
+
+    def signals(self) -> list[list[int]]:
+        """Every rank's signal pad (``kernels.push_partial_rows_kernel`` documents the slots)."""
+        return [pad.tolist() for pad in self.pads]
+
+    def split_schedule(
+        self,
+        calls: list[tuple[list[torch.Tensor], torch.Tensor | None]],
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype,
+        push_ctas: int = 8,
+        reduce_ctas: int = 32,
+        delay_reduce_cycles: dict[int, int] | None = None,
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Run ``calls`` (each: the ranks' partials [T, H] and a residual) as the token split does,
+        call ``i`` being half ``i % 2`` (staging slot ``i % 2``) of site ``i // 2``: per rank, push A1,
+        push B1, reduce A1, push A2, reduce B1, push B2, ... with fork and join as the op's (the side
+        stream waits for main before each push; main waits for the push's event before its reduce).
+        ``delay_reduce_cycles[r]``: rank ``r``'s main stream spins that many cycles before each
+        reduce, so the other ranks' pushes run ahead of it. Returns ``[rank][call] -> (normed,
+        residual_out)``, ready for the calling stream; capturable in a CUDA graph (no host sync)."""
+        from weavepass.runtime.cuda.kernels import push_partial_rows_kernel, reduce_pushed_rows_kernel
+        from weavepass.runtime.cuda.push import push_arguments
+
+        world, hidden = self.world, self.hidden
+        tokens = calls[0][0][0].shape[0]
+        if world * push_ctas > 128:
+            raise ValueError(f"{world} ranks x {push_ctas} push CTAs cannot all be resident on one GPU")
+        elem = calls[0][0][0].element_size()
+        args = [[push_arguments(self.workspaces[r], tokens, hidden, elem, slot, calls[0][1] is not None,
+                                push_ctas, reduce_ctas) for slot in range(2)] for r in range(world)]
+        outputs = [[(torch.empty(tokens, hidden, dtype=out_dtype, device="cuda"),
+                     torch.empty(tokens, hidden, dtype=self.dtype, device="cuda")) for _ in calls]
+                   for _ in range(world)]
+
+        def push_launch(r, i):
+            a = args[r][i % 2]
+            return (calls[i][0][r], *a.push_tail), a.push_grid, a.push_meta
+
+        def reduce_launch(r, i):
+            a = args[r][i % 2]
+            partial, residual = calls[i][0][r], calls[i][1]
+            return ((partial, partial if residual is None else residual, weight, *outputs[r][i], *a.reduce_tail, eps),
+                    a.reduce_grid, a.reduce_meta)
+
+        # Compile and load every kernel before any runs (a rank's push waits for the others, and
+        # loading a module can wait for running kernels: see SimulatedRanks.run).
+        if not torch.cuda.is_current_stream_capturing():
+            for r in range(world):
+                for kernel, (launch_args, grid, meta) in ((push_partial_rows_kernel, push_launch(r, 0)),
+                                                          (reduce_pushed_rows_kernel, reduce_launch(r, 0))):
+                    compiled = kernel.warmup(*launch_args, grid=grid, **meta)
+                    if hasattr(compiled, "_init_handles"):
+                        compiled._init_handles()
+        caller = torch.cuda.current_stream()
+        for r in range(world):
+            self.main[r].wait_stream(caller)
+        done: dict[tuple[int, int], torch.cuda.Event] = {}
+
+        def push(i):
+            for r in range(world):
+                self.side[r].wait_stream(self.main[r])  # fork
+                with torch.cuda.stream(self.side[r]):
+                    launch_args, grid, meta = push_launch(r, i)
+                    push_partial_rows_kernel[grid](*launch_args, **meta)
+                    done[(r, i)] = self.side[r].record_event()
+
+        def reduce(i):
+            for r in range(world):
+                with torch.cuda.stream(self.main[r]):
+                    self.main[r].wait_event(done.pop((r, i)))  # join
+                    if delay_reduce_cycles and r in delay_reduce_cycles:
+                        torch.cuda._sleep(delay_reduce_cycles[r])
+                    launch_args, grid, meta = reduce_launch(r, i)
+                    reduce_pushed_rows_kernel[grid](*launch_args, **meta)
+
+        sites = len(calls) // 2
+        if len(calls) != 2 * sites:
+            raise ValueError("calls alternate halves A and B: give an even number")
+        push(0)
+        push(1)
+        for site in range(sites):
+            for half in range(2):
+                reduce(2 * site + half)
+                if site + 1 < sites:
+                    push(2 * (site + 1) + half)
+        for r in range(world):
+            caller.wait_stream(self.main[r])
+            caller.wait_stream(self.side[r])
+        return outputs

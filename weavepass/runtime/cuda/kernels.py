@@ -589,3 +589,165 @@ def fused_allreduce_rmsnorm_lamport_kernel(
     if tl.atomic_add(pad_ptr + FLAG_SLOT + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
         tl.atomic_xchg(pad_ptr + FLAG_SLOT + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_add(pad_ptr + FLAG_SLOT, 1, sem="relaxed", scope="gpu")
+
+
+# ------------------------------------------------------------------ push variant of the token split
+
+
+@triton.jit
+def _staging_offsets(src: tl.constexpr, dst: tl.constexpr, num_tokens, local, cols, HIDDEN: tl.constexpr):
+    """Element offsets of rows ``local`` of source ``src``'s block in rank ``dst``'s staging slot:
+    the slot holds the ``WORLD - 1`` peers' ``[T, HIDDEN]`` blocks in rank order, none for ``dst``."""
+    return ((src - (src > dst)) * num_tokens + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+
+
+@triton.jit
+def push_partial_rows_kernel(
+    partial_ptr,  # [T, HIDDEN] this rank's partial sums (local memory)
+    ws_ptr,  # this rank's symmetric push workspace, dtype(P): slot 0 at 0, slot 1 at capacity
+    pad_ptr,  # int32* this rank's symmetric signal pad (the push workspace's own)
+    wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,  # peer workspace address - local one, in elements
+    pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,  # peer signal pad address - local one, in int32 slots
+    num_tokens,  # T
+    slot_offset,  # element offset of the staging slot this call uses (slot * capacity)
+    signal_base,  # pad slot of this staging slot's signals (slot * (4 + 2 * WORLD))
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= HIDDEN
+    ROWS: tl.constexpr,  # rows per load/store
+):
+    """The side-stream half of the push variant (``WeaveConfig.overlap_comm="push"``): store all
+    ``T`` partial rows into every peer's staging slot, and return once the peers' rows of the same
+    call are in this rank's slot. ``reduce_pushed_rows_kernel`` then does the arithmetic on the
+    compute stream, after the caller's stream has waited for this kernel.
+
+    Signals of a staging slot, at ``pad[signal_base + i]`` on every rank (all 0 in a new pad):
+
+    * ``[0]`` PUSH_SEQ: pushes of this slot this rank has completed; this call is ``seq = [0] + 1``;
+    * ``[1]`` PUSH_DONE: programs of the current push that finished (the last one resets it);
+    * ``[2]``, ``[3]``: REDUCE_SEQ and REDUCE_DONE, the same for ``reduce_pushed_rows_kernel``;
+    * ``[4 + src]`` PUSHED: the ``seq`` of ``src``'s latest push into this rank's slot;
+    * ``[4 + WORLD + dst]`` CONSUMED: the ``seq`` of ``dst``'s latest reduce of this rank's rows.
+
+    1. every program waits until each peer has CONSUMED push ``seq - 1`` of this slot: a peer's
+       reduce runs on its compute stream, which nothing orders before this rank's next push of
+       the slot, so without the wait this push could overwrite rows the peer has not read;
+    2. stores its tiles (tile ``t`` to program ``t % G``) into every peer's slot, block ``RANK``;
+    3. counts itself done (release, system scope); the last program publishes ``PUSHED = seq`` to
+       every peer (release: the other programs' stores were acquired through the count), waits for
+       every peer's ``PUSHED == seq`` in the local pad (acquire), then advances PUSH_SEQ.
+
+    Values are sequence numbers compared for equality, never reset: a peer's PUSHED can only move
+    from ``seq - 1`` to ``seq`` while this rank waits (its next push waits for this rank's
+    CONSUMED), so no host counter and no reset is needed, and CUDA-graph replay is safe. Only the
+    last program waits for the peers: the others leave their SMs as soon as their stores are out.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    col_mask = cols < HIDDEN
+    signals = pad_ptr + signal_base
+    seq = tl.load(signals, volatile=True) + 1  # the previous push of this slot finished on this stream
+
+    # 1. the peers have read this slot's previous push
+    for dst in tl.static_range(WORLD):
+        if dst != RANK:
+            while tl.atomic_add(signals + 4 + WORLD + dst, 0, sem="acquire", scope="sys") != seq - 1:
+                pass
+    tl.debug_barrier()  # no thread stores before the acquire
+
+    # 2. push every row into every peer's slot
+    num_tiles = tl.cdiv(num_tokens, ROWS)
+    for tile in range(pid, num_tiles, num_programs):
+        local = tile * ROWS + rows
+        mask = (local < num_tokens)[:, None] & col_mask[None, :]
+        offs = local.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        x = tl.load(partial_ptr + offs, mask=mask)
+        for dst in tl.static_range(WORLD):
+            if dst != RANK:
+                delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+                block = _staging_offsets(RANK, dst, num_tokens, local, cols, HIDDEN)
+                tl.store(ws_ptr + delta + slot_offset + block, x, mask=mask)
+
+    # 3. the last program publishes the call and waits for the peers' rows
+    tl.debug_barrier()  # every thread's stores are issued before the release
+    if tl.atomic_add(signals + 1, 1, sem="acq_rel", scope="sys") == num_programs - 1:
+        for dst in tl.static_range(WORLD):
+            if dst != RANK:
+                remote = signals + _select(dst, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + 4 + RANK
+                tl.atomic_xchg(remote, seq, sem="release", scope="sys")
+        for src in tl.static_range(WORLD):
+            if src != RANK:
+                while tl.atomic_add(signals + 4 + src, 0, sem="acquire", scope="sys") != seq:
+                    pass
+        tl.atomic_xchg(signals + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(signals, seq, sem="release", scope="gpu")
+
+
+@triton.jit
+def reduce_pushed_rows_kernel(
+    partial_ptr,  # [T, HIDDEN] this rank's partial sums
+    residual_ptr,  # [T, HIDDEN] residual (unused when HAS_RESIDUAL is False)
+    weight_ptr,  # [HIDDEN] norm weight
+    normed_ptr,  # [T, HIDDEN] output, out_dtype
+    residual_out_ptr,  # [T, HIDDEN] output, dtype(P)
+    ws_ptr,  # this rank's symmetric push workspace (push_partial_rows_kernel)
+    pad_ptr,  # int32* this rank's signal pad
+    pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,  # peer signal pad address - local one, in int32 slots
+    num_tokens,  # T
+    slot_offset,  # element offset of the staging slot (as the push of this call)
+    signal_base,  # pad slot of the staging slot's signals (as the push of this call)
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """The compute-stream half of the push variant: all ``T`` rows, the peers' from the staging
+    slot, reduced in rank order in fp32 with the reference's rounding (``_reduce_rows``'s), plus the
+    residual, normalised; then the last program to finish tells every peer its rows were CONSUMED.
+
+    It waits for no signal of its own: it must run after the caller's stream waited for this
+    call's ``push_partial_rows_kernel``, which returns only once the peers' rows have arrived (its
+    system-scope acquire, then the stream order, make them visible here). Any grid works: no
+    program meets a peer's program, so the grid is the full GPU, not the push's few CTAs."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    col_mask = cols < HIDDEN
+    signals = pad_ptr + signal_base
+    seq = tl.load(signals + 2, volatile=True) + 1
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    num_tiles = tl.cdiv(num_tokens, ROWS)
+    for tile in range(pid, num_tiles, num_programs):
+        local = tile * ROWS + rows
+        mask = (local < num_tokens)[:, None] & col_mask[None, :]
+        offs = local.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
+            if src == RANK:
+                acc += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                block = _staging_offsets(src, RANK, num_tokens, local, cols, HIDDEN)
+                acc += tl.load(ws_ptr + slot_offset + block, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # S rounded to dtype(P) before the add, as in _reduce_rows
+            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        res = acc.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs, res, mask=mask)
+        _norm_rows(res, w, w, eps, normed_ptr, normed_ptr, offs, local, mask, HIDDEN, False, 0)
+
+    # the last program to finish hands the slot back to the peers
+    tl.debug_barrier()  # every thread's staging loads are done before the release
+    if tl.atomic_add(signals + 3, 1, sem="acq_rel", scope="sys") == num_programs - 1:
+        tl.atomic_xchg(signals + 3, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(signals + 2, seq, sem="relaxed", scope="gpu")
+        for src in tl.static_range(WORLD):
+            if src != RANK:
+                remote = signals + _select(src, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + 4 + WORLD + RANK
+                tl.atomic_xchg(remote, seq, sem="release", scope="sys")

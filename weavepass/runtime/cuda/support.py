@@ -11,6 +11,8 @@ from weavepass.runtime.portable import resolve_group
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384  # one row per tile lives in registers
 MAX_WORLD = 8  # the kernels take per-peer addresses as 8 scalar arguments
+PUSH_WORLD = 2
+"""The only world size the token split's push variant serves (``push_unsupported_reason``)."""
 
 
 def cuda_site_unsupported_reason(
@@ -50,3 +52,14 @@ def cuda_unsupported_reason(partial, residual, weight, group_name: str) -> str |
     if weight.shape != (hidden,) or weight.device != partial.device:
         return "weight is not a [hidden] tensor on partial's device"
     return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name)
+
+
+def push_unsupported_reason(world: int) -> str | None:
+    """Why the token split's push variant (``WeaveConfig.overlap_comm="push"``,
+    ``weavepass.runtime.cuda.push``) cannot serve a group of ``world`` ranks, or None. Asked by the
+    split at compile time (it then keeps the fused async op, and says this) and by each call."""
+    if world != PUSH_WORLD:
+        return (f"the push variant serves 2 ranks only, not {world}: it pushes every row to every peer, "
+                f"(N-1) S = {world - 1} S bytes per rank, where two-shot moves 2 (N-1)/N S = "
+                f"{2 * (world - 1) / world:.2f} S")
+    return None

@@ -44,7 +44,8 @@ def lamport_region_elements(world: int, element_size: int) -> int:
 class _Workspace:
     """One rendezvoused symmetric buffer: ``staging [capacity] | recv [capacity] | Lamport region`` in
     ``dtype``; the Lamport region (``[2 parities][world][LAMPORT_SLOT_BYTES]``) holds negative zeros
-    between calls (kernels.fused_allreduce_rmsnorm_lamport_kernel)."""
+    between calls (kernels.fused_allreduce_rmsnorm_lamport_kernel). A ``PUSH`` workspace has no
+    Lamport region: its two regions are the push variant's staging slots."""
 
     buffer: torch.Tensor  # local view of the symmetric allocation, [2 * capacity + Lamport region]
     pad: torch.Tensor  # local signal pad, int32
@@ -63,7 +64,15 @@ class _Workspace:
         return LAMPORT_SLOT_BYTES // self.buffer.element_size()
 
 
-_WORKSPACES: dict[tuple[str, torch.dtype, int], list[_Workspace]] = {}
+_WORKSPACES: dict[tuple[str, torch.dtype, int, str], list[_Workspace]] = {}
+
+FUSED = "fused"
+"""Workspace purpose of the fused kernels: ``staging | recv | Lamport region``."""
+PUSH = "push"
+"""Workspace purpose of the token split's push variant (``weavepass.runtime.cuda.push``): two staging
+slots ``[capacity] | [capacity]`` and a signal pad of its own. A buffer apart from the fused kernels':
+their pushes are not ordered after the push variant's reduces (on another stream), so sharing
+staging rows would let one overwrite rows the other has not read."""
 
 
 def enable_symm_mem_for_group(group_name: str) -> None:
@@ -85,13 +94,14 @@ def _signal_pad_bytes() -> int:
     return torch._C._distributed_c10d._SymmetricMemory.signal_pad_size
 
 
-def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, capacity: int):
+def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, capacity: int,
+                   purpose: str = FUSED):
     import torch.distributed._symmetric_memory as symm_mem
 
     enable_symm_mem_for_group(group_name)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    buffer = symm_mem.empty(2 * capacity + lamport_region_elements(resolve_group(group_name).size(), itemsize),
-                            dtype=dtype, device=device)
+    lamport = lamport_region_elements(resolve_group(group_name).size(), itemsize) if purpose == FUSED else 0
+    buffer = symm_mem.empty(2 * capacity + lamport, dtype=dtype, device=device)
     buffer[2 * capacity:].fill_(-0.0)  # "empty" before any peer can push:
     # done, not only queued, before the rendezvous lets a peer address the buffer. A peer leaves the
     # rendezvous and may launch a Lamport call whose pushes would land before a queued fill (this
@@ -138,14 +148,15 @@ def outside_graph_pools(make, device: torch.device):
     return result["value"]
 
 
-def get_workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: int):
-    """The smallest cached workspace with ``needed`` elements per region; allocates the next size class
-    (power-of-two tokens, at most ``max_tokens``) when none fits. None when the batch is too large, or
-    when a new one would be needed inside CUDA-graph capture (rendezvous cannot be captured)."""
+def get_workspace(group_name, dtype, device, needed: int, hidden: int, max_tokens: int, purpose: str = FUSED):
+    """The smallest cached workspace of ``purpose`` (``FUSED`` or ``PUSH``) with ``needed`` elements
+    per region; allocates the next size class (power-of-two tokens, at most ``max_tokens``) when
+    none fits. None when the batch is too large, or when a new one would be needed inside
+    CUDA-graph capture (rendezvous cannot be captured)."""
     limit = max_tokens * hidden
     if needed > limit:
         return None
-    cached = _WORKSPACES.setdefault((group_name, dtype, device.index), [])
+    cached = _WORKSPACES.setdefault((group_name, dtype, device.index, purpose), [])
     fitting = [ws for ws in cached if ws.capacity >= needed]
     if fitting:
         return min(fitting, key=lambda ws: ws.capacity)
@@ -153,7 +164,7 @@ def get_workspace(group_name, dtype, device, needed: int, hidden: int, max_token
         return None
     tokens = max(MIN_WORKSPACE_TOKENS, triton_next_power_of_2(-(-needed // hidden)))
     capacity = min(tokens * hidden, limit)
-    ws = outside_graph_pools(lambda: _new_workspace(group_name, dtype, device, capacity), device)
+    ws = outside_graph_pools(lambda: _new_workspace(group_name, dtype, device, capacity, purpose), device)
     cached.append(ws)
     return ws
 

@@ -52,7 +52,8 @@ from .base import Unsupported
 from .rewrite import rewrite
 from .symbolic import MIN_SYMBOLIC_UNITS, Cut, hint
 
-__all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "Unsupported", "apply_token_split"]
+__all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "Unsupported", "apply_token_split",
+           "communication_variant"]
 
 log = logging.getLogger("weavepass")
 
@@ -60,6 +61,30 @@ INDUCTOR_CONFIG_PATCHES = {"reorder_for_peak_memory": False}
 """Inductor settings a split graph needs: the peak-memory reordering otherwise moves all of
 half A's kernels ahead of half B's first fused op, undoing the overlap schedule. The backend
 merges these into its ``config_patches`` when ``overlap != "off"``."""
+
+
+def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool, str | None]:
+    """``(push, note)``: whether the sites become the push variant's op
+    (``WeaveConfig.overlap_comm="push"``), and the report's words for what the communication
+    stream runs (None with the default, ``"fused"``). Push needs every site's group to have 2 ranks (``push_unsupported_reason``); a
+    site on another lowering than ``cuda_symm`` still gets the op, which runs there as the fused
+    async op, and the note says so. Every rank decides the same: group sizes and lowerings are the
+    plan's, equal on every rank (``weavepass.plan_check``)."""
+    if config.overlap_comm != "push":
+        return False, None
+    from weavepass.runtime.cuda.support import push_unsupported_reason
+    from weavepass.runtime.portable import resolve_group
+
+    groups = sorted({site.args[4] for site in sites})
+    for group in groups:
+        reason = push_unsupported_reason(resolve_group(group).size())
+        if reason is not None:
+            return False, f"communication: fused kernel (overlap_comm='push' not used: {reason})"
+    others = sorted({site.args[6] for site in sites} - {"cuda_symm"})
+    if others:
+        return True, (f"communication: push (slot 0 for A, 1 for B); sites on lowering {', '.join(others)} "
+                      "run it as the fused async op (the push kernels are cuda_symm's)")
+    return True, "communication: push (slot 0 for A, 1 for B)"
 
 
 def apply_token_split(
@@ -101,10 +126,12 @@ def apply_token_split(
         info = analyse(graph, sites, cut)  # re-check every view against the real cut
     except Unsupported as error:
         return skip(f"token split not possible: {error}")
-    rewrite(graph, info, config)
+    push, comm = communication_variant(sites, config)
+    rewrite(graph, info, config, push)
     where = "computed at run time from the symbolic size" if symbolic_cut else (
         f"A = {plan.first} / B = {plan.tokens - plan.first} tokens"
         + (", wave inequality holds" if plan.free else ", wave inequality does not hold"))
-    report.add_note(f"token split ({plan.mode}): {where}; {len(fused_nodes)} sites x 2 halves")
+    comm = "" if comm is None else f"; {comm}"
+    report.add_note(f"token split ({plan.mode}): {where}; {len(fused_nodes)} sites x 2 halves{comm}")
     log.info("weavepass: %s", report.notes[-1])
     return True

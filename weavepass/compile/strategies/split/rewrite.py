@@ -17,7 +17,13 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from weavepass.config import WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC, HOLD_INPUTS, WAIT_TENSOR
+from weavepass.ops import (
+    ASYNC_FUSED_OPS,
+    FUSED_ALLREDUCE_RMSNORM_ASYNC,
+    FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC,
+    HOLD_INPUTS,
+    WAIT_TENSOR,
+)
 
 from .analysis import Analysis
 from .attention import ATTENTION, emit_attention, emit_keys_hidden_check
@@ -30,18 +36,20 @@ aten = torch.ops.aten
 HALVES = ("A", "B")
 
 
-def rewrite(graph: Graph, info: Analysis, config: WeaveConfig) -> None:
-    """Replace the region of ``info`` by its two halves (``info`` from ``analyse`` at the planned cut)."""
-    Rewrite(graph, info, config).run()
+def rewrite(graph: Graph, info: Analysis, config: WeaveConfig, push: bool = False) -> None:
+    """Replace the region of ``info`` by its two halves (``info`` from ``analyse`` at the planned cut);
+    ``push``: the sites become the push variant's op (``WeaveConfig.overlap_comm="push"``)."""
+    Rewrite(graph, info, config, push).run()
 
 
 class Rewrite:
     """The state of one rewrite: each token node's copy per half and what was emitted once."""
 
-    def __init__(self, graph: Graph, info: Analysis, config: WeaveConfig):
+    def __init__(self, graph: Graph, info: Analysis, config: WeaveConfig, push: bool = False):
         self.graph = graph
         self.info = info
         self.config = config
+        self.push = push
         self.copies: dict[str, dict[Node, Node]] = {h: {} for h in HALVES}
         self.waited: dict[Node, Node] = {}
         self.held: set[Node] = set()  # async ops whose inputs a hold_inputs already reads
@@ -105,7 +113,7 @@ class Rewrite:
     def read(self, node: Node, half: str) -> Node:
         """``node``'s copy for ``half``, through its wait when it is an async fused op's output."""
         copy = self.copies[half][node]
-        if copy.target is operator.getitem and copy.args[0].target is FUSED_ALLREDUCE_RMSNORM_ASYNC:
+        if copy.target is operator.getitem and copy.args[0].target in ASYNC_FUSED_OPS:
             if copy not in self.waited:
                 self.waited[copy] = self.emit(WAIT_TENSOR, (copy,))
                 fork = copy.args[0]
@@ -142,8 +150,12 @@ class Rewrite:
         args, kwargs = map_arg((node.args, node.kwargs), arg)
         target = node.target
         if node in info.sites:
-            target = FUSED_ALLREDUCE_RMSNORM_ASYNC
-            args = (*args, self.config.overlap_comm_ctas)
+            if self.push:  # one staging slot per half: a slot is reused only after its join
+                target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
+                args = (*args, self.config.overlap_comm_ctas, HALVES.index(half))
+            else:
+                target = FUSED_ALLREDUCE_RMSNORM_ASYNC
+                args = (*args, self.config.overlap_comm_ctas)
         elif target in VIEWS:
             size = half_view_size(node, info.token[node], args[1])
             if node in info.keys:  # the half's key count, from the scores it views
