@@ -133,12 +133,12 @@ step() {  # step NAME TIMEOUT_S command...: runs command, appends its output to 
 
 OVERLAP_TOKENS="2048 4096 8192 16384"
 if [ -n "$QUICK" ]; then
-  OVERLAP_VARIANTS="inductor,weave_fuse,weave_overlap,weave_auto,no_comm"  # inductor_nccl_symm aborted both ranks here (docs/cuda_kernel.md)
+  OVERLAP_VARIANTS="${OVERLAP_VARIANTS:-inductor,weave_fuse,weave_overlap,weave_auto,no_comm}"  # inductor_nccl_symm aborted both ranks here (docs/cuda_kernel.md)
 else
-  OVERLAP_VARIANTS="eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg"
+  OVERLAP_VARIANTS="${OVERLAP_VARIANTS:-eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg}"
 fi
 # The push variant (overlap_comm="push") has not run on a GPU yet: add weave_overlap_push and
-# weave_overlap_push_cg (OVERLAP_VARIANTS=...) once the onegpu step's simulator tests of its kernels
+# weave_overlap_push_cg (environment OVERLAP_VARIANTS overrides the lists above) once the onegpu step's simulator tests of its kernels
 # and the pytest_push step have passed.
 
 # Measured on 2 x H200 (2026-11-30, one spawn per test): the model + overlap files take ~205 s, the
