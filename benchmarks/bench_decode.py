@@ -18,6 +18,10 @@ to every cached token. Variants, in the same processes:
                         this measures where the threshold belongs
     weave_cg            backend weave, mode="reduce-overhead" (every size fused under Inductor's
                         CUDA graphs, ``allow_inductor_cudagraphs``)
+    weave_cg_lamport, weave_min1_lamport
+                        weave_cg / weave_min1 with the Lamport one-shot kernel switched on in the
+                        launch rule (``launch_plan.LAMPORT_BY_DEFAULT``, off by default until
+                        measured; the lowering's launch cache is cleared around the variant)
     inductor_nccl_symm  inductor with every allocation in a MemPool registered as NCCL
                         symmetric windows (benchmarks/nccl_symm.py), so NCCL may run its
                         symmetric all_reduce kernels; default mode only (CUDA-graph trees
@@ -48,14 +52,17 @@ from bench_overlap import SHAPES, VOCAB_PER_RANK, build_model  # benchmarks/benc
 from report import model_bench_parser, parse_variants, pyplot, save_figure, world_name, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
-VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "inductor_nccl_symm")
+VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "weave_min1_lamport",
+            "weave_cg_lamport", "inductor_nccl_symm")
 CUDA_ONLY = {
     "inductor_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "weave_cg_lamport": "the Lamport kernel is CUDA's",
+    "weave_min1_lamport": "the Lamport kernel is CUDA's",
     "inductor_nccl_symm": "NCCL symmetric-memory windows need NCCL on CUDA",
 }
 # The Inductor variant each one is compared with: the same compile mode.
-BASELINE = {"inductor_cg": "inductor_cg", "weave_cg": "inductor_cg"}
+BASELINE = {"inductor_cg": "inductor_cg", "weave_cg": "inductor_cg", "weave_cg_lamport": "inductor_cg"}
 
 
 def compilers(model) -> dict:
@@ -81,8 +88,22 @@ def compilers(model) -> dict:
         "weave": weave(),
         "weave_min1": weave(cuda_min_tokens=1),
         "weave_cg": weave("reduce-overhead", allow_inductor_cudagraphs=True),
+        "weave_min1_lamport": weave(cuda_min_tokens=1),
+        "weave_cg_lamport": weave("reduce-overhead", allow_inductor_cudagraphs=True),
         "inductor_nccl_symm": plain(),  # run in a window pool, per batch (_run_rank)
     }
+
+
+def _use_lamport(on: bool) -> None:
+    """Switch the Lamport one-shot kernel on or off in the CUDA lowering's launch rule; cached
+    launch plans are dropped so that the next call of every signature plans again."""
+    if not torch.cuda.is_available():
+        return
+    from weavepass.runtime.cuda import dispatch, launch_plan
+
+    if launch_plan.LAMPORT_BY_DEFAULT != on:
+        launch_plan.LAMPORT_BY_DEFAULT = on
+        dispatch._LAUNCHES.clear()
 
 
 def _fused_sites(backend, seen: int) -> tuple[str, list[str], int]:
@@ -123,6 +144,7 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
         made = compilers(model)
         for variant in variants:
             torch._dynamo.reset()
+            _use_lamport(variant.endswith("_lamport"))
             compiled, backend = made[variant]()
             seen = 0
 

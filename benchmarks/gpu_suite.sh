@@ -46,8 +46,9 @@
 #              all default variants + weave_fuse_cg / weave_overlap_cg / inductor_cg)
 #   overlap2   the same for 70b_tp2 and 8b_tp8sim (bench_overlap_2.csv / .png; WORLD 2 only)
 #   decode     bench_decode at 8b_tp2, 16 layers, 2K cached tokens (--quick: batches 1, 32, 256;
-#              without the default-mode `weave` variant, which at these sizes compiles the same
-#              graph as inductor since cuda_min_tokens=1024 keeps them on plain all_reduce)
+#              without the default-mode `weave` variant and weave_min1_lamport; the _lamport
+#              variants switch the Lamport one-shot kernel on, which the launch rule leaves off
+#              until it is measured)
 #              (WORLD 8: 8b_tp8; 4: none)
 #   decode70   the same at 70b_tp8sim (bench_decode_70b.csv / .png; WORLD 4: 70b_tp4, 8: 70b_tp8)
 #   fused      bench_fused_allreduce_rmsnorm, hidden 8192 and 4096 (--quick: fewer sizes and CTAs)
@@ -164,9 +165,9 @@ wanted overlap2 && with_shapes overlap2 "$OVERLAP2_SHAPES" && step bench_overlap
     python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" --name "bench_overlap_2$TP" $QUICK \
     --shape $OVERLAP2_SHAPES --tokens $OVERLAP_TOKENS --layouts 1 --variants "$OVERLAP_VARIANTS"
 if [ -n "$QUICK" ]; then
-  DECODE_VARIANTS="eager,inductor,inductor_cg,weave_min1,weave_cg,inductor_nccl_symm"
+  DECODE_VARIANTS="eager,inductor,inductor_cg,weave_min1,weave_cg,weave_cg_lamport,inductor_nccl_symm"
 else
-  DECODE_VARIANTS="eager,inductor,inductor_cg,weave,weave_min1,weave_cg,inductor_nccl_symm"
+  DECODE_VARIANTS="eager,inductor,inductor_cg,weave,weave_min1,weave_cg,weave_min1_lamport,weave_cg_lamport,inductor_nccl_symm"
 fi
 wanted decode && with_shapes decode "$DECODE_SHAPES" && step bench_decode "${DECODE_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_decode.py --out "$OUT" --world "$WORLD" $QUICK --shape $DECODE_SHAPES \
