@@ -11,11 +11,9 @@ to every cached token. Variants, in the same processes:
     eager               the model as written (NCCL all_reduce, unfused)
     inductor            torch.compile, default mode
     inductor_cg         torch.compile, mode="reduce-overhead" (Inductor CUDA graphs)
-    weave               backend weave, default mode, default ``WeaveConfig``: with
-                        ``cuda_min_tokens=1024`` every decode batch stays on plain all_reduce here
-                        (the report says so), so this is the default a user gets
-    weave_min1          the same with ``cuda_min_tokens=1``: every site fused; with ``weave``
-                        this measures where the threshold belongs
+    weave               backend weave, default mode, default ``WeaveConfig`` (the default a user
+                        gets; since ``cuda_min_tokens`` defaults to 1, the same graphs as weave_min1)
+    weave_min1          the same with ``cuda_min_tokens=1`` written out: every site fused
     weave_cg            backend weave, mode="reduce-overhead" (every size fused under Inductor's
                         CUDA graphs, ``allow_inductor_cudagraphs``)
     weave_cg_lamport, weave_min1_lamport
