@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from weavepass.compile.wave_model import GemmShape
+from weavepass.testing import routing
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import Analysis, analyse, token_dims
+from weavepass.compile.strategies.split.routing import Counts, Positions, Rows
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for
 from weavepass.compile.strategies.split.symbolic import Cut
 
@@ -487,3 +489,135 @@ def test_analysis_refuses_a_reduction_over_tokens_between_sites():
     with pytest.raises(Unsupported, match=r"mean \(mean.dim\) reduces over the token dim"):
         analyse(gm.graph, sites, Cut.of(sites[0]))
     assert str(gm.graph) == before
+
+
+# ---- MoE routing blocks (``routing``) ---------------------------------------------------------------
+
+T, H, E, K = 8, 16, 4, 2  # tokens (SEQ: cut 4 / 4), hidden, experts, experts per token
+P = T * K
+
+
+def _moe_inputs():
+    g = torch.Generator().manual_seed(0)
+    return [t.bfloat16() for t in (torch.randn(T, H, generator=g), *routing.moe_weights(H, 24, E, g))]
+
+
+def _routed(fn):
+    """Token dims and analysis of ``fn(x, router, w_up, w_down)`` with ``x``'s tokens in dim 0."""
+    return _token_dims(fn, _moe_inputs(), {0: 0})
+
+
+def _routed_refused(fn) -> str:
+    return _refused(fn, _moe_inputs(), {0: 0})
+
+
+needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm missing")
+
+
+@needs_grouped_mm
+def test_grouped_mm_routing_block_is_token_wise():
+    """Hugging Face's grouped_mm experts: the pairs sorted by expert, gathered, two grouped
+    matmuls on offsets from the sorted keys' histogram, the inverse permutation (``index_put`` of
+    ``arange`` into ``empty``), the sum over top-k: the output carries the tokens in dim 0, the
+    block constants are rebuilt per half, and every value computed across rows has a role."""
+    (out,), info = _routed(lambda x, r, u, d: routing.grouped_mm_moe(x, r, u, d, K))
+    assert out == 0
+    assert sorted(n.target.__name__ for n in info.block_consts) == ["arange.default", "empty.memory_format"]
+    by_op = {n.target: info.roles[n] for n in info.roles if not isinstance(info.roles[n], tuple)}
+    (sort,) = [n for n in info.roles if n.target is aten.sort.default]
+    assert by_op[aten.cumsum.default] == Counts(sort, cumulative=True)
+    assert by_op[aten._grouped_mm.default] == Rows(sort)
+    assert by_op[aten.index_put.default] == Positions(None, sort, P, bijection=True)  # the inverse
+    assert by_op[aten.floor_divide.default] == Positions(sort, None, T, bijection=False)  # pair -> token
+    # Back in token order after the inverse gather: the view to [T, k, H] and the sum need no role.
+    assert not any(n.target in (aten.view.default, aten.sum.dim_IntList) and n.args[0].target is aten.index.Tensor
+                   and n in info.roles for n in info.token)
+
+
+@needs_grouped_mm
+def test_routing_block_combined_by_index_add():
+    """The rows scattered back onto their tokens with ``index_add`` into ``zeros(T, H)`` (the sum
+    over top-k in one op)."""
+    def index_add_moe(x, r, u, d):
+        _, perm, w, offs = routing.route(x, r, K)
+        y = routing.experts(x, perm, offs, u, d, K) * w.unsqueeze(-1)
+        return torch.zeros(T, H, dtype=x.dtype).index_add(0, perm // K, y)
+
+    (out,), info = _routed(index_add_moe)
+    assert out == 0 and [n.target for n in info.block_consts] == [aten.zeros.default]
+
+
+def _capacity_by_counts(x, r, u, d):
+    """GShard-style capacity: each pair's rank within its expert (``arange - start of its expert``)
+    against a capacity; pairs past it are dropped."""
+    keys, perm, w, offs = routing.route(x, r, K)
+    counts = torch.histc(keys.float(), bins=E, min=0, max=E - 1)
+    rank = torch.arange(P) - (offs - counts)[keys]
+    y = routing.experts(x, perm, offs, u, d, K) * (w * (rank < 3)).unsqueeze(-1)
+    return routing.unsort(y, perm).view(T, K, H).sum(1)
+
+
+def _capacity_by_position(x, r, u, d):
+    """Pairs dropped by their position in the sort."""
+    _, perm, w, offs = routing.route(x, r, K)
+    y = routing.experts(x, perm, offs, u, d, K) * (w * (perm < 12)).unsqueeze(-1)
+    return routing.unsort(y, perm).view(T, K, H).sum(1)
+
+
+def _normalised_by_expert_load(x, r, u, d):
+    """Each pair's weight divided by its expert's load (a count over all tokens)."""
+    keys, perm, w, offs = routing.route(x, r, K)
+    load = torch.histc(keys.float(), bins=E, min=0, max=E - 1)[keys]
+    y = routing.experts(x, perm, offs, u, d, K) * (w / load).unsqueeze(-1)
+    return routing.unsort(y, perm).view(T, K, H).sum(1)
+
+
+def _normalised_over_tokens(x, r, u, d):
+    """The expert outputs normalised by their sum over all pairs."""
+    _, perm, w, offs = routing.route(x, r, K)
+    y = routing.experts(x, perm, offs, u, d, K)
+    return routing.unsort(y / y.sum(0, keepdim=True), perm).view(T, K, H).sum(1)
+
+
+def _not_unsorted(x, r, u, d):
+    _, perm, w, offs = routing.route(x, r, K)
+    return (routing.experts(x, perm, offs, u, d, K) * w.unsqueeze(-1)).view(T, K, H).sum(1)
+
+
+def _mixed_orders(x, r, u, d):
+    """Rows in expert order added to the pairs in token order."""
+    _, perm, w, offs = routing.route(x, r, K)
+    pairs = x.unsqueeze(1).expand(T, K, H).reshape(P, H)
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K) + pairs, perm)
+
+
+def _scatter_without_permutation(x, r, u, d):
+    """Rows written onto their tokens without accumulation: some rows keep ``empty``'s garbage."""
+    _, perm, w, offs = routing.route(x, r, K)
+    y = routing.experts(x, perm, offs, u, d, K)
+    return torch.index_put(torch.empty(T, H, dtype=x.dtype), (perm // K,), y)
+
+
+def _sorted_scores(x, r, u, d):
+    """A sort of the tokens by a score (not the flattened experts of a topk)."""
+    return x[torch.sort((x @ r.t()).sum(-1)).indices]
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("fn, reason", [
+    (_capacity_by_counts, "(sub.Tensor) reads the expert counts of an MoE routing block"),
+    (_capacity_by_position, "(lt.Scalar) computes with the row positions of an MoE routing block"),
+    (_normalised_by_expert_load, "(index.Tensor) reads the expert counts of an MoE routing block"),
+    (_normalised_over_tokens, "(sum.dim_IntList) reduces over the token dim"),
+    (_not_unsorted, ": view regroups rows an MoE routing block sorted by expert"),
+    (_mixed_orders, "(add.Tensor) combines rows in token order with rows an MoE routing block sorted"),
+    (_scatter_without_permutation, "(index_put.default) writes by positions that are not a permutation"),
+    (_sorted_scores, "(sort.default) sorts along the token dim, and its keys are not the flattened experts"),
+], ids=["capacity-by-counts", "capacity-by-position", "load-normalised", "normalised-over-tokens",
+        "not-unsorted", "mixed-orders", "scatter-without-permutation", "sorted-scores"])
+def test_routing_blocks_that_mix_tokens_are_refused(fn, reason):
+    """A value computed across rows that reaches an output (a capacity, a load, a normalisation
+    over tokens), rows left in expert order, rows of two orders combined, a scatter that leaves
+    rows unwritten, a sort that is not by expert: each refused with its reason."""
+    message = _routed_refused(fn)
+    assert reason in message, message

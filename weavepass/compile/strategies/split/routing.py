@@ -27,8 +27,8 @@ never reaches an output, which the analysis checks op by op with a role per tens
   Arithmetic on positions (a capacity limit that drops pairs by position) is refused.
 - counts (``Counts``): the histogram of a sort's keys and its cumsum, the grouped matmul's
   offsets and nothing else (a load-balancing term or a capacity from the counts is refused).
-- block constants: ``empty``/``zeros``/``full``/``iota`` as long as the rows, the scatter's target
-  and ``arange(P)``, rebuilt per half with the half's size (``block_consts``).
+- block constants: ``empty``/``zeros``/``full`` as long as the rows (the scatter's target) and
+  ``arange(P)`` (``iota``), rebuilt per half with the half's size (``block_consts``).
 
 Offsets group the rows correctly only when the rows are sorted by the counted keys and every key
 falls in its own bin: the sorted values are the experts of ``topk`` over ``E`` experts and the
@@ -94,7 +94,9 @@ ROW_OPS = frozenset((operator.getitem, *CASTS, *VIEWS, aten.unsqueeze.default, a
 """Ops other than pointwise ones that rows in a sort's order may go through: each row's output is
 computed from that row alone (the rules in ``rules`` keep the token dim; views are checked to
 keep the rows whole)."""
-BLOCK_CONSTS = (aten.empty.memory_format, aten.zeros.default, aten.full.default, prims.iota.default)
+BLOCK_CONSTS = (aten.empty.memory_format, aten.zeros.default, aten.full.default)
+ARANGES = (prims.iota.default, aten.arange.default, aten.arange.start_step)
+"""``arange(P)`` as written (``arange``) and as Inductor decomposes it (``iota``)"""
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 """Grouped matmuls ``(rows [P, K], weights [E, K, N], offs [E])``: rows ``offs[e-1] .. offs[e]``
 times ``weights[e]`` (``torch._grouped_mm``; transformers' fallback for non-bf16 weights)."""
@@ -144,21 +146,19 @@ def routed_dims(node: Node, info: Analysis):
     if name is not None:
         return _grouped_mm(node, info, name)
     target = node.target
+    inputs = [a for a in node.all_input_nodes if a in info.roles]
+    counts = [a for a in inputs if isinstance(info.roles[a], Counts)]
+    if counts:
+        return _counts_op(node, info, counts)
     if target is aten.index.Tensor:
         return _gather(node, info)
     if target in (aten.index_put.default, aten.index_add.default):
         return _scatter(node, info)
     if target is aten.histc.default:
         return _histogram(node, info)
-    inputs = [a for a in node.all_input_nodes if a in info.roles]
     if target is operator.getitem and isinstance(info.roles[node.args[0]], tuple):
-        role = info.roles[node.args[0]][node.args[1]]
-        if role is not None:
-            info.roles[node] = role
+        info.roles[node] = info.roles[node.args[0]][node.args[1]]
         return rule_for(target)(node, info)
-    counts = [a for a in inputs if isinstance(info.roles[a], Counts)]
-    if counts:
-        return _counts_op(node, info, counts)
     positions = [a for a in inputs if isinstance(info.roles[a], Positions)]
     if positions:
         return _position_op(node, info, positions[0])
@@ -210,7 +210,8 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
     falls on a multiple of ``c`` so that the half-local quotient is the half-local token."""
     role = info.roles[pos]
     c = node.args[1] if len(node.args) > 1 else None
-    floor = node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor"
+    floor = (node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor") \
+        or node.target is aten.floor_divide.default  # on integers: a floor too
     units = hint(info.cut.units)
     if not (floor and node.args[0] is pos and isinstance(c, int) and c > 0 and role.points is None
             and role.space % units == 0 and (role.space // units) % c == 0):
@@ -318,7 +319,7 @@ def _scatter(node: Node, info: Analysis) -> int:
         raise Unsupported(f"{what} writes by positions that are not a permutation of the rows: some rows "
                           "would keep the target's contents")
     _block_target(node, target, pos, info, what)
-    if _is_block_const(values, prims.iota.default, rows, info):
+    if _is_block_const(values, ARANGES, rows, info):
         info.block_consts.add(values)
         role = Positions(pos.points, pos.order, rows, bijection=pos.bijection and rows == pos.space)
     elif info.token.get(values) == 0 and _order(values, info) == pos.order and shape(values)[0] == rows:
@@ -333,24 +334,34 @@ def _scatter(node: Node, info: Analysis) -> int:
 
 
 def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what: str) -> None:
-    if _is_block_const(target, BLOCK_CONSTS[:3], pos.space, info):
+    if _is_block_const(target, BLOCK_CONSTS, pos.space, info):
         info.block_consts.add(target)
     elif not (info.token.get(target) == 0 and _order(target, info) == pos.points and shape(target)[0] == pos.space):
         raise Unsupported(f"{what}: the target is neither a new tensor as long as the rows nor the rows the "
                           "positions index")
 
 
-def _is_block_const(node, targets, rows: int, info: Analysis) -> bool:
-    """A token-free ``empty``/``zeros``/``full`` (``iota``: from 0 by 1) of ``rows`` rows, inside the
-    region and read only by the block: rebuilt per half with the half's rows."""
-    if not isinstance(node, Node) or node.target not in (targets if isinstance(targets, tuple) else (targets,)):
+def _is_block_const(node, targets: tuple, rows: int, info: Analysis) -> bool:
+    """A token-free ``empty``/``zeros``/``full`` of ``rows`` rows, or ``arange(rows)`` (from 0 by 1),
+    read only by the block (``check_block``): rebuilt per half with the half's rows."""
+    if not isinstance(node, Node) or node.target not in targets or node in info.token:
         return False
-    if node in info.token:
-        return False
-    if node.target is prims.iota.default and (node.kwargs.get("start", 0), node.kwargs.get("step", 1)) != (0, 1):
-        return False
-    size = node.args[0] if node.target is prims.iota.default else node.args[0][0]
+    if node.target in ARANGES:
+        return _arange_length(node) == rows
+    size = node.args[0][0]
     return isinstance(size, int) and size == rows
+
+
+def _arange_length(node: Node) -> int | None:
+    """``n`` of ``arange(n)`` / ``arange(0, n, 1)`` / ``iota(n, start=0, step=1)``; else None."""
+    if node.target is prims.iota.default:
+        start, step, end = node.kwargs.get("start", 0), node.kwargs.get("step", 1), node.args[0]
+    elif node.target is aten.arange.default:
+        start, step, end = 0, 1, node.args[0]
+    else:
+        start, end = node.args[:2]
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+    return end if (start, step) == (0, 1) and isinstance(end, int) else None
 
 
 def check_block(info: Analysis) -> None:
@@ -377,5 +388,8 @@ def emit_block_const(rw, node: Node, half: str) -> Node:
     start, end = rw.bounds(node, 0, half)
     rows = end - start if half == "A" else size - start
     args = list(node.args)
-    args[0] = rows if node.target is prims.iota.default else [rows, *args[0][1:]]
+    if node.target is aten.arange.start_step:
+        args[1] = rows
+    else:
+        args[0] = rows if node.target in ARANGES else [rows, *args[0][1:]]
     return rw.emit(node.target, tuple(args), node.kwargs)
