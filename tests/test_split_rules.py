@@ -13,13 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from weavepass.compile.wave_model import GemmShape
-from weavepass.testing import routing
+from weavepass import WeaveConfig
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import Analysis, analyse, token_dims
+from weavepass.compile.strategies.split.rewrite import rewrite
 from weavepass.compile.strategies.split.routing import Counts, Positions, Rows
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for
 from weavepass.compile.strategies.split.symbolic import Cut
+from weavepass.compile.wave_model import GemmShape
+from weavepass.testing import routing
 
 aten = torch.ops.aten
 
@@ -336,13 +338,14 @@ def test_topk_outputs_and_gather_along_other_dims():
 
 @pytest.mark.parametrize("stable", [False, True], ids=["sort", "sort-stable"])
 def test_sort_along_another_dim_and_refused_along_the_tokens(stable):
-    """Sorting one token's experts keeps both outputs token-wise; sorting along the tokens (MoE
-    routing that groups every token-expert pair by expert) orders tokens across the cut."""
+    """Sorting one token's experts keeps both outputs token-wise; sorting along the tokens orders
+    tokens across the cut (only a routing block's sort by expert is taken, as a whole)."""
     sort = (lambda x, dim: torch.sort(x, dim=dim, stable=True)) if stable else torch.sort
     assert _token_dims(lambda x: sort(x, -1), [(1, 8, 4)], {0: 1})[0] == [1, 1]
     op = "sort.stable" if stable else "sort.default"
     reason = _refused(lambda x: sort(x.view(-1), 0), [(8, 2)], {0: 0})
-    assert reason.startswith(f"sort ({op}) sorts along the token dim: a half's order is not"), reason
+    assert reason.startswith(f"sort ({op}) sorts along the token dim, and its keys are not the flattened "
+                             "experts of a topk"), reason
 
 
 def test_copy_and_slice_scatter_line_up_like_elementwise_ops():
@@ -621,3 +624,57 @@ def test_routing_blocks_that_mix_tokens_are_refused(fn, reason):
     rows unwritten, a sort that is not by expert: each refused with its reason."""
     message = _routed_refused(fn)
     assert reason in message, message
+
+
+def _moe_between_sites(partial, residual, norm, router, w_up, w_down):
+    out, residual = _site(partial, residual, norm)  # fp32 out: back to the experts' bf16
+    moe = routing.grouped_mm_moe(out.view(T, H).bfloat16(), router, w_up, w_down, K)
+    return _site(moe.view(1, T, H), residual, norm)
+
+
+def _moe_sites_graph(fn=_moe_between_sites):
+    x, router, w_up, w_down = _moe_inputs()
+    gm = _trace(fn, x.view(1, T, H), x.view(1, T, H), torch.ones(H, dtype=x.dtype), router, w_up, w_down)
+    sites = _sites(gm)
+    cut = Cut.of(sites[0])
+    cut.first = 3  # 3 tokens (6 pairs) in half A, 5 (10 pairs) in B
+    return gm, sites, cut
+
+
+@needs_grouped_mm
+def test_routing_block_between_sites_is_copied_per_half_with_its_sizes():
+    """The whole block runs once per half; ``empty(P)`` and ``arange(P)`` are rebuilt with the
+    half's pairs (6 and 10 of 16), the originals are gone, the expert weights are shared."""
+    gm, sites, cut = _moe_sites_graph()
+    info = analyse(gm.graph, sites, cut)
+    assert info.moe and len(info.block_consts) == 2
+    rewrite(gm.graph, info, WeaveConfig(overlap="force"))
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    count = {op: sum(n.target is op for n in nodes) for op in (aten.sort.default, aten.histc.default,
+                                                               aten._grouped_mm.default, aten.index_put.default)}
+    assert count == {aten.sort.default: 2, aten.histc.default: 2, aten._grouped_mm.default: 4,
+                     aten.index_put.default: 2}
+    assert sorted(n.args[0] for n in nodes if n.target is aten.arange.default) == [6, 10]
+    assert sorted(n.args[0] for n in nodes if n.target is aten.empty.memory_format) == [[6], [10]]
+    weights = {n.args[1] for n in nodes if n.target is aten._grouped_mm.default}
+    assert all(w.op == "placeholder" for w in weights) and len(weights) == 2  # each expert weight read by both halves
+
+
+@needs_grouped_mm
+def test_routing_block_read_outside_the_region_is_refused():
+    """Rows in expert order that the graph returns would be joined by ``cat`` as if they were rows
+    in token order: refused, the graph untouched."""
+    def leaked(partial, residual, norm, router, w_up, w_down):
+        out, residual = _site(partial, residual, norm)
+        x = out.view(T, H).bfloat16()
+        _, perm, w, offs = routing.route(x, router, K)
+        y = routing.experts(x, perm, offs, w_up, w_down, K)
+        moe = routing.unsort(y * w.unsqueeze(-1), perm).view(T, K, H).sum(1)
+        return *_site(moe.view(1, T, H), residual, norm), y
+
+    gm, sites, cut = _moe_sites_graph(leaked)
+    before = str(gm.graph)
+    with pytest.raises(Unsupported, match="of an MoE routing block are read outside it"):
+        analyse(gm.graph, sites, cut)
+    assert str(gm.graph) == before

@@ -392,4 +392,5 @@ def emit_block_const(rw, node: Node, half: str) -> Node:
         args[1] = rows
     else:
         args[0] = rows if node.target in ARANGES else [rows, *args[0][1:]]
-    return rw.emit(node.target, tuple(args), node.kwargs)
+    with val(node).fake_mode:  # no tensor argument to find the mode from: the original's
+        return rw.emit(node.target, tuple(args), node.kwargs)
