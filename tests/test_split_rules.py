@@ -606,6 +606,21 @@ def _sorted_scores(x, r, u, d):
     return x[torch.sort((x @ r.t()).sum(-1)).indices]
 
 
+def _descending(x, r, u, d):
+    """Pairs sorted by expert downwards: the offsets count upwards, so rows get other experts."""
+    top_i = torch.softmax(x @ r.t(), -1).topk(K, -1).indices
+    keys, perm = torch.sort(top_i.reshape(-1), descending=True)
+    offs = torch.cumsum(torch.histc(keys.float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K), perm)
+
+
+def _keys_rounded(x, r, u, d):
+    """The keys counted through a dtype that need not hold every expert index exactly."""
+    keys, perm, _, _ = routing.route(x, r, K)
+    offs = torch.cumsum(torch.histc(keys.half().float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K), perm)
+
+
 @needs_grouped_mm
 @pytest.mark.parametrize("fn, reason", [
     (_capacity_by_counts, "(sub.Tensor) reads the expert counts of an MoE routing block"),
@@ -616,12 +631,15 @@ def _sorted_scores(x, r, u, d):
     (_mixed_orders, "(add.Tensor) combines rows in token order with rows an MoE routing block sorted"),
     (_scatter_without_permutation, "(index_put.default) writes by positions that are not a permutation"),
     (_sorted_scores, "(sort.default) sorts along the token dim, and its keys are not the flattened experts"),
+    (_descending, "(sort.default) sorts the experts in descending order"),
+    (_keys_rounded, "(histc) counts rows other than one bin per expert"),
 ], ids=["capacity-by-counts", "capacity-by-position", "load-normalised", "normalised-over-tokens",
-        "not-unsorted", "mixed-orders", "scatter-without-permutation", "sorted-scores"])
+        "not-unsorted", "mixed-orders", "scatter-without-permutation", "sorted-scores", "descending", "keys-rounded"])
 def test_routing_blocks_that_mix_tokens_are_refused(fn, reason):
     """A value computed across rows that reaches an output (a capacity, a load, a normalisation
     over tokens), rows left in expert order, rows of two orders combined, a scatter that leaves
-    rows unwritten, a sort that is not by expert: each refused with its reason."""
+    rows unwritten, a sort that is not by expert, offsets that do not match the rows' experts:
+    each refused with its reason."""
     message = _routed_refused(fn)
     assert reason in message, message
 

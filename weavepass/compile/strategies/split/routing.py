@@ -100,6 +100,9 @@ ARANGES = (prims.iota.default, aten.arange.default, aten.arange.start_step)
 GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 """Grouped matmuls ``(rows [P, K], weights [E, K, N], offs [E])``: rows ``offs[e-1] .. offs[e]``
 times ``weights[e]`` (``torch._grouped_mm``; transformers' fallback for non-bf16 weights)."""
+EXACT_KEYS = (torch.int32, torch.int64, torch.float32, torch.float64)
+"""dtypes a cast of the sorted keys may have and still be counted: the expert indices exactly
+(a narrower one could wrap or round them into other experts' bins)"""
 ROUTING_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_add.default, aten.histc.default)
 
 
@@ -118,6 +121,11 @@ def sort_by_expert(node: Node, info: Analysis) -> tuple[int, int]:
         raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts along the token dim, and its keys are not "
                           "the flattened experts of a topk (MoE routing that groups the token-expert pairs "
                           "by expert): a half's order is not its part of the whole's")
+    descending = node.args[2] if node.target is aten.sort.default and len(node.args) > 2 else \
+        node.kwargs.get("descending", False)
+    if descending:  # the offsets count experts upwards: rows must be in ascending expert order
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts the experts in descending order: the "
+                          "grouped matmul's offsets would give rows other experts than their own")
     info.roles[node] = (Rows(node, keys=True, experts=experts),
                         Positions(node, None, shape(x)[0], bijection=True))
     return 0, 0
@@ -189,8 +197,8 @@ def _row_op(node: Node, info: Analysis):
         if shape(node)[dims] != shape(x)[info.token[x]]:
             raise Unsupported(f"{node.name}: view regroups rows an MoE routing block sorted by expert")
     keys = [info.roles[a] for a in node.all_input_nodes if a in info.roles]
-    if target in CASTS and len(keys) == 1 and keys[0].keys:
-        info.roles[node] = keys[0]  # a cast of the sorted keys still counts as the keys
+    if target in CASTS and len(keys) == 1 and keys[0].keys and val(node).dtype in EXACT_KEYS:
+        info.roles[node] = keys[0]  # a cast of the sorted keys that holds every expert index exactly
     elif order is not None:
         info.roles[node] = Rows(order)
     return dims
@@ -262,7 +270,7 @@ def _grouped_mm(node: Node, info: Analysis, name: str) -> int:
     bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
     rows_role, offs_role = info.roles.get(rows), info.roles.get(offs)
     if not (isinstance(rows_role, Rows) and rows_role.order is not None and info.token.get(rows) == 0
-            and val(rows).dim() == 2 and weights not in info.token and bias is None
+            and val(rows).dim() == 2 and val(weights).dim() == 3 and weights not in info.token and bias is None
             and isinstance(offs_role, Counts) and offs_role.cumulative and offs_role.sort is rows_role.order):
         raise Unsupported(f"{node.name} ({name}): not rows sorted by expert times token-free expert weights, "
                           "grouped by the offsets of the same sort")
@@ -321,13 +329,14 @@ def _scatter(node: Node, info: Analysis) -> int:
     _block_target(node, target, pos, info, what)
     if _is_block_const(values, ARANGES, rows, info):
         info.block_consts.add(values)
-        role = Positions(pos.points, pos.order, rows, bijection=pos.bijection and rows == pos.space)
+        role = Positions(pos.points, pos.order, rows, bijection=True)  # the inverse permutation
     elif info.token.get(values) == 0 and _order(values, info) == pos.order and shape(values)[0] == rows:
         role = info.roles.get(values, Rows(None))
-        role = replace(role, order=pos.points, bijection=role.bijection and not accumulate and pos.bijection) \
-            if isinstance(role, Positions) else Rows(pos.points)
+        role = replace(role, order=pos.points) if isinstance(role, Positions) else Rows(pos.points)
     else:
         raise Unsupported(f"{what}: the values are not rows in the order of the positions")
+    if isinstance(role, Positions) and accumulate:
+        raise Unsupported(f"{what} adds up positions of an MoE routing block")
     if role != Rows(None):
         info.roles[node] = role
     return 0
@@ -336,7 +345,8 @@ def _scatter(node: Node, info: Analysis) -> int:
 def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what: str) -> None:
     if _is_block_const(target, BLOCK_CONSTS, pos.space, info):
         info.block_consts.add(target)
-    elif not (info.token.get(target) == 0 and _order(target, info) == pos.points and shape(target)[0] == pos.space):
+    elif isinstance(info.roles.get(target), Positions) or not (
+            info.token.get(target) == 0 and _order(target, info) == pos.points and shape(target)[0] == pos.space):
         raise Unsupported(f"{what}: the target is neither a new tensor as long as the rows nor the rows the "
                           "positions index")
 
