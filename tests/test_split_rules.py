@@ -505,9 +505,9 @@ def _moe_inputs():
     return [t.bfloat16() for t in (torch.randn(T, H, generator=g), *routing.moe_weights(H, 24, E, g))]
 
 
-def _routed(fn):
+def _routed(fn, cut: Cut = SEQ):
     """Token dims and analysis of ``fn(x, router, w_up, w_down)`` with ``x``'s tokens in dim 0."""
-    return _token_dims(fn, _moe_inputs(), {0: 0})
+    return _token_dims(fn, _moe_inputs(), {0: 0}, cut)
 
 
 def _routed_refused(fn) -> str:
@@ -518,12 +518,14 @@ needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=
 
 
 @needs_grouped_mm
-def test_grouped_mm_routing_block_is_token_wise():
+@pytest.mark.parametrize("cut", [SEQ, BATCH], ids=["sequence", "batch"])
+def test_grouped_mm_routing_block_is_token_wise(cut):
     """Hugging Face's grouped_mm experts: the pairs sorted by expert, gathered, two grouped
     matmuls on offsets from the sorted keys' histogram, the inverse permutation (``index_put`` of
     ``arange`` into ``empty``), the sum over top-k: the output carries the tokens in dim 0, the
-    block constants are rebuilt per half, and every value computed across rows has a role."""
-    (out,), info = _routed(lambda x, r, u, d: routing.grouped_mm_moe(x, r, u, d, K))
+    block constants are rebuilt per half, and every value computed across rows has a role. (Batch
+    mode: the ``[B * S, H]`` rows cut between sequences.)"""
+    (out,), info = _routed(lambda x, r, u, d: routing.grouped_mm_moe(x, r, u, d, K), cut)
     assert out == 0
     assert sorted(n.target.__name__ for n in info.block_consts) == ["arange.default", "empty.memory_format"]
     by_op = {n.target: info.roles[n] for n in info.roles if not isinstance(info.roles[n], tuple)}
