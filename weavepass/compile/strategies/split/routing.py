@@ -45,6 +45,7 @@ import torch
 from torch.fx import Node
 
 from .base import Unsupported, norm_dim, op_name, val
+from .rules import VIEWS, rule_for
 from .symbolic import hint, shape
 
 if TYPE_CHECKING:
@@ -86,7 +87,6 @@ class Counts:
 
 
 CASTS = (prims.convert_element_type.default, aten._to_copy.default, aten.clone.default, aten.alias.default)
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 ROW_OPS = frozenset((operator.getitem, *CASTS, *VIEWS, aten.unsqueeze.default, aten.squeeze.dim,
                      aten.squeeze.dims, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
                      aten.select.int, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
@@ -148,8 +148,6 @@ def _experts_of(node: Node) -> int | None:
 
 def routed_dims(node: Node, info: Analysis):
     """The token dim(s) of an op of a routing block, and its role (``info.roles``)."""
-    from .rules import rule_for  # the rules module hands token-dim sorts to this one
-
     name = _grouped_mm_name(node)
     if name is not None:
         return _grouped_mm(node, info, name)
@@ -175,8 +173,6 @@ def routed_dims(node: Node, info: Analysis):
 
 def _row_op(node: Node, info: Analysis):
     """Per-row math on rows in one sort's order."""
-    from .rules import rule_for
-
     target = node.target
     pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
     if not pointwise and target not in ROW_OPS:
