@@ -38,7 +38,6 @@ SPLIT = "token split (sequence)"
 FLASHCOMM = "FlashComm (portable): 9 tokens padded to 32"
 AR = "_c10d_functional.all_reduce.default"
 NO_STREAM = "has no residual add, so the residual stream does not continue through it"
-MOE_SORT = "(sort.default) sorts along the token dim"
 
 
 @dataclass(frozen=True)
@@ -74,15 +73,15 @@ EXPECTED: dict[str, Expected] = {
     # Attention and MLP in parallel, then a LayerNorm: (residual + attn) + mlp -> one all_reduce
     # of both partials per layer (5 all_reduces, 3 LayerNorm sites).
     "cohere": Expected(3, merged=2, split="3 LayerNorm site(s): the split's async op"),
-    "mixtral": Expected(5, split=MOE_SORT),
+    "mixtral": Expected(5),
     # The replicated shared expert is added to the experts' sum before the residual add: it moves
     # onto the residual (before the op); FlashComm adds its rows of the shard to the carried stream.
-    "qwen2_moe": Expected(5, split=MOE_SORT),
-    "qwen3_moe": Expected(5, split=MOE_SORT),
+    "qwen2_moe": Expected(5),
+    "qwen3_moe": Expected(5),
     # The routed and the shared experts' all_reduces are summed before the residual add: one
     # collective carries both (4 all_reduces, 3 sites). Attention is not sharded (5.24's plan), so
     # the MLP's residual is not the embedding's stream value.
-    "deepseek_v3": Expected(3, merged=1, split=MOE_SORT, flashcomm="the stream cannot stay sharded"),
+    "deepseek_v3": Expected(3, merged=1, flashcomm="the stream cannot stay sharded"),
     "gpt_oss": Expected(1, split="1 fused site(s): no compute between sites"),
 }
 assert set(EXPECTED) == set(hf.FAMILIES)
@@ -149,6 +148,21 @@ def test_rounding_changes_in_bf16(runs, family):
         (graph,) = run.graphs
         assert graph.rewritten == EXPECTED[family].fused == len(graph.records), _describe(run)
         assert any(BF16_KINDS[family] in r.kind for r in graph.records), _describe(run)
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+"""Families whose routing sorts the token-expert pairs by expert (transformers' grouped_mm experts)."""
+
+
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f in FAMILIES])
+def test_moe_routing_runs_once_per_half(runs, family):
+    """With the split forced, every routing block (sort by expert, expert counts, grouped matmuls)
+    runs once per half on the half's tokens; test_family checks the numbers."""
+    for run in runs[family]["split"]:
+        (graph,) = run.graphs
+        sorts = graph.ops_before["aten.sort.default"]
+        assert sorts >= 1 and graph.ops_after["aten.sort.default"] == 2 * sorts, _describe(run)
+        assert graph.ops_after["aten.histc.default"] == 2 * graph.ops_before["aten.histc.default"], _describe(run)
 
 
 def test_cohere_fuses_layer_norm_sites(runs):

@@ -13,11 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from weavepass.compile.wave_model import GemmShape
+from weavepass import WeaveConfig
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import Analysis, analyse, token_dims
+from weavepass.compile.strategies.split.rewrite import rewrite
+from weavepass.compile.strategies.split.routing import Counts, Positions, Rows
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for
 from weavepass.compile.strategies.split.symbolic import Cut
+from weavepass.compile.wave_model import GemmShape
+from weavepass.testing import routing
 
 aten = torch.ops.aten
 
@@ -334,13 +338,14 @@ def test_topk_outputs_and_gather_along_other_dims():
 
 @pytest.mark.parametrize("stable", [False, True], ids=["sort", "sort-stable"])
 def test_sort_along_another_dim_and_refused_along_the_tokens(stable):
-    """Sorting one token's experts keeps both outputs token-wise; sorting along the tokens (MoE
-    routing that groups every token-expert pair by expert) orders tokens across the cut."""
+    """Sorting one token's experts keeps both outputs token-wise; sorting along the tokens orders
+    tokens across the cut (only a routing block's sort by expert is taken, as a whole)."""
     sort = (lambda x, dim: torch.sort(x, dim=dim, stable=True)) if stable else torch.sort
     assert _token_dims(lambda x: sort(x, -1), [(1, 8, 4)], {0: 1})[0] == [1, 1]
     op = "sort.stable" if stable else "sort.default"
     reason = _refused(lambda x: sort(x.view(-1), 0), [(8, 2)], {0: 0})
-    assert reason.startswith(f"sort ({op}) sorts along the token dim: a half's order is not"), reason
+    assert reason.startswith(f"sort ({op}) sorts along the token dim, and its keys are not the flattened "
+                             "experts of a topk"), reason
 
 
 def test_copy_and_slice_scatter_line_up_like_elementwise_ops():
@@ -486,4 +491,210 @@ def test_analysis_refuses_a_reduction_over_tokens_between_sites():
     before = str(gm.graph)
     with pytest.raises(Unsupported, match=r"mean \(mean.dim\) reduces over the token dim"):
         analyse(gm.graph, sites, Cut.of(sites[0]))
+    assert str(gm.graph) == before
+
+
+# ---- MoE routing blocks (``routing``) ---------------------------------------------------------------
+
+T, H, E, K = 8, 16, 4, 2  # tokens (SEQ: cut 4 / 4), hidden, experts, experts per token
+P = T * K
+
+
+def _moe_inputs():
+    g = torch.Generator().manual_seed(0)
+    return [t.bfloat16() for t in (torch.randn(T, H, generator=g), *routing.moe_weights(H, 24, E, g))]
+
+
+def _routed(fn, cut: Cut = SEQ):
+    """Token dims and analysis of ``fn(x, router, w_up, w_down)`` with ``x``'s tokens in dim 0."""
+    return _token_dims(fn, _moe_inputs(), {0: 0}, cut)
+
+
+def _routed_refused(fn) -> str:
+    return _refused(fn, _moe_inputs(), {0: 0})
+
+
+needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm missing")
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("cut", [SEQ, BATCH], ids=["sequence", "batch"])
+def test_grouped_mm_routing_block_is_token_wise(cut):
+    """Hugging Face's grouped_mm experts: the pairs sorted by expert, gathered, two grouped
+    matmuls on offsets from the sorted keys' histogram, the inverse permutation (``index_put`` of
+    ``arange`` into ``empty``), the sum over top-k: the output carries the tokens in dim 0, the
+    block constants are rebuilt per half, and every value computed across rows has a role. (Batch
+    mode: the ``[B * S, H]`` rows cut between sequences.)"""
+    (out,), info = _routed(lambda x, r, u, d: routing.grouped_mm_moe(x, r, u, d, K), cut)
+    assert out == 0
+    assert sorted(n.target.__name__ for n in info.block_consts) == ["arange.default", "empty.memory_format"]
+    by_op = {n.target: info.roles[n] for n in info.roles if not isinstance(info.roles[n], tuple)}
+    (sort,) = [n for n in info.roles if n.target is aten.sort.default]
+    assert by_op[aten.cumsum.default] == Counts(sort, cumulative=True)
+    assert by_op[aten._grouped_mm.default] == Rows(sort)
+    assert by_op[aten.index_put.default] == Positions(None, sort, P, bijection=True)  # the inverse
+    assert by_op[aten.floor_divide.default] == Positions(sort, None, T, bijection=False)  # pair -> token
+    # Back in token order after the inverse gather: the view to [T, k, H] and the sum need no role.
+    assert not any(n.target in (aten.view.default, aten.sum.dim_IntList) and n.args[0].target is aten.index.Tensor
+                   and n in info.roles for n in info.token)
+
+
+@needs_grouped_mm
+def test_routing_block_combined_by_index_add():
+    """The rows scattered back onto their tokens with ``index_add`` into ``zeros(T, H)`` (the sum
+    over top-k in one op)."""
+    def index_add_moe(x, r, u, d):
+        _, perm, w, offs = routing.route(x, r, K)
+        y = routing.experts(x, perm, offs, u, d, K) * w.unsqueeze(-1)
+        return torch.zeros(T, H, dtype=x.dtype).index_add(0, perm // K, y)
+
+    (out,), info = _routed(index_add_moe)
+    assert out == 0 and [n.target for n in info.block_consts] == [aten.zeros.default]
+
+
+def _capacity_by_counts(x, r, u, d):
+    """GShard-style capacity: each pair's rank within its expert (``arange - start of its expert``)
+    against a capacity; pairs past it are dropped."""
+    keys, perm, w, offs = routing.route(x, r, K)
+    counts = torch.histc(keys.float(), bins=E, min=0, max=E - 1)
+    rank = torch.arange(P) - (offs - counts)[keys]
+    y = routing.experts(x, perm, offs, u, d, K) * (w * (rank < 3)).unsqueeze(-1)
+    return routing.unsort(y, perm).view(T, K, H).sum(1)
+
+
+def _capacity_by_position(x, r, u, d):
+    """Pairs dropped by their position in the sort."""
+    _, perm, w, offs = routing.route(x, r, K)
+    y = routing.experts(x, perm, offs, u, d, K) * (w * (perm < 12)).unsqueeze(-1)
+    return routing.unsort(y, perm).view(T, K, H).sum(1)
+
+
+def _normalised_by_expert_load(x, r, u, d):
+    """Each pair's weight divided by its expert's load (a count over all tokens)."""
+    keys, perm, w, offs = routing.route(x, r, K)
+    load = torch.histc(keys.float(), bins=E, min=0, max=E - 1)[keys]
+    y = routing.experts(x, perm, offs, u, d, K) * (w / load).unsqueeze(-1)
+    return routing.unsort(y, perm).view(T, K, H).sum(1)
+
+
+def _normalised_over_tokens(x, r, u, d):
+    """The expert outputs normalised by their sum over all pairs."""
+    _, perm, w, offs = routing.route(x, r, K)
+    y = routing.experts(x, perm, offs, u, d, K)
+    return routing.unsort(y / y.sum(0, keepdim=True), perm).view(T, K, H).sum(1)
+
+
+def _not_unsorted(x, r, u, d):
+    _, perm, w, offs = routing.route(x, r, K)
+    return (routing.experts(x, perm, offs, u, d, K) * w.unsqueeze(-1)).view(T, K, H).sum(1)
+
+
+def _mixed_orders(x, r, u, d):
+    """Rows in expert order added to the pairs in token order."""
+    _, perm, w, offs = routing.route(x, r, K)
+    pairs = x.unsqueeze(1).expand(T, K, H).reshape(P, H)
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K) + pairs, perm)
+
+
+def _scatter_without_permutation(x, r, u, d):
+    """Rows written onto their tokens without accumulation: some rows keep ``empty``'s garbage."""
+    _, perm, w, offs = routing.route(x, r, K)
+    y = routing.experts(x, perm, offs, u, d, K)
+    return torch.index_put(torch.empty(T, H, dtype=x.dtype), (perm // K,), y)
+
+
+def _sorted_scores(x, r, u, d):
+    """A sort of the tokens by a score (not the flattened experts of a topk)."""
+    return x[torch.sort((x @ r.t()).sum(-1)).indices]
+
+
+def _descending(x, r, u, d):
+    """Pairs sorted by expert downwards: the offsets count upwards, so rows get other experts."""
+    top_i = torch.softmax(x @ r.t(), -1).topk(K, -1).indices
+    keys, perm = torch.sort(top_i.reshape(-1), descending=True)
+    offs = torch.cumsum(torch.histc(keys.float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K), perm)
+
+
+def _keys_rounded(x, r, u, d):
+    """The keys counted through a dtype that need not hold every expert index exactly."""
+    keys, perm, _, _ = routing.route(x, r, K)
+    offs = torch.cumsum(torch.histc(keys.half().float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K), perm)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("fn, reason", [
+    (_capacity_by_counts, "(sub.Tensor) reads the expert counts of an MoE routing block"),
+    (_capacity_by_position, "(lt.Scalar) computes with the row positions of an MoE routing block"),
+    (_normalised_by_expert_load, "(index.Tensor) reads the expert counts of an MoE routing block"),
+    (_normalised_over_tokens, "(sum.dim_IntList) reduces over the token dim"),
+    (_not_unsorted, ": view regroups rows an MoE routing block sorted by expert"),
+    (_mixed_orders, "(add.Tensor) combines rows in token order with rows an MoE routing block sorted"),
+    (_scatter_without_permutation, "(index_put.default) writes by positions that are not a permutation"),
+    (_sorted_scores, "(sort.default) sorts along the token dim, and its keys are not the flattened experts"),
+    (_descending, "(sort.default) sorts the experts in descending order"),
+    (_keys_rounded, "(histc) counts rows other than one bin per expert"),
+], ids=["capacity-by-counts", "capacity-by-position", "load-normalised", "normalised-over-tokens",
+        "not-unsorted", "mixed-orders", "scatter-without-permutation", "sorted-scores", "descending", "keys-rounded"])
+def test_routing_blocks_that_mix_tokens_are_refused(fn, reason):
+    """A value computed across rows that reaches an output (a capacity, a load, a normalisation
+    over tokens), rows left in expert order, rows of two orders combined, a scatter that leaves
+    rows unwritten, a sort that is not by expert, offsets that do not match the rows' experts:
+    each refused with its reason."""
+    message = _routed_refused(fn)
+    assert reason in message, message
+
+
+def _moe_between_sites(partial, residual, norm, router, w_up, w_down):
+    out, residual = _site(partial, residual, norm)  # fp32 out: back to the experts' bf16
+    moe = routing.grouped_mm_moe(out.view(T, H).bfloat16(), router, w_up, w_down, K)
+    return _site(moe.view(1, T, H), residual, norm)
+
+
+def _moe_sites_graph(fn=_moe_between_sites):
+    x, router, w_up, w_down = _moe_inputs()
+    gm = _trace(fn, x.view(1, T, H), x.view(1, T, H), torch.ones(H, dtype=x.dtype), router, w_up, w_down)
+    sites = _sites(gm)
+    cut = Cut.of(sites[0])
+    cut.first = 3  # 3 tokens (6 pairs) in half A, 5 (10 pairs) in B
+    return gm, sites, cut
+
+
+@needs_grouped_mm
+def test_routing_block_between_sites_is_copied_per_half_with_its_sizes():
+    """The whole block runs once per half; ``empty(P)`` and ``arange(P)`` are rebuilt with the
+    half's pairs (6 and 10 of 16), the originals are gone, the expert weights are shared."""
+    gm, sites, cut = _moe_sites_graph()
+    info = analyse(gm.graph, sites, cut)
+    assert info.moe and len(info.block_consts) == 2
+    rewrite(gm.graph, info, WeaveConfig(overlap="force"))
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    count = {op: sum(n.target is op for n in nodes) for op in (aten.sort.default, aten.histc.default,
+                                                               aten._grouped_mm.default, aten.index_put.default)}
+    assert count == {aten.sort.default: 2, aten.histc.default: 2, aten._grouped_mm.default: 4,
+                     aten.index_put.default: 2}
+    assert sorted(n.args[0] for n in nodes if n.target is aten.arange.default) == [6, 10]
+    assert sorted(n.args[0] for n in nodes if n.target is aten.empty.memory_format) == [[6], [10]]
+    weights = {n.args[1] for n in nodes if n.target is aten._grouped_mm.default}
+    assert all(w.op == "placeholder" for w in weights) and len(weights) == 2  # each expert weight read by both halves
+
+
+@needs_grouped_mm
+def test_routing_block_read_outside_the_region_is_refused():
+    """Rows in expert order that the graph returns would be joined by ``cat`` as if they were rows
+    in token order: refused, the graph untouched."""
+    def leaked(partial, residual, norm, router, w_up, w_down):
+        out, residual = _site(partial, residual, norm)
+        x = out.view(T, H).bfloat16()
+        _, perm, w, offs = routing.route(x, router, K)
+        y = routing.experts(x, perm, offs, w_up, w_down, K)
+        moe = routing.unsort(y * w.unsqueeze(-1), perm).view(T, K, H).sum(1)
+        return *_site(moe.view(1, T, H), residual, norm), y
+
+    gm, sites, cut = _moe_sites_graph(leaked)
+    before = str(gm.graph)
+    with pytest.raises(Unsupported, match="of an MoE routing block are read outside it"):
+        analyse(gm.graph, sites, cut)
     assert str(gm.graph) == before

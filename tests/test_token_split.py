@@ -18,7 +18,7 @@ import weavepass.compile.strategies.split as token_split
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
 from weavepass.compile.wave_model import TokenSplitPlan
-from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
+from weavepass.testing import ATOL, TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 from weavepass.testing.distributed import fake_process_group
 
 # One layer (three sites) keeps Inductor's CPU compile, the cost of these tests, short.
@@ -483,3 +483,47 @@ def test_a_where_mask_that_cannot_hide_a_key_is_refused():
     (graph,) = backend.report.graphs
     assert not graph.note.startswith("token split"), graph.note
     assert "where()'s condition choosing between the scores and the dtype's lowest value" in graph.note
+
+
+def _routed_model(x, w_in, router, w_up, w_down):
+    """Two sites around a Hugging Face style MoE block (``weavepass.testing.routing``; fp32 through
+    transformers' grouped-matmul fallback) whose rows go back onto their tokens by ``index_add``
+    (Inductor: ``index_put(full(0), [perm // k], rows, accumulate=True)``). The inverse-permutation
+    form HF uses is checked on HF's MoE families in tests/test_hf_models.py."""
+    from weavepass.testing import routing
+
+    h = funcol.all_reduce(x @ w_in, "sum", dist.group.WORLD)
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6).view(-1, h.shape[-1])
+    _, perm, weights, offsets = routing.route(y, router, 2)
+    rows = routing.experts(y, perm, offsets, w_up, w_down, 2, torch.ops.transformers.grouped_mm_fallback)
+    moe = torch.zeros_like(y).index_add(0, perm // 2, rows * weights.unsqueeze(-1))
+    h = h + funcol.all_reduce(moe.view(h.shape) / dist.get_world_size(), "sum", dist.group.WORLD)
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=1e-6)
+
+
+def _routed_numerics(rank, world):
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    from weavepass.testing import routing
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(64, 64, generator=g) / 8, *routing.moe_weights(64, 48, 4, g)]
+    x = torch.randn(1, 11, 64, generator=torch.Generator().manual_seed(rank))
+    backend = WeaveBackend(FORCE)
+    with torch.no_grad():
+        eager = _routed_model(x, *weights)
+        compiled = torch.compile(_routed_model, backend=backend, fullgraph=True)(x, *weights)
+    (graph,) = backend.report.graphs
+    return graph.note, dict(graph.ops_after), (compiled - eager).abs().max().item()
+
+
+def test_moe_routing_block_split_matches_eager():
+    """A routing block that sorts the token-expert pairs by expert runs once per half, with the
+    half's own sort, counts, offsets and ``full``/``index_put`` sized for the half, and gives every
+    token eager's answer (fp32: ``ATOL``)."""
+    pytest.importorskip("transformers")
+    for note, after, diff in spawn(_routed_numerics, 2):
+        assert note.startswith("token split (sequence): A = 5 / B = 6 tokens"), note
+        assert after[ASYNC] == 4 and after["aten.sort.default"] == after["aten.histc.default"] == 2, after
+        assert after["transformers.grouped_mm_fallback.default"] == 4 and after["aten.full.default"] == 2, after
+        assert diff <= ATOL[torch.float32], diff

@@ -16,8 +16,8 @@ The cut: several sequences are cut between sequences (every op, attention includ
 whole sequences); one sequence is cut inside, and half B's queries attend to A's and B's keys and
 values with the causal diagonal aligned at the lower right (a B query at position ``i`` sees keys
 ``0 .. sA + i``), A's keys and values being ready first. Anything the rewrite does not understand
-(an op it has no rule for, a sort or a reduction over tokens)
-leaves the graph fuse-only with the reason in ``report.note``: the analysis finishes before the
+(an op it has no rule for, a sort or a reduction over tokens; an MoE routing block that sorts the
+token-expert pairs by expert is taken as a whole, ``routing``) leaves the graph fuse-only with the reason in ``report.note``: the analysis finishes before the
 graph is touched.
 
 Token counts: the first site's ``TokenCount`` (the planner's) goes to ``weavepass.compile.wave_model.plan_split``,
@@ -31,7 +31,7 @@ arithmetic.
 Modules: ``rules`` (which dim carries the tokens, one rule per op, registered by op),
 ``analysis`` (the rules over the region), ``attention`` (the attention ops' rule and a cut
 sequence's attention), ``scores`` (attention written out as bmm + softmax + bmm over a cut
-sequence), ``symbolic`` (the cut and its size arithmetic), ``rewrite`` (the halves).
+sequence), ``routing`` (MoE routing blocks that sort the pairs by expert), ``symbolic`` (the cut and its size arithmetic), ``rewrite`` (the halves).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from torch.fx import Graph, Node
 from weavepass.compile.wave_model import GemmShape
 
 from .base import Unsupported
+from .routing import check_block, routed, routed_dims
 from .rules import rule_for, site_dims
 from .scores import score_dims
 from .symbolic import Cut, shape
@@ -40,6 +41,11 @@ class Analysis:
     """score node -> {token-free input lined up with the keys: the dim}, read in A's keys by half A"""
     segment: dict[Node, int] = field(default_factory=dict)
     """token node -> the site it follows (0: between the first and the second)"""
+    roles: dict[Node, object] = field(default_factory=dict)
+    """node of an MoE routing block -> its role (``routing``: rows in a sort's order, positions,
+    expert counts; a tuple per output for ``sort``); token tensors in token order have none"""
+    block_consts: set[Node] = field(default_factory=set)
+    """token-free constants as long as a routing block's rows, rebuilt per half (``routing``)"""
     gemms: list[GemmShape] = field(default_factory=list)
     moe: bool = False
 
@@ -58,6 +64,8 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
     site_index = {n: i for i, n in enumerate(sites)}
     for node in region:
         if node in site_index:
+            if any(a in info.roles for a in node.all_input_nodes):
+                raise Unsupported(f"{node.name}: its input is rows of an MoE routing block not back in token order")
             info.token[node] = site_dims(node, info)
             info.segment[node] = site_index[node]
             continue
@@ -70,6 +78,7 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
             weight = shape(node.args[-1])
             info.gemms.append(GemmShape(n=weight[1], k=weight[0]))
         info.moe |= node.target is aten.topk.default
+    check_block(info)
     for node in info.keys:  # halves of scores have different key counts: no cat can join them
         if any(u not in info.token for u in node.users):
             raise Unsupported(f"{node.name}: attention scores are read after the last site")
@@ -82,4 +91,6 @@ def token_dims(node: Node, info: Analysis):
         return score_dims(node, info)
     if node.op != "call_function":
         raise Unsupported(f"{node.name} ({node.op}) reads token tensors")
+    if routed(node, info):
+        return routed_dims(node, info)
     return rule_for(node.target)(node, info)

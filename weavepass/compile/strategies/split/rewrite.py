@@ -27,6 +27,7 @@ from weavepass.ops import (
 
 from .analysis import Analysis
 from .attention import ATTENTION, emit_attention, emit_keys_hidden_check
+from .routing import emit_block_const
 from .rules import VIEWS, half_view_size
 from .scores import mask_blocks
 from .symbolic import emit_new
@@ -57,6 +58,7 @@ class Rewrite:
         self.joins: dict[Node, Node] = {}  # attention's k^T and v over both halves (half B)
         self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
         self.checked_masks: set[Node] = set()  # masks whose hidden [A rows, B keys] block is asserted
+        self.block_consts: dict[tuple, Node] = {}  # (routing block constant, half) -> its copy
         self.split_point = None
 
     def emit(self, target, args, kwargs=None) -> Node | int:
@@ -90,6 +92,8 @@ class Rewrite:
                 for node in list(self.copies[half]):
                     self.read(node, half)
         for node in reversed(list(info.token)):
+            self.graph.erase_node(node)
+        for node in info.block_consts:  # read by the block only, whose nodes are gone
             self.graph.erase_node(node)
 
     def bounds(self, node: Node, dim: int, half: str) -> tuple:
@@ -136,6 +140,10 @@ class Rewrite:
                 return self.joined(a, all_keys[a])
             if a in info.token:
                 return self.read(a, half)
+            if a in info.block_consts:
+                if (a, half) not in self.block_consts:
+                    self.block_consts[(a, half)] = emit_block_const(self, a, half)
+                return self.block_consts[(a, half)]
             if a in sliced or a in key_sliced:
                 if a in key_sliced:  # half A leaves out B's keys: the mask must hide them
                     emit_keys_hidden_check(self, a, sliced.get(a), key_sliced[a],

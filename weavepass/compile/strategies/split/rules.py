@@ -332,13 +332,14 @@ def _topk(node: Node, info: Analysis) -> tuple[int, int]:
 @register(aten.sort.default, aten.sort.stable)
 def _sort(node: Node, info: Analysis) -> tuple[int, int]:
     """Along another dim (the experts of one token): values and indices carry the tokens. Along
-    the token dim the order of each half's tokens is not their order in the whole (MoE routing
-    that groups every token-expert pair by expert sorts the flattened pairs): refused."""
+    the token dim the order of each half's tokens is not their order in the whole: only MoE
+    routing that groups the token-expert pairs by expert is taken, as a block (``routing``)."""
+    from .routing import sort_by_expert  # routing builds on this module's rules
+
     default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
     dim = node.kwargs.get("dim", default)
     if norm_dim(dim, _rank(node)) == input_token_dim(node, info):
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts along the token dim: a half's order "
-                          "is not its part of the whole's (MoE routing that groups tokens by expert)")
+        return sort_by_expert(node, info)
     d = _along(node, info, dim)
     return d, d
 

@@ -1,0 +1,402 @@
+"""MoE routing blocks that sort the token-expert pairs by expert (Hugging Face's ``grouped_mm``
+experts: Mixtral, Qwen2/3-MoE, DeepSeek-V3), split by running the whole block on each half::
+
+    ids = topk(router(x), k).indices.view(-1)          [P = T*k]  expert of each pair
+    keys, perm = sort(ids)                             keys: rows in expert order; perm: positions
+    rows = x[perm // k]                                 gather: pair i's token row, in expert order
+    offs = cumsum(histc(keys, E, 0, E-1))               rows per expert (counted across rows)
+    y = grouped_mm(rows, W, offs) ... * w[perm]         each row times its expert's weights
+    inv = index_put(empty(P), [perm], arange(P))        the inverse permutation
+    out = y[inv].view(T, k, H).sum(1)                   back to token order, summed over top-k
+
+Each token's output depends on its own row only: the block is token-separable, although its
+order (the sort), its counts and its offsets are computed across rows. A half running the block
+on its own tokens sorts its own pairs (another order than its part of the whole's, which no one
+sees) and counts its own rows per expert, and gives each token what the whole gives it. That
+holds when every value computed across rows only steers a permutation or a grouped matmul and
+never reaches an output, which the analysis checks op by op with a role per tensor:
+
+- rows (``Rows``): one entry per row along the token dim, in token order (no role: every
+  ordinary token tensor) or in the half-local order of one sort (``Rows.order``). Per-row math is
+  allowed on rows of one order (``ROW_OPS``, with no token-free input lined up with permuted rows,
+  which a half cannot slice); rows in a sort's order must be brought back to token order before
+  they leave the block (a view over the rows, a site, the graph's output).
+- positions (``Positions``): indices of rows (sort indices, their inverse), whose values are
+  half-local. Only gathers (``index``) and scatters (``index_put``, ``index_add``) of rows along
+  the token dim read them, and floor division by a divisor of the rows per unit (pair -> token).
+  Arithmetic on positions (a capacity limit that drops pairs by position) is refused.
+- counts (``Counts``): the histogram of a sort's keys and its cumsum, the grouped matmul's
+  offsets and nothing else (a load-balancing term or a capacity from the counts is refused).
+- block constants: ``empty``/``zeros``/``full`` as long as the rows (the scatter's target) and
+  ``arange(P)`` (``iota``), rebuilt per half with the half's size (``block_consts``).
+
+Offsets group the rows correctly only when the rows are sorted by the counted keys and every key
+falls in its own bin: the sorted values are the experts of ``topk`` over ``E`` experts and the
+histogram has bins ``0 .. E-1``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx import Node
+
+from .base import Unsupported, norm_dim, op_name, val
+from .rules import VIEWS, rule_for
+from .symbolic import hint, shape
+
+if TYPE_CHECKING:
+    from .analysis import Analysis
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows in the half-local order of sort ``order`` (None: token order, as every token tensor)."""
+
+    order: Node | None
+    keys: bool = False
+    """the sort's sorted values (through casts): what the expert histogram may count"""
+    experts: int = 0
+    """the number of experts the keys are indices of (keys only)"""
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Half-local row indices: the tensor's own rows are in order ``order``; its values index the
+    rows, in order ``points``, of a token dim of ``space`` rows (hint)."""
+
+    order: Node | None
+    points: Node | None
+    space: int
+    bijection: bool
+    """a permutation of the ``space`` rows (sort indices and their inverse)"""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Rows per expert of sort ``sort``'s keys (``histc``), or their cumsum (``cumulative``)."""
+
+    sort: Node
+    cumulative: bool
+
+
+CASTS = (prims.convert_element_type.default, aten._to_copy.default, aten.clone.default, aten.alias.default)
+ROW_OPS = frozenset((operator.getitem, *CASTS, *VIEWS, aten.unsqueeze.default, aten.squeeze.dim,
+                     aten.squeeze.dims, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+                     aten.select.int, aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+                     aten.mm.default, aten.addmm.default))
+"""Ops other than pointwise ones that rows in a sort's order may go through: each row's output is
+computed from that row alone (the rules in ``rules`` keep the token dim; views are checked to
+keep the rows whole)."""
+BLOCK_CONSTS = (aten.empty.memory_format, aten.zeros.default, aten.full.default)
+ARANGES = (prims.iota.default, aten.arange.default, aten.arange.start_step)
+"""``arange(P)`` as written (``arange``) and as Inductor decomposes it (``iota``)"""
+GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+"""Grouped matmuls ``(rows [P, K], weights [E, K, N], offs [E])``: rows ``offs[e-1] .. offs[e]``
+times ``weights[e]`` (``torch._grouped_mm``; transformers' fallback for non-bf16 weights)."""
+EXACT_KEYS = (torch.int32, torch.int64, torch.float32, torch.float64)
+"""dtypes a cast of the sorted keys may have and still be counted: the expert indices exactly
+(a narrower one could wrap or round them into other experts' bins)"""
+ROUTING_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_add.default, aten.histc.default)
+
+
+def routed(node: Node, info: Analysis) -> bool:
+    """Whether ``node`` is for this module: it reads a tensor with a role, or is an op of the block."""
+    return (node.target in ROUTING_OPS or _grouped_mm_name(node) is not None
+            or any(a in info.roles for a in node.all_input_nodes))
+
+
+def sort_by_expert(node: Node, info: Analysis) -> tuple[int, int]:
+    """``sort`` along the token dim: the keys must be the experts of a ``topk`` (flattened token x
+    top-k pairs); values become ``Rows`` in the sort's order, indices ``Positions`` into the pairs."""
+    x = node.args[0]
+    experts = _experts_of(x)
+    if experts is None or val(x).dim() != 1 or x in info.roles:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts along the token dim, and its keys are not "
+                          "the flattened experts of a topk (MoE routing that groups the token-expert pairs "
+                          "by expert): a half's order is not its part of the whole's")
+    descending = node.args[2] if node.target is aten.sort.default and len(node.args) > 2 else \
+        node.kwargs.get("descending", False)
+    if descending:  # the offsets count experts upwards: rows must be in ascending expert order
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts the experts in descending order: the "
+                          "grouped matmul's offsets would give rows other experts than their own")
+    info.roles[node] = (Rows(node, keys=True, experts=experts),
+                        Positions(node, None, shape(x)[0], bijection=True))
+    return 0, 0
+
+
+def _experts_of(node: Node) -> int | None:
+    """How many experts ``node``'s values index, when they are a ``topk``'s indices over the last
+    dim (through views and casts to an integer dtype); else None."""
+    while node.target in VIEWS or node.target in CASTS:
+        node = node.args[0]
+        if val(node).is_floating_point():
+            return None
+    if node.target is not operator.getitem or node.args[1] != 1 or node.args[0].target is not aten.topk.default:
+        return None
+    topk = node.args[0]
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    source = val(topk.args[0])
+    return hint(source.shape[norm_dim(dim, source.dim())])
+
+
+def routed_dims(node: Node, info: Analysis):
+    """The token dim(s) of an op of a routing block, and its role (``info.roles``)."""
+    name = _grouped_mm_name(node)
+    if name is not None:
+        return _grouped_mm(node, info, name)
+    target = node.target
+    inputs = [a for a in node.all_input_nodes if a in info.roles]
+    counts = [a for a in inputs if isinstance(info.roles[a], Counts)]
+    if counts:
+        return _counts_op(node, info, counts)
+    if target is aten.index.Tensor:
+        return _gather(node, info)
+    if target in (aten.index_put.default, aten.index_add.default):
+        return _scatter(node, info)
+    if target is aten.histc.default:
+        return _histogram(node, info)
+    if target is operator.getitem and isinstance(info.roles[node.args[0]], tuple):
+        info.roles[node] = info.roles[node.args[0]][node.args[1]]
+        return rule_for(target)(node, info)
+    positions = [a for a in inputs if isinstance(info.roles[a], Positions)]
+    if positions:
+        return _position_op(node, info, positions[0])
+    return _row_op(node, info)
+
+
+def _row_op(node: Node, info: Analysis):
+    """Per-row math on rows in one sort's order."""
+    target = node.target
+    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    if not pointwise and target not in ROW_OPS:
+        raise Unsupported(f"{node.name} ({op_name(target)}) reads rows of an MoE routing block in expert order: "
+                          "only per-row ops, gathers and scatters of rows may")
+    orders = {_order(a, info) for a in node.all_input_nodes if info.token.get(a) is not None}  # not sizes
+    if len(orders) != 1:
+        raise Unsupported(f"{node.name} ({op_name(target)}) combines rows in token order with rows an MoE routing "
+                          "block sorted by expert: the halves would pair other rows than the whole")
+    (order,) = orders
+    dims = rule_for(target)(node, info)
+    if node in info.sliced:
+        raise Unsupported(f"{node.name} ({op_name(target)}): token-free "
+                          f"{', '.join(a.name for a in info.sliced[node])} is lined up with rows an MoE routing "
+                          "block sorted by expert, which a half cannot slice")
+    if target in VIEWS:
+        x = node.args[0]
+        if shape(node)[dims] != shape(x)[info.token[x]]:
+            raise Unsupported(f"{node.name}: view regroups rows an MoE routing block sorted by expert")
+    keys = [info.roles[a] for a in node.all_input_nodes if a in info.roles]
+    if target in CASTS and len(keys) == 1 and keys[0].keys and val(node).dtype in EXACT_KEYS:
+        info.roles[node] = keys[0]  # a cast of the sorted keys that holds every expert index exactly
+    elif order is not None:
+        info.roles[node] = Rows(order)
+    return dims
+
+
+def _order(node: Node, info: Analysis) -> Node | None:
+    role = info.roles.get(node)
+    if role is None:
+        return None
+    if isinstance(role, (Rows, Positions)):
+        return role.order
+    raise Unsupported(f"{node.name}: expert counts of an MoE routing block read as rows")
+
+
+def _position_op(node: Node, info: Analysis, pos: Node) -> int:
+    """Floor division of pair positions by ``c`` (pair -> token: ``perm // k``), where the cut
+    falls on a multiple of ``c`` so that the half-local quotient is the half-local token."""
+    role = info.roles[pos]
+    c = node.args[1] if len(node.args) > 1 else None
+    floor = (node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor") \
+        or node.target is aten.floor_divide.default  # on integers: a floor too
+    units = hint(info.cut.units)
+    if not (floor and node.args[0] is pos and isinstance(c, int) and c > 0 and role.points is None
+            and role.space % units == 0 and (role.space // units) % c == 0):
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) computes with the row positions of an MoE "
+                          "routing block (a half's positions are its own, not the whole's): only gathers, "
+                          "scatters and a floor division from pairs to tokens may read them")
+    info.roles[node] = Positions(role.order, None, role.space // c, bijection=False)
+    return info.token[pos]
+
+
+def _counts_op(node: Node, info: Analysis, counts: list[Node]):
+    """The cumsum of the counts (the offsets), and casts: still counts of the same sort."""
+    role = info.roles[counts[0]]
+    if node.target in CASTS and node.args[0] is counts[0]:
+        info.roles[node] = role
+        return None
+    if node.target is aten.cumsum.default and node.args[0] is counts[0] and norm_dim(node.args[1], 1) == 0 \
+            and not role.cumulative and val(node.args[0]).dim() == 1:
+        info.roles[node] = Counts(role.sort, cumulative=True)
+        return None
+    raise Unsupported(f"{node.name} ({op_name(node.target)}) reads the expert counts of an MoE routing block, "
+                      "computed across the tokens (a capacity or a load-balancing term): only their cumsum and "
+                      "a grouped matmul's offsets may")
+
+
+def _histogram(node: Node, info: Analysis):
+    """``histc(keys, E, 0, E - 1)``: every expert's own bin, counted from the sorted keys."""
+    x = node.args[0]
+    role = info.roles.get(x)
+    bins, low, high = (list(node.args[1:]) + [100, 0, 0][len(node.args) - 1:])[:3]
+    if not (isinstance(role, Rows) and role.keys and bins == role.experts and low == 0 and high == bins - 1):
+        raise Unsupported(f"{node.name} (histc) counts rows other than one bin per expert of an MoE routing "
+                          "block's sorted keys")
+    info.roles[node] = Counts(role.order, cumulative=False)
+    return None
+
+
+def _grouped_mm_name(node: Node) -> str | None:
+    name = getattr(node.target, "name", None)
+    name = name() if callable(name) else None
+    return name if name in GROUPED_MM else None
+
+
+def _grouped_mm(node: Node, info: Analysis, name: str) -> int:
+    """Rows in a sort's order times their experts' weights, grouped by that sort's offsets."""
+    rows, weights = node.args[:2]
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    rows_role, offs_role = info.roles.get(rows), info.roles.get(offs)
+    if not (isinstance(rows_role, Rows) and rows_role.order is not None and info.token.get(rows) == 0
+            and val(rows).dim() == 2 and val(weights).dim() == 3 and weights not in info.token and bias is None
+            and isinstance(offs_role, Counts) and offs_role.cumulative and offs_role.sort is rows_role.order):
+        raise Unsupported(f"{node.name} ({name}): not rows sorted by expert times token-free expert weights, "
+                          "grouped by the offsets of the same sort")
+    info.roles[node] = Rows(rows_role.order)
+    return 0
+
+
+def _gather(node: Node, info: Analysis) -> int:
+    """``x[index]`` along dim 0: by positions (rows of ``x`` moved into the positions' order), or
+    a token-free ``x`` (an expert's bias) looked up per row by the row's values."""
+    x, indices = node.args
+    if len(indices) != 1 or not isinstance(indices[0], Node):
+        raise Unsupported(f"{node.name} (index.Tensor) indexes more than one dim")
+    (index,) = indices
+    pos = info.roles.get(index)
+    if isinstance(pos, Positions):
+        if info.token.get(x) != 0 or _order(x, info) != pos.points or shape(x)[0] != pos.space:
+            raise Unsupported(f"{node.name} (index.Tensor) gathers by an MoE routing block's positions from "
+                              f"{x.name}, which is not the rows they index")
+        role = info.roles.get(x, Rows(None))
+        role = replace(role, order=pos.order, bijection=role.bijection and pos.bijection) \
+            if isinstance(role, Positions) else Rows(pos.order)
+    elif x not in info.token and index in info.token and not isinstance(pos, Counts) and val(index).dim() == 1:
+        role = Rows(_order(index, info))
+    else:
+        raise Unsupported(f"{node.name} (index.Tensor) indexes along the token dim by values computed from "
+                          "the tokens")
+    if role != Rows(None):
+        info.roles[node] = role
+    return 0
+
+
+def _scatter(node: Node, info: Analysis) -> int:
+    """``index_put(target, [positions], values)`` / ``index_add(target, 0, positions, values)``:
+    rows of ``values`` (in the positions' own order) written to the rows the positions name. The
+    target is a block constant rebuilt per half, or rows in that order; without accumulation the
+    positions must be a permutation, so that every row is written (``empty`` holds garbage)."""
+    if node.target is aten.index_put.default:
+        target, indices, values = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        index = indices[0] if len(indices) == 1 else None
+    else:
+        target, dim, index, values = node.args[:4]
+        accumulate = True
+        if norm_dim(dim, val(target).dim()) != 0:
+            raise Unsupported(f"{node.name} (index_add) adds along another dim than the rows")
+    pos = info.roles.get(index)
+    what = f"{node.name} ({op_name(node.target)})"
+    if not isinstance(pos, Positions):
+        raise Unsupported(f"{what} scatters along the token dim by values that are not an MoE routing block's "
+                          "positions")
+    rows = shape(index)[0]
+    if not accumulate and not (pos.bijection and rows == pos.space):
+        raise Unsupported(f"{what} writes by positions that are not a permutation of the rows: some rows "
+                          "would keep the target's contents")
+    _block_target(node, target, pos, info, what)
+    if _is_block_const(values, ARANGES, rows, info):
+        info.block_consts.add(values)
+        role = Positions(pos.points, pos.order, rows, bijection=True)  # the inverse permutation
+    elif info.token.get(values) == 0 and _order(values, info) == pos.order and shape(values)[0] == rows:
+        role = info.roles.get(values, Rows(None))
+        role = replace(role, order=pos.points) if isinstance(role, Positions) else Rows(pos.points)
+    else:
+        raise Unsupported(f"{what}: the values are not rows in the order of the positions")
+    if isinstance(role, Positions) and accumulate:
+        raise Unsupported(f"{what} adds up positions of an MoE routing block")
+    if role != Rows(None):
+        info.roles[node] = role
+    return 0
+
+
+def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what: str) -> None:
+    if _is_block_const(target, BLOCK_CONSTS, pos.space, info):
+        info.block_consts.add(target)
+    elif isinstance(info.roles.get(target), Positions) or not (
+            info.token.get(target) == 0 and _order(target, info) == pos.points and shape(target)[0] == pos.space):
+        raise Unsupported(f"{what}: the target is neither a new tensor as long as the rows nor the rows the "
+                          "positions index")
+
+
+def _is_block_const(node, targets: tuple, rows: int, info: Analysis) -> bool:
+    """A token-free ``empty``/``zeros``/``full`` of ``rows`` rows, or ``arange(rows)`` (from 0 by 1),
+    read only by the block (``check_block``): rebuilt per half with the half's rows."""
+    if not isinstance(node, Node) or node.target not in targets or node in info.token:
+        return False
+    if node.target in ARANGES:
+        return _arange_length(node) == rows
+    size = node.args[0][0]
+    return isinstance(size, int) and size == rows
+
+
+def _arange_length(node: Node) -> int | None:
+    """``n`` of ``arange(n)`` / ``arange(0, n, 1)`` / ``iota(n, start=0, step=1)``; else None."""
+    if node.target is prims.iota.default:
+        start, step, end = node.kwargs.get("start", 0), node.kwargs.get("step", 1), node.args[0]
+    elif node.target is aten.arange.default:
+        start, step, end = 0, 1, node.args[0]
+    else:
+        start, end = node.args[:2]
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+    return end if (start, step) == (0, 1) and isinstance(end, int) else None
+
+
+def check_block(info: Analysis) -> None:
+    """After the region: nothing with a role is read outside the halves (a permuted row, a
+    position or a count would be joined by ``cat`` as if it were token rows), and every block
+    constant is read by the block only."""
+    if (info.roles or info.block_consts) and isinstance(info.cut.units, torch.SymInt):
+        raise Unsupported("MoE routing block on a symbolic token count: its constants have no per-half size")
+    for node in info.roles:
+        outside = [u.name for u in node.users if u not in info.token]
+        if outside:
+            raise Unsupported(f"{node.name}: rows, positions or counts of an MoE routing block are read outside it "
+                              f"({', '.join(outside)}) before they are back in token order")
+    region = set(info.region)
+    for node in info.block_consts:
+        if node not in region or any(u not in info.token for u in node.users):
+            raise Unsupported(f"{node.name}: a constant of an MoE routing block is made before the first site "
+                              "or also read outside the block")
+
+
+def emit_block_const(rw, node: Node, half: str) -> Node:
+    """``half``'s copy of block constant ``node``: its row count cut like a token dim."""
+    size = val(node).shape[0]
+    start, end = rw.bounds(node, 0, half)
+    rows = end - start if half == "A" else size - start
+    args = list(node.args)
+    if node.target is aten.arange.start_step:
+        args[1] = rows
+    else:
+        args[0] = rows if node.target in ARANGES else [rows, *args[0][1:]]
+    with val(node).fake_mode:  # no tensor argument to find the mode from: the original's
+        return rw.emit(node.target, tuple(args), node.kwargs)
