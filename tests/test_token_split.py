@@ -527,3 +527,32 @@ def test_moe_routing_block_split_matches_eager():
         assert after[ASYNC] == 4 and after["aten.sort.default"] == after["aten.histc.default"] == 2, after
         assert after["transformers.grouped_mm_fallback.default"] == 4 and after["aten.full.default"] == 2, after
         assert diff <= ATOL[torch.float32], diff
+
+
+@pytest.mark.parametrize("form", ["sdpa", "additive"])
+def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
+    """With ``overlap="auto"`` a sequence is not cut where attention takes an input mask: a
+    bidirectional one would stop the run (on CUDA a device-side assertion ends the process), and
+    ``auto`` must never make a model fail where it ran before; the note says why. Between sequences
+    (batch mode) the mask's rows are sliced with them and nothing is checked at run time, so ``auto``
+    splits there. Graph only (fake group)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g) / 4,
+               torch.randn(16, 16, generator=g) / 4]
+    auto = WeaveConfig(overlap="auto", overlap_min_tokens=2, overlap_min_tokens_moe=2, overlap_max_tokens=64)
+    for batch, seq, expect in ((1, 7, "fuse-only: the attention mask"), (4, 5, "token split (batch)")):
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+        if form == "additive":
+            mask = torch.zeros(seq, seq).masked_fill(~mask, torch.finfo(torch.float32).min)
+        backend = WeaveBackend(auto)
+        fn = torch.compile(_masked_attention_model, backend=backend, fullgraph=True)
+        with fake_process_group(2), torch.no_grad():
+            torch._dynamo.reset()
+            fn(torch.randn(batch, seq, 16, generator=g), *weights, mask, form)
+        (graph,) = backend.report.graphs
+        assert graph.note.startswith(expect), graph.note
+        if batch == 1:
+            assert "is an input" in graph.note and "overlap='force'" in graph.note, graph.note
+            assert graph.ops_after.get(ASYNC, 0) == 0 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
+        else:
+            assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get("aten._assert_async.msg", 0) == 0

@@ -126,6 +126,13 @@ def apply_token_split(
         info = analyse(graph, sites, cut)  # re-check every view against the real cut
     except Unsupported as error:
         return skip(f"token split not possible: {error}")
+    if info.run_time_masks and config.overlap == "auto":
+        # A bidirectional mask would stop the run (on CUDA a device-side assertion ends the
+        # process): `auto` never risks that; `force` splits with the check.
+        names = ", ".join(m.name for m in info.run_time_masks)
+        return skip(f"the attention mask {names} is an input: whether it hides every key after the cut from "
+                    "every query before it is known only at run time, so overlap='auto' does not cut the "
+                    "sequence (overlap='force' does, with a run-time check that stops a mask that does not)")
     push, comm = communication_variant(sites, config)
     rewrite(graph, info, config, push)
     where = "computed at run time from the symbolic size" if symbolic_cut else (

@@ -48,6 +48,9 @@ class Analysis:
     """token-free constants as long as a routing block's rows, rebuilt per half (``routing``)"""
     gemms: list[GemmShape] = field(default_factory=list)
     moe: bool = False
+    run_time_masks: list[Node] = field(default_factory=list)
+    """attention masks (inputs) whose hiding of half B's keys from half A's queries is checked only
+    at run time (sequence mode: ``attention.emit_keys_hidden_check``), in graph order"""
 
 
 def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:

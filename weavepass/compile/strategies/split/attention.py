@@ -71,6 +71,8 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
                 info.sliced.setdefault(node, {})[mask] = 0
         elif len(mshape) < 2:
             raise Unsupported(f"{node.name}: attention mask of shape {mshape}")
+        elif mask not in info.run_time_masks:
+            info.run_time_masks.append(mask)
     return (expected,) + (None,) * (len(val(node)) - 1)
 
 

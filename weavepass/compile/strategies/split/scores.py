@@ -131,6 +131,8 @@ def _elementwise(node: Node, info: Analysis) -> int:
                               "scores and the dtype's lowest value, so the split cannot check that no query "
                               "before the cut sees a key after it")
         info.key_sliced.setdefault(node, {})[t] = pos
+        if t not in info.run_time_masks:
+            info.run_time_masks.append(t)
     info.keys[node] = k
     return d
 
