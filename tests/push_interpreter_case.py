@@ -24,6 +24,7 @@ from weavepass.runtime.cuda import kernels
 from weavepass.runtime.cuda.push import STAGING_SLOTS, push_arguments, signal_slots
 from weavepass.runtime.cuda.support import MAX_WORLD
 from weavepass.runtime.cuda.workspace import _Workspace
+from weavepass.testing.kernel_sim import split_schedule
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 
 WORLD, TOKENS, HIDDEN, EPS = 2, 5, 24, 1e-6  # odd rows, a width below its power of two (masked columns)
@@ -73,13 +74,8 @@ def main(skewed: bool, residual: bool, dtype: torch.dtype) -> None:
                 **a.reduce_meta)
 
         try:
-            push(0)
-            push(1)
-            for site in range(CALLS):
-                for half in range(2):
-                    reduce(2 * site + half)
-                    if site + 1 < CALLS:
-                        push(2 * (site + 1) + half)
+            for step, i in split_schedule(CALLS):
+                (push if step == "push" else reduce)(i)
         except BaseException:
             import traceback
 

@@ -305,6 +305,13 @@ def _fp16_overflow_worker(rank, world):
     return "PASS"
 
 
+def _forced_kernels(world):
+    """Launch overrides forcing each algorithm: one-shot, flat and pipelined two-shot, and the
+    Lamport one-shot where there are peers."""
+    kernels = [dict(one_shot=True), dict(one_shot=False, pipelined=False), dict(one_shot=False, pipelined=True)]
+    return kernels + [dict(lamport=True)] if world > 1 else kernels
+
+
 def _inverse_rms_worker(rank, world):
     """Training: every algorithm also returns the per-row inverse RMS ``[T, 1]`` fp32 (the rows a
     rank reduces and those it finalises from its peers), and the other outputs stay as they are."""
@@ -312,9 +319,7 @@ def _inverse_rms_worker(rank, world):
     from weavepass.runtime.reference import accumulation_dtype, add_rmsnorm_local
 
     group = dist.group.WORLD.group_name
-    kernels = [dict(one_shot=True), dict(one_shot=False, pipelined=False), dict(one_shot=False, pipelined=True)]
-    if world > 1:
-        kernels.append(dict(lamport=True))
+    kernels = _forced_kernels(world)
     errors, cases = [], 0
     for dtype in (torch.bfloat16, torch.float32):
         for kernel in kernels:
@@ -344,9 +349,7 @@ def _layer_norm_worker(rank, world):
     from weavepass.runtime.cuda.dispatch import fused_allreduce_layernorm_cuda
 
     group = dist.group.WORLD.group_name
-    kernels = [dict(one_shot=True), dict(one_shot=False, pipelined=False), dict(one_shot=False, pipelined=True)]
-    if world > 1:
-        kernels.append(dict(lamport=True))
+    kernels = _forced_kernels(world)
     errors, cases = [], 0
     for dtype in (torch.bfloat16, torch.float32):
         for kernel in kernels:

@@ -279,14 +279,22 @@ class SimulatedPushRanks:
         sites = len(calls) // 2
         if len(calls) != 2 * sites:
             raise ValueError("calls alternate halves A and B: give an even number")
-        push(0)
-        push(1)
-        for site in range(sites):
-            for half in range(2):
-                reduce(2 * site + half)
-                if site + 1 < sites:
-                    push(2 * (site + 1) + half)
+        for step, i in split_schedule(sites):
+            (push if step == "push" else reduce)(i)
         for r in range(world):
             caller.wait_stream(self.main[r])
             caller.wait_stream(self.side[r])
         return outputs
+
+
+def split_schedule(sites: int):
+    """The order in which the token split issues the push variant's calls for ``sites`` sites, as
+    ``("push" | "reduce", call)``: call ``2 * site + half``; both halves' first pushes, then each
+    call's reduce (its join) followed by the push of the same half's next site."""
+    yield "push", 0
+    yield "push", 1
+    for site in range(sites):
+        for half in range(2):
+            yield "reduce", 2 * site + half
+            if site + 1 < sites:
+                yield "push", 2 * (site + 1) + half

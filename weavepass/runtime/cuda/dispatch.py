@@ -171,9 +171,15 @@ def fused_allreduce_layernorm_cuda(partial, residual, weight, bias, eps, group_n
 
 
 def _aligned(args: tuple) -> bool:
-    """Whether the seven tensor pointers (partial, residual, weight, outputs, bias) are 16-byte aligned."""
-    return not ((args[0].data_ptr() | args[1].data_ptr() | args[2].data_ptr() | args[3].data_ptr()
-                 | args[4].data_ptr() | args[5].data_ptr() | args[6].data_ptr()) & 15)
+    """Whether the tensor pointers (partial, residual, weight, the outputs, and where the call has
+    them the inverse RMS and the bias) are 16-byte aligned. An inference RMSNorm call passes the
+    normed output and the weight in those two places, already checked: they are skipped."""
+    bits = args[0].data_ptr() | args[1].data_ptr() | args[2].data_ptr() | args[3].data_ptr() | args[4].data_ptr()
+    if args[5] is not args[3]:
+        bits |= args[5].data_ptr()
+    if args[6] is not args[2]:
+        bits |= args[6].data_ptr()
+    return not bits & 15
 
 
 def _launch(launch: _Launch, args: tuple) -> None:
