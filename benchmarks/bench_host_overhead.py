@@ -15,14 +15,15 @@ for these ways of running all_reduce + add + RMSNorm:
     lowering_triton  the same with every launch through Triton's ``JITFunction`` dispatch (the path
                    before the cached direct launch)
     op             ``torch.ops.weave.fused_allreduce_rmsnorm`` (what a fuse-only graph calls)
-    async_op       ``torch.ops.weave.fused_allreduce_rmsnorm_async`` + ``wait_tensor`` on both
-                   outputs (what a split graph calls, per half and site)
-    push_op        ``torch.ops.weave.fused_allreduce_rmsnorm_push_async`` (slot 0) + ``wait_tensor``
-                   on both outputs (``overlap_comm="push"``: two launches through Triton's dispatch;
-                   on a world other than 2 it runs as async_op)
+    async_op       ``torch.ops.weave.fused_allreduce_rmsnorm_async`` + ``torch.ops.weave.join_async``
+                   on its outputs and inputs (what a split graph calls, per half and site)
+    push_op        ``torch.ops.weave.fused_allreduce_rmsnorm_push_async`` (slot 0) + ``join_async``
+                   (``overlap_comm="push"``: two launches through Triton's dispatch; on a world
+                   other than 2 it runs as async_op)
 
 ``--world 1`` runs on one GPU: the kernel then has no peers (add + RMSNorm), but the host side is the
-same code, so the host column is the real one. Ranks are aligned with a barrier before each loop. Output: a table on stdout and
+same code, so the host column is the real one. Ranks are aligned with a barrier before each loop;
+the ways take turns, one loop each per repeat, and each reports its median loop. Output: a table on stdout and
 ``<out>/bench_host_overhead.csv`` (``_tpN`` when ``--world`` is not 2).
 Run: ``python3 benchmarks/bench_host_overhead.py``.
 """
@@ -49,7 +50,7 @@ def _callables(group_name: str):
         FUSED_ALLREDUCE_RMSNORM,
         FUSED_ALLREDUCE_RMSNORM_ASYNC,
         FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC,
-        WAIT_TENSOR,
+        JOIN_ASYNC,
     )
     from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
     from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
@@ -80,12 +81,14 @@ def _callables(group_name: str):
     def async_op(p, r, w):
         normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm",
                                                     capacity, 0)
-        return WAIT_TENSOR(normed), WAIT_TENSOR(res)
+        JOIN_ASYNC(normed, res, [p, r])
+        return normed, res
 
     def push_op(p, r, w):
         normed, res = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm",
                                                          capacity, 0, 0)
-        return WAIT_TENSOR(normed), WAIT_TENSOR(res)
+        JOIN_ASYNC(normed, res, [p, r])
+        return normed, res
 
     return {"nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
             "lowering_triton": lowering_triton, "op": op, "async_op": async_op, "push_op": push_op}
@@ -115,25 +118,25 @@ def _empty_op():
     return _EMPTY_OP[1]
 
 
-def _measure(fn, args, calls: int, repeats: int) -> tuple[float, float]:
-    """Median over ``repeats`` loops of (host us per call, GPU us per call)."""
-    host, gpu = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        for _ in range(calls):
-            fn(*args)
-        end.record()
-        host.append((time.perf_counter() - t0) * 1e6 / calls)
-        end.synchronize()
-        gpu.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(host), statistics.median(gpu)
+def _measure_once(fn, args, calls: int) -> tuple[float, float]:
+    """(host us per call, GPU us per call) of one loop of ``calls`` calls."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn(*args)
+    end.record()
+    host = (time.perf_counter() - t0) * 1e6 / calls
+    end.synchronize()
+    return host, start.elapsed_time(end) * 1e3 / calls
 
 
 def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
+    """Per token count, the ways are measured round-robin (one loop of each per repeat) and each
+    way's median over the repeats is reported: the host's speed drifts (the lent machine's host
+    timings moved by 1.5x between runs), and interleaving lets every way see the same drift."""
     device = torch.device("cuda", rank)
     group_name = dist.group.WORLD.group_name
     ways = _callables(group_name)
@@ -145,10 +148,16 @@ def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
             r = torch.randn_like(p)
             w = torch.ones(8192, device=device, dtype=torch.bfloat16)
             for name in config["ways"]:
-                fn = ways[name]
                 for _ in range(5):  # warm up: Triton compile, workspace, NCCL communicator
-                    fn(p, r, w)
-                host_us, gpu_us = _measure(fn, (p, r, w), config["calls"], config["repeats"])
+                    ways[name](p, r, w)
+            samples = {name: ([], []) for name in config["ways"]}
+            for _ in range(config["repeats"]):
+                for name in config["ways"]:
+                    host, gpu = _measure_once(ways[name], (p, r, w), config["calls"])
+                    samples[name][0].append(host)
+                    samples[name][1].append(gpu)
+            for name, (host, gpu) in samples.items():
+                host_us, gpu_us = statistics.median(host), statistics.median(gpu)
                 rows.append({"way": name, "tokens": tokens, "host_us": host_us, "gpu_us": gpu_us,
                              "host_bound": host_us > gpu_us})
     return rows
@@ -159,8 +168,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 8192])
     parser.add_argument("--ways", default=",".join(WAYS))
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--world", type=int, default=2, help="GPUs (ranks); 1: host cost on one GPU")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world:

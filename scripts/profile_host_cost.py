@@ -45,7 +45,7 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     from weavepass.runtime.cuda import dispatch as cuda_symm
-    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_ASYNC, WAIT_TENSOR
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_ASYNC, JOIN_ASYNC
     from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
 
     group = dist.group.WORLD.group_name
@@ -56,7 +56,8 @@ def main() -> None:
 
     def async_op():
         normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group, p.dtype, "cuda_symm", capacity, 0)
-        return WAIT_TENSOR(normed), WAIT_TENSOR(res)
+        JOIN_ASYNC(normed, res, [p, r])
+        return normed, res
 
     lowering()
     launch = next(v for k, v in cuda_symm._LAUNCHES.items() if k[0] == p.shape)
@@ -65,8 +66,12 @@ def main() -> None:
           "launch hooks:", runtime.launch_enter_hook, runtime.launch_exit_hook)
     n_out = torch.empty_like(p)
     o_out = torch.empty_like(p)
-    call_args = (p, r, w, n_out, o_out, *launch.tail, 1e-5)
+    call_args = (p, r, w, n_out, o_out, n_out, w, *launch.tail, 1e-5)  # inv_rms, bias: stand-ins (inference)
     c = launch.compiled
+    # Inductor's launcher, for comparison: its argument types (7 pointers, 2 x 8 address deltas and
+    # 3 counts as int64 / int32, eps), then Triton 3.6's two scratch pointers (None).
+    static_types = "".join("O" if t[0] == "*" else {"i32": "i", "i64": "l", "fp32": "f"}[t]
+                           for t in c.src.signature.values() if t != "constexpr")
     stream = torch._C._cuda_getCurrentRawStream(0)
     steps = {
         "torch.empty(shape, dtype, device)": lambda: torch.empty(p.shape, dtype=p.dtype, device=p.device),
@@ -85,11 +90,15 @@ def main() -> None:
                                                                  c.run.launch_cooperative_grid, c.run.launch_pdl,
                                                                  None, None, c.packed_metadata, None, None, None,
                                                                  *call_args, *launch.constexprs),
+        **({} if not hasattr(torch._C, "_StaticCudaLauncher") else {
+            "PyTorch's static launcher (C)": lambda: torch._C._StaticCudaLauncher._launch_kernel(
+                c.function, launch.grid[0], 1, 1, c.metadata.num_warps, c.metadata.shared, static_types,
+                call_args + (None, None), stream)}),
         "JITFunction[grid](...)": lambda: launch.kernel[launch.grid](*call_args, **launch.meta),
         "_launch (direct)": lambda: cuda_symm._launch(launch, call_args),
         "lowering": lowering,
         "op (torch.ops)": op,
-        "async op + 2 wait_tensor": async_op,
+        "async op + join_async": async_op,
     }
     print(f"T={args.tokens} H={args.hidden}, us per call (median of 5 loops of {args.calls}):")
     for name, fn in steps.items():

@@ -332,13 +332,25 @@ def _split(config: WeaveConfig) -> GraphRewrite:
     return rewrite
 
 
+def test_split_note_when_no_site_was_fused(world2):
+    """``overlap="force"`` on a graph whose sites all stay unfused (here: a group smaller than
+    ``min_world_size``, as with TP=1): the graph note says no site was fused and points at the site
+    lines, not at missing compute (what it said before, which sent a user looking in the model)."""
+    rewrite = _split(WeaveConfig(overlap="force", min_world_size=4))
+    assert not rewrite.fused
+    assert "_c10d_functional.all_reduce.default" in op_counts(rewrite.graph)
+    assert rewrite.report.notes == ["fuse-only: no site was fused, so there is no communication to "
+                                    "overlap (each site's line says why it was kept)"]
+    assert all("min_world_size=4" in r.reason for r in rewrite.report.records), rewrite.report.records
+
+
 PUSH_ASYNC = torch.ops.weave.fused_allreduce_rmsnorm_push_async.default
 
 
 def test_split_push_variant_passes_one_slot_per_half(world2):
     """``overlap_comm="push"``: every site becomes the push op, half A's with staging slot 0 and
     B's with slot 1 (a slot is reused only by the same half's next site, after its join), the
-    CTA count travels as before, and the waits and ``hold_inputs`` are those of the fused async op.
+    CTA count travels as before, and the joins are those of the fused async op (one per op).
     On this CPU graph the sites' lowering is portable: the note says the op runs there as the fused
     async op."""
     rewrite = _split(WeaveConfig(overlap="force", overlap_comm="push", overlap_comm_ctas=12))
@@ -346,7 +358,7 @@ def test_split_push_variant_passes_one_slot_per_half(world2):
     assert ops["weave.fused_allreduce_rmsnorm_push_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm_async.default" not in ops
     assert "weave.fused_allreduce_rmsnorm.default" not in ops
-    assert ops["_c10d_functional.wait_tensor.default"] == 8 and ops["weave.hold_inputs.default"] == 4
+    assert ops["weave.join_async.default"] == 4 and "_c10d_functional.wait_tensor.default" not in ops
     pushes = [n for n in rewrite.graph.nodes if n.target is PUSH_ASYNC]
     # In graph order: site 1 A, site 1 B, site 2 A, site 2 B; rows of A before B's (A = 256 rows).
     assert [n.args[-1] for n in pushes] == [0, 1, 0, 1]

@@ -82,7 +82,7 @@ EXPECTED: dict[str, Expected] = {
     # collective carries both (4 all_reduces, 3 sites). Attention is not sharded (5.24's plan), so
     # the MLP's residual is not the embedding's stream value.
     "deepseek_v3": Expected(3, merged=1, flashcomm="the stream cannot stay sharded"),
-    "gpt_oss": Expected(1, split="1 fused site(s): no compute between sites"),
+    "gpt_oss": Expected(1, split="1 fused site: no compute between sites"),
 }
 assert set(EXPECTED) == set(hf.FAMILIES)
 

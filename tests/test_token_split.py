@@ -107,7 +107,9 @@ def _check_case(case, result):
         assert after[SDPA] == (3 if merged else 2) * before[SDPA], (case, after[SDPA])
     if BMM in before:  # q @ k^T and probabilities @ v, once per half
         assert after[BMM] == 2 * before[BMM] == 4 * CONFIGS[cfg_name].n_layers, (case, after[BMM])
-    assert after["_c10d_functional.wait_tensor.default"] >= 2 * sites
+    # One join per async op (both outputs and the inputs), and no wait_tensor of the split's.
+    assert after["weave.join_async.default"] == 2 * sites, after
+    assert after.get("_c10d_functional.wait_tensor.default", 0) == 0, after
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -161,8 +163,8 @@ def test_generated_code_interleaves_halves(generated_code):
             events.append("A" if fused.group(1) == "4" else "B")
         elif "extern_kernels.mm(" in line:
             events.append("mm")
-        elif "wait_tensor" in line:
-            events.append("wait")
+        elif "join_async" in line:
+            events.append("join")
     fused = [e for e in events if e in "AB"]
     assert fused == ["A", "B"] * 3, fused
     # Between A's fused op and B's at the same site, B computes (its GEMMs run while A
@@ -192,13 +194,15 @@ def _top_level_args(call: str) -> list[str]:
     return args + [current.strip()]
 
 
-def test_generated_code_keeps_async_inputs_until_the_wait(generated_code):
+def test_generated_code_keeps_async_inputs_until_the_join(generated_code):
     """The communication stream reads an async op's partial and residual after the op returns, so
     Inductor must neither free nor reuse their buffers (``del bufN``, ``bufM = bufN; del bufN  #
-    reuse``) before the wait that joins the stream. ``hold_inputs`` right after the first wait is
-    their last reader. Without it, Inductor's CUDA-graph partitions reused a partial's buffer for the
-    next GEMM (wrong answers under mode="reduce-overhead" on 2 x H200); here on CPU, the partial of
-    every op was ``del``-ed on the line after the op."""
+    reuse``) before the join that makes the compute stream wait for it; and nothing may read the op's
+    outputs before that join. ``join_async(normed, residual_out, [partial, residual])`` is the inputs'
+    last reader and, declared to mutate both outputs, the first thing that touches them. Without
+    such a reader, Inductor's CUDA-graph partitions reused a partial's buffer for the next GEMM
+    (wrong answers under mode="reduce-overhead" on 2 x H200); here on CPU, the partial of every op
+    was ``del``-ed on the line after the op."""
     lines = generated_code.splitlines()
     calls = [i for i, line in enumerate(lines) if "fused_allreduce_rmsnorm_async.default(" in line]
     assert len(calls) == 2 * 3, len(calls)
@@ -206,18 +210,22 @@ def test_generated_code_keeps_async_inputs_until_the_wait(generated_code):
         args = [arg for arg in _top_level_args(lines[i])[:2] if "buf" in arg]  # partial, residual
         inputs = {name for arg in args for name in re.findall(r"\bbuf\d+\b", arg)}
         assert inputs, lines[i]
-        holds = [j for j in range(i + 1, len(lines)) if "hold_inputs.default(" in lines[j]
-                 and all(arg in _top_level_args(lines[j])[1] for arg in args)]
-        assert holds, f"no hold_inputs reads {inputs} after: {lines[i].strip()}"
-        released = [lines[j].strip() for j in range(i + 1, holds[0]) for name in inputs
+        result = re.match(r"\s*(buf\d+) = ", lines[i]).group(1)
+        outputs = [m.group(1) for line in lines[i + 1:i + 12]
+                   if (m := re.match(rf"\s*(buf\d+) = {result}\[[01]\]", line))]
+        assert len(outputs) == 2, (lines[i].strip(), outputs)
+        joins = [j for j in range(i + 1, len(lines)) if "join_async.default(" in lines[j]
+                 and _top_level_args(lines[j])[:2] == outputs]
+        assert len(joins) == 1, f"not one join_async of {outputs} after: {lines[i].strip()}"
+        join = joins[0]
+        assert all(arg in _top_level_args(lines[join])[2] for arg in args), (args, lines[join].strip())
+        released = [lines[j].strip() for j in range(i + 1, join) for name in inputs
                     if re.search(rf"\bdel {name}\b", lines[j])]
         assert not released, (lines[i].strip(), released)
-        result = re.match(r"\s*(buf\d+) = ", lines[i]).group(1)
-        outputs = {m.group(1) for line in lines[i + 1:i + 12]
-                   if (m := re.match(rf"\s*(buf\d+) = {result}\[[01]\]", line))}
-        joined = _top_level_args(lines[holds[0]])[0]
-        assert joined in outputs, (joined, outputs)  # it reads one of this op's own outputs ...
-        assert any(f"wait_tensor.default({joined})" in lines[j] for j in range(i + 1, holds[0]))  # waited
+        checks = re.compile(rf"\s*(#|assert_size_stride\(|assert_alignment\(|(\w+) = {result}\[[01]\])")
+        early = [lines[j].strip() for j in range(i + 1, join) for name in outputs
+                 if re.search(rf"\b{name}\b", lines[j]) and not checks.match(lines[j])]
+        assert not early, (lines[i].strip(), early)  # no read of an output before its join
 
 
 def _recompiles(rank, world, sizes):

@@ -52,8 +52,8 @@ class WeaveConfig:
     default since the split, fuse-only and FlashComm passed their reduce-overhead GPU tests on 2
     H200s (2026-11-30, tests/gpu). Set False to leave such graphs plain Inductor as a whole (every
     site's report line then says why), e.g. to rule weave out when a CUDA-graph run misbehaves.
-    History: the split gave wrong answers there until ``weave::hold_inputs`` kept its inputs from
-    Inductor's in-place buffer reuse (weavepass/runtime/streams.py)."""
+    History: the split gave wrong answers there until its async ops' inputs were kept from
+    Inductor's in-place buffer reuse (now by ``weave::join_async``: weavepass/runtime/streams.py)."""
 
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never

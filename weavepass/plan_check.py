@@ -71,7 +71,7 @@ def collective_lines(graph: torch.fx.Graph) -> dict[str, list[tuple[str, str]]]:
             continue
         args = list(node.args) + [v for _, v in sorted(node.kwargs.items())]
         groups = [a for a in args if isinstance(a, str) and group_size(a) is not None]
-        if not groups:  # weave.hold_inputs and the like: no communication
+        if not groups:  # weave.join_async and the like: no communication
             continue
         line = f"{target.namespace}.{target._opname}({', '.join(_describe(a) for a in args)})"
         by_group.setdefault(groups[0], []).append((node.name, line))

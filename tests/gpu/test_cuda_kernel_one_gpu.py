@@ -82,6 +82,87 @@ def _direct_launch_worker(rank, world):
     return launches
 
 
+def _async_join_worker(rank, world):
+    """The split's fork/join (``weave::fused_allreduce_rmsnorm_async`` + ``weave::join_async``) on
+    one GPU, eager and in a CUDA graph. A sleep queued on the communication stream first holds the
+    fused kernel back by ~10 ms, so a read of the outputs that is not ordered after it sees what the
+    blocks held before: a control round without the join must see wrong values (the race is
+    observable), and every round with the join the right ones (new inputs each round, so stale
+    values from a previous round fail too). The join also empties the pending entries and returns
+    both events to the pool."""
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC as ASYNC, JOIN_ASYNC as JOIN
+    from weavepass.runtime import streams
+    from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS
+
+    group = dist.group.WORLD.group_name
+    dtype, tokens, hidden = torch.bfloat16, 512, 8192
+    side = streams.comm_stream(torch.device("cuda", torch.cuda.current_device()))
+    errors = []
+
+    def call(partial, residual, weight):
+        return ASYNC(partial, residual, weight, EPS, group, dtype, "cuda_symm", DEFAULT_WORKSPACE_TOKENS, 0)
+
+    def check(label, got, want):
+        for name, g, w, tol in (("normed", got[0], want[0], NORMED_TOL[dtype]),
+                                ("residual_out", got[1], want[1], RESIDUAL_TOL[dtype])):
+            try:
+                torch.testing.assert_close(g.float(), w.float(), rtol=tol[0], atol=tol[1])
+            except AssertionError as err:
+                errors.append(f"{label} {name}: {str(err).splitlines()[:3]}")
+
+    rounds = 0
+    for joined in (False, True, True, True):
+        partials, residual, weight = _make_inputs(rounds, tokens, hidden, dtype, True, world)
+        want = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, dtype)
+        torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # the fused kernel starts ~10 ms late
+        normed, res_out = call(partials[rank], residual, weight)
+        if joined:
+            JOIN(normed, res_out, [partials[rank], residual])
+        got = (normed.clone(), res_out.clone())  # read on the compute stream
+        if not joined:
+            JOIN(normed, res_out, [partials[rank], residual])
+        torch.cuda.synchronize()
+        if joined:
+            check(f"round {rounds}", got, want)
+        elif torch.equal(got[0], want[0].to(dtype)) and torch.equal(got[1], want[1].to(dtype)):
+            errors.append("control round without a join read the right values: the test cannot see a race")
+        rounds += 1
+    if streams._PENDING:
+        errors.append(f"{len(streams._PENDING)} pending join(s) left after every output was joined")
+    if len(streams._EVENTS) > 2:
+        errors.append(f"event pool grew to {len(streams._EVENTS)} (expected at most 2: fork and done)")
+
+    # Captured: the fork and the join are recorded into the graph, and replays order them too.
+    static = _make_inputs(50, tokens, hidden, dtype, True, world)
+    normed, res_out = call(static[0][rank], static[1], static[2])  # warm-up outside capture
+    JOIN(normed, res_out, [static[0][rank], static[1]])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, res_out = call(static[0][rank], static[1], static[2])
+        JOIN(normed, res_out, [static[0][rank], static[1]])
+        outs = (normed * 1, res_out * 1)
+    for replay in range(3):
+        fresh = _make_inputs(60 + replay, tokens, hidden, dtype, True, world)
+        static[0][rank].copy_(fresh[0][rank])
+        static[1].copy_(fresh[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        check(f"replay {replay}", outs, fused_allreduce_rmsnorm_reference(fresh[0], fresh[1], static[2], EPS, dtype))
+    # Eager again: the pooled events were last recorded inside the capture.
+    partials, residual, weight = _make_inputs(70, tokens, hidden, dtype, True, world)
+    normed, res_out = call(partials[rank], residual, weight)
+    JOIN(normed, res_out, [partials[rank], residual])
+    got = (normed.clone(), res_out.clone())
+    torch.cuda.synchronize()
+    check("eager after capture", got, fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, dtype))
+    assert not errors, "\n".join(errors)
+    return rounds + 4
+
+
 # The direct-launch case first: it needs the first call of each of its signatures to go through
 # Triton's dispatch, as in a fresh process.
 CASES = {
@@ -92,6 +173,7 @@ CASES = {
     "test_cuda_graph_capture_and_replay_on_one_gpu": Case(_cuda_graph_worker),
     "test_inverse_rms_on_one_gpu": Case(_inverse_rms_worker),
     "test_layer_norm_on_one_gpu": Case(_layer_norm_worker),
+    "test_async_op_and_join_on_one_gpu": Case(_async_join_worker),
 }
 gpu_ranks, case_result = shared_ranks(CASES, 1)
 
@@ -120,3 +202,7 @@ def test_inverse_rms_on_one_gpu(case_result):
 
 def test_layer_norm_on_one_gpu(case_result):
     assert case_result[0] == 24  # 2 dtypes x 3 kernels x 2 sizes x bias or not (no Lamport without peers)
+
+
+def test_async_op_and_join_on_one_gpu(case_result):
+    assert case_result == [8]  # 4 eager rounds (one a control without the join), 3 replays, 1 more eager

@@ -200,8 +200,8 @@ def test_overlap_under_reduce_overhead_mode(case_result):
     """``torch.compile(..., backend=weave, mode="reduce-overhead")``: Inductor's CUDA-graph trees
     capture the split model (fork/join through events inside the capture) and replays equal eager
     (same tolerance as the manual capture test: bf16 through 2 layers). This failed (max abs error
-    13 on every row) until ``hold_inputs`` kept the async ops' inputs from Inductor's in-place
-    buffer reuse (weavepass/runtime/streams.py)."""
+    13 on every row) until the async ops' inputs were kept from Inductor's in-place buffer reuse
+    (then by ``hold_inputs``, now by the reads of ``join_async``: weavepass/runtime/streams.py)."""
     assert len(case_result) == WORLD  # the checks run in the ranks; each returns its worst error
 
 

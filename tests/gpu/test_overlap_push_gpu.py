@@ -57,7 +57,7 @@ def _push_matches_eager(rank, world):
 
 def test_push_variant_matches_eager_bf16(case_result):
     """``overlap_comm="push"``: the push kernels on the communication stream, the reduce + add +
-    RMSNorm at the first wait, equal eager in bf16 (check_against_eager's tolerance) for every
+    RMSNorm at the join, equal eager in bf16 (check_against_eager's tolerance) for every
     layout, three calls in a row. On more than 2 ranks the split keeps the fused kernel and says why."""
     notes, ran = case_result[0]
     assert all(n.startswith("token split") for n in notes), notes
@@ -119,7 +119,7 @@ def _push_reduce_overhead(rank, world):
 
 def test_push_variant_under_reduce_overhead_mode(case_result):
     """Inductor's CUDA-graph trees with the push variant: the join's reduce is launched inside the
-    recorded graph, ``hold_inputs`` keeps the partial alive across the push (as for the fused op)."""
+    recorded graph, and ``join_async`` keeps the partial alive across the push (as for the fused op)."""
     assert len(case_result) == WORLD
 
 

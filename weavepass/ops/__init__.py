@@ -23,17 +23,18 @@ lowering, workspace_tokens) -> (normed, residual_out)`` replaces ``all_reduce(su
 separate op with the bias after the weight, so the RMSNorm op's schema, generated calls and host
 cost stay as they are; the portable and the CUDA lowering carry it (``runtime.LAYER_NORM_LOWERINGS``).
 
-``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and ``weave.hold_inputs``
-are the token split's fused op on a second CUDA stream and the op that keeps its inputs alive
-(``weavepass.runtime.streams``). ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
+``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and
+``weave.join_async(normed, residual_out, inputs)`` are the token split's fused op on a second CUDA
+stream and its join: the calling stream waits for the op there, and the join's reads of the op's
+inputs keep them alive until then (``weavepass.runtime.streams``). ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
 num_ctas, slot)`` is the split's push variant (``WeaveConfig.overlap_comm="push"``): only the push
 of the partial rows runs on the second stream, into staging slot ``slot`` (0 for half A, 1 for
-half B), and the reduce + add + RMSNorm runs on the waiting stream at the first wait.
+half B), and the reduce + add + RMSNorm runs on the joining stream at the join.
 ``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
 ``weave.npu_*`` are FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in
 ``weavepass.runtime.portable`` and ``weavepass.runtime.npu``).
 
-The ops a compiled graph calls once per site (the fused ops and ``hold_inputs``) are registered
+The ops a compiled graph calls once per site (the fused ops and ``join_async``) are registered
 with ``define_hot_op``: a schema and one ``CompositeExplicitAutograd`` kernel, without
 ``torch.library.custom_op``'s Python autograd wrapper and per-call alias checks. Measured on the CPU
 dev machine: 8.8 us per call against 24.9 us, where the body itself costs 2.3 us. They are
@@ -108,8 +109,8 @@ FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC = define_hot_op(
     _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_push_async"), _fake,
 )
 ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC)
-"""The split's async fused ops: each output is read through ``WAIT_TENSOR``, and ``HOLD_INPUTS``
-follows the first wait."""
+"""The split's async fused ops: ``JOIN_ASYNC`` on both outputs and the inputs comes before the first
+read of either output."""
 FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
     "fused_allreduce_layernorm",
     "(Tensor partial, Tensor? residual, Tensor? weight, Tensor? bias, float eps, str group_name, "
@@ -118,12 +119,14 @@ FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
     lambda partial, residual, weight, bias, eps, group_name, out_dtype, *_:
         _fake(partial, residual, weight, eps, group_name, out_dtype),
 )
-HOLD_INPUTS = define_hot_op(
-    "hold_inputs", "(Tensor(a!) joined, Tensor[] inputs) -> ()",
-    _runtime("weavepass.runtime.streams:hold_inputs"), lambda joined, inputs: None,
+JOIN_ASYNC = define_hot_op(
+    "join_async", "(Tensor(a!) normed, Tensor(b!) residual_out, Tensor[] inputs) -> ()",
+    _runtime("weavepass.runtime.streams:join_async"), lambda normed, residual_out, inputs: None,
 )
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
-"""The join of an async fused op's output (its ``Work`` makes the waiting stream wait)."""
+"""The join of an async fused op (``weavepass.runtime.streams.join_async``): both outputs, declared
+mutated so that Inductor orders every later read of them after it (and never drops it), and the
+op's inputs, read here last so that Inductor keeps their buffers until the communication stream is
+done with them."""
 
 
 # ------------------------------------------------------------------ debug check (not per-call hot)

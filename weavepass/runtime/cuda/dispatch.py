@@ -185,16 +185,22 @@ def _aligned(args: tuple) -> bool:
 def _launch(launch: _Launch, args: tuple) -> None:
     """Launch ``launch.kernel`` on ``args`` (its non-constexpr arguments, in order): straight through
     the compiled kernel's launcher when the first launch's specialisation still holds, else through
-    Triton's ``JITFunction`` (which also records the compiled kernel on the first call). Launch hooks
-    (profilers) get what Triton's own path gives them."""
+    Triton's ``JITFunction`` (which also records the compiled kernel on the first call). Launch
+    hooks (profilers) get what Triton's own path gives them; empty ones (``_hook``) are skipped,
+    and with them the per-launch metadata Triton computes only for hooks.
+
+    PyTorch's static CUDA launcher (``torch._C._StaticCudaLauncher``, Inductor's) was tried in its
+    place and measured no faster on the H200 host (7.6 against 7.1 us per launch, 2026-12-01): the
+    driver's launch, not the argument handling, is the cost (``docs/cuda_kernel.md``)."""
     compiled = launch.compiled
     if compiled is not None and _DIRECT_LAUNCH and _aligned(args) == launch.aligned:
         runtime = launch.runtime
         stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-        enter = runtime.launch_enter_hook
+        enter = _hook(runtime.launch_enter_hook)
+        exit_hook = _hook(runtime.launch_exit_hook)
         metadata = None if enter is None else compiled.launch_metadata(launch.grid, stream, *args)
         compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
-                     metadata, enter, runtime.launch_exit_hook, *args, *launch.constexprs)
+                     metadata, enter, exit_hook, *args, *launch.constexprs)
         return
     result = launch.kernel[launch.grid](*args, **launch.meta)
     runtime = _triton_runtime_knobs()
@@ -207,8 +213,18 @@ def _launch(launch: _Launch, args: tuple) -> None:
             launch.compiled = result
 
 
+def _hook(hook):
+    """A Triton launch hook, or None when there is none to call: Triton 3.6 keeps an empty
+    ``HookChain`` where older ones keep None."""
+    if hook is None:
+        return None
+    calls = getattr(hook, "calls", None)
+    return hook if calls is None or calls else None
+
+
 _DIRECT_LAUNCH = os.environ.get("WEAVE_TRITON_DIRECT_LAUNCH", "1") != "0"
 """Debugging switch: ``WEAVE_TRITON_DIRECT_LAUNCH=0`` sends every launch through Triton's dispatch."""
+
 
 
 @functools.cache

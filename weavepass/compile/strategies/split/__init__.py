@@ -104,8 +104,11 @@ def apply_token_split(
         return skip(f"{len(layer_norms)} LayerNorm site(s): the split's async op "
                     "(weave.fused_allreduce_rmsnorm_async) carries RMSNorm sites only")
     fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
+    if not fused_nodes:
+        return skip("no site was fused, so there is no communication to overlap (each site's line "
+                    "says why it was kept)")
     if len(fused_nodes) < 2:
-        return skip(f"{len(fused_nodes)} fused site(s): no compute between sites to overlap with")
+        return skip("1 fused site: no compute between sites to overlap with")
     position = {n: i for i, n in enumerate(graph.nodes)}
     sites = sorted(fused_nodes, key=position.__getitem__)
     tokens = TokenCount.of(sites[0].args[0])  # the planner's count of the first site

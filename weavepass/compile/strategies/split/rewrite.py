@@ -3,9 +3,9 @@ so that one half's communication at a site runs while the other half computes::
 
     [segment k, half A] [site k+1, A: comm stream] [segment k, half B] [site k+1, B: comm stream]
 
-Each async output is read through ``_c10d_functional.wait_tensor`` placed right before its first
-consumer, followed once per fused op by ``hold_inputs`` (the comm stream reads the op's inputs
-until then). Token nodes read outside the region are joined by ``cat``.
+Each async op is joined by one ``weave::join_async(normed, residual_out, [partial, residual])``
+placed right before the first read of either output: the compute stream waits there, and the comm
+stream reads the op's inputs until then. Token nodes read outside the region are joined by ``cat``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from weavepass.ops import (
     ASYNC_FUSED_OPS,
     FUSED_ALLREDUCE_RMSNORM_ASYNC,
     FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC,
-    HOLD_INPUTS,
-    WAIT_TENSOR,
+    JOIN_ASYNC,
 )
 
 from .analysis import Analysis
@@ -52,8 +51,7 @@ class Rewrite:
         self.config = config
         self.push = push
         self.copies: dict[str, dict[Node, Node]] = {h: {} for h in HALVES}
-        self.waited: dict[Node, Node] = {}
-        self.held: set[Node] = set()  # async ops whose inputs a hold_inputs already reads
+        self.joined_ops: set[Node] = set()  # async ops whose join_async is emitted
         self.slices: dict[tuple, Node] = {}
         self.joins: dict[Node, Node] = {}  # attention's k^T and v over both halves (half B)
         self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
@@ -115,18 +113,23 @@ class Rewrite:
         return self.joins[node]
 
     def read(self, node: Node, half: str) -> Node:
-        """``node``'s copy for ``half``, through its wait when it is an async fused op's output."""
+        """``node``'s copy for ``half``; an async fused op's output is joined first (once per op)."""
         copy = self.copies[half][node]
         if copy.target is operator.getitem and copy.args[0].target in ASYNC_FUSED_OPS:
-            if copy not in self.waited:
-                self.waited[copy] = self.emit(WAIT_TENSOR, (copy,))
-                fork = copy.args[0]
-                if fork not in self.held:  # the first wait joins the stream: inputs free after it
-                    self.held.add(fork)
-                    inputs = [a for a in fork.args[:2] if isinstance(a, Node)]  # partial, residual
-                    self.emit(HOLD_INPUTS, (self.waited[copy], inputs))
-            return self.waited[copy]
+            fork = copy.args[0]
+            if fork not in self.joined_ops:
+                self.joined_ops.add(fork)
+                outputs = [self.output(fork, i) for i in (0, 1)]
+                inputs = [a for a in fork.args[:2] if isinstance(a, Node)]  # partial, residual
+                self.emit(JOIN_ASYNC, (*outputs, inputs))
         return copy
+
+    def output(self, op: Node, index: int) -> Node:
+        """Output ``index`` of multi-output node ``op``: its existing ``getitem``, else a new one."""
+        for user in op.users:
+            if user.target is operator.getitem and user.args[1] == index:
+                return user
+        return self.emit(operator.getitem, (op, index))
 
     def copy(self, node: Node, half: str) -> None:
         """Emit ``half``'s copy of token node ``node``."""
