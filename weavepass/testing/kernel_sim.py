@@ -246,11 +246,13 @@ class SimulatedPushRanks:
                     a.reduce_grid, a.reduce_meta)
 
         # Compile and load every kernel before any runs (a rank's push waits for the others, and
-        # loading a module can wait for running kernels: see SimulatedRanks.run).
+        # loading a module can wait for running kernels: see SimulatedRanks.run). Both slots: the
+        # slot's integers are specialised (0 and 1 are, in Triton), so each slot may be a kernel of
+        # its own; warming slot 0 only hung the first run of these tests on the H200 (2026-12-01).
         if not torch.cuda.is_current_stream_capturing():
-            for r in range(world):
-                for kernel, (launch_args, grid, meta) in ((push_partial_rows_kernel, push_launch(r, 0)),
-                                                          (reduce_pushed_rows_kernel, reduce_launch(r, 0))):
+            for r, i in ((r, i) for r in range(world) for i in range(min(2, len(calls)))):
+                for kernel, (launch_args, grid, meta) in ((push_partial_rows_kernel, push_launch(r, i)),
+                                                          (reduce_pushed_rows_kernel, reduce_launch(r, i))):
                     compiled = kernel.warmup(*launch_args, grid=grid, **meta)
                     if hasattr(compiled, "_init_handles"):
                         compiled._init_handles()
