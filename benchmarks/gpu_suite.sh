@@ -38,7 +38,8 @@
 #              run on WORLD ranks)
 #   onegpu     the tests that need only one GPU: the launch path at world 1 and the kernels of 2, 4
 #              and 8 ranks simulated on one GPU (tests/gpu/test_kernel_sim_one_gpu.py; ~3 min, mostly
-#              compiling every rank's kernels); the step for the `nvidia-h200` kind
+#              compiling every rank's kernels), then tests/gpu/test_overlap_gpu.py on a group of one
+#              rank (~75 s on 2026-12-01); the step for the `nvidia-h200` kind
 #   host       bench_host_overhead (host cost per fused-op call)
 #   overlap    bench_overlap at 70b_tp8sim and 8b_tp2 (WORLD 4: 70b_tp4; 8: 70b_tp8 and 8b_tp8),
 #              2K/4K/8K/16K tokens, one sequence
@@ -160,6 +161,9 @@ HANG_GUARD=""
 python3 -c "import pytest_timeout" 2>/dev/null && HANG_GUARD="--timeout ${TEST_TIMEOUT_S:-240} --timeout-method thread"
 wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-420}" python3 -m pytest -m gpu -q -rA \
     --durations=10 $HANG_GUARD tests/gpu/test_cuda_kernel_one_gpu.py tests/gpu/test_kernel_sim_one_gpu.py
+# The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
+wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
+    -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-60}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
 wanted overlap && with_shapes overlap "$OVERLAP_SHAPES" && step bench_overlap "${OVERLAP_TIMEOUT_S:-${ALONE_LIMIT:-240}}" \

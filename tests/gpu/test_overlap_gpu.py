@@ -24,6 +24,10 @@ from weavepass.testing import TPConfig, build_tp_model, check_against_eager, ran
 
 WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
+# WEAVE_GPU_WORLD=1 (one GPU): a group of one rank. The kernels then have no peers, but the split,
+# its two streams, the joins and the CUDA graphs run as on more GPUs; weave rewrites groups that
+# small only when asked (min_world_size).
+ONE_RANK = {"min_world_size": 1} if WORLD == 1 else {}
 
 # Widths the CUDA kernel supports (hidden a multiple of 8 bf16 elements per 16 bytes); 8 kv heads:
 # whole heads on every rank up to 8 ranks.
@@ -48,7 +52,7 @@ def _matches_eager(rank, world, lowering):
     notes = []
     for batch, seq in LAYOUTS:
         torch._dynamo.reset()
-        backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1))
+        backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
         ids = random_token_ids(CFG, batch, seq, device=device)
         check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend), reference)
         notes.append(backend.report.graphs[0].note)
@@ -70,7 +74,7 @@ def _cuda_graph(rank, world, lowering):
     _no_multicast()
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1))
+    backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
     compiled = torch.compile(model, backend=backend)
     ids = random_token_ids(CFG, 1, 384, device=device)
     side = torch.cuda.Stream()
@@ -114,7 +118,7 @@ def _trace(rank, world):
     _no_multicast()
     device = torch.device("cuda", rank)
     model = build_tp_model(TRACE_CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap="force"))
+    backend = WeaveBackend(WeaveConfig(overlap="force", **ONE_RANK))
     compiled = torch.compile(model, backend=backend)
     ids = random_token_ids(TRACE_CFG, 1, TRACE_TOKENS, device=device)
     with torch.no_grad():
@@ -183,7 +187,7 @@ def _reduce_overhead(rank, world, overlap):
     _no_multicast()
     device = torch.device("cuda", rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1))  # CUDA graphs allowed by default
+    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, **ONE_RANK))  # CUDA graphs allowed by default
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
     worst = check_replays_match_eager(compiled, model, CFG, 384, 5, device)
