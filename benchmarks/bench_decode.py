@@ -47,7 +47,7 @@ import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sy
 import torch
 import torch.distributed as dist
 from bench_overlap import SHAPES, VOCAB_PER_RANK, build_model  # benchmarks/bench_overlap.py
-from report import model_bench_parser, parse_variants, pyplot, save_figure, world_name, write_csv  # benchmarks/report.py
+from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "weave_min1_lamport",
@@ -66,7 +66,6 @@ BASELINE = {"inductor_cg": "inductor_cg", "weave_cg": "inductor_cg", "weave_cg_l
 def compilers(model) -> dict:
     """Variant name -> a function returning the compiled (or plain) model and, for weave
     variants, its backend (whose report says which sites were fused)."""
-    from weavepass import WeaveConfig
     from weavepass.backend import WeaveBackend
 
     def plain(**options):
@@ -74,7 +73,7 @@ def compilers(model) -> dict:
 
     def weave(mode=None, **config):
         def make():
-            backend = WeaveBackend(WeaveConfig(**config))
+            backend = WeaveBackend(weave_config(**config))
             return torch.compile(model, backend=backend, mode=mode, dynamic=False), backend
 
         return make

@@ -81,7 +81,7 @@ from pathlib import Path
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
-from report import model_bench_parser, parse_variants, pyplot, save_figure, world_name, write_csv  # benchmarks/report.py
+from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
 from timing import progress_bar, times_ms  # benchmarks/timing.py
 
 
@@ -99,6 +99,9 @@ class Shape:
 
     def simulation_note(self, world: int) -> str | None:
         """What a run at ``world`` ranks measures when that is not the preset's TP degree."""
+        if world == 1:
+            return ("one GPU: the all_reduce has no peers, so nothing is communicated or hidden; "
+                    "the variants differ by what the rewrites cost (report.model_world_size)")
         if self.tp is None or self.tp == world:
             return None
         return (f"per-rank widths of TP={self.tp} with the all_reduce of {world} ranks: a simulation of "
@@ -174,11 +177,10 @@ def build_model(shape: Shape, group, device, n_layers: int, dtype=torch.bfloat16
 
 def compilers(model, no_comm) -> dict:
     """Variant name -> a function that compiles (or wraps) the model for that variant."""
-    from weavepass import WeaveConfig
     from weavepass.backend import WeaveBackend
 
     def weave(mode=None, **config):
-        return lambda: torch.compile(model, backend=WeaveBackend(WeaveConfig(**config)), mode=mode)
+        return lambda: torch.compile(model, backend=WeaveBackend(weave_config(**config)), mode=mode)
 
     made = {
         "eager": lambda: model,

@@ -26,6 +26,10 @@
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
+# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, then WORLD=1 STEPS=host,overlap,decode --quick:
+# a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
+# rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
+# the fused, flashcomm and hf steps refuse a world of 1.
 # A session has 30 minutes of device time in all (10 per call): the four WORLD=8 calls may leave
 # no room for the three WORLD=4 ones, which then go to a later session.
 # At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
@@ -83,6 +87,7 @@ export WEAVE_GPU_WORLD="$WORLD"  # the GPU tests' world (tests/gpu/gpu_cases.py 
 TP=""  # what every output name carries: nothing at 2 ranks, _tpN else (benchmarks/report.py world_name)
 [ "$WORLD" = 2 ] || TP="_tp$WORLD"
 case "$WORLD" in
+  1) SHAPES_OVERLAP="70b_tp8sim 8b_tp2" SHAPES_OVERLAP2="" SHAPES_DECODE="8b_tp2" SHAPES_DECODE70="70b_tp8sim" ;;
   2) SHAPES_OVERLAP="70b_tp8sim 8b_tp2" SHAPES_OVERLAP2="70b_tp2 8b_tp8sim"
      SHAPES_DECODE="8b_tp2" SHAPES_DECODE70="70b_tp8sim" ;;
   4) SHAPES_OVERLAP="70b_tp4" SHAPES_OVERLAP2="" SHAPES_DECODE="" SHAPES_DECODE70="70b_tp4" ;;

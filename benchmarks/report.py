@@ -44,11 +44,35 @@ def save_figure(fig, path: str | Path, dpi: int = 110, **savefig) -> Path:
 
 
 def world_size(text: str) -> int:
-    """``--world`` of every benchmark: ranks, one GPU each; at least 2 (an all-reduce needs peers)."""
+    """``--world`` of the kernel and FlashComm benchmarks: ranks, one GPU each; at least 2 (an
+    all-reduce needs peers)."""
     world = int(text)
     if world < 2:
         raise argparse.ArgumentTypeError(f"--world must be at least 2 (an all-reduce needs peers), got {world}")
     return world
+
+
+def model_world_size(text: str) -> int:
+    """``--world`` of the model benchmarks: ranks, one GPU each, at least 1. At 1 the all_reduce
+    has no peers: the run measures everything weave's rewrites cost except the communication they
+    hide (the split's halved GEMMs, its streams and host work, the fused op's host cost in a
+    model), the part of a comparison one GPU can make (``weave_config`` lets weave rewrite a
+    group of one rank there)."""
+    world = int(text)
+    if world < 1:
+        raise argparse.ArgumentTypeError(f"--world must be at least 1, got {world}")
+    return world
+
+
+def weave_config(**options):
+    """The ``WeaveConfig`` of a model benchmark's weave variant: ``options``, plus
+    ``min_world_size=1`` when the run's group has one rank (``model_world_size``)."""
+    import torch.distributed as dist
+    from weavepass import WeaveConfig
+
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        options.setdefault("min_world_size", 1)
+    return WeaveConfig(**options)
 
 
 def world_name(stem: str, world: int) -> str:
@@ -66,7 +90,8 @@ def model_bench_parser(doc: str, name: str, quick_help: str, shape_choices, shap
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shape on --world CPU processes (gloo), wall-clock timed: checks the script runs")
-    parser.add_argument("--world", type=world_size, default=2, help="ranks, one GPU each (default 2)")
+    parser.add_argument("--world", type=model_world_size, default=2,
+                        help="ranks, one GPU each (default 2; 1: no communication, report.model_world_size)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for CSV and PNG")
     parser.add_argument("--name", default=None,
                         help=f"file name of the CSV and PNG, without suffix (default {name}, with _tpN when "

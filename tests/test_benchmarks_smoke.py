@@ -66,6 +66,16 @@ def test_decode_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_decode_smoke_one_rank(tmp_path):
+    """``--world 1`` (a group of one rank: what one GPU can measure): weave still rewrites every
+    site (the benchmark lets it, ``report.weave_config``), and the output carries the world."""
+    text, rows = _smoke("bench_decode.py", tmp_path, "--world", "1", "--variants", "eager,weave_min1",
+                        "--layers", "1", "--batches", "2", csv_name="bench_decode_tp1")
+    assert {(r["variant"], r["world"]) for r in rows} == {("eager", "1"), ("weave_min1", "1")}
+    assert {r["variant"]: r["sites_fused"] for r in rows} == {"eager": "", "weave_min1": "3/3"}
+
+
+@pytest.mark.slow
 def test_fused_allreduce_rmsnorm_smoke(tmp_path):
     text, rows = _smoke("bench_fused_allreduce_rmsnorm.py", tmp_path, "--world", "4", "--tokens", "1", "6", "8",
                         csv_name="bench_fused_allreduce_rmsnorm_tp4")
