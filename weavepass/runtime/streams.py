@@ -128,7 +128,9 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
         return run(partial, residual, weight, eps, group_name, out_dtype, **options)
     index = device.index
     main = _current(index)
-    side = _COMM_STREAMS.get(index) or comm_stream(device)
+    side = _COMM_STREAMS.get(index)
+    if side is None:
+        side = comm_stream(device)
     _fork(main, side)  # the inputs are ready
     torch.cuda.set_stream(side)
     try:
