@@ -90,8 +90,8 @@ class WeaveConfig:
     """What the token split's communication stream runs per half and site. ``"fused"``: the whole
     fused kernel (push, reduce, add + RMSNorm, finalise) on the side stream. ``"push"``: only this
     rank's partial rows stored into the peer's staging slot (a few CTAs of remote stores); the
-    reduce + add + RMSNorm of all rows runs as one full-width kernel on the compute stream where the
-    output is first waited for (docs/overlap.md, "The push variant"). World 2 only: there one-shot
+    reduce + add + RMSNorm of all rows runs as one full-width kernel on the compute stream at the
+    op's join (docs/overlap.md, "The push variant"). World 2 only: there one-shot
     moves the bytes of two-shot; on N ranks it would move (N-1) S per rank against 2 (N-1)/N S, so
     other world sizes keep ``"fused"`` and the report says why. CUDA ``cuda_symm`` sites only: on
     other lowerings and devices the push op runs as the fused async op (same numbers). Off by
