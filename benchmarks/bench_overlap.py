@@ -29,7 +29,7 @@ same processes:
     weave_overlap_push, weave_overlap_push_cg
                    weave_overlap (and with mode="reduce-overhead") with ``overlap_comm="push"``: only
                    a push of the partial rows on the communication stream (16 CTAs), the reduce +
-                   add + RMSNorm as a full-width kernel where the output is first waited for
+                   add + RMSNorm as a full-width kernel at the op's join
                    (docs/overlap.md, "The push variant"; world 2 only, else it is weave_overlap)
     weave_auto     backend weave, overlap="auto": the per-size strategy (split, fuse-only or plain
                    all_reduce, whichever the scheduler picks for the batch), what a user gets

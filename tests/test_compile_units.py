@@ -344,6 +344,34 @@ def test_split_note_when_no_site_was_fused(world2):
     assert all("min_world_size=4" in r.reason for r in rewrite.report.records), rewrite.report.records
 
 
+def gemma_norm_sites(x, r, w1, g1, w2, g2):
+    """``two_sites`` with Gemma's norm scale ``1 + g``: a weight the graph computes."""
+    h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+    h2 = funcol.all_reduce(torch.relu(_rms(h1, 1 + g1)) @ w2, "sum", dist.group.WORLD) + h1
+    return _rms(h2, 1 + g2), h2
+
+
+@pytest.mark.parametrize("fn", [two_sites, gemma_norm_sites])
+def test_split_join_reads_every_input_of_its_op(world2, fn):
+    """The communication stream reads an async op's partial, residual and weight until the join,
+    so the join reads all three: Inductor then neither frees nor reuses their buffers before it.
+    The weight matters where the graph computes it (Gemma's ``1 + w``): reading only the partial
+    and the residual, the generated code ``del``-ed that buffer right after half B's op."""
+    rewrite = _rewrite(_trace(fn, *_args(640)), WeaveConfig(overlap="force"))
+    FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
+    SplitStrategy().apply(rewrite, SplitStrategy().decide(rewrite))
+    forks = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.fused_allreduce_rmsnorm_async.default]
+    joins = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.join_async.default]
+    assert len(forks) == len(joins) == 4
+    computed = 0
+    for join in joins:
+        normed, residual_out, inputs = join.args
+        (fork,) = {normed.args[0], residual_out.args[0]}  # both outputs of one op
+        assert inputs == [a for a in fork.args[:3] if isinstance(a, torch.fx.Node)], (join, fork.args)
+        computed += fork.args[2].op != "placeholder"
+    assert computed == (4 if fn is gemma_norm_sites else 0)  # the weight is a graph node there
+
+
 PUSH_ASYNC = torch.ops.weave.fused_allreduce_rmsnorm_push_async.default
 
 

@@ -46,8 +46,8 @@ import torch
 from weavepass.runtime import get_lowering
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
-_STREAMS: dict[int, torch.cuda.Stream] = {}  # raw handle -> stream object (``_current``)
-_EVENTS: list[torch.cuda.Event] = []  # free events (``_event``)
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) -> stream (``_current``)
+_EVENTS: dict[int, list[torch.cuda.Event]] = {}  # device -> its free events (``_event``)
 _PENDING: dict[int, object] = {}
 """An async op's join (``_Join`` or ``_PushJoin``) by the data pointer of its first output, until
 ``join_async`` takes it. Outputs with no elements file nothing (no kernel writes them)."""
@@ -65,27 +65,34 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _current(index: int) -> torch.cuda.Stream:
     """The current stream of device ``index``, found by its raw handle (``torch.cuda.current_stream``
-    costs several microseconds of Python per call)."""
-    raw = torch._C._cuda_getCurrentRawStream(index)
-    stream = _STREAMS.get(raw)
+    costs several microseconds of Python per call). Keyed by the device too: the default stream's
+    handle is 0 on every device."""
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    stream = _STREAMS.get(key)
     if stream is None:
-        stream = _STREAMS[raw] = torch.cuda.current_stream(index)
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
     return stream
 
 
-def _event() -> torch.cuda.Event:
-    """A free event. Events go back to the pool once every wait on them has been enqueued: a
-    stream wait uses the event as recorded when the wait is enqueued, so re-recording it later
-    (also inside CUDA-graph capture) changes nothing already waited for."""
-    return _EVENTS.pop() if _EVENTS else torch.cuda.Event()
+def _event(index: int) -> torch.cuda.Event:
+    """A free event of device ``index`` (an event records only on the device it was first
+    recorded on). Events go back to their device's pool (``_free``) once every wait on them has
+    been enqueued: a stream wait uses the event as recorded when the wait is enqueued, so
+    re-recording it later (also inside CUDA-graph capture) changes nothing already waited for."""
+    free = _EVENTS.get(index)
+    return free.pop() if free else torch.cuda.Event()
 
 
-def _fork(main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
-    """Make ``side`` wait for the work queued on ``main`` so far."""
-    fork = _event()
+def _free(index: int, event: torch.cuda.Event) -> None:
+    _EVENTS.setdefault(index, []).append(event)
+
+
+def _fork(index: int, main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
+    """Make ``side`` wait for the work queued on ``main`` so far (both streams of device ``index``)."""
+    fork = _event(index)
     fork.record(main)
     side.wait_event(fork)
-    _EVENTS.append(fork)
+    _free(index, fork)
 
 
 class _Join:
@@ -106,7 +113,7 @@ class _Join:
 
     def join(self, index: int) -> None:
         _current(index).wait_event(self.event)
-        _EVENTS.append(self.event)
+        _free(index, self.event)
         self.keep = None
 
 
@@ -131,11 +138,11 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
     side = _COMM_STREAMS.get(index)
     if side is None:
         side = comm_stream(device)
-    _fork(main, side)  # the inputs are ready
+    _fork(index, main, side)  # the inputs are ready
     torch.cuda.set_stream(side)
     try:
         normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype, **options)
-        done = _event()
+        done = _event(index)
         done.record(side)
     finally:
         torch.cuda.set_stream(main)
@@ -168,7 +175,7 @@ class _PushJoin:
         if current != self.stream:  # the outputs were allocated for, and are written on, that stream
             raise RuntimeError("weave push op: joined on another stream than the one that called it")
         current.wait_event(self.event)
-        _EVENTS.append(self.event)
+        _free(index, self.event)
         self.call.reduce(*self.pending)
         self.pending = None
 
@@ -195,15 +202,16 @@ def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_nam
         return fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, out_dtype, lowering,
                                              workspace_tokens, num_ctas)
     device = partial.device
-    main = _current(device.index)
+    index = device.index
+    main = _current(index)
     normed = torch.empty_like(partial, dtype=out_dtype)
     residual_out = torch.empty_like(partial)
     side = comm_stream(device)
-    _fork(main, side)  # the partial is ready
+    _fork(index, main, side)  # the partial is ready
     torch.cuda.set_stream(side)
     try:
         call.push(partial, slot)
-        done = _event()
+        done = _event(index)
         done.record(side)
     finally:
         torch.cuda.set_stream(main)

@@ -9,8 +9,8 @@ nodes between two sites) as::
     [segment k, half A] [site k+1, A: comm stream] [segment k, half B] [site k+1, B: comm stream]
 
 so half A's communication at a site runs while half B computes (attention A, attention B, MLP A,
-MLP B, ...). Each async output is read through ``_c10d_functional.wait_tensor`` placed right before
-its first consumer; Inductor keeps extern kernels and waits in this order (see docs/overlap.md).
+MLP B, ...). Each async op is joined by one ``weave::join_async`` placed right before the first
+read of either output; Inductor keeps extern kernels and joins in this order (see docs/overlap.md).
 
 The cut: several sequences are cut between sequences (every op, attention included, sees only
 whole sequences); one sequence is cut inside, and half B's queries attend to A's and B's keys and

@@ -3,9 +3,9 @@ so that one half's communication at a site runs while the other half computes::
 
     [segment k, half A] [site k+1, A: comm stream] [segment k, half B] [site k+1, B: comm stream]
 
-Each async op is joined by one ``weave::join_async(normed, residual_out, [partial, residual])``
-placed right before the first read of either output: the compute stream waits there, and the comm
-stream reads the op's inputs until then. Token nodes read outside the region are joined by ``cat``.
+Each async op is joined by one ``weave::join_async(normed, residual_out, [partial, residual,
+weight])`` placed right before the first read of either output: the compute stream waits there, and
+the comm stream reads the op's inputs until then. Token nodes read outside the region are joined by ``cat``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ class Rewrite:
             if fork not in self.joined_ops:
                 self.joined_ops.add(fork)
                 outputs = [self.output(fork, i) for i in (0, 1)]
-                inputs = [a for a in fork.args[:2] if isinstance(a, Node)]  # partial, residual
+                # partial, residual, weight: all read by the comm stream. The weight too: Gemma's
+                # (1 + w) is a buffer of the graph, freed after the op's launch without this read.
+                inputs = [a for a in fork.args[:3] if isinstance(a, Node)]
                 self.emit(JOIN_ASYNC, (*outputs, inputs))
         return copy
 

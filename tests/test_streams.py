@@ -1,0 +1,105 @@
+"""The split's fork/join bookkeeping (``weavepass.runtime.streams``) on CPU, with CUDA's stream and
+event calls replaced by fakes that keep CUDA's rules: an event records only on the device it was
+first recorded on (``c10::cuda::CUDAEvent::record``), and every device's default stream has the raw
+handle 0. The GPU tests (tests/gpu) run the real thing on one device per process; these cover a
+process that drives two devices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weavepass.runtime import streams
+
+
+class FakeStream:
+    def __init__(self, device: int, raw: int, name: str):
+        self.device_index, self.raw, self.name = device, raw, name
+        self.waited: list[tuple[FakeStream, int]] = []  # (where the event was recorded, its device)
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        self.waited.append((event.last, event.device))  # what a wait uses: the event as recorded now
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream) and (self.device_index, self.raw) == (other.device_index, other.raw)
+
+    def __hash__(self):
+        return hash((self.device_index, self.raw))
+
+    def __repr__(self):
+        return self.name
+
+
+class FakeEvent:
+    def __init__(self):
+        self.device = None
+        self.last: FakeStream | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        if self.device is None:
+            self.device = stream.device_index
+        if self.device != stream.device_index:  # CUDAEvent::record's check
+            raise RuntimeError(f"Event device {self.device} does not match recording stream's device "
+                               f"{stream.device_index}.")
+        self.last = stream
+
+
+class FakeOutput:
+    """An output tensor as the join sees it: a device, an address and a size."""
+
+    def __init__(self, device: int, address: int):
+        self.device = torch.device("cuda", device)
+        self._address = address
+
+    def numel(self) -> int:
+        return 1
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """Two fake devices whose current stream is the default one (raw handle 0 on both)."""
+    current = {0: FakeStream(0, 0, "default:0"), 1: FakeStream(1, 0, "default:1")}
+    sides = {}
+    addresses = iter(range(0x1000, 0x100000, 0x100))
+
+    def lowering(partial, *args, **kwargs):
+        device = partial.device.index
+        return FakeOutput(device, next(addresses)), FakeOutput(device, next(addresses))
+
+    def stream(device, priority=0):
+        sides[device] = FakeStream(device, 100 + device, f"comm:{device}")
+        return sides[device]
+
+    stream.priority_range = lambda: (0, -1)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current[index].raw, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: current[index])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(s.device_index, s))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(streams, "get_lowering", lambda name: lowering)
+    for state in ("_COMM_STREAMS", "_STREAMS", "_EVENTS", "_PENDING"):  # this process's real ones stay
+        monkeypatch.setattr(streams, state, type(getattr(streams, state))())
+    yield current, sides
+
+
+def test_fork_and_join_on_two_devices_of_one_process(two_devices):
+    """An async op and its join on device 0, then on device 1: each device's fork and done events
+    are recorded on that device's streams, and each join makes that device's current stream wait.
+    Keyed by raw handle alone, device 1's current stream was device 0's default stream (handle 0
+    on both), and one event pool for all devices handed device 1 an event of device 0, which CUDA
+    refuses to record."""
+    current, sides = two_devices
+    defaults = dict(current)
+    for device in (0, 1):
+        partial = FakeOutput(device, 0x10 + device)
+        normed, residual_out = streams.fused_allreduce_rmsnorm_async(
+            partial, None, None, 1e-6, "0", torch.float32, "fake", 16, 0)
+        assert current[device] is defaults[device]  # the op gave the caller its stream back
+        assert sides[device].waited == [(defaults[device], device)]  # fork: after this device's work
+        streams.join_async(normed, residual_out, [partial])
+        assert defaults[device].waited == [(sides[device], device)]  # join: this device waits for the op
+    assert not streams._PENDING
