@@ -8,6 +8,8 @@ import dataclasses
 import math
 import threading
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -453,7 +455,44 @@ def test_split_refuses_training_after_fuse(world2):
 
 def test_inductor_patches_come_from_the_strategies():
     assert inductor_patches(WeaveConfig(overlap="off")) == {}
-    assert inductor_patches(WeaveConfig(overlap="force")) == {"reorder_for_peak_memory": False}
+    # Inductor's overlap scheduler (where this torch has it) would move a split's joins after the
+    # reads they guard (split.OVERLAP_SCHEDULING): off in split graphs, whatever the user set.
+    import torch._inductor.config as inductor_config
+    from weavepass.compile.strategies.split import OVERLAP_SCHEDULING
+
+    expected = {"reorder_for_peak_memory": False}
+    if hasattr(inductor_config, "aten_distributed_optimizations"):
+        expected[OVERLAP_SCHEDULING] = False
+    assert inductor_patches(WeaveConfig(overlap="force")) == expected
+    with inductor_config.patch(inductor_patches(WeaveConfig(overlap="force"))):  # a key Inductor knows
+        assert inductor_config.reorder_for_peak_memory is False
+
+
+def test_user_option_the_split_overrides_is_warned():
+    """A user's Inductor option that the split must override is not dropped silently: one warning
+    names it (then the split's value is used)."""
+    from weavepass import backend
+
+    backend._OVERRIDDEN_WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="reorder_for_peak_memory=True is overridden with False"):
+        backend._warn_overridden({"reorder_for_peak_memory": True}, {"reorder_for_peak_memory": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the same value as required, or not set by the user (Inductor's default True): nothing to say
+        backend._warn_overridden({"reorder_for_peak_memory": False}, {"reorder_for_peak_memory": False})
+        backend._warn_overridden({}, {"reorder_for_peak_memory": False})
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(reorder_for_peak_memory=True, fx_graph_cache=False):  # set globally, = default
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            backend._warn_overridden({}, {"reorder_for_peak_memory": False})
+    if hasattr(inductor_config, "aten_distributed_optimizations"):  # set globally, not the default
+        from weavepass.compile.strategies.split import OVERLAP_SCHEDULING
+
+        with inductor_config.patch({OVERLAP_SCHEDULING: True}):
+            with pytest.warns(RuntimeWarning, match="enable_overlap_scheduling=True is overridden"):
+                backend._warn_overridden({}, {OVERLAP_SCHEDULING: False})
 
 
 def test_plan_split_is_the_planner_call_of_the_split(world2):

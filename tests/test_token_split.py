@@ -141,7 +141,7 @@ def _generated_code(rank, world):
     from torch._inductor.utils import run_and_get_code
 
     model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
-    with torch.no_grad():  # the backend itself applies token_split.INDUCTOR_CONFIG_PATCHES
+    with torch.no_grad():  # the backend itself applies split.inductor_config_patches()
         _, code = run_and_get_code(torch.compile(model, backend=WeaveBackend(FORCE)), random_token_ids(DENSE, 1, 9))
     return code[0]
 

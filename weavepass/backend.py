@@ -11,6 +11,7 @@ import functools
 import itertools
 import logging
 import typing
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 
@@ -108,13 +109,42 @@ class WeaveBackend:
         patches = inductor_patches(mode, options)
         patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report,
                                                            graph_ids=self._graph_ids)
-        patches.update(strategy_patches(self.config))
+        required = strategy_patches(self.config)
+        _warn_overridden(patches, required)
+        patches.update(required)
         caches = contextlib.nullcontext()
         if not self.config.fx_graph_cache:
             patches["fx_graph_cache"] = False
             caches = torch._functorch.config.patch(enable_autograd_cache=False)
         with caches:
             return _reporting(compile_fx(gm, example_inputs, config_patches=patches), graph_reports)
+
+
+_OVERRIDDEN_WARNED: set[tuple] = set()
+
+
+def _warn_overridden(patches: dict, required: dict) -> None:
+    """Warn once per setting where the user's Inductor options (or global Inductor config) set
+    something a strategy needs otherwise: the strategy's value wins, and the user hears why."""
+    import torch._inductor.config as inductor_config
+
+    for key, value in required.items():
+        if key in patches:
+            current = patches[key]
+        else:  # set globally by the user (Inductor's own default is not a choice to warn about)
+            is_default = getattr(inductor_config, "_is_default", None)
+            try:
+                if is_default is None or is_default(key):
+                    continue
+                current = functools.reduce(getattr, key.split("."), inductor_config)
+            except (AttributeError, KeyError):
+                continue
+        if current != value and (key, current) not in _OVERRIDDEN_WARNED:
+            _OVERRIDDEN_WARNED.add((key, current))
+            message = (f"backend weave: Inductor option {key}={current!r} is overridden with {value!r} in "
+                       "graphs weave rewrites: the token split needs it (weavepass.compile.strategies.split)")
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def inductor_patches(mode: str | None, options: dict | None) -> dict:

@@ -20,9 +20,9 @@ class SplitStrategy(Strategy):
     def inductor_patches(self, config: WeaveConfig) -> dict:
         if config.overlap == "off":
             return {}
-        from weavepass.compile.strategies.split import INDUCTOR_CONFIG_PATCHES
+        from weavepass.compile.strategies.split import inductor_config_patches
 
-        return dict(INDUCTOR_CONFIG_PATCHES)
+        return inductor_config_patches()
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
         # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not

@@ -52,15 +52,34 @@ from .base import Unsupported
 from .rewrite import rewrite
 from .symbolic import MIN_SYMBOLIC_UNITS, Cut, hint
 
-__all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "Unsupported", "apply_token_split",
-           "communication_variant"]
+__all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "OVERLAP_SCHEDULING", "Unsupported", "apply_token_split",
+           "communication_variant", "inductor_config_patches"]
 
 log = logging.getLogger("weavepass")
 
 INDUCTOR_CONFIG_PATCHES = {"reorder_for_peak_memory": False}
 """Inductor settings a split graph needs: the peak-memory reordering otherwise moves all of
 half A's kernels ahead of half B's first fused op, undoing the overlap schedule. The backend
-merges these into its ``config_patches`` when ``overlap != "off"``."""
+merges these (``inductor_config_patches``) into its ``config_patches`` when ``overlap != "off"``."""
+
+OVERLAP_SCHEDULING = "aten_distributed_optimizations.enable_overlap_scheduling"
+"""Inductor's opt-in collective overlap scheduler (torch 2.12+). It orders nodes by data
+dependencies only, and ``weave::join_async`` has no users: it would schedule the join after the
+reads of the outputs it joins (wrong answers; found by reading ``fx_passes/overlap_scheduling.py``,
+not reproduced). Switched off in split graphs."""
+
+
+def inductor_config_patches() -> dict:
+    """``INDUCTOR_CONFIG_PATCHES``, plus the overlap scheduler off where this torch has it."""
+    import torch._inductor.config as inductor_config
+
+    patches = dict(INDUCTOR_CONFIG_PATCHES)
+    try:
+        inductor_config.aten_distributed_optimizations.enable_overlap_scheduling  # noqa: B018
+    except AttributeError:  # torch 2.11: no such scheduler
+        return patches
+    patches[OVERLAP_SCHEDULING] = False
+    return patches
 
 
 def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool, str | None]:
