@@ -1,4 +1,7 @@
-"""Driver launch cost vs argument count, and torch.ops dispatch cost vs schema, on the device host."""
+"""Host cost probes on one GPU (2026-12-01): a Triton kernel launch with 8 against 28 arguments, through
+Triton's launcher (tensor and int pointers) and PyTorch's static launcher, and the torch.ops dispatch of an
+empty op with the fused op's schema against a compact one (3 tensors + 1 string) and the join's.
+Run: ``python3 scripts/probe_launch_and_dispatch.py`` (docs/cuda_kernel.md, *Host cost*)."""
 import time, statistics, torch, triton, triton.language as tl
 
 @triton.jit
