@@ -144,9 +144,9 @@ if [ -n "$QUICK" ]; then
 else
   OVERLAP_VARIANTS="${OVERLAP_VARIANTS:-eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg}"
 fi
-# The push variant (overlap_comm="push") has not run on a GPU yet: add weave_overlap_push and
-# weave_overlap_push_cg (environment OVERLAP_VARIANTS overrides the lists above) once the onegpu step's simulator tests of its kernels
-# and the pytest_push step have passed.
+# The push variant (overlap_comm="push"): its kernels passed the onegpu step's simulator tests on
+# one H200 (2026-12-01); add weave_overlap_push and weave_overlap_push_cg (environment
+# OVERLAP_VARIANTS overrides the lists above) once the pytest_push step has passed on 2 GPUs.
 
 # Measured on 2 x H200 (2026-11-30, one spawn per test): the model + overlap files take ~205 s, the
 # flashcomm file ~80 s, the kernel file ~150 s; the limits leave room for compile-cache misses (a
