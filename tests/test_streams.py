@@ -35,6 +35,10 @@ class FakeEvent:
     def __init__(self):
         self.device = None
         self.last: FakeStream | None = None
+        self.done = False  # what query() answers: the recorded work has finished
+
+    def query(self) -> bool:
+        return self.done
 
     def record(self, stream: FakeStream) -> None:
         if self.device is None:
@@ -79,6 +83,7 @@ def two_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: current[index])
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(s.device_index, s))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "Stream", stream)
     monkeypatch.setattr(streams, "get_lowering", lambda name: lowering)
     for state in ("_COMM_STREAMS", "_STREAMS", "_EVENTS", "_PENDING"):  # this process's real ones stay
@@ -103,3 +108,35 @@ def test_fork_and_join_on_two_devices_of_one_process(two_devices):
         streams.join_async(normed, residual_out, [partial])
         assert defaults[device].waited == [(sides[device], device)]  # join: this device waits for the op
     assert not streams._PENDING
+
+
+def test_joins_left_by_failed_runs_are_swept(two_devices):
+    """A graph that raises between an async op and its join leaves the join pending, holding the
+    op's inputs. Past ``_SWEEP_ABOVE`` pending joins, the next op drops the fused ops' joins whose
+    kernels are done, and keeps those still running and every push join (whose join launches the
+    reduce)."""
+    stale = {}
+    for i in range(streams._SWEEP_ABOVE):
+        event = FakeEvent()
+        event.done = True
+        stale[0x900000 + i] = streams._Join(event, (object(),))
+    running = streams._Join(FakeEvent(), (object(),))
+    push = streams._PushJoin(FakeEvent(), None, None, ())
+    push.event.done = True
+    streams._PENDING.update(stale)
+    streams._PENDING[0x800000] = running
+    streams._PENDING[0x800100] = push
+    partial = FakeOutput(0, 0x10)
+    normed, _ = streams.fused_allreduce_rmsnorm_async(partial, None, None, 1e-6, "0", torch.float32, "fake", 16, 0)
+    assert set(streams._PENDING) == {0x800000, 0x800100, normed.data_ptr()}
+    assert streams._PENDING[0x800000] is running and streams._PENDING[0x800100] is push
+
+
+def test_no_sweep_below_the_threshold(two_devices):
+    """Normal runs keep a few joins pending: nothing is dropped, done or not."""
+    event = FakeEvent()
+    event.done = True
+    streams._PENDING[0x800000] = done = streams._Join(event, (object(),))
+    partial = FakeOutput(0, 0x10)
+    normed, _ = streams.fused_allreduce_rmsnorm_async(partial, None, None, 1e-6, "0", torch.float32, "fake", 16, 0)
+    assert streams._PENDING[0x800000] is done and normed.data_ptr() in streams._PENDING

@@ -51,6 +51,13 @@ _EVENTS: dict[int, list[torch.cuda.Event]] = {}  # device -> its free events (``
 _PENDING: dict[int, object] = {}
 """An async op's join (``_Join`` or ``_PushJoin``) by the data pointer of its first output, until
 ``join_async`` takes it. Outputs with no elements file nothing (no kernel writes them)."""
+_SWEEP_ABOVE = 256
+"""Pending joins from which filing a new one first drops the fused ops' joins whose kernels are
+done (``_file``). A run keeps a few pending at a time; only a graph that raised between an async op
+and its join (an out-of-memory error, say) leaves one behind, holding that op's inputs, and a
+serving loop that retries could pile them up. Dropping a done ``_Join`` is safe even if its join
+is still to come: the wait it would add is already satisfied. A ``_PushJoin`` is never dropped
+(its join launches the reduce)."""
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
@@ -93,6 +100,15 @@ def _fork(index: int, main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
     fork.record(main)
     side.wait_event(fork)
     _free(index, fork)
+
+
+def _file(key: int, entry) -> None:
+    """``_PENDING[key] = entry``, after the sweep ``_SWEEP_ABOVE`` describes (not during CUDA-graph
+    capture, where an event cannot be queried)."""
+    if len(_PENDING) >= _SWEEP_ABOVE and not torch.cuda.is_current_stream_capturing():
+        for done in [k for k, e in _PENDING.items() if isinstance(e, _Join) and e.event.query()]:
+            del _PENDING[done]
+    _PENDING[key] = entry
 
 
 class _Join:
@@ -150,7 +166,7 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
     # stream after its join; the side stream only reuses such a block in a later call, after that
     # call's fork has made it wait for everything the main stream had queued (the reads included).
     if normed.numel():
-        _PENDING[normed.data_ptr()] = _Join(done, (partial, residual, weight))
+        _file(normed.data_ptr(), _Join(done, (partial, residual, weight)))
     return normed, residual_out
 
 
@@ -216,7 +232,7 @@ def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_nam
     finally:
         torch.cuda.set_stream(main)
     # prepare_push serves no empty call (a zero-row reduce would have nothing to file under)
-    _PENDING[normed.data_ptr()] = _PushJoin(done, main, call, (partial, residual, weight, normed, residual_out, eps, slot))
+    _file(normed.data_ptr(), _PushJoin(done, main, call, (partial, residual, weight, normed, residual_out, eps, slot)))
     return normed, residual_out
 
 
