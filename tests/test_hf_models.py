@@ -72,7 +72,7 @@ EXPECTED: dict[str, Expected] = {
     "granite": Expected(5),
     # Attention and MLP in parallel, then a LayerNorm: (residual + attn) + mlp -> one all_reduce
     # of both partials per layer (5 all_reduces, 3 LayerNorm sites).
-    "cohere": Expected(3, merged=2, split="3 LayerNorm site(s): the split's async op"),
+    "cohere": Expected(3, merged=2),
     "mixtral": Expected(5),
     # The replicated shared expert is added to the experts' sum before the residual add: it moves
     # onto the residual (before the op); FlashComm adds its rows of the shard to the carried stream.

@@ -403,15 +403,29 @@ def test_parallel_branch_sums_become_one_all_reduce(norm):
     assert "all_reduce_1 is summed with all_reduce's sum into one all_reduce" in graph.note, graph.note
 
 
-def test_token_split_refuses_layer_norm_sites_with_a_reason():
-    def f(x, w, r, weight):
-        h1 = ar(x @ w) + r
-        h2 = ar(cohere_layer_norm(h1, weight)[:, :32] @ w) + h1
-        return cohere_layer_norm(h2, weight), h2
+def _two_layer_norm_sites(x, w, r, weight):
+    h1 = ar(x @ w) + r
+    h2 = ar(cohere_layer_norm(h1, weight)[:, :32] @ w) + h1
+    return cohere_layer_norm(h2, weight), h2
 
-    graph = compile_report(f, *inputs(), config=WeaveConfig(overlap="force"))
-    assert graph.ops_after[FUSED_LN] == 2
-    assert "fuse-only: 2 LayerNorm site(s): the split's async op" in graph.note, graph.note
+
+def test_token_split_takes_layer_norm_sites():
+    """LayerNorm sites split like RMSNorm ones: each becomes the LayerNorm async op once per half,
+    each joined once; no synchronous fused op and no all_reduce is left. (Numbers: Cohere in
+    tests/test_hf_models.py, split on gloo ranks against eager; this group is fake.)"""
+    graph = compile_report(_two_layer_norm_sites, *inputs(), config=WeaveConfig(overlap="force"))
+    assert graph.ops_after["weave.fused_allreduce_layernorm_async.default"] == 4, graph.ops_after
+    assert graph.ops_after["weave.join_async.default"] == 4
+    assert graph.ops_after[FUSED_LN] == 0 and graph.ops_after[AR] == 0
+    assert graph.note.startswith("token split"), graph.note
+
+
+def test_push_variant_keeps_the_fused_kernel_for_layer_norm_sites():
+    graph = compile_report(_two_layer_norm_sites, *inputs(),
+                           config=WeaveConfig(overlap="force", overlap_comm="push"))
+    assert graph.ops_after["weave.fused_allreduce_layernorm_async.default"] == 4
+    assert "weave.fused_allreduce_rmsnorm_push_async.default" not in graph.ops_after
+    assert "the push variant's reduce kernel carries RMSNorm sites only" in graph.note, graph.note
 
 
 def test_reject_group_below_min_world_size():

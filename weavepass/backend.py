@@ -131,13 +131,15 @@ def _warn_overridden(patches: dict, required: dict) -> None:
     for key, value in required.items():
         if key in patches:
             current = patches[key]
-        else:  # set globally by the user (Inductor's own default is not a choice to warn about)
-            is_default = getattr(inductor_config, "_is_default", None)
+        else:  # set globally by the user: a value other than Inductor's own default
+            # (``_is_default`` does not tell: a config patch's exit leaves the default value
+            # behind as an override)
+            entry = getattr(inductor_config, "_config", {}).get(key)
             try:
-                if is_default is None or is_default(key):
-                    continue
                 current = functools.reduce(getattr, key.split("."), inductor_config)
-            except (AttributeError, KeyError):
+            except AttributeError:
+                continue
+            if entry is None or current == getattr(entry, "default", current):
                 continue
         if current != value and (key, current) not in _OVERRIDDEN_WARNED:
             _OVERRIDDEN_WARNED.add((key, current))

@@ -108,17 +108,28 @@ FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC = define_hot_op(
     "fused_allreduce_rmsnorm_push_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas, int slot) -> (Tensor, Tensor)",
     _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_push_async"), _fake,
 )
-ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC)
+LAYERNORM_SCHEMA_ARGS = (
+    "Tensor partial, Tensor? residual, Tensor? weight, Tensor? bias, float eps, str group_name, "
+    "ScalarType out_dtype, str lowering, int workspace_tokens"
+)
+
+
+def _fake_layer_norm(partial, residual, weight, bias, eps, group_name, out_dtype, *_):
+    return _fake(partial, residual, weight, eps, group_name, out_dtype)
+
+
+FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
+    "fused_allreduce_layernorm", f"({LAYERNORM_SCHEMA_ARGS}) -> (Tensor, Tensor)",
+    _runtime("weavepass.runtime:fused_allreduce_layernorm"), _fake_layer_norm,
+)
+FUSED_ALLREDUCE_LAYERNORM_ASYNC = define_hot_op(
+    "fused_allreduce_layernorm_async", f"({LAYERNORM_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
+    _runtime("weavepass.runtime.streams:fused_allreduce_layernorm_async"), _fake_layer_norm,
+)
+ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC, FUSED_ALLREDUCE_LAYERNORM_ASYNC)
 """The split's async fused ops: ``JOIN_ASYNC`` on both outputs and the inputs comes before the first
 read of either output."""
-FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
-    "fused_allreduce_layernorm",
-    "(Tensor partial, Tensor? residual, Tensor? weight, Tensor? bias, float eps, str group_name, "
-    "ScalarType out_dtype, str lowering, int workspace_tokens) -> (Tensor, Tensor)",
-    _runtime("weavepass.runtime:fused_allreduce_layernorm"),
-    lambda partial, residual, weight, bias, eps, group_name, out_dtype, *_:
-        _fake(partial, residual, weight, eps, group_name, out_dtype),
-)
+
 JOIN_ASYNC = define_hot_op(
     "join_async", "(Tensor(a!) normed, Tensor(b!) residual_out, Tensor[] inputs) -> ()",
     _runtime("weavepass.runtime.streams:join_async"), lambda normed, residual_out, inputs: None,

@@ -92,9 +92,10 @@ def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, ou
 
 
 def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
-                              workspace_tokens):
+                              workspace_tokens, **overrides):
     """The kernel of ``weave.fused_allreduce_layernorm``: ``(normed, residual_out)`` with a
-    LayerNorm (``weavepass.runtime.reference.add_layernorm_local``) by the lowering named ``lowering``."""
+    LayerNorm (``weavepass.runtime.reference.add_layernorm_local``) by the lowering named ``lowering``.
+    ``overrides`` go to a lowering with a workspace (the async op's ``num_ctas``)."""
     if lowering not in _LAYER_NORM_LOWERINGS:
         raise ValueError(f"weave lowering {lowering!r} does not carry LayerNorm; LayerNorm sites "
                          f"need one of {LAYER_NORM_LOWERINGS}")
@@ -102,4 +103,5 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
     run = getattr(importlib.import_module(module_name), attr)
     if lowering == "portable":  # no workspace
         return run(partial, residual, weight, bias, eps, group_name, out_dtype)
-    return run(partial, residual, weight, bias, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens)
+    return run(partial, residual, weight, bias, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens,
+               **overrides)

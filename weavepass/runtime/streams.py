@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from weavepass.runtime import get_lowering
+from weavepass.runtime import fused_allreduce_layernorm, get_lowering
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) -> stream (``_current``)
@@ -146,9 +146,25 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
         options = {"max_workspace_tokens": workspace_tokens, "num_ctas": num_ctas}
     else:
         options = {"max_workspace_tokens": workspace_tokens}
-    device = partial.device
+    return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options, (partial, residual, weight))
+
+
+def fused_allreduce_layernorm_async(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
+                                    workspace_tokens, num_ctas=0):
+    """``weave.fused_allreduce_layernorm`` on the communication stream, joined as the RMSNorm form
+    (``fused_allreduce_rmsnorm_async``); the join also holds the bias."""
+    options = {"num_ctas": num_ctas} if num_ctas and lowering == "cuda_symm" else {}
+    return _run_async(fused_allreduce_layernorm,
+                      (partial, residual, weight, bias, eps, group_name, out_dtype, lowering, workspace_tokens),
+                      options, (partial, residual, weight, bias))
+
+
+def _run_async(run, args: tuple, options: dict, inputs: tuple):
+    """``run(*args, **options)`` (a lowering: ``(normed, residual_out)``; ``inputs[0]`` is the
+    partial) on the communication stream of its device, its join filed; plainly off CUDA."""
+    device = inputs[0].device
     if device.type != "cuda":
-        return run(partial, residual, weight, eps, group_name, out_dtype, **options)
+        return run(*args, **options)
     index = device.index
     main = _current(index)
     side = _COMM_STREAMS.get(index)
@@ -157,7 +173,7 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
     _fork(index, main, side)  # the inputs are ready
     torch.cuda.set_stream(side)
     try:
-        normed, residual_out = run(partial, residual, weight, eps, group_name, out_dtype, **options)
+        normed, residual_out = run(*args, **options)
         done = _event(index)
         done.record(side)
     finally:
@@ -166,7 +182,7 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
     # stream after its join; the side stream only reuses such a block in a later call, after that
     # call's fork has made it wait for everything the main stream had queued (the reads included).
     if normed.numel():
-        _file(normed.data_ptr(), _Join(done, (partial, residual, weight)))
+        _file(normed.data_ptr(), _Join(done, inputs))
     return normed, residual_out
 
 

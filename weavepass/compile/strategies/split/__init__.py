@@ -94,6 +94,9 @@ def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool,
     from weavepass.runtime.cuda.support import push_unsupported_reason
     from weavepass.runtime.portable import resolve_group
 
+    if any(site.target is FUSED_ALLREDUCE_LAYERNORM for site in sites):
+        return False, ("communication: fused kernel (overlap_comm='push' not used: the push variant's "
+                       "reduce kernel carries RMSNorm sites only, and this graph has LayerNorm sites)")
     groups = sorted({site.args[4] for site in sites})
     for group in groups:
         reason = push_unsupported_reason(resolve_group(group).size())
@@ -118,11 +121,7 @@ def apply_token_split(
         log.info("weavepass: token split skipped: %s", reason)
         return False
 
-    layer_norms = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_LAYERNORM]
-    if layer_norms:  # (no LayerNorm form of the async op is written)
-        return skip(f"{len(layer_norms)} LayerNorm site(s): the split's async op "
-                    "(weave.fused_allreduce_rmsnorm_async) carries RMSNorm sites only")
-    fused_nodes = [n for n in fused_nodes if n.target is FUSED_ALLREDUCE_RMSNORM]
+    fused_nodes = [n for n in fused_nodes if n.target in (FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_LAYERNORM)]
     if not fused_nodes:
         return skip("no site was fused, so there is no communication to overlap (each site's line "
                     "says why it was kept)")

@@ -19,6 +19,8 @@ from torch.fx.node import map_arg
 from weavepass.config import WeaveConfig
 from weavepass.ops import (
     ASYNC_FUSED_OPS,
+    FUSED_ALLREDUCE_LAYERNORM,
+    FUSED_ALLREDUCE_LAYERNORM_ASYNC,
     FUSED_ALLREDUCE_RMSNORM_ASYNC,
     FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC,
     JOIN_ASYNC,
@@ -120,9 +122,11 @@ class Rewrite:
             if fork not in self.joined_ops:
                 self.joined_ops.add(fork)
                 outputs = [self.output(fork, i) for i in (0, 1)]
-                # partial, residual, weight: all read by the comm stream. The weight too: Gemma's
-                # (1 + w) is a buffer of the graph, freed after the op's launch without this read.
-                inputs = [a for a in fork.args[:3] if isinstance(a, Node)]
+                # partial, residual, weight (and a LayerNorm's bias): all read by the comm stream.
+                # The weight too: Gemma's (1 + w) is a buffer of the graph, freed after the op's
+                # launch without this read.
+                read = 4 if fork.target is FUSED_ALLREDUCE_LAYERNORM_ASYNC else 3
+                inputs = [a for a in fork.args[:read] if isinstance(a, Node)]
                 self.emit(JOIN_ASYNC, (*outputs, inputs))
         return copy
 
@@ -167,7 +171,7 @@ class Rewrite:
                 target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
                 args = (*args, self.config.overlap_comm_ctas, HALVES.index(half))
             else:
-                target = FUSED_ALLREDUCE_RMSNORM_ASYNC
+                target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if target is FUSED_ALLREDUCE_LAYERNORM else FUSED_ALLREDUCE_RMSNORM_ASYNC
                 args = (*args, self.config.overlap_comm_ctas)
         elif target in VIEWS:
             size = half_view_size(node, info.token[node], args[1])
