@@ -698,3 +698,69 @@ def test_routing_block_read_outside_the_region_is_refused():
     with pytest.raises(Unsupported, match="of an MoE routing block are read outside it"):
         analyse(gm.graph, sites, cut)
     assert str(gm.graph) == before
+
+
+# ---- the rewrite's numbers against eager ------------------------------------------------------------------
+
+def _split_error(fn, inputs, first: int) -> float:
+    """The largest difference between ``fn(*inputs)`` and the graph of ``fn`` split with ``first``
+    units in half A, both run on a group of one rank (whose collectives are exact), in fp32."""
+    from weavepass.testing.distributed import fake_process_group
+
+    with fake_process_group(1), torch.no_grad():
+        gm = _trace(fn, *inputs)
+        sites = _sites(gm)
+        cut = Cut.of(sites[0])
+        cut.first = first
+        rewrite(gm.graph, analyse(gm.graph, sites, cut), WeaveConfig(overlap="force"))
+        gm.graph.lint()
+        gm.recompile()
+        assert not _sites(gm)  # every site became one async op per half
+        return max((want - got).abs().max().item() for want, got in zip(fn(*inputs), gm(*inputs), strict=True))
+
+
+def test_split_of_a_token_wise_graph_matches_eager():
+    """The harness's own check: two sites with a gather along the hidden dim (a token-free index
+    as long as the tokens, sliced per half) between them, cut 3 / 5 tokens."""
+    def gathered(partial, residual, norm, index):
+        out, residual = _site(partial, residual, norm)
+        return _site(out + torch.gather(out, 2, index), residual, norm)
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randint(0, 16, (1, 8, 16), generator=g)]
+    assert _split_error(gathered, inputs, 3) < 1e-6
+
+
+def test_gather_and_scatter_with_an_index_shorter_than_the_tokens_are_refused():
+    """``gather``/``scatter`` do not broadcast: an index of one row in the token dim reads (writes)
+    row 0 only, which for half B is the whole's row ``sA``. Accepted before as if it broadcast, the
+    split answered wrong by 3.4 on this graph."""
+    def first_row(partial, residual, norm, index):
+        out, residual = _site(partial, residual, norm)
+        return _site(out + torch.gather(out, 2, index), residual, norm)  # [1, 1, 16] broadcast over tokens
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randint(0, 16, (1, 1, 16), generator=g)]
+    with pytest.raises(Unsupported, match=r"gather \(gather.default\) does not broadcast, and its tensors differ in the token dim: "
+                       r"\{'getitem': 8, 'index_1': 1, 'gather': 1\}"):
+        _split_error(first_row, inputs, 4)
+    index = torch.zeros(1, 1, 4, dtype=torch.long)
+    reason = _refused(lambda x, i, s: torch.scatter(x, 2, i, s), [(1, 8, 16), index, (1, 1, 4)], {0: 1})
+    assert reason == ("scatter (scatter.src) does not broadcast, and its tensors differ in the token dim: "
+                      "{'x_1': 8, 'i_1': 1, 's_1': 1, 'scatter': 8}")
+
+
+def test_index_select_by_token_ids_is_refused():
+    """``index_select(table, 0, ids)`` with ids computed from tokens puts the tokens in dim 0 of the
+    output; aligned from the right like an elementwise op, the rule said dim 1 and sliced the table's
+    columns (the split returned ``[4, 16]`` for ``[8, 16]``). Along another dim than the tokens, a
+    token-free index keeps the tokens where they are."""
+    ids = torch.zeros(8, dtype=torch.long)
+    reason = _refused(lambda t, i: torch.index_select(t, 0, i), [(2, 16), ids], {1: 0})
+    assert reason == "index_select (index_select): its index i_1 is computed from tokens"
+    index = torch.zeros(3, dtype=torch.long)
+    assert _token_dims(lambda x, i: torch.index_select(x, 2, i), [(1, 8, 16), index], {0: 1})[0] == [1]
+    reason = _refused(lambda x, i: torch.index_select(x, 1, i), [(1, 8, 16), index], {0: 1})
+    assert reason == "index_select (index_select) indexes along the token dim"

@@ -150,10 +150,32 @@ def _copy_in_place(node: Node, info: Analysis):
 
 
 @register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
-          aten.scatter.reduce, aten.index_select.default)
+          aten.scatter.reduce)
 def _indexed(node: Node, info: Analysis) -> int:
-    """Same-rank tensors lined up like an elementwise op, indexed along ``dim`` (arg 1)."""
-    return _lined_up_along(node, info, node.args[1])
+    """Same-rank tensors lined up like an elementwise op, indexed along ``dim`` (arg 1). These ops
+    do not broadcast: an index or source shorter than the output in the token dim (1 included)
+    reads or writes the first rows only, which for half B are not the whole's first rows."""
+    d = _lined_up_along(node, info, node.args[1])
+    tensors = [t for t in node.all_input_nodes if isinstance(val(t), torch.Tensor)] + [node]
+    sizes = {t.name: hint(val(t).shape[d]) for t in tensors}
+    if len(set(sizes.values())) != 1:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) does not broadcast, and its tensors differ in "
+                          f"the token dim: {sizes}")
+    return d
+
+
+@register(aten.index_select.default)
+def _index_select(node: Node, info: Analysis) -> int:
+    """Rows of ``self`` along ``dim`` (arg 1) picked by a 1-d index: the output keeps ``self``'s
+    token dim. An index computed from tokens (an embedding-like lookup) would put the tokens in
+    ``dim``, which the elementwise alignment cannot see: refused."""
+    x, dim, index = node.args[:3]
+    if index in info.token:
+        raise Unsupported(f"{node.name} (index_select): its index {index.name} is computed from tokens")
+    d = input_token_dim(node, info)
+    if norm_dim(dim, _rank(node)) == d:
+        raise Unsupported(f"{node.name} (index_select) indexes along the token dim")
+    return d
 
 
 @register(aten.slice_scatter.default)
