@@ -91,8 +91,23 @@ def _probs_times_values(node: Node, info: Analysis) -> int:
     if info.keys.get(a) != 2 or info.token.get(a) != 1 or info.token.get(b) != 1 or b in info.keys:
         raise Unsupported(f"{node.name} (bmm): attention probabilities times something other than the values "
                           "(tokens in dim 1)")
+    if not _masked(a, info, {}):
+        # The SDPA ops' rule (``attention_dims``) refuses bidirectional attention likewise.
+        raise Unsupported(f"{node.name} (bmm): attention probabilities over a cut sequence with no mask lined up "
+                          "with the keys on every path from the scores: half A's queries would miss half B's keys")
     info.key_operands[node] = {b: 1}
     return 1
+
+
+def _masked(node: Node, info: Analysis, seen: dict) -> bool:
+    """Whether every path from ``q @ k^T`` to score tensor ``node`` goes through a mask lined up
+    with the keys (``info.key_sliced``): only such a mask can hide half B's keys from half A's
+    queries (checked at run time). Scores with no mask, or a mask on one branch only
+    (``exp(scores - amax(scores + mask))``), are bidirectional attention."""
+    if node not in seen:
+        inputs = [a for a in node.all_input_nodes if a in info.keys]
+        seen[node] = node in info.key_sliced or (bool(inputs) and all(_masked(a, info, seen) for a in inputs))
+    return seen[node]
 
 
 def _view(node: Node, info: Analysis, d: int, k: int) -> int:
