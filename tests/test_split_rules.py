@@ -769,7 +769,8 @@ def test_index_select_by_token_ids_is_refused():
 def _bmm_attention(form: str):
     """Two sites with attention written out (``q = k = v``, 2 heads of 8) between them: the mask
     added to the scores (``"masked"``), none (``"unmasked"``: bidirectional), or added only inside
-    the softmax's row max (``"max-only"``: the probabilities never see it)."""
+    the softmax's row max (``"max-only"``: the probabilities never see it), or followed by
+    ``1 - sigmoid`` instead of a softmax (``"sigmoid"``: a hidden key weighs 1)."""
     def attention(partial, residual, norm, mask):
         out, residual = _site(partial, residual, norm)
         q = out.view(1, 8, 2, 8).transpose(1, 2).reshape(2, 8, 8)
@@ -778,6 +779,8 @@ def _bmm_attention(form: str):
             probs = torch.softmax(scores + mask, -1)
         elif form == "unmasked":
             probs = torch.softmax(scores, -1)
+        elif form == "sigmoid":
+            probs = 1 - torch.sigmoid(scores + mask)
         else:
             e = torch.exp(scores - torch.amax(scores + mask, -1, keepdim=True))
             probs = e / e.sum(-1, keepdim=True)
@@ -787,16 +790,17 @@ def _bmm_attention(form: str):
     return attention
 
 
-@pytest.mark.parametrize("form", ["unmasked", "max-only"])
-def test_bmm_attention_without_a_mask_on_every_path_is_refused(form):
+@pytest.mark.parametrize("form", ["unmasked", "max-only", "sigmoid"])
+def test_bmm_attention_without_a_mask_and_softmax_on_every_path_is_refused(form):
     """Over a cut sequence half A's scores hold A's keys only, right only where a mask hides B's keys
     from A's queries (the SDPA ops refuse attention with neither mask nor ``is_causal``). Written out
-    as ``bmm`` + softmax + ``bmm`` with no mask, the split was accepted and answered wrong by 0.64;
-    a causal mask added to the scores splits and matches eager."""
+    as ``bmm`` + softmax + ``bmm`` with no mask, the split was accepted and answered wrong by 0.64
+    (3.3 with ``1 - sigmoid``, where the run-time check passes: the mask does hide B's keys, but the
+    op after it gives them weight); a causal mask added to the scores splits and matches eager."""
     g = torch.Generator().manual_seed(0)
     causal = torch.full((8, 8), float("-inf")).triu(1)
     inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16), causal]
     assert _split_error(_bmm_attention("masked"), inputs, 3) < 1e-5
-    with pytest.raises(Unsupported, match=r"bmm_1 \(bmm\): attention probabilities over a cut sequence with no "
-                                          r"mask lined up with the keys on every path from the scores"):
+    with pytest.raises(Unsupported, match=r"bmm_1 \(bmm\): attention probabilities over a cut sequence that are "
+                                          r"not a mask lined up with the keys followed by a softmax"):
         _split_error(_bmm_attention(form), inputs, 3)

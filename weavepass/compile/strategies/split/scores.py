@@ -91,23 +91,43 @@ def _probs_times_values(node: Node, info: Analysis) -> int:
     if info.keys.get(a) != 2 or info.token.get(a) != 1 or info.token.get(b) != 1 or b in info.keys:
         raise Unsupported(f"{node.name} (bmm): attention probabilities times something other than the values "
                           "(tokens in dim 1)")
-    if not _masked(a, info, {}):
+    if _hidden_as(a, info, {}) != "zero":
         # The SDPA ops' rule (``attention_dims``) refuses bidirectional attention likewise.
-        raise Unsupported(f"{node.name} (bmm): attention probabilities over a cut sequence with no mask lined up "
-                          "with the keys on every path from the scores: half A's queries would miss half B's keys")
+        raise Unsupported(f"{node.name} (bmm): attention probabilities over a cut sequence that are not a mask "
+                          "lined up with the keys followed by a softmax on every path from the scores: half A's "
+                          "queries would miss half B's keys")
     info.key_operands[node] = {b: 1}
     return 1
 
 
-def _masked(node: Node, info: Analysis, seen: dict) -> bool:
-    """Whether every path from ``q @ k^T`` to score tensor ``node`` goes through a mask lined up
-    with the keys (``info.key_sliced``): only such a mask can hide half B's keys from half A's
-    queries (checked at run time). Scores with no mask, or a mask on one branch only
-    (``exp(scores - amax(scores + mask))``), are bidirectional attention."""
-    if node not in seen:
-        inputs = [a for a in node.all_input_nodes if a in info.keys]
-        seen[node] = node in info.key_sliced or (bool(inputs) and all(_masked(a, info, seen) for a in inputs))
-    return seen[node]
+_KEEP = (*VIEWS, aten.expand.default, *_ELEMENTWISE)
+
+
+def _hidden_as(node: Node, info: Analysis, seen: dict) -> str | None:
+    """What score tensor ``node`` holds for a key the mask hides (the mask is checked at run time to
+    hide half B's keys from half A's queries, which half A leaves out): ``"low"`` after the mask
+    (the dtype's lowest value, or -inf), ``"zero"`` after the softmax (``exp`` of it, divided or
+    multiplied by values per query), None when not known: no mask on some path from ``q @ k^T``
+    (bidirectional attention) or an op that could make a hidden key count (``1 - sigmoid(x)``)."""
+    if node in seen:
+        return seen[node]
+    inputs = [a for a in node.all_input_nodes if a in info.keys]
+    states = {_hidden_as(a, info, seen) for a in inputs}
+    state = states.pop() if len(states) == 1 else None
+    target, first_is_scores = node.target, bool(node.args) and node.args[0] in info.keys
+    if node in info.key_sliced:
+        state = "low"
+    elif state is None or target in _KEEP:
+        pass
+    elif state == "low" and (target in _SOFTMAX or target is aten.exp.default):
+        state = "zero"
+    elif state == "low" and target in (aten.sub.Tensor, aten.add.Tensor) and len(inputs) == 1 and first_is_scores:
+        pass  # minus (or plus) a value per query: still the lowest
+    elif not (state == "zero" and target in (aten.div.Tensor, aten.mul.Tensor) and len(inputs) == 1
+              and first_is_scores):
+        state = None
+    seen[node] = state
+    return state
 
 
 def _view(node: Node, info: Analysis, d: int, k: int) -> int:
