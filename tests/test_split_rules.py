@@ -743,8 +743,8 @@ def test_gather_and_scatter_with_an_index_shorter_than_the_tokens_are_refused():
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
               torch.randint(0, 16, (1, 1, 16), generator=g)]
-    with pytest.raises(Unsupported, match=r"gather \(gather.default\) does not broadcast, and its tensors differ in the token dim: "
-                       r"\{'getitem': 8, 'index_1': 1, 'gather': 1\}"):
+    with pytest.raises(Unsupported, match=r"gather \(gather.default\) does not broadcast, and its tensors differ "
+                                          r"in the token dim: \{'getitem': 8, 'index_1': 1, 'gather': 1\}"):
         _split_error(first_row, inputs, 4)
     index = torch.zeros(1, 1, 4, dtype=torch.long)
     reason = _refused(lambda x, i, s: torch.scatter(x, 2, i, s), [(1, 8, 16), index, (1, 1, 4)], {0: 1})
