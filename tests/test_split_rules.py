@@ -804,3 +804,32 @@ def test_bmm_attention_without_a_mask_and_softmax_on_every_path_is_refused(form)
     with pytest.raises(Unsupported, match=r"bmm_1 \(bmm\): attention probabilities over a cut sequence that are "
                                           r"not a mask lined up with the keys followed by a softmax"):
         _split_error(_bmm_attention(form), inputs, 3)
+
+
+@needs_grouped_mm
+def test_routing_block_constant_also_read_by_a_token_op_is_refused():
+    """``arange(P)`` builds the inverse permutation (rebuilt per half from 0, the half's own pair
+    positions) and is also read by an ordinary token op, whose half B needs the whole's positions
+    ``P_A .. P``. Accepted before, the rebuilt copy reached both readers and the split answered wrong
+    by 27 on this graph; now refused, while the block alone matches eager."""
+    def block(x, r, u, d, reuse):
+        _, perm, w, offs = routing.route(x, r, K)
+        y = routing.experts(x, perm, offs, u, d, K) * w.unsqueeze(-1)
+        pairs = torch.arange(P)
+        inverse = torch.index_put(torch.empty(P, dtype=torch.long), (perm,), pairs)
+        scale = (torch.ones(T, K, dtype=x.dtype) + x[:, :1]).reshape(-1)  # a token op lined up with the pairs
+        return (y[inverse] * (scale * pairs if reuse else scale).unsqueeze(-1)).view(T, K, H).sum(1)
+
+    def between_sites(reuse):
+        def fn(partial, residual, norm, r, u, d):
+            out, residual = _site(partial, residual, norm)  # fp32 out: the experts take bf16
+            return _site(block(out.view(T, H).bfloat16(), r, u, d, reuse).float().view(1, T, H), residual, norm)
+        return fn
+
+    x, router, w_up, w_down = _moe_inputs()
+    inputs = [x.float().view(1, T, H), torch.randn(1, T, H), torch.ones(H), router, w_up, w_down]
+    # bf16 experts: each half's grouped matmuls see the same rows, summed in another order only
+    assert _split_error(between_sites(False), inputs, 3) < 1e-2
+    with pytest.raises(Unsupported, match=r"arange: a constant of an MoE routing block is also read by mul_\d+ "
+                                          r"\(mul.Tensor\), not by the block's scatters"):
+        _split_error(between_sites(True), inputs, 3)

@@ -44,8 +44,9 @@ class Analysis:
     roles: dict[Node, object] = field(default_factory=dict)
     """node of an MoE routing block -> its role (``routing``: rows in a sort's order, positions,
     expert counts; a tuple per output for ``sort``); token tensors in token order have none"""
-    block_consts: set[Node] = field(default_factory=set)
-    """token-free constants as long as a routing block's rows, rebuilt per half (``routing``)"""
+    block_consts: dict[Node, set[Node]] = field(default_factory=dict)
+    """token-free constant as long as a routing block's rows, rebuilt per half -> the scatters that
+    read it as the block's constant, its only allowed readers (``routing``)"""
     gemms: list[GemmShape] = field(default_factory=list)
     moe: bool = False
     run_time_masks: list[Node] = field(default_factory=list)

@@ -28,7 +28,8 @@ never reaches an output, which the analysis checks op by op with a role per tens
 - counts (``Counts``): the histogram of a sort's keys and its cumsum, the grouped matmul's
   offsets and nothing else (a load-balancing term or a capacity from the counts is refused).
 - block constants: ``empty``/``zeros``/``full`` as long as the rows (the scatter's target) and
-  ``arange(P)`` (``iota``), rebuilt per half with the half's size (``block_consts``).
+  ``arange(P)`` (``iota``), rebuilt per half with the half's size (``block_consts``), read by
+  those scatters only.
 
 Offsets group the rows correctly only when the rows are sorted by the counted keys and every key
 falls in its own bin: the sorted values are the experts of ``topk`` over ``E`` experts and the
@@ -324,7 +325,7 @@ def _scatter(node: Node, info: Analysis) -> int:
                           "would keep the target's contents")
     _block_target(node, target, pos, info, what)
     if _is_block_const(values, ARANGES, rows, info):
-        info.block_consts.add(values)
+        info.block_consts.setdefault(values, set()).add(node)
         role = Positions(pos.points, pos.order, rows, bijection=True)  # the inverse permutation
     elif info.token.get(values) == 0 and _order(values, info) == pos.order and shape(values)[0] == rows:
         role = info.roles.get(values, Rows(None))
@@ -340,7 +341,7 @@ def _scatter(node: Node, info: Analysis) -> int:
 
 def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what: str) -> None:
     if _is_block_const(target, BLOCK_CONSTS, pos.space, info):
-        info.block_consts.add(target)
+        info.block_consts.setdefault(target, set()).add(node)
     elif isinstance(info.roles.get(target), Positions) or not (
             info.token.get(target) == 0 and _order(target, info) == pos.points and shape(target)[0] == pos.space):
         raise Unsupported(f"{what}: the target is neither a new tensor as long as the rows nor the rows the "
@@ -349,7 +350,7 @@ def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what
 
 def _is_block_const(node, targets: tuple, rows: int, info: Analysis) -> bool:
     """A token-free ``empty``/``zeros``/``full`` of ``rows`` rows, or ``arange(rows)`` (from 0 by 1),
-    read only by the block (``check_block``): rebuilt per half with the half's rows."""
+    read only by the block's scatters (``check_block``): rebuilt per half with the half's rows."""
     if not isinstance(node, Node) or node.target not in targets or node in info.token:
         return False
     if node.target in ARANGES:
@@ -373,7 +374,7 @@ def _arange_length(node: Node) -> int | None:
 def check_block(info: Analysis) -> None:
     """After the region: nothing with a role is read outside the halves (a permuted row, a
     position or a count would be joined by ``cat`` as if it were token rows), and every block
-    constant is read by the block only."""
+    constant is read by the scatters that took it only."""
     if (info.roles or info.block_consts) and isinstance(info.cut.units, torch.SymInt):
         raise Unsupported("MoE routing block on a symbolic token count: its constants have no per-half size")
     for node in info.roles:
@@ -382,10 +383,17 @@ def check_block(info: Analysis) -> None:
             raise Unsupported(f"{node.name}: rows, positions or counts of an MoE routing block are read outside it "
                               f"({', '.join(outside)}) before they are back in token order")
     region = set(info.region)
-    for node in info.block_consts:
-        if node not in region or any(u not in info.token for u in node.users):
-            raise Unsupported(f"{node.name}: a constant of an MoE routing block is made before the first site "
-                              "or also read outside the block")
+    for node, scatters in info.block_consts.items():
+        if node not in region:
+            raise Unsupported(f"{node.name}: a constant of an MoE routing block is made before the first site")
+        # Every reader gets the per-half copy, its rows counted from 0: right for the scatters that
+        # took it as the block's target or ``arange(P)``, wrong for anything else (a token op would
+        # need half B's rows of the whole, ``P_A .. P``, not ``0 .. P_B``).
+        others = [f"{u.name} ({op_name(u.target)})" for u in node.users if u not in scatters]
+        if others:
+            raise Unsupported(f"{node.name}: a constant of an MoE routing block is also read by "
+                              f"{', '.join(others)}, not by the block's scatters: each half rebuilds it with "
+                              "its own rows")
 
 
 def emit_block_const(rw, node: Node, half: str) -> Node:
