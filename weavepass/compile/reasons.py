@@ -43,3 +43,5 @@ class ReasonCode(enum.Enum):
     TOO_FEW_TOKENS = "too_few_tokens"
     STREAM_BROKEN = "stream_broken"
     """The residual stream does not run from one site to the next."""
+    NO_TOKEN_DIM = "no_token_dim"
+    """A site's norm reads a 1-D ``[H]`` value: its ops name dims of a tensor without a token dim."""

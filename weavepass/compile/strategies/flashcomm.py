@@ -145,6 +145,12 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
             return no(ReasonCode.UNEQUAL_SITES, f"site {site.all_reduce.name} has {count.static} tokens x {site.hidden}, not "
                       f"{tokens.static} x {first.hidden} like the first site", site)
         tokens = count
+        if val(site.norm.input).dim() < 2:
+            # The norm's ops index the dims of a 1-D value (F.layer_norm's var_mean over [0]);
+            # replayed on [R, H] shard rows, dim 0 is the token dim: a mean over tokens.
+            return no(ReasonCode.NO_TOKEN_DIM, f"site {site.all_reduce.name}: the norm reads a 1-D "
+                      f"{list(val(site.norm.input).shape)} value; its reduction dims cannot be replayed "
+                      "on [rows, hidden] shard rows", site)
     if tokens.static < config.flashcomm_min_prefill_tokens:
         return no(ReasonCode.TOO_FEW_TOKENS, f"{tokens.static} tokens < flashcomm_min_prefill_tokens="
                   f"{config.flashcomm_min_prefill_tokens}")
@@ -307,8 +313,13 @@ class _FlashCommRewrite:
         if gathered is not None:
             site.norm.output.replace_all_uses_with(gathered)
         self.carried_shard[_carried(site)] = carried
-        self.dead.update([*site.norm.nodes, site.norm.output, *site.views_to_norm, _carried(site),
-                          *site.views_to_add, site.wait, site.all_reduce])
+        self.dead.update([*site.norm.nodes, site.norm.output])
+        # A view between the add and the norm that others read too stays: it reads the stream,
+        # which ``finish`` gathers for it.
+        for view in reversed(site.views_to_norm):
+            if all(user in self.dead for user in view.users):
+                self.dead.add(view)
+        self.dead.update([_carried(site), *site.views_to_add, site.wait, site.all_reduce])
         return label, [n for n in notes if n]
 
     def shard_rows(self, full: Node, hidden: int) -> Node:
@@ -391,16 +402,23 @@ class _FlashCommRewrite:
         return self.replay_norm(site, carried), carried, note
 
     def replay_norm(self, site: FusedAllReduceRMSNormSite, x: Node) -> Node:
-        """The site's own RMSNorm nodes, copied to read ``x`` [R, H]: eager's rounding, on 1/N rows."""
+        """The site's own RMSNorm nodes, copied to read ``x`` [R, H]: eager's rounding, on 1/N rows.
+
+        The copies read ``x`` viewed with the norm input's rank (``[1, .., R, H]``): their dims are
+        the graph's own, which may count from the front (a decomposed ``F.layer_norm`` on
+        ``[B, S, H]`` takes ``var_mean`` over dim 2)."""
         norm = site.norm
-        env = {norm.input: x}
+        rank = val(norm.input).dim()  # >= 2: decide_flashcomm refuses a 1-D norm input
+        shape = [1] * (rank - 2) + [self.d.rows_per_rank, site.hidden]
+        env = {norm.input: x if rank == 2 else self.call(aten.view.default, x, shape)}
         for node in sorted({*norm.nodes, norm.output}, key=self.position.__getitem__):
             copy = self.graph.node_copy(node, lambda a: env.get(a, a))
             copy.meta.pop("val", None)
             copy.meta.pop("tensor_meta", None)
             env[node] = copy
             self.new_nodes.append(copy)
-        return env[norm.output]
+        out = env[norm.output]
+        return out if rank == 2 else self.call(aten.view.default, out, [self.d.rows_per_rank, site.hidden])
 
     def gather_normed(self, site, normed: Node) -> tuple[Node | None, str]:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when
