@@ -656,3 +656,58 @@ def test_npu_mmrs_keeps_a_scaled_sum():
     assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2
     assert all("is not a view" in r.reason and "sum scaled by 0.25" in r.kind for r in graph.records), graph.records
+
+
+# ---------------------------------------------------------------------------------------------
+# The norm's own dims, replayed on [R, H] shard rows (fp32, gloo world 2)
+
+
+def _ln_sites(h, w1, w2, g, b):
+    """Two sites with ``F.layer_norm``: decomposed, its ``var_mean`` names dims counted from the
+    front (``[2]`` for a ``[B, S, H]`` stream, ``[0]`` for a 1-D ``[H]`` one)."""
+    h = h + funcol.all_reduce(h @ w1, "sum", dist.group.WORLD)
+    y = F.layer_norm(h, (h.shape[-1],), g, b)
+    h = h + funcol.all_reduce(y @ w2, "sum", dist.group.WORLD)
+    return F.layer_norm(h, (h.shape[-1],), g, b)
+
+
+def _view_read_elsewhere(h, w1, w2, g):
+    """The norm reads a ``[T, H]`` view of the ``[B, S, H]`` stream that a sum over tokens reads too."""
+    h = h + funcol.all_reduce(h @ w1, "sum", dist.group.WORLD)
+    rows = h.view(-1, h.shape[-1])
+    y = _rms(rows, g)
+    h = h + funcol.all_reduce((y @ w2).view(h.shape), "sum", dist.group.WORLD)
+    return _rms(h, g), rows.sum(0)
+
+
+def _norm_dims(rank, world):
+    g = torch.Generator().manual_seed(4)
+    w1, w2 = (torch.randn(32, 32, generator=g) / 16 for _ in range(2))
+    gamma, beta = 1 + 0.1 * torch.randn(32, generator=g), 0.1 * torch.randn(32, generator=g)
+    results = {}
+    for name, fn, args in [
+        ("1-D", _ln_sites, (torch.randn(32, generator=g), w1, w2, gamma, beta)),
+        ("3-D", _ln_sites, (torch.randn(2, 5, 32, generator=g), w1, w2, gamma, beta)),
+        ("shared view", _view_read_elsewhere, (torch.randn(2, 5, 32, generator=g), w1, w2, gamma)),
+    ]:
+        torch._dynamo.reset()
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        check_against_eager(fn, args, compile_fn, fn)  # fp32: only the reduction order may differ
+        graph = backend.report.graphs[0]
+        results[name] = ([r.lowering for r in graph.records], graph.note)
+    return results
+
+
+@pytest.mark.slow
+def test_norm_dims_are_replayed_on_shard_rows_gloo():
+    """A 1-D ``[H]`` norm input is refused: its dim 0 would be the token dim of the shard, and the
+    replayed LayerNorm averaged the token with the padding rows (max error 5.6, no error raised).
+    A ``[B, S, H]`` LayerNorm (``var_mean`` over dim 2) once crashed the compile, and so did a
+    view before the norm that another op reads."""
+    results = spawn(_norm_dims, 2)[0]
+    lowerings, note = results["1-D"]
+    assert lowerings == ["portable"] * 2 and "the norm reads a 1-D [32] value" in note, note
+    for name in ("3-D", "shared view"):
+        lowerings, note = results[name]
+        assert lowerings == ["flashcomm:portable"] * 2, (name, note)
+        assert "10 tokens padded to 32" in note, (name, note)
