@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from report import write_csv  # noqa: E402  (benchmarks/report.py)
 from timing import progress_bar, times_ms  # noqa: E402  (benchmarks/timing.py)
 
+from weavepass.testing import shared_gpu  # noqa: E402
 from weavepass.testing.distributed import spawn  # noqa: E402
 
 WIDTHS = {
@@ -75,7 +76,9 @@ def _rank(rank: int, world: int, path: str, tokens_list, variants, dtype, iters:
     cuda = torch.cuda.is_available() and dtype != torch.float32
     device = "cuda" if cuda else "cpu"
     # transformers >= 5.18 derives the TP size from WORLD_SIZE; 5.17 takes the mesh.
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    # LOCAL_RANK names the rank's GPU: 0 for every rank when they share one (shared_gpu).
+    local = shared_gpu.rank_device(rank).index if cuda else rank
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(local))
     mesh = init_device_mesh(device, (world,))
 
     def load(load_dtype):
@@ -100,7 +103,8 @@ def _rank(rank: int, world: int, path: str, tokens_list, variants, dtype, iters:
                 backend = WeaveBackend(_config(variant))
                 fn = torch.compile(model, backend=backend)
             row = dict(variant=variant, tokens=tokens, world=world, layers=model.config.num_hidden_layers,
-                       hidden=model.config.hidden_size, dtype=str(dtype).removeprefix("torch."))
+                       hidden=model.config.hidden_size, dtype=str(dtype).removeprefix("torch."),
+                       shared_gpu=int(cuda and shared_gpu.enabled()))
             # No try/except: a rank failing inside a forward pass would leave its peer waiting in a
             # collective; a failing variant stops the run (spawn reports every rank's traceback).
             if variant != "eager":
@@ -156,7 +160,9 @@ def main():
         rows = spawn(_rank, 2, backend, path, tokens, variants, dtype, args.iters, timeout_s=args.timeout_s)[0]
     rows = _annotate(rows)
     fields = ["variant", "tokens", "world", "layers", "hidden", "dtype", "ms", "vs_inductor", "check",
-              "max_rel_diff", "sites_fused", "sites", "notes"]
+              "max_rel_diff", "sites_fused", "sites", "notes", "shared_gpu"]
+    if not args.smoke and shared_gpu.enabled():
+        print(f"{shared_gpu.ENV}=1: both ranks share one GPU; the check column counts, the times do not")
     print("| " + " | ".join(fields) + " |")
     print("|" + "---|" * len(fields))
     for r in rows:

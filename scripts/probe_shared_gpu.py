@@ -35,8 +35,47 @@ def _step(rank, name, fn):
         return False
 
 
+_KEEP = []
+
+
+def _ipc_new_workspace(group_name, dtype, device, capacity, purpose="fused"):
+    """The workspace through CUDA IPC handles (torch.multiprocessing) instead of symm_mem's
+    rendezvous, which refuses two ranks on one device."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from weavepass.runtime.cuda import workspace as ws
+    from weavepass.runtime.cuda.support import MAX_WORLD
+
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    lamport = ws.lamport_region_elements(world, itemsize) if purpose == ws.FUSED else 0
+    buffer = torch.zeros(2 * capacity + lamport, dtype=dtype, device=device)
+    buffer[2 * capacity:].fill_(-0.0)
+    pad = torch.zeros(ws.lamport_flag_slot(world) + 2, dtype=torch.int32, device=device)
+    torch.cuda.synchronize(device)
+    mine = (reduce_tensor(buffer), reduce_tensor(pad))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    bufs, pads = [], []
+    for r, ((bfn, bargs), (pfn, pargs)) in enumerate(everyone):
+        if r == rank:
+            bufs.append(buffer); pads.append(pad)
+        else:
+            bufs.append(bfn(*bargs)); pads.append(pfn(*pargs))
+    _KEEP.append((bufs, pads))
+    deltas = [(b.data_ptr() - buffer.data_ptr()) // itemsize for b in bufs]
+    pad_deltas = [(p.data_ptr() - pad.data_ptr()) // 4 for p in pads]
+    padding = [0] * (MAX_WORLD - world)
+    dist.barrier(group)
+    return ws._Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
+
+
 def _gloo_rank(rank, world, port):
     torch.cuda.set_device(0)
+    if os.environ.get("PROBE_IPC", "1") == "1":
+        from weavepass.runtime.cuda import workspace as ws
+        ws._new_workspace = _ipc_new_workspace
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dev = torch.device("cuda", 0)
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from weavepass.testing import random_token_ids
 from weavepass.testing.distributed import spawn
+from weavepass.testing.shared_gpu import gpus_needed
 
 
 def gpu_world() -> int:
@@ -35,10 +36,11 @@ def gpu_world() -> int:
 
 
 def needs_gpus(world: int):
-    """The skip mark of a test needing ``world`` GPUs."""
+    """The skip mark of a test of ``world`` ranks: ``world`` CUDA GPUs, or one when the ranks share it
+    (``WEAVE_GPU_SHARED=1``, weavepass.testing.shared_gpu)."""
     return pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < world,
-        reason=f"needs {world} CUDA GPUs",
+        not torch.cuda.is_available() or torch.cuda.device_count() < gpus_needed(world),
+        reason=f"needs {gpus_needed(world)} CUDA GPUs",
     )
 
 

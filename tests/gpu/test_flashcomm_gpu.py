@@ -17,6 +17,7 @@ from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, sh
 
 from weavepass import WeaveConfig, make_backend
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids
+from weavepass.testing.shared_gpu import rank_device
 
 WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
@@ -30,7 +31,7 @@ MMRS = [False, True]
 
 def _run(rank, world, cases):
     """Every ``(cfg, tokens, mmrs)`` case in one process group: one NCCL start-up for all."""
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     results = []
     for cfg, tokens, mmrs in cases:
         torch._dynamo.reset()
@@ -72,7 +73,7 @@ def test_flashcomm_cuda_matches_eager(case_result, mmrs):
 def _reduce_overhead(rank, world, mmrs):
     from torch._dynamo.utils import counters
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device)
     backend = make_backend(WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
                                        enable_mmrs_fusion=mmrs))

@@ -16,6 +16,7 @@ from gpu_cases import Case, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu
 import weavepass
 from weavepass.testing.harness import check_against_eager
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
+from weavepass.testing.shared_gpu import rank_device
 
 WORLD = gpu_world()
 
@@ -26,7 +27,7 @@ def _rank(rank: int, world: int, batch: int, seq: int, n_experts: int) -> dict:
     # 8 kv heads: whole heads on every rank up to 8 ranks (GQA groups of 2).
     cfg = TPConfig(vocab=1024, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64,
                    intermediate=2048, n_experts=n_experts, dtype=torch.bfloat16)
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     group = dist.group.WORLD
     model = build_tp_model(cfg, rank, world, group, device=device)
     reference = build_tp_model(cfg, rank, world, group, device=device, dtype=torch.float32)

@@ -21,6 +21,7 @@ from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, sh
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids
+from weavepass.testing.shared_gpu import rank_device
 
 WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
@@ -45,7 +46,7 @@ def _matches_eager(rank, world, lowering):
     _no_multicast()
     from weavepass.runtime import streams
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     streams._COMM_STREAMS.pop(device.index, None)  # the ranks are shared: count only this case's stream
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     reference = build_tp_model(CFG, device=device)
@@ -72,7 +73,7 @@ def test_overlap_matches_eager_bf16(case_result, lowering):
 
 def _cuda_graph(rank, world, lowering):
     _no_multicast()
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
     compiled = torch.compile(model, backend=backend)
@@ -116,7 +117,7 @@ def _trace(rank, world):
     from weavepass.testing.trace import profile_stream_overlap
 
     _no_multicast()
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(TRACE_CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     backend = WeaveBackend(WeaveConfig(overlap="force", **ONE_RANK))
     compiled = torch.compile(model, backend=backend)
@@ -185,7 +186,7 @@ def _reduce_overhead(rank, world, overlap):
     from torch._dynamo.utils import counters
 
     _no_multicast()
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, **ONE_RANK))  # CUDA graphs allowed by default
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")

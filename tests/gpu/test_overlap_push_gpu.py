@@ -19,6 +19,7 @@ from test_overlap_gpu import CFG, LAYOUTS, _no_multicast  # noqa: E402  (tests/g
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
 from weavepass.testing import build_tp_model, check_against_eager, random_token_ids
+from weavepass.testing.shared_gpu import rank_device
 
 WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
@@ -37,7 +38,7 @@ def _push_ran(device) -> bool:
 
 def _push_matches_eager(rank, world):
     _no_multicast()
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     reference = build_tp_model(CFG, device=device)
     notes = []
@@ -70,7 +71,7 @@ def test_push_variant_matches_eager_bf16(case_result):
 
 def _push_cuda_graph(rank, world):
     _no_multicast()
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     compiled = torch.compile(model, backend=WeaveBackend(PUSH))
     ids = random_token_ids(CFG, 1, 384, device=device)
@@ -106,7 +107,7 @@ def _push_reduce_overhead(rank, world):
     from torch._dynamo.utils import counters
 
     _no_multicast()
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     backend = WeaveBackend(PUSH)
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")

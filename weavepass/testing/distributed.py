@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from weavepass.env import disable_multicast
+from weavepass.testing import shared_gpu
 
 
 
@@ -44,13 +45,16 @@ def spawn(
     ``fn`` must be picklable (a module-level function): the children are started with the
     ``spawn`` method. Each child initialises the default group with ``backend`` ("gloo", or "nccl"
     with rank r on ``cuda:r``), runs ``fn`` and destroys the group. Returns the children's return
-    values in rank order (they travel through ``pickle``; tensors are copied). If a child raises, a
+    values in rank order (they travel through ``pickle``; tensors are copied). With
+    ``WEAVE_GPU_SHARED=1`` an "nccl" group puts every rank on ``cuda:0`` over gloo
+    (``weavepass.testing.shared_gpu``). If a child raises, a
     RuntimeError carrying every failed rank's traceback is raised here once all children have
     stopped (peers still blocked in a collective are terminated 2 s after the first failure); if the
     children are still running after ``timeout_s`` they are terminated and TimeoutError is raised.
     """
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    if backend == "nccl" and torch.cuda.device_count() < shared_gpu.gpus_needed(world_size):
+        raise RuntimeError(f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}"
+                           f" (set {shared_gpu.ENV}=1 to share one)")
     # Every NCCL and symmetric-memory user in the children must agree: set before they start.
     disable_multicast(override=True)
     ctx = mp.get_context("spawn")
@@ -99,7 +103,9 @@ def spawn(
 def _run_rank(fn, rank, world_size, backend, port, args, results) -> None:
     """Child body: init the group, run ``fn``, report ``(rank, ok, result or traceback)``."""
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(shared_gpu.rank_device(rank))
+        shared_gpu.install()  # ranks sharing one GPU: workspaces through CUDA IPC
+        backend = shared_gpu.process_group_backend(backend)
     # Ranks share the CPU cores: oversubscribed intra-op threads make gloo runs crawl, and on GPUs
     # the CPU work (e.g. drawing a model's fp32 weights, 8 ranks on one host) would too.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
