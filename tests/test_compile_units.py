@@ -455,17 +455,21 @@ def test_split_refuses_training_after_fuse(world2):
 
 def test_inductor_patches_come_from_the_strategies():
     assert inductor_patches(WeaveConfig(overlap="off")) == {}
+    assert inductor_patches(WeaveConfig(overlap="off", enable_flashcomm=True)) == {"shape_padding": False}
     # Inductor's overlap scheduler (where this torch has it) would move a split's joins after the
     # reads they guard (split.OVERLAP_SCHEDULING): off in split graphs, whatever the user set.
     import torch._inductor.config as inductor_config
     from weavepass.compile.strategies.split import OVERLAP_SCHEDULING
 
-    expected = {"reorder_for_peak_memory": False}
+    # Shape padding pads token rows only where a benchmark says so (timing-dependent graphs,
+    # possibly different per rank) and the split has no rule for the pad: off too.
+    expected = {"reorder_for_peak_memory": False, "shape_padding": False}
     if hasattr(inductor_config, "aten_distributed_optimizations"):
         expected[OVERLAP_SCHEDULING] = False
     assert inductor_patches(WeaveConfig(overlap="force")) == expected
     with inductor_config.patch(inductor_patches(WeaveConfig(overlap="force"))):  # a key Inductor knows
         assert inductor_config.reorder_for_peak_memory is False
+        assert inductor_config.shape_padding is False
 
 
 def test_user_option_the_split_overrides_is_warned():

@@ -144,7 +144,8 @@ def _warn_overridden(patches: dict, required: dict) -> None:
         if current != value and (key, current) not in _OVERRIDDEN_WARNED:
             _OVERRIDDEN_WARNED.add((key, current))
             message = (f"backend weave: Inductor option {key}={current!r} is overridden with {value!r} in "
-                       "graphs weave rewrites: the token split needs it (weavepass.compile.strategies.split)")
+                       "graphs weave rewrites: a strategy this config enables needs it (the token split or "
+                       "FlashComm, weavepass.compile.strategies)")
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 

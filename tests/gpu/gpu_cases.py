@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from weavepass.testing import random_token_ids
 from weavepass.testing.distributed import spawn
+from weavepass.testing.shared_gpu import enabled as shared_gpu_enabled
 from weavepass.testing.shared_gpu import gpus_needed
 
 
@@ -107,6 +108,20 @@ def run_cases(cases: dict[str, Case], world: int, backend: str = "nccl") -> Case
     return results
 
 
+def _skipped_by_mark(item) -> bool:
+    """Whether a ``skip`` mark, or a ``skipif`` mark whose condition holds, skips ``item``: its case
+    is not run in the ranks."""
+    if any(True for _ in item.iter_markers("skip")):
+        return True
+    return any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif"))
+
+
+def shared_gpu_skip(reason: str):
+    """Skip mark for a test whose check means nothing when the ranks share one GPU
+    (``WEAVE_GPU_SHARED=1``, weavepass.testing.shared_gpu)."""
+    return pytest.mark.skipif(shared_gpu_enabled(), reason=f"ranks sharing one GPU: {reason}")
+
+
 def shared_ranks(cases: dict[str, Case], world: int, backend: str = "nccl"):
     """The fixtures ``gpu_ranks`` (module scope: the selected cases of the module, run once) and
     ``case_result`` (the running test's own case), for a module to bind at its top level."""
@@ -114,7 +129,8 @@ def shared_ranks(cases: dict[str, Case], world: int, backend: str = "nccl"):
     @pytest.fixture(scope="module", name="gpu_ranks")
     def gpu_ranks(request) -> CaseResults:
         selected = {item.name for item in request.session.items
-                    if item.module is request.module and "case_result" in item.fixturenames}
+                    if item.module is request.module and "case_result" in item.fixturenames
+                    and not _skipped_by_mark(item)}
         assert selected <= set(cases), f"tests without a case: {sorted(selected - set(cases))}"
         return run_cases({name: case for name, case in cases.items() if name in selected}, world, backend)
 

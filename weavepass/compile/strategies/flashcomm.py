@@ -563,6 +563,14 @@ class FlashCommStrategy(Strategy):
 
     name = "FlashComm"
 
+    def inductor_patches(self, config: WeaveConfig) -> dict:
+        # FlashComm takes static token counts only: exactly the graphs where Inductor's shape
+        # padding (fx_passes/pad_mm.py) may pad a producer matmul's token rows, and slice them off
+        # before the all_reduce, when a benchmark on this GPU finds that faster. The matmul-
+        # reduce_scatter fusion would then see a slice between the matmul and its collective on
+        # one rank and not on another: different collectives per rank. Off, as for the split.
+        return {"shape_padding": False} if config.enable_flashcomm else {}
+
     def decide(self, rewrite: GraphRewrite) -> Decision:
         if not rewrite.config.enable_flashcomm:
             return Decision(False, ReasonCode.NOT_ASKED)

@@ -57,10 +57,15 @@ __all__ = ["INDUCTOR_CONFIG_PATCHES", "MIN_SYMBOLIC_UNITS", "OVERLAP_SCHEDULING"
 
 log = logging.getLogger("weavepass")
 
-INDUCTOR_CONFIG_PATCHES = {"reorder_for_peak_memory": False}
-"""Inductor settings a split graph needs: the peak-memory reordering otherwise moves all of
-half A's kernels ahead of half B's first fused op, undoing the overlap schedule. The backend
-merges these (``inductor_config_patches``) into its ``config_patches`` when ``overlap != "off"``."""
+INDUCTOR_CONFIG_PATCHES = {"reorder_for_peak_memory": False, "shape_padding": False}
+"""Inductor settings a split graph needs. The peak-memory reordering otherwise moves all of
+half A's kernels ahead of half B's first fused op, undoing the overlap schedule. Shape padding
+(``fx_passes/pad_mm.py``, static shapes on CUDA) pads a matmul's token rows to an aligned count
+and slices them off again, *when a benchmark on this GPU finds that faster*: the graph the split
+sees then depends on a timing, which can differ between ranks, and the split has no rule for the
+pad (seen with 2 ranks on one H200, 257 tokens: "no rule for constant_pad_nd", while the same test
+on a group of one rank split). Each half has its own token count anyway. The backend merges these
+(``inductor_config_patches``) into its ``config_patches`` when ``overlap != "off"``."""
 
 OVERLAP_SCHEDULING = "aten_distributed_optimizations.enable_overlap_scheduling"
 """Inductor's opt-in collective overlap scheduler (torch 2.12+). It orders nodes by data
