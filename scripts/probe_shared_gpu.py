@@ -154,6 +154,38 @@ def _gloo_rank(rank, world, port):
     dist.destroy_process_group()
 
 
+def _funcol_rank(rank, world, port):
+    """Plain functional reduce_scatter + all_gather on gloo with CUDA tensors: eager, then compiled by
+    default Inductor (no weave): what FlashComm's unfused lowering runs."""
+    import torch.distributed._functional_collectives as fc
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    name = dist.group.WORLD.group_name
+
+    def f(x):
+        s = torch.ops._c10d_functional.reduce_scatter_tensor(x * 2, "sum", world, name)
+        s = torch.ops._c10d_functional.wait_tensor(s)
+        g = torch.ops._c10d_functional.all_gather_into_tensor(s + 1, world, name)
+        return torch.ops._c10d_functional.wait_tensor(g)
+
+    x = torch.randn(64, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    want = None
+
+    def eager():
+        nonlocal want
+        want = f(x)
+        torch.cuda.synchronize()
+    _step(rank, "funcol reduce_scatter + all_gather, eager (gloo, cuda)", eager)
+
+    def compiled():
+        got = torch.compile(f)(x)
+        torch.cuda.synchronize()
+        return f"max diff {(got - want).abs().max().item():.3g}"
+    _step(rank, "the same compiled by default Inductor", compiled)
+    dist.destroy_process_group()
+
+
 def _nccl_rank(rank, world, port):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -188,5 +220,7 @@ if __name__ == "__main__":
     which = sys.argv[1:] or ["gloo", "nccl"]
     if "gloo" in which:
         _launch(_gloo_rank, 2, 240)
+    if "funcol" in which:
+        _launch(_funcol_rank, 2, 150)
     if "nccl" in which:
         _launch(_nccl_rank, 2, 60)
