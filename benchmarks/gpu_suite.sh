@@ -30,11 +30,13 @@
 # a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
 # the fused, flashcomm and hf steps refuse a world of 1.
-# SHARED=1 (with the one-GPU kind): the WORLD ranks of the steps tests and hf share one GPU
+# SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests step share one GPU
 # (weavepass/testing/shared_gpu.py: gloo stands in for NCCL, CUDA IPC for the symmetric-memory
-# rendezvous). It checks the multi-rank code paths, not speed; output names carry _shared:
+# rendezvous). It checks the multi-rank code paths, not speed; the log is suite_shared.log. Tests
+# whose check needs NCCL or real timings skip with the reason (FlashComm's file: gloo's functional
+# reduce_scatter on CUDA tensors segfaults). On one H200 (2026-12-01) the model, overlap and push
+# files took ~290 s together; the kernel file did not finish in 160 s (KERNEL_TIMEOUT_S):
 #   SHARED=1 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
-#   SHARED=1 STEPS=hf OUT=$OUT bash benchmarks/gpu_suite.sh --quick   (its "check" column; ms mean nothing)
 # A session has 30 minutes of device time in all (10 per call): the four WORLD=8 calls may leave
 # no room for the three WORLD=4 ones, which then go to a later session.
 # At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
@@ -123,8 +125,8 @@ for s in ${STEPS//,/ }; do
     *",$s,"*) ;;
     *) echo "unknown step '$s'; known: $ALL_STEPS" | tee -a "$LOG"; exit 2 ;;
   esac
-  if [ "$SHARED" = 1 ] && [[ ",tests,hf," != *",$s,"* ]]; then
-    echo "SHARED=1 runs the steps tests and hf only (correctness; ranks sharing a GPU time nothing), not '$s'" | tee -a "$LOG"
+  if [ "$SHARED" = 1 ] && [ "$s" != tests ]; then
+    echo "SHARED=1 runs the step tests only (correctness; ranks sharing a GPU time nothing), not '$s'" | tee -a "$LOG"
     exit 2
   fi
 done
