@@ -17,11 +17,11 @@
 # flashcomm steps, one per call below, get 540 s at WORLD other than 2 (200-240 s at 2); a step
 # killed by its limit still leaves the rows it printed in the log. One call each, in this order:
 #   kind nvidia-h200-x4 (issue 17):
-#     WORLD=4 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=4 STEPS=tests,kernel OUT=$OUT bash benchmarks/gpu_suite.sh
 #     WORLD=4 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=4 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   kind nvidia-h200-x8 (issue 16; its first 4 GPUs also serve issue 17's WORLD=4 calls):
-#     WORLD=8 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=8 STEPS=tests,kernel OUT=$OUT bash benchmarks/gpu_suite.sh
 #     WORLD=8 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
@@ -30,13 +30,14 @@
 # a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
 # the fused, flashcomm and hf steps refuse a world of 1.
-# SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests step share one GPU
+# SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests and kernel steps share one GPU
 # (weavepass/testing/shared_gpu.py: gloo stands in for NCCL, CUDA IPC for the symmetric-memory
 # rendezvous). It checks the multi-rank code paths, not speed; the log is suite_shared.log. Tests
 # whose check needs NCCL or real timings skip with the reason (FlashComm's file: gloo's functional
 # reduce_scatter on CUDA tensors segfaults). On one H200 (2026-12-01) the model, overlap and push
-# files took ~290 s together; the kernel file did not finish in 160 s (KERNEL_TIMEOUT_S):
+# files took ~290 s together; the kernel file did not finish in 160 s, so it gets a call of its own:
 #   SHARED=1 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#   SHARED=1 STEPS=kernel KERNEL_TIMEOUT_S=540 OUT=$OUT bash benchmarks/gpu_suite.sh
 # A session has 30 minutes of device time in all (10 per call): the four WORLD=8 calls may leave
 # no room for the three WORLD=4 ones, which then go to a later session.
 # At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
@@ -44,9 +45,10 @@
 #
 # STEPS picks the steps to run (default: all, in the order below), so the suite can be split into
 # device calls of at most 10 minutes each. Steps:
-#   tests      GPU tests: model, overlap and FlashComm end to end, then the kernel's own tests (each
+#   tests      GPU tests: model, overlap and FlashComm end to end, then the push variant's (each
 #              file spawns its ranks once and runs all its cases there, tests/gpu/gpu_cases.py; all
 #              run on WORLD ranks)
+#   kernel     the kernel's own GPU tests on WORLD ranks (tests/gpu/test_cuda_kernel.py)
 #   onegpu     the tests that need only one GPU: the launch path at world 1 and the kernels of 2, 4
 #              and 8 ranks simulated on one GPU (tests/gpu/test_kernel_sim_one_gpu.py; ~3 min, mostly
 #              compiling every rank's kernels), then tests/gpu/test_overlap_gpu.py on a group of one
@@ -71,7 +73,7 @@
 # Splitting into calls of <= 600 s (sums of the step limits; typical runs should be shorter, but
 # compile times of the new presets and of the 16-layer decode model, one compile per variant and
 # batch size, are not measured on the device yet):
-#   call 1: STEPS=tests,host                       (limits 330 + 200 + 60 s; tests took ~435 s on 2026-11-30,
+#   call 1: STEPS=tests,kernel,host                (limits 330 + 200 + 200 + 60 s; tests took ~435 s on 2026-11-30,
 #                                                   when every test still spawned its own ranks)
 #   call 2: STEPS=overlap,decode --quick           (limits 240 + 300 s)
 #   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
@@ -114,7 +116,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -125,8 +127,8 @@ for s in ${STEPS//,/ }; do
     *",$s,"*) ;;
     *) echo "unknown step '$s'; known: $ALL_STEPS" | tee -a "$LOG"; exit 2 ;;
   esac
-  if [ "$SHARED" = 1 ] && [ "$s" != tests ]; then
-    echo "SHARED=1 runs the step tests only (correctness; ranks sharing a GPU time nothing), not '$s'" | tee -a "$LOG"
+  if [ "$SHARED" = 1 ] && [ "$s" != tests ] && [ "$s" != kernel ]; then
+    echo "SHARED=1 runs the steps tests and kernel only (correctness; ranks sharing a GPU time nothing), not '$s'" | tee -a "$LOG"
     exit 2
   fi
 done
@@ -163,8 +165,9 @@ else
   OVERLAP_VARIANTS="${OVERLAP_VARIANTS:-eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg}"
 fi
 # The push variant (overlap_comm="push"): its kernels passed the onegpu step's simulator tests on
-# one H200 (2026-12-01); add weave_overlap_push and weave_overlap_push_cg (environment
-# OVERLAP_VARIANTS overrides the lists above) once the pytest_push step has passed on 2 GPUs.
+# one H200, and its pytest_push tests with 2 ranks sharing one H200 (SHARED=1, 2026-12-01); add
+# weave_overlap_push and weave_overlap_push_cg (environment OVERLAP_VARIANTS overrides the lists
+# above) once the pytest_push step has passed on 2 GPUs.
 
 # Measured on 2 x H200 (2026-11-30, one spawn per test): the model + overlap files take ~205 s, the
 # flashcomm file ~80 s, the kernel file ~150 s; the limits leave room for compile-cache misses (a
@@ -172,12 +175,12 @@ fi
 if wanted tests; then
   step pytest_models "${E2E_TIMEOUT_S:-330}" python3 -m pytest -m gpu -q -rA --durations=10 \
       tests/gpu/test_model_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_flashcomm_gpu.py
-  step pytest_kernel "${KERNEL_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -rA --durations=10 \
-      tests/gpu/test_cuda_kernel.py
-  # Last, in its own spawn: the push variant's kernels are new and a wrong wait would hang its ranks.
+  # In its own spawn: the push variant's kernels are new and a wrong wait would hang its ranks.
   step pytest_push "${PUSH_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -rA --durations=10 \
       tests/gpu/test_overlap_push_gpu.py
 fi
+wanted kernel && step pytest_kernel "${KERNEL_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -rA --durations=10 \
+    tests/gpu/test_cuda_kernel.py
 # A simulated rank spinning on a GPU cannot be interrupted from Python: where pytest-timeout is
 # installed, its thread method ends the process after a test's limit and prints every stack.
 HANG_GUARD=""
