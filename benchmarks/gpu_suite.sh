@@ -26,7 +26,8 @@
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
-# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, then WORLD=1 STEPS=host,overlap,decode --quick:
+# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, STEPS=sim (a call each), then
+# WORLD=1 STEPS=host,overlap,decode --quick:
 # a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
 # the fused, flashcomm and hf steps refuse a world of 1.
@@ -49,10 +50,12 @@
 #              file spawns its ranks once and runs all its cases there, tests/gpu/gpu_cases.py; all
 #              run on WORLD ranks)
 #   kernel     the kernel's own GPU tests on WORLD ranks (tests/gpu/test_cuda_kernel.py)
-#   onegpu     the tests that need only one GPU: the launch path at world 1 and the kernels of 2, 4
-#              and 8 ranks simulated on one GPU (tests/gpu/test_kernel_sim_one_gpu.py; ~3 min, mostly
-#              compiling every rank's kernels), then tests/gpu/test_overlap_gpu.py on a group of one
-#              rank (~75 s on 2026-12-01); the step for the `nvidia-h200` kind
+#   onegpu     the tests that need only one GPU: the launch path at world 1
+#              (tests/gpu/test_cuda_kernel_one_gpu.py), then tests/gpu/test_overlap_gpu.py on a group
+#              of one rank (~75 s on 2026-12-01); a step for the `nvidia-h200` kind
+#   sim        the kernels of 2, 4 and 8 ranks simulated on one GPU
+#              (tests/gpu/test_kernel_sim_one_gpu.py, mostly compiling every rank's kernels: with the
+#              onegpu file it ran out of 420 s after 16 of 20 tests on 2026-12-01); one GPU
 #   host       bench_host_overhead (host cost per fused-op call)
 #   overlap    bench_overlap at 70b_tp8sim and 8b_tp2 (WORLD 4: 70b_tp4; 8: 70b_tp8 and 8b_tp8),
 #              2K/4K/8K/16K tokens, one sequence
@@ -116,7 +119,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -164,7 +167,7 @@ if [ -n "$QUICK" ]; then
 else
   OVERLAP_VARIANTS="${OVERLAP_VARIANTS:-eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg}"
 fi
-# The push variant (overlap_comm="push"): its kernels passed the onegpu step's simulator tests on
+# The push variant (overlap_comm="push"): its kernels passed the simulator tests (step sim) on
 # one H200, and its pytest_push tests with 2 ranks sharing one H200 (SHARED=1, 2026-12-01); add
 # weave_overlap_push and weave_overlap_push_cg (environment OVERLAP_VARIANTS overrides the lists
 # above) once the pytest_push step has passed on 2 GPUs.
@@ -185,11 +188,9 @@ wanted kernel && step pytest_kernel "${KERNEL_TIMEOUT_S:-200}" python3 -m pytest
 # installed, its thread method ends the process after a test's limit and prints every stack.
 HANG_GUARD=""
 python3 -c "import pytest_timeout" 2>/dev/null && HANG_GUARD="--timeout ${TEST_TIMEOUT_S:-240} --timeout-method thread"
-# Two steps, two limits: on 2026-12-01 one step of both files ran out of its 420 s after 16 of 20
-# tests (the simulator compiles every simulated rank's kernels).
-wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-200}" python3 -m pytest -m gpu -q -rA \
+wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA \
     --durations=10 $HANG_GUARD tests/gpu/test_cuda_kernel_one_gpu.py
-wanted onegpu && step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 -m pytest -m gpu -q -rA \
+wanted sim && step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 -m pytest -m gpu -q -rA \
     --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
