@@ -147,12 +147,6 @@ def main():
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     os.makedirs(args.out, exist_ok=True)
-    if not args.smoke and os.environ.get("WEAVE_GPU_SHARED") == "1":
-        # Tried on one H200 (2026-12-01): both ranks died with SIGSEGV after loading the model. The
-        # functional reduce_scatter on gloo with CUDA tensors segfaults by itself
-        # (scripts/probe_shared_gpu.py funcol), the likely cause; not traced further.
-        parser.error("WEAVE_GPU_SHARED=1 is not supported here (both ranks segfaulted on one GPU, most "
-                     "likely in gloo's CUDA collectives); this benchmark needs 2 GPUs")
     if args.smoke:
         widths, dtype, backend, tokens = "tiny", torch.float32, "gloo", args.tokens or [16]
     else:

@@ -17,11 +17,13 @@
 # flashcomm steps, one per call below, get 540 s at WORLD other than 2 (200-240 s at 2); a step
 # killed by its limit still leaves the rows it printed in the log. One call each, in this order:
 #   kind nvidia-h200-x4 (issue 17):
-#     WORLD=4 STEPS=tests,kernel OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=4 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=4 STEPS=kernel OUT=$OUT bash benchmarks/gpu_suite.sh
 #     WORLD=4 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=4 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   kind nvidia-h200-x8 (issue 16; its first 4 GPUs also serve issue 17's WORLD=4 calls):
-#     WORLD=8 STEPS=tests,kernel OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=8 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
+#     WORLD=8 STEPS=kernel OUT=$OUT bash benchmarks/gpu_suite.sh
 #     WORLD=8 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
@@ -33,7 +35,8 @@
 # the fused, flashcomm and hf steps refuse a world of 1.
 # SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests and kernel steps share one GPU
 # (weavepass/testing/shared_gpu.py: gloo stands in for NCCL, CUDA IPC for the symmetric-memory
-# rendezvous). It checks the multi-rank code paths, not speed; the log is suite_shared.log. Tests
+# rendezvous). It checks the multi-rank compile path and arithmetic, not speed, and not the kernels'
+# synchronisation across GPUs (one L2, kernels taking turns); the log is suite_shared.log. Tests
 # whose check needs NCCL or real timings skip with the reason (FlashComm's file: gloo's functional
 # reduce_scatter on CUDA tensors segfaults). On one H200 (2026-12-01) the model, overlap and push
 # files took ~290 s together; the kernel file did not finish in 160 s, so it gets a call of its own:
@@ -76,11 +79,12 @@
 # Splitting into calls of <= 600 s (sums of the step limits; typical runs should be shorter, but
 # compile times of the new presets and of the 16-layer decode model, one compile per variant and
 # batch size, are not measured on the device yet):
-#   call 1: STEPS=tests,kernel,host                (limits 330 + 200 + 200 + 60 s; tests took ~435 s on 2026-11-30,
-#                                                   when every test still spawned its own ranks)
+#   call 1: STEPS=tests                            (limits 330 + 200 s; tests + kernel took ~435 s on
+#                                                   2026-11-30, when every test still spawned its own ranks)
 #   call 2: STEPS=overlap,decode --quick           (limits 240 + 300 s)
-#   call 3: STEPS=decode70,fused,flashcomm --quick (limits 300 + 200 + 200 s: run what fits)
-#   call 4: STEPS=overlap2 --quick
+#   call 3: STEPS=kernel,host,fused --quick        (limits 200 + 60 + 200 s)
+#   call 4: STEPS=decode70,flashcomm --quick       (limits 300 + 200 s)
+#   call 5: STEPS=overlap2 --quick
 # With only two calls, run 1 and 2: they cover issues 11 and 15 and the NCCL-symmetric variants of
 # issue 18 inside the models. Rows of every benchmark but bench_host_overhead are also printed to the
 # log as they are measured, so a step stopped by its limit still leaves its numbers in the log.

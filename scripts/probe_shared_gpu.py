@@ -3,6 +3,13 @@
 Only the one-GPU kind has been lent for several sessions. If two processes on cuda:0 can form a
 group (gloo, CUDA tensors), rendezvous symmetric memory and run the fused kernel, the 2-rank tests
 can at least check correctness on one GPU. Prints one line per step: ok / FAILED with the error.
+
+Measured on one H200 (2026-12-01): NCCL refuses ("Duplicate GPU detected"); gloo carries CUDA
+tensors for all_reduce, reduce_scatter_tensor and all_gather_into_tensor through ``dist``, but the
+functional ``_c10d_functional.reduce_scatter_tensor`` segfaults (mode ``funcol``); symm_mem's
+rendezvous refuses two ranks on one device, and the workspace through CUDA IPC
+(``weavepass.testing.shared_gpu``, ``PROBE_IPC=1``, the default) runs the fused kernel and the
+reference model compiled with weave (fuse and split) correctly.
 """
 
 from __future__ import annotations
@@ -35,47 +42,12 @@ def _step(rank, name, fn):
         return False
 
 
-_KEEP = []
-
-
-def _ipc_new_workspace(group_name, dtype, device, capacity, purpose="fused"):
-    """The workspace through CUDA IPC handles (torch.multiprocessing) instead of symm_mem's
-    rendezvous, which refuses two ranks on one device."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    from weavepass.runtime.cuda import workspace as ws
-    from weavepass.runtime.cuda.support import MAX_WORLD
-
-    group = dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    lamport = ws.lamport_region_elements(world, itemsize) if purpose == ws.FUSED else 0
-    buffer = torch.zeros(2 * capacity + lamport, dtype=dtype, device=device)
-    buffer[2 * capacity:].fill_(-0.0)
-    pad = torch.zeros(ws.lamport_flag_slot(world) + 2, dtype=torch.int32, device=device)
-    torch.cuda.synchronize(device)
-    mine = (reduce_tensor(buffer), reduce_tensor(pad))
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    bufs, pads = [], []
-    for r, ((bfn, bargs), (pfn, pargs)) in enumerate(everyone):
-        if r == rank:
-            bufs.append(buffer); pads.append(pad)
-        else:
-            bufs.append(bfn(*bargs)); pads.append(pfn(*pargs))
-    _KEEP.append((bufs, pads))
-    deltas = [(b.data_ptr() - buffer.data_ptr()) // itemsize for b in bufs]
-    pad_deltas = [(p.data_ptr() - pad.data_ptr()) // 4 for p in pads]
-    padding = [0] * (MAX_WORLD - world)
-    dist.barrier(group)
-    return ws._Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
-
-
 def _gloo_rank(rank, world, port):
     torch.cuda.set_device(0)
-    if os.environ.get("PROBE_IPC", "1") == "1":
-        from weavepass.runtime.cuda import workspace as ws
-        ws._new_workspace = _ipc_new_workspace
+    if os.environ.get("PROBE_IPC", "1") == "1":  # the workspace through CUDA IPC (symm_mem refuses)
+        from weavepass.testing import shared_gpu
+        os.environ[shared_gpu.ENV] = "1"
+        shared_gpu.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dev = torch.device("cuda", 0)
 
@@ -121,7 +93,7 @@ def _gloo_rank(rank, world, port):
                         (got_res.float() - want_res.float()).abs().max().item())
         assert worst < 0.1, worst
         return f"max abs diff {worst:.3g}"
-    _step(rank, "weave fused kernel, 2 ranks on one GPU (symm_mem rendezvous)", kernel)
+    _step(rank, "weave fused kernel, 2 ranks on one GPU (PROBE_IPC=0: symm_mem rendezvous)", kernel)
 
     def many_calls():
         from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda

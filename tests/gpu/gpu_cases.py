@@ -41,7 +41,7 @@ def needs_gpus(world: int):
     (``WEAVE_GPU_SHARED=1``, weavepass.testing.shared_gpu)."""
     return pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < gpus_needed(world),
-        reason=f"needs {gpus_needed(world)} CUDA GPUs",
+        reason=f"needs {gpus_needed(world)} CUDA GPU{'s' if gpus_needed(world) > 1 else ''}",
     )
 
 
@@ -91,7 +91,7 @@ def run_cases(cases: dict[str, Case], world: int, backend: str = "nccl") -> Case
             error = None
             try:
                 spawn(_run_cases, world, backend, todo, folder,
-                      timeout_s=sum(case.timeout_s for _, case in todo))
+                      timeout_s=sum(case.timeout_s for _, case in todo), allow_shared_gpu=True)
             except (RuntimeError, TimeoutError) as err:
                 error = str(err)
             for i, _ in todo:
@@ -109,11 +109,11 @@ def run_cases(cases: dict[str, Case], world: int, backend: str = "nccl") -> Case
 
 
 def _skipped_by_mark(item) -> bool:
-    """Whether a ``skip`` mark, or a ``skipif`` mark whose condition holds, skips ``item``: its case
-    is not run in the ranks."""
-    if any(True for _ in item.iter_markers("skip")):
-        return True
-    return any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif"))
+    """Whether ``item``'s skip / skipif marks skip it, by pytest's own evaluation (string
+    conditions, ``condition=``, several conditions): its case is not run in the ranks."""
+    from _pytest.skipping import evaluate_skip_marks
+
+    return evaluate_skip_marks(item) is not None
 
 
 def shared_gpu_skip(reason: str):

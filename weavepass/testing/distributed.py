@@ -39,6 +39,7 @@ def spawn(
     backend: str = "gloo",
     *args: Any,
     timeout_s: float = 300.0,
+    allow_shared_gpu: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes sharing one process group.
 
@@ -46,22 +47,23 @@ def spawn(
     ``spawn`` method. Each child initialises the default group with ``backend`` ("gloo", or "nccl"
     with rank r on ``cuda:r``), runs ``fn`` and destroys the group. Returns the children's return
     values in rank order (they travel through ``pickle``; tensors are copied). With
-    ``WEAVE_GPU_SHARED=1`` an "nccl" group puts every rank on ``cuda:0`` over gloo
-    (``weavepass.testing.shared_gpu``). If a child raises, a
+    ``allow_shared_gpu`` (the GPU tests' driver, tests/gpu/gpu_cases.py) and ``WEAVE_GPU_SHARED=1``,
+    an "nccl" group puts every rank on ``cuda:0`` over gloo (``weavepass.testing.shared_gpu``);
+    other callers (the benchmarks) never share a GPU, whatever the environment says. If a child raises, a
     RuntimeError carrying every failed rank's traceback is raised here once all children have
     stopped (peers still blocked in a collective are terminated 2 s after the first failure); if the
     children are still running after ``timeout_s`` they are terminated and TimeoutError is raised.
     """
-    if backend == "nccl" and torch.cuda.device_count() < shared_gpu.gpus_needed(world_size):
-        raise RuntimeError(f"nccl needs {world_size} GPUs, found {torch.cuda.device_count()}"
-                           f" (set {shared_gpu.ENV}=1 to share one)")
+    share = allow_shared_gpu and backend == "nccl" and shared_gpu.enabled()
+    if backend == "nccl" and torch.cuda.device_count() < (1 if share else world_size):
+        raise RuntimeError(f"nccl needs {1 if share else world_size} GPUs, found {torch.cuda.device_count()}")
     # Every NCCL and symmetric-memory user in the children must agree: set before they start.
     disable_multicast(override=True)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_run_rank, args=(fn, rank, world_size, backend, port, args, results))
+        ctx.Process(target=_run_rank, args=(fn, rank, world_size, backend, port, args, results, share))
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -100,12 +102,14 @@ def spawn(
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-def _run_rank(fn, rank, world_size, backend, port, args, results) -> None:
+def _run_rank(fn, rank, world_size, backend, port, args, results, share=False) -> None:
     """Child body: init the group, run ``fn``, report ``(rank, ok, result or traceback)``."""
-    if backend == "nccl":
-        torch.cuda.set_device(shared_gpu.rank_device(rank))
-        shared_gpu.install()  # ranks sharing one GPU: workspaces through CUDA IPC
-        backend = shared_gpu.process_group_backend(backend)
+    if share:  # every rank on cuda:0 over gloo, workspaces through CUDA IPC
+        torch.cuda.set_device(0)
+        shared_gpu.install()
+        backend = "gloo"
+    elif backend == "nccl":
+        torch.cuda.set_device(rank)
     # Ranks share the CPU cores: oversubscribed intra-op threads make gloo runs crawl, and on GPUs
     # the CPU work (e.g. drawing a model's fp32 weights, 8 ranks on one host) would too.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

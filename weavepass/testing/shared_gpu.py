@@ -1,6 +1,7 @@
 """Several ranks on one GPU: the multi-rank code paths checked where only one GPU is lent.
 
-Set ``WEAVE_GPU_SHARED=1`` and ``spawn`` puts every rank on ``cuda:0`` with a gloo group (gloo
+Set ``WEAVE_GPU_SHARED=1`` and the GPU tests' ``spawn`` (``allow_shared_gpu=True``: the tests only,
+never the benchmarks) puts every rank on ``cuda:0`` with a gloo group (gloo
 carries CUDA tensors; NCCL refuses two ranks on one device: "Duplicate GPU detected"), and each rank
 builds the ``cuda_symm`` workspace through CUDA IPC handles (``torch.multiprocessing``) instead of
 PyTorch symmetric memory, whose rendezvous refuses "allocations from overlapping devices from
@@ -13,8 +14,13 @@ same rewrite decisions, the split's streams and joins, CUDA graphs, all on one G
 H200, 2026-12-01: the fused kernel at 2 ranks matched the reference and 50 back-to-back calls took
 0.23 s; the processes' kernels take turns on the GPU, so a kernel waiting for its peer spins until
 the GPU switches to the peer's context). What it does not: speed (the ranks time-slice one GPU),
-NCCL (gloo stands in), PyTorch's symmetric-memory rendezvous, and NVLink. Timings taken in this
-mode mean nothing.
+NCCL (gloo stands in), PyTorch's symmetric-memory rendezvous, and NVLink. Nor cross-GPU memory
+ordering and races: both ranks share one L2 and their kernels take turns, so a missing release /
+acquire, a too-narrow fence scope or a slot reused too early (Lamport, the push variant's staging)
+cannot show; gloo also makes the portable lowering's collectives synchronous with the host, which
+hides stream-ordering mistakes there. A pass here is evidence about the compile path and the
+arithmetic, not about the kernels' synchronisation across GPUs. Timings taken in this mode mean
+nothing.
 """
 
 from __future__ import annotations
@@ -43,11 +49,6 @@ def gpus_needed(world: int) -> int:
     return 1 if enabled() else world
 
 
-def process_group_backend(backend: str) -> str:
-    """The backend a group asked for as ``backend`` gets: gloo for NCCL when the ranks share a GPU."""
-    return "gloo" if enabled() and backend == "nccl" else backend
-
-
 def _ipc_workspace(group_name: str, dtype: torch.dtype, device: torch.device, capacity: int,
                    purpose: str = "fused"):
     """``workspace._new_workspace`` through CUDA IPC: the same layout (regions, Lamport region of
@@ -63,7 +64,8 @@ def _ipc_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     rank, world = dist.get_rank(group), group.size()
     itemsize = torch.empty((), dtype=dtype).element_size()
     lamport = ws.lamport_region_elements(world, itemsize) if purpose == ws.FUSED else 0
-    buffer = torch.zeros(2 * capacity + lamport, dtype=dtype, device=device)
+    buffer = torch.empty(2 * capacity + lamport, dtype=dtype, device=device)
+    buffer[:2 * capacity].fill_(float("nan"))  # as uninitialised as symm_mem.empty: rows read unwritten show
     buffer[2 * capacity:].fill_(-0.0)
     pad = torch.zeros(ws.lamport_flag_slot(world) + 2, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)  # filled before any peer can address them
