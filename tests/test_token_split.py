@@ -564,3 +564,37 @@ def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
             assert graph.ops_after.get(ASYNC, 0) == 0 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
         else:
             assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
+
+
+@pytest.mark.parametrize("config,expected", [
+    (FORCE, False),  # the split: no shape padding (a per-GPU benchmark would decide the pads)
+    (WeaveConfig(overlap="off"), None),  # fuse-only: Inductor's own setting, untouched
+])
+def test_shape_padding_is_off_while_a_split_graph_is_rewritten(monkeypatch, config, expected):
+    """Inductor's ``pad_mm`` pads a matmul's token rows when a benchmark on the GPU finds it faster:
+    then the graph the split sees depends on a timing, which can differ between ranks, and the split
+    refused it ("no rule for constant_pad_nd": 2 ranks sharing one H200, 257 tokens). ``pad_mm``
+    runs on CUDA only, so here the check is that ``shape_padding`` is off in the compile that runs
+    the weave pass (the config patch reaches the joint-graph passes before it)."""
+    import torch._inductor.config as inductor_config
+
+    from weavepass.compile.graph_pass import WeavePass
+
+    seen = []
+    original = WeavePass.__call__
+
+    def spy(self, graph):
+        seen.append(inductor_config.shape_padding)
+        return original(self, graph)
+
+    monkeypatch.setattr(WeavePass, "__call__", spy)
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(1, 7, 16, generator=g), torch.randn(16, 32, generator=g),
+            torch.randn(32, 32, generator=g) / 6, torch.randn(32, 32, generator=g) / 6, None]
+    backend = WeaveBackend(config)
+    with fake_process_group(2), torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(_heads_view_model, backend=backend, fullgraph=True)(*args)
+    assert seen, "the weave pass did not run"
+    want = inductor_config.shape_padding if expected is None else expected
+    assert seen == [want] * len(seen), seen
