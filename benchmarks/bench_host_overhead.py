@@ -20,6 +20,13 @@ for these ways of running all_reduce + add + RMSNorm:
     push_op        ``torch.ops.weave.fused_allreduce_rmsnorm_push_async`` (slot 0) + ``join_async``
                    (``overlap_comm="push"``: two launches through Triton's dispatch; on a world
                    other than 2 it runs as async_op)
+    graph_op       the fused op as a weave-compiled graph calls it: its kernel, directly
+                   (``extern_kernels.weave_fused_allreduce_rmsnorm``, ``weavepass.compile.direct_calls``)
+    graph_async    the async op and its join as a split graph calls them (direct)
+
+Before measuring, each rank compiles a two-op function with the weave backend and checks that the
+generated code calls the ops directly (``direct_calls_in_graph`` in the CSV): graph_* are the
+graph's cost only if it does.
 
 ``--world 1`` runs on one GPU: the kernel then has no peers (add + RMSNorm), but the host side is the
 same code, so the host column is the real one. Ranks are aligned with a barrier before each loop;
@@ -41,7 +48,8 @@ import torch
 import torch.distributed as dist
 from report import world_name, write_csv  # benchmarks/report.py
 
-WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op", "push_op")
+WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op", "push_op", "graph_op",
+        "graph_async")
 
 
 def _callables(group_name: str):
@@ -90,8 +98,45 @@ def _callables(group_name: str):
         JOIN_ASYNC(normed, res, [p, r])
         return normed, res
 
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from weavepass.compile import direct_calls
+
+    direct_calls.install()
+    direct_fused = getattr(extern_kernels, direct_calls.extern_name(FUSED_ALLREDUCE_RMSNORM))
+    direct_async = getattr(extern_kernels, direct_calls.extern_name(FUSED_ALLREDUCE_RMSNORM_ASYNC))
+    direct_join = getattr(extern_kernels, direct_calls.extern_name(JOIN_ASYNC))
+
+    def graph_op(p, r, w):
+        return direct_fused(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", capacity)
+
+    def graph_async(p, r, w):
+        normed, res = direct_async(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", capacity, 0)
+        direct_join(normed, res, [p, r])
+        return normed, res
+
     return {"nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
-            "lowering_triton": lowering_triton, "op": op, "async_op": async_op, "push_op": push_op}
+            "lowering_triton": lowering_triton, "op": op, "async_op": async_op, "push_op": push_op,
+            "graph_op": graph_op, "graph_async": graph_async}
+
+
+def _direct_calls_in_graph(group_name: str, device: torch.device) -> list[str]:
+    """The weave ops a weave-compiled graph calls directly (``extern_kernels.weave_*``), sorted."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from weavepass.backend import WeaveBackend
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC, JOIN_ASYNC
+
+    def two_ops(p, r, w):
+        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", 8192, 0)
+        JOIN_ASYNC(normed, res, [p, r])
+        return normed + 1, res
+    p = torch.randn(8, 8192, device=device, dtype=torch.bfloat16)
+    _, code = run_and_get_code(torch.compile(two_ops, backend=WeaveBackend()), p, torch.randn_like(p),
+                               torch.ones(8192, device=device, dtype=torch.bfloat16))
+    return sorted(set(re.findall(r"extern_kernels\.(weave_\w+)\(", code[0])))
 
 
 _EMPTY_OP = []
@@ -140,6 +185,10 @@ def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
     device = torch.device("cuda", rank)
     group_name = dist.group.WORLD.group_name
     ways = _callables(group_name)
+    direct = _direct_calls_in_graph(group_name, device)
+    if direct != ["weave_fused_allreduce_rmsnorm_async", "weave_join_async"]:
+        print(f"rank {rank}: a weave graph does NOT call the ops directly on this torch ({direct}): "
+              "graph_* rows are not what a compiled graph costs")
     rows = []
     with torch.no_grad():
         for tokens in config["tokens"]:
@@ -159,7 +208,7 @@ def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
             for name, (host, gpu) in samples.items():
                 host_us, gpu_us = statistics.median(host), statistics.median(gpu)
                 rows.append({"way": name, "tokens": tokens, "host_us": host_us, "gpu_us": gpu_us,
-                             "host_bound": host_us > gpu_us})
+                             "host_bound": host_us > gpu_us, "direct_calls_in_graph": bool(direct)})
     return rows
 
 

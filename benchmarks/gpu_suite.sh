@@ -82,7 +82,7 @@
 #   call 1: STEPS=tests                            (limits 330 + 200 s; tests + kernel took ~435 s on
 #                                                   2026-11-30, when every test still spawned its own ranks)
 #   call 2: STEPS=overlap,decode --quick           (limits 240 + 300 s)
-#   call 3: STEPS=kernel,host,fused --quick        (limits 200 + 60 + 200 s)
+#   call 3: STEPS=kernel,host,fused --quick        (limits 200 + 150 + 200 s)
 #   call 4: STEPS=decode70,flashcomm --quick       (limits 300 + 200 s)
 #   call 5: STEPS=overlap2 --quick
 # With only two calls, run 1 and 2: they cover issues 11 and 15 and the NCCL-symmetric variants of
@@ -199,7 +199,7 @@ wanted sim && step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 -m pytest -
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
     -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py
-wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-60}" \
+wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
 wanted overlap && with_shapes overlap "$OVERLAP_SHAPES" && step bench_overlap "${OVERLAP_TIMEOUT_S:-${ALONE_LIMIT:-240}}" \
     python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" $QUICK --shape $OVERLAP_SHAPES \

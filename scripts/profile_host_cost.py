@@ -59,6 +59,21 @@ def main() -> None:
         JOIN_ASYNC(normed, res, [p, r])
         return normed, res
 
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from weavepass.compile import direct_calls
+
+    print("direct calls installed:", direct_calls.install())
+    graph_fused = getattr(extern_kernels, "weave_fused_allreduce_rmsnorm")
+    graph_async_fn = getattr(extern_kernels, "weave_fused_allreduce_rmsnorm_async")
+    graph_join = getattr(extern_kernels, "weave_join_async")
+    graph_op = lambda: graph_fused(p, r, w, 1e-5, group, p.dtype, "cuda_symm", capacity)  # noqa: E731
+
+    def graph_async():
+        normed, res = graph_async_fn(p, r, w, 1e-5, group, p.dtype, "cuda_symm", capacity, 0)
+        graph_join(normed, res, [p, r])
+        return normed, res
+
     lowering()
     launch = next(v for k, v in cuda_symm._LAUNCHES.items() if k[0] == p.shape)
     runtime = cuda_symm._triton_runtime_knobs()
@@ -99,12 +114,15 @@ def main() -> None:
         "lowering": lowering,
         "op (torch.ops)": op,
         "async op + join_async": async_op,
+        "op as a weave graph calls it (direct)": graph_op,
+        "async op + join, direct": graph_async,
     }
     print(f"T={args.tokens} H={args.hidden}, us per call (median of 5 loops of {args.calls}):")
     for name, fn in steps.items():
         runs = sorted(per_call_us(fn, args.calls) for _ in range(5))
         print(f"  {name:<40} {runs[2]:8.2f}")
-    for name, fn in (("lowering", lowering), ("op", op), ("async op", async_op)):
+    for name, fn in (("lowering", lowering), ("op", op), ("async op", async_op), ("op, direct", graph_op),
+                     ("async op, direct", graph_async)):
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):

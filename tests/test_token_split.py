@@ -158,7 +158,7 @@ def test_generated_code_interleaves_halves(generated_code):
     body = generated_code
     events = []
     for line in body.splitlines():
-        fused = re.search(r"fused_allreduce_rmsnorm_async\.default\(reinterpret_tensor\(\w+, \(1, (\d), 64\)", line)
+        fused = re.search(r"extern_kernels\.weave_fused_allreduce_rmsnorm_async\(reinterpret_tensor\(\w+, \(1, (\d), 64\)", line)
         if fused:
             events.append("A" if fused.group(1) == "4" else "B")
         elif "extern_kernels.mm(" in line:
@@ -173,7 +173,8 @@ def test_generated_code_interleaves_halves(generated_code):
     b_positions = [i for i, e in enumerate(events) if e == "B"]
     for a, b in list(zip(a_positions, b_positions))[1:]:
         assert "mm" in events[a:b], events[a:b]
-    assert "fused_allreduce_rmsnorm.default(" not in body
+    assert "extern_kernels.weave_fused_allreduce_rmsnorm(" not in body  # every fused op is split
+    assert not re.search(r"torch\.ops\.weave\.\w+\.default\(", body)  # direct calls only (direct_calls)
 
 
 def _top_level_args(call: str) -> list[str]:
@@ -204,7 +205,7 @@ def test_generated_code_keeps_async_inputs_until_the_join(generated_code):
     (wrong answers under mode="reduce-overhead" on 2 x H200); here on CPU, the partial of every op
     was ``del``-ed on the line after the op."""
     lines = generated_code.splitlines()
-    calls = [i for i, line in enumerate(lines) if "fused_allreduce_rmsnorm_async.default(" in line]
+    calls = [i for i, line in enumerate(lines) if "extern_kernels.weave_fused_allreduce_rmsnorm_async(" in line]
     assert len(calls) == 2 * 3, len(calls)
     for i in calls:
         args = [arg for arg in _top_level_args(lines[i])[:2] if "buf" in arg]  # partial, residual
@@ -214,7 +215,7 @@ def test_generated_code_keeps_async_inputs_until_the_join(generated_code):
         outputs = [m.group(1) for line in lines[i + 1:i + 12]
                    if (m := re.match(rf"\s*(buf\d+) = {result}\[[01]\]", line))]
         assert len(outputs) == 2, (lines[i].strip(), outputs)
-        joins = [j for j in range(i + 1, len(lines)) if "join_async.default(" in lines[j]
+        joins = [j for j in range(i + 1, len(lines)) if "extern_kernels.weave_join_async(" in lines[j]
                  and _top_level_args(lines[j])[:2] == outputs]
         assert len(joins) == 1, f"not one join_async of {outputs} after: {lines[i].strip()}"
         join = joins[0]

@@ -97,8 +97,11 @@ class WeaveBackend:
         graphs; ``options``: Inductor config entries). Unknown modes or options raise."""
         from torch._inductor.compile_fx import compile_fx
 
+        from weavepass.compile import direct_calls
         from weavepass.compile.graph_pass import WeavePass  # imports Inductor: only when compiling
         from weavepass.compile.strategies import inductor_patches as strategy_patches
+
+        direct_calls.install()  # the generated code calls the fused ops' kernels directly
 
         graph_reports: list[GraphReport] = []  # forward now, backward when it is compiled
 

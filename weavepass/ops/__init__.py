@@ -53,13 +53,22 @@ import torch
 _LIB = torch.library.Library("weave", "FRAGMENT")
 
 
-def define_hot_op(name: str, schema: str, impl: Callable, fake: Callable):
-    """Define ``weave::<name><schema>`` with ``impl`` for every device and ``fake`` for tracing;
-    returns the op's default overload. For functional ops called once per site at run time."""
+HOT_OP_KERNELS: dict = {}
+"""Every hot op's default overload -> its kernel, ``"module:function"`` in ``weavepass.runtime``.
+Compiled graphs call that function directly, not through the dispatcher
+(``weavepass.compile.direct_calls``)."""
+
+
+def define_hot_op(name: str, schema: str, kernel: str, fake: Callable):
+    """Define ``weave::<name><schema>`` with the runtime function ``kernel`` (``"module:function"``)
+    for every device and ``fake`` for tracing; returns the op's default overload. For functional
+    ops called once per site at run time."""
     _LIB.define(name + schema)
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    _LIB.impl(name, _runtime(kernel), "CompositeExplicitAutograd")
     torch.library.register_fake(f"weave::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.weave, name).default
+    op = getattr(torch.ops.weave, name).default
+    HOT_OP_KERNELS[op] = kernel
+    return op
 
 
 def _runtime(path: str) -> Callable:
@@ -96,19 +105,19 @@ def _fake_train(partial, residual, weight, eps, group_name, out_dtype, *_):
 
 FUSED_ALLREDUCE_RMSNORM = define_hot_op(
     "fused_allreduce_rmsnorm", f"({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor)",
-    _runtime("weavepass.runtime:fused_allreduce_rmsnorm"), _fake,
+    "weavepass.runtime:fused_allreduce_rmsnorm", _fake,
 )
 FUSED_ALLREDUCE_RMSNORM_TRAIN = define_hot_op(
     "fused_allreduce_rmsnorm_train", f"({FUSED_SCHEMA_ARGS}) -> (Tensor, Tensor, Tensor)",
-    _runtime("weavepass.runtime:fused_allreduce_rmsnorm_train"), _fake_train,
+    "weavepass.runtime:fused_allreduce_rmsnorm_train", _fake_train,
 )
 FUSED_ALLREDUCE_RMSNORM_ASYNC = define_hot_op(
     "fused_allreduce_rmsnorm_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
-    _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_async"), _fake,
+    "weavepass.runtime.streams:fused_allreduce_rmsnorm_async", _fake,
 )
 FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC = define_hot_op(
     "fused_allreduce_rmsnorm_push_async", f"({FUSED_SCHEMA_ARGS}, int num_ctas, int slot) -> (Tensor, Tensor)",
-    _runtime("weavepass.runtime.streams:fused_allreduce_rmsnorm_push_async"), _fake,
+    "weavepass.runtime.streams:fused_allreduce_rmsnorm_push_async", _fake,
 )
 LAYERNORM_SCHEMA_ARGS = (
     "Tensor partial, Tensor? residual, Tensor? weight, Tensor? bias, float eps, str group_name, "
@@ -122,11 +131,11 @@ def _fake_layer_norm(partial, residual, weight, bias, eps, group_name, out_dtype
 
 FUSED_ALLREDUCE_LAYERNORM = define_hot_op(
     "fused_allreduce_layernorm", f"({LAYERNORM_SCHEMA_ARGS}) -> (Tensor, Tensor)",
-    _runtime("weavepass.runtime:fused_allreduce_layernorm"), _fake_layer_norm,
+    "weavepass.runtime:fused_allreduce_layernorm", _fake_layer_norm,
 )
 FUSED_ALLREDUCE_LAYERNORM_ASYNC = define_hot_op(
     "fused_allreduce_layernorm_async", f"({LAYERNORM_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
-    _runtime("weavepass.runtime.streams:fused_allreduce_layernorm_async"), _fake_layer_norm,
+    "weavepass.runtime.streams:fused_allreduce_layernorm_async", _fake_layer_norm,
 )
 ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC, FUSED_ALLREDUCE_LAYERNORM_ASYNC)
 """The split's async fused ops: ``JOIN_ASYNC`` on both outputs and the inputs comes before the first
@@ -134,7 +143,7 @@ read of either output."""
 
 JOIN_ASYNC = define_hot_op(
     "join_async", "(Tensor(a!) normed, Tensor(b!) residual_out, Tensor[] inputs) -> ()",
-    _runtime("weavepass.runtime.streams:join_async"), lambda normed, residual_out, inputs: None,
+    "weavepass.runtime.streams:join_async", lambda normed, residual_out, inputs: None,
 )
 """The join of an async fused op (``weavepass.runtime.streams.join_async``): both outputs, declared
 mutated so that Inductor orders every later read of them after it (and never drops it), and the

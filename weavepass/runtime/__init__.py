@@ -79,9 +79,10 @@ def lowering_names() -> list[str]:
 def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtype, lowering,
                             workspace_tokens):
     """The kernel of ``weave.fused_allreduce_rmsnorm`` (schema and fake: ``weavepass.ops``): runs
-    the ``FusedLowering`` named ``lowering``."""
-    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
-                                  max_workspace_tokens=workspace_tokens)
+    the ``FusedLowering`` named ``lowering``. Compiled graphs call it directly, once per site and
+    forward pass (``weavepass.compile.direct_calls``): keep it one lookup and one call."""
+    run = _LOWERINGS.get(lowering) or get_lowering(lowering)
+    return run(partial, residual, weight, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens)
 
 
 def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, out_dtype, lowering,

@@ -79,6 +79,8 @@ class _Launch:
     constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
     aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
     runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
+    contiguous: tuple = (True, True, True)  # whether partial, residual, weight are contiguous (no copy)
+    same_dtype: bool = True  # whether out_dtype is partial's dtype
 
 
 _PORTABLE = "portable"
@@ -119,13 +121,14 @@ def fused_allreduce_rmsnorm_cuda(
     """
     options = tuple(sorted(overrides.items())) if overrides else ()
     # Every property the compiled kernel depends on is in the key (the direct launch trusts it):
-    # dtypes (Triton specialises on pointer types), shapes (integer arguments) and contiguity.
+    # dtypes (Triton specialises on pointer types), shapes (integer arguments), and strides (which
+    # inputs are copied to contiguous rows first: ``_Launch.contiguous``).
     key = (
-        partial.shape, partial.dtype, partial.device, partial.is_contiguous(),
-        None if residual is None else (residual.shape, residual.dtype, residual.device, residual.is_contiguous()),
-        None if weight is None else (weight.shape, weight.dtype, weight.device, weight.is_contiguous()),
+        partial.shape, partial.stride(), partial.dtype, partial.device,
+        None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
+        None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device),
         group_name, out_dtype, max_workspace_tokens, options, return_inv_rms,
-        layer_norm and (None if bias is None else (bias.shape, bias.dtype, bias.device, bias.is_contiguous())),
+        layer_norm and (None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)),
     )
     launch = _LAUNCHES.get(key)
     if launch is None:
@@ -140,8 +143,9 @@ def fused_allreduce_rmsnorm_cuda(
                                                 return_inv_rms=return_inv_rms)
     # The kernel reads rows through raw pointers: a contiguous tensor of any shape [..., H] is its
     # [T, H] matrix already (no reshape needed); others are copied once.
-    rows = partial if key[3] else partial.contiguous()
-    normed = torch.empty_like(rows, dtype=out_dtype)
+    p_contiguous, r_contiguous, w_contiguous = launch.contiguous
+    rows = partial if p_contiguous else partial.contiguous()
+    normed = torch.empty_like(rows) if launch.same_dtype else torch.empty_like(rows, dtype=out_dtype)
     residual_out = torch.empty_like(rows)
     # Training only: the kernel writes one fp32 per row (any pointer stands in otherwise).
     inv_rms = partial.new_empty((*partial.shape[:-1], 1), dtype=torch.float32) if return_inv_rms else normed
@@ -150,11 +154,11 @@ def fused_allreduce_rmsnorm_cuda(
     if residual is None:
         res = rows
     else:
-        res = residual if key[4][3] else residual.contiguous()
+        res = residual if r_contiguous else residual.contiguous()
     if weight is None:
         w = launch.ones
     else:
-        w = weight if key[5][3] else weight.contiguous()
+        w = weight if w_contiguous else weight.contiguous()
     # The bias: a LayerNorm's own (zeros without one); an RMSNorm reads none (the weight stands in).
     b = w if not layer_norm else launch.zeros if bias is None else bias if bias.is_contiguous() else bias.contiguous()
     _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b, *launch.tail, eps))
@@ -283,7 +287,9 @@ def _prepare(
                                           return_inv_rms, layer_norm)
     ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
     zeros = constant_vector(hidden, partial.dtype, partial.device, 0.0) if layer_norm and bias is None else None
-    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0, zeros=zeros)
+    contiguous = tuple(t is None or t.is_contiguous() for t in (partial, residual, weight))
+    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0, zeros=zeros,
+                   contiguous=contiguous, same_dtype=out_dtype == partial.dtype)
 
 
 def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int,

@@ -1,0 +1,126 @@
+"""Compiled graphs call the hot ops' kernels directly (``weavepass.compile.direct_calls``): the
+generated code names ``extern_kernels.weave_<op>`` instead of ``torch.ops.weave.<op>.default``, in
+weave compiles only, and the numbers are the op's.
+
+On a gloo group of one rank, so the portable lowering's result is ``rmsnorm(partial + residual)``:
+exact equality with the op called eagerly is expected (the very same function runs), and an fp64
+reference bounds both."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._inductor.utils import run_and_get_code
+
+from weavepass.backend import WeaveBackend
+from weavepass.compile import direct_calls
+from weavepass.ops import (
+    FUSED_ALLREDUCE_LAYERNORM,
+    FUSED_ALLREDUCE_RMSNORM,
+    FUSED_ALLREDUCE_RMSNORM_ASYNC,
+    HOT_OP_KERNELS,
+    JOIN_ASYNC,
+)
+
+
+@pytest.fixture
+def group(tmp_path):
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+def _sync_graph(group_name):
+    def f(p, r, w):
+        normed, res = FUSED_ALLREDUCE_RMSNORM(p, r, w, 1e-6, group_name, p.dtype, "portable", 64)
+        return normed * 2, res + 1
+
+    return f
+
+
+def _async_graph(group_name):
+    def f(p, r, w, b):
+        normed, res = FUSED_ALLREDUCE_RMSNORM_ASYNC(p, r, w, 1e-6, group_name, p.dtype, "portable", 64, 0)
+        JOIN_ASYNC(normed, res, [p, r, w])
+        ln, ln_res = FUSED_ALLREDUCE_LAYERNORM(normed, res, w, b, 1e-5, group_name, p.dtype, "portable", 64)
+        return ln * 2, ln_res
+
+    return f
+
+
+def _inputs(tokens=5, hidden=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g),
+            torch.rand(hidden, generator=g) + 0.5]
+
+
+def _calls(code: str) -> tuple[list[str], list[str]]:
+    """(direct calls, dispatcher calls) of weave ops in generated code."""
+    return (re.findall(r"extern_kernels\.(weave_\w+)\(", code),
+            re.findall(r"torch\.ops\.weave\.(\w+)\.default\(", code))
+
+
+def test_weave_compile_calls_the_kernels_directly(group):
+    p, r, w = _inputs()
+    expected = _sync_graph(group)(p, r, w)  # the op through the dispatcher, eagerly
+    got, code = run_and_get_code(torch.compile(_sync_graph(group), backend=WeaveBackend()), p, r, w)
+    direct, dispatched = _calls(code[0])
+    assert direct == ["weave_fused_allreduce_rmsnorm"]
+    assert dispatched == []
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a one-rank all_reduce is the identity: normed = rmsnorm(p + r) * w, in fp64 here; the
+    # fp32 op differs by rounding only (default fp32 tolerances: rtol 1.3e-6, atol 1e-5)
+    x = (p + r).double()
+    ref_normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(got[0], (ref_normed * 2).float())
+    torch.testing.assert_close(got[1], (x + 1).float())
+
+
+def test_async_join_and_layer_norm_ops_are_direct_too(group):
+    p, r, w = _inputs(seed=1)
+    b = torch.randn(32)
+    expected = _async_graph(group)(p, r, w, b)
+    got, code = run_and_get_code(torch.compile(_async_graph(group), backend=WeaveBackend()), p, r, w, b)
+    direct, dispatched = _calls(code[0])
+    assert sorted(direct) == ["weave_fused_allreduce_layernorm", "weave_fused_allreduce_rmsnorm_async",
+                              "weave_join_async"]
+    assert dispatched == []
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_plain_inductor_keeps_the_dispatcher_call(group):
+    """Only weave compiles are renamed: a plain Inductor module may be cached and loaded by a
+    process that never installed the direct calls."""
+    direct_calls.install()
+    p, r, w = _inputs()
+    _, code = run_and_get_code(torch.compile(_sync_graph(group), backend="inductor"), p, r, w)
+    assert _calls(code[0]) == ([], ["fused_allreduce_rmsnorm"])
+
+
+def test_switch_off_keeps_the_dispatcher_call(group, monkeypatch):
+    monkeypatch.setenv("WEAVE_DIRECT_CALLS", "0")
+    p, r, w = _inputs()
+    _, code = run_and_get_code(torch.compile(_sync_graph(group), backend=WeaveBackend()), p, r, w)
+    assert _calls(code[0]) == ([], ["fused_allreduce_rmsnorm"])
+
+
+def test_every_hot_op_is_installed_as_its_own_kernel():
+    """The direct call is the function the op's dispatcher kernel runs, for every hot op."""
+    from torch._inductor.select_algorithm import extern_kernels
+    import importlib
+
+    assert direct_calls.install()
+    assert len(HOT_OP_KERNELS) == 7
+    for op, path in HOT_OP_KERNELS.items():
+        module_name, attr = path.split(":")
+        assert getattr(extern_kernels, direct_calls.extern_name(op)) is getattr(importlib.import_module(module_name), attr)
+    assert dist.is_initialized() is False
