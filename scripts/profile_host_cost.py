@@ -81,12 +81,10 @@ def main() -> None:
           "launch hooks:", runtime.launch_enter_hook, runtime.launch_exit_hook)
     n_out = torch.empty_like(p)
     o_out = torch.empty_like(p)
-    call_args = (p, r, w, n_out, o_out, n_out, w, *launch.tail, 1e-5)  # inv_rms, bias: stand-ins (inference)
+    tensors = (p, r, w, n_out, o_out, n_out, w)  # inv_rms, bias: stand-ins (inference)
+    call_args = (*tensors, *launch.tail, 1e-5)
+    ptr_args = (*(t.data_ptr() for t in tensors), *launch.tail_ptrs, 1e-5)
     c = launch.compiled
-    # Inductor's launcher, for comparison: its argument types (7 pointers, 2 x 8 address deltas and
-    # 3 counts as int64 / int32, eps), then Triton 3.6's two scratch pointers (None).
-    static_types = "".join("O" if t[0] == "*" else {"i32": "i", "i64": "l", "fp32": "f"}[t]
-                           for t in c.src.signature.values() if t != "constexpr")
     stream = torch._C._cuda_getCurrentRawStream(0)
     steps = {
         "torch.empty(shape, dtype, device)": lambda: torch.empty(p.shape, dtype=p.dtype, device=p.device),
@@ -94,23 +92,18 @@ def main() -> None:
         "torch.empty_like(p, dtype=)": lambda: torch.empty_like(p, dtype=torch.bfloat16),
         "p.new_empty(p.shape)": lambda: p.new_empty(p.shape),
         "p.shape, p.dtype, p.device, is_contiguous": lambda: (p.shape, p.dtype, p.device, p.is_contiguous()),
+        "p.shape, p.stride(), p.dtype, p.device": lambda: (p.shape, p.stride(), p.dtype, p.device),
         "p.reshape(-1, H)": lambda: p.reshape(-1, args.hidden),
         "r.reshape(-1, H).contiguous()": lambda: r.reshape(-1, args.hidden).contiguous(),
-        "5 x data_ptr": lambda: cuda_symm._aligned(call_args),
+        "7 x data_ptr": lambda: [t.data_ptr() for t in tensors],
         "_cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
-        "compiled.run (launcher)": lambda: c.run(launch.grid[0], 1, 1, stream, c.function, c.packed_metadata,
-                                                  None, None, None, *call_args, *launch.constexprs),
+        "compiled.run, tensor arguments": lambda: c.run(launch.grid[0], 1, 1, stream, c.function, c.packed_metadata,
+                                                       None, None, None, *call_args, *launch.constexprs),
+        "compiled.run, address arguments": lambda: c.run(launch.grid[0], 1, 1, stream, c.function, c.packed_metadata,
+                                                        None, None, None, *ptr_args, *launch.constexprs),
         "compiled.launch_metadata": lambda: c.launch_metadata(launch.grid, stream, *call_args),
-        "launcher.launch (C, no scratch)": lambda: c.run.launch(launch.grid[0], 1, 1, stream, c.function,
-                                                                 c.run.launch_cooperative_grid, c.run.launch_pdl,
-                                                                 None, None, c.packed_metadata, None, None, None,
-                                                                 *call_args, *launch.constexprs),
-        **({} if not hasattr(torch._C, "_StaticCudaLauncher") else {
-            "PyTorch's static launcher (C)": lambda: torch._C._StaticCudaLauncher._launch_kernel(
-                c.function, launch.grid[0], 1, 1, c.metadata.num_warps, c.metadata.shared, static_types,
-                call_args + (None, None), stream)}),
         "JITFunction[grid](...)": lambda: launch.kernel[launch.grid](*call_args, **launch.meta),
-        "_launch (direct)": lambda: cuda_symm._launch(launch, call_args),
+        "_launch (direct)": lambda: cuda_symm._launch(launch, tensors, 1e-5),
         "lowering": lowering,
         "op (torch.ops)": op,
         "async op + join_async": async_op,

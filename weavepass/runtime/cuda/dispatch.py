@@ -78,6 +78,7 @@ class _Launch:
     compiled: object = None  # triton CompiledKernel, after the first launch
     constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
     aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
+    tail_ptrs: tuple = ()  # ``tail`` with the workspace tensors as addresses (they outlive the launch)
     runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
     contiguous: tuple = (True, True, True)  # whether partial, residual, weight are contiguous (no copy)
     same_dtype: bool = True  # whether out_dtype is partial's dtype
@@ -161,7 +162,7 @@ def fused_allreduce_rmsnorm_cuda(
         w = weight if w_contiguous else weight.contiguous()
     # The bias: a LayerNorm's own (zeros without one); an RMSNorm reads none (the weight stands in).
     b = w if not layer_norm else launch.zeros if bias is None else bias if bias.is_contiguous() else bias.contiguous()
-    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b, *launch.tail, eps))
+    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b), eps)
     return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
 
 
@@ -174,45 +175,54 @@ def fused_allreduce_layernorm_cuda(partial, residual, weight, bias, eps, group_n
                                         bias=bias, **overrides)
 
 
-def _aligned(args: tuple) -> bool:
-    """Whether the tensor pointers (partial, residual, weight, the outputs, and where the call has
-    them the inverse RMS and the bias) are 16-byte aligned. An inference RMSNorm call passes the
-    normed output and the weight in those two places, already checked: they are skipped."""
-    bits = args[0].data_ptr() | args[1].data_ptr() | args[2].data_ptr() | args[3].data_ptr() | args[4].data_ptr()
-    if args[5] is not args[3]:
-        bits |= args[5].data_ptr()
-    if args[6] is not args[2]:
-        bits |= args[6].data_ptr()
-    return not bits & 15
+def _launch(launch: _Launch, tensors: tuple, eps: float) -> None:
+    """Launch ``launch.kernel`` on ``tensors`` (partial, residual, weight, normed, residual_out,
+    inv_rms, bias), ``launch.tail`` and ``eps``: straight through the compiled kernel's launcher when
+    the first launch's specialisation still holds, else through Triton's ``JITFunction`` (which also
+    records the compiled kernel on the first call).
 
-
-def _launch(launch: _Launch, args: tuple) -> None:
-    """Launch ``launch.kernel`` on ``args`` (its non-constexpr arguments, in order): straight through
-    the compiled kernel's launcher when the first launch's specialisation still holds, else through
-    Triton's ``JITFunction`` (which also records the compiled kernel on the first call). Launch
-    hooks (profilers) get what Triton's own path gives them; empty ones (``_hook``) are skipped,
-    and with them the per-launch metadata Triton computes only for hooks.
+    The direct launch passes the tensors' addresses as integers: given a tensor, Triton's launcher
+    calls its ``data_ptr`` method and then ``cuPointerGetAttribute`` (a driver call) for every
+    pointer argument, nine per call here, on every launch. The addresses are needed anyway for the
+    16-byte alignment check (an unaligned call takes Triton's path, which picks its own
+    specialisation), and the call signature's key and the first call's validation already fixed
+    every tensor's device; the workspace's own addresses are taken once (``_Launch.tail_ptrs``).
+    Launch hooks (profilers) get what Triton's own path gives them, tensors included; empty ones
+    (``_hook``) are skipped, and with them the per-launch metadata Triton computes only for hooks.
 
     PyTorch's static CUDA launcher (``torch._C._StaticCudaLauncher``, Inductor's) was tried in its
-    place and measured no faster on the H200 host (7.6 against 7.1 us per launch, 2026-12-01): the
-    driver's launch, not the argument handling, is the cost (``docs/cuda_kernel.md``)."""
+    place and measured no faster on the H200 host (7.6 against 7.1 us per launch, 2026-12-01)."""
     compiled = launch.compiled
-    if compiled is not None and _DIRECT_LAUNCH and _aligned(args) == launch.aligned:
-        runtime = launch.runtime
-        stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-        enter = _hook(runtime.launch_enter_hook)
-        exit_hook = _hook(runtime.launch_exit_hook)
-        metadata = None if enter is None else compiled.launch_metadata(launch.grid, stream, *args)
-        compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
-                     metadata, enter, exit_hook, *args, *launch.constexprs)
-        return
-    result = launch.kernel[launch.grid](*args, **launch.meta)
+    if compiled is not None and _DIRECT_LAUNCH:
+        ptrs = [t.data_ptr() for t in tensors]
+        bits = 0
+        for ptr in ptrs:
+            bits |= ptr
+        if (not bits & 15) == launch.aligned:
+            runtime = launch.runtime
+            stream = torch._C._cuda_getCurrentRawStream(tensors[0].device.index)
+            enter = _hook(runtime.launch_enter_hook)
+            exit_hook = _hook(runtime.launch_exit_hook)
+            if enter is None and exit_hook is None:
+                compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                             None, None, None, *ptrs, *launch.tail_ptrs, eps, *launch.constexprs)
+            else:
+                args = (*tensors, *launch.tail, eps)
+                metadata = None if enter is None else compiled.launch_metadata(launch.grid, stream, *args)
+                compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                             metadata, enter, exit_hook, *args, *launch.constexprs)
+            return
+    result = launch.kernel[launch.grid](*tensors, *launch.tail, eps, **launch.meta)
     runtime = _triton_runtime_knobs()
     if compiled is None and runtime is not None and hasattr(result, "packed_metadata"):
-        names = launch.kernel.arg_names[len(args):]
+        names = launch.kernel.arg_names[len(tensors) + len(launch.tail) + 1:]
         if set(names) <= set(launch.meta):  # every remaining parameter is a constexpr we pass
             launch.constexprs = tuple(launch.meta[name] for name in names)
-            launch.aligned = _aligned(args)
+            bits = 0
+            for t in tensors:
+                bits |= t.data_ptr()
+            launch.aligned = not bits & 15
+            launch.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.tail)
             launch.runtime = runtime
             launch.compiled = result
 
