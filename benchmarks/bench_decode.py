@@ -28,7 +28,8 @@ to every cached token. Variants, in the same processes:
 
 Batches are static (``dynamic=False``): one compile per variant and batch size, which is what
 ``cuda_min_tokens`` needs (it applies only to static token counts). Times are medians of
-CUDA-event-timed steps (rank 0's). Output: a table (ms and the ratio to Inductor in the same
+CUDA-event-timed steps (rank 0's), the variants compiled side by side and measured in interleaved
+rounds (``_measure_interleaved``: the host's speed drifts between and within runs). Output: a table (ms and the ratio to Inductor in the same
 mode), ``<out>/bench_decode.csv`` (with ``sites_fused``: fused / all all_reduce sites of each weave
 variant's graph, from its report; the reasons for kept sites are printed) and
 ``<out>/bench_decode.png`` (``bench_decode_tpN.*`` when ``--world`` is not 2).
@@ -139,34 +140,22 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
             layer.attention.k_cache.normal_(generator=gen)
             layer.attention.v_cache.normal_(generator=gen)
         made = compilers(model)
-        for variant in variants:
+        torch._dynamo.reset()
+        rows += _measure_interleaved(shape_name, made, [v for v in variants if v != "inductor_nccl_symm"],
+                                     args, world, rank, position, device, progress)
+        if "inductor_nccl_symm" in variants:  # its own window pool per batch: measured on its own
             torch._dynamo.reset()
-            _use_lamport(variant.endswith("_lamport"))
-            compiled, backend = made[variant]()
-            seen = 0
-
-            def step(ids, compiled=compiled):
-                return compiled(ids, cache_position=position)
-
+            compiled, _ = made["inductor_nccl_symm"]()
             for batch in args["batches"]:
                 ids = torch.randint(0, VOCAB_PER_RANK * world, (batch, 1), device=device)
-                call = step
-                if variant == "inductor_nccl_symm":
-                    call = _nccl_symm_call(step, ids, group, device, rank)
+                call = _nccl_symm_call(lambda ids: compiled(ids, cache_position=position), ids, group, device, rank)
                 if call is not None:
                     ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
-                    sites, kept = "", []
-                    if backend is not None:
-                        sites, kept, seen = _fused_sites(backend, seen)
-                        if rank == 0:
-                            print(f"{shape_name} {variant} batch {batch}: sites fused {sites}"
-                                  + (f"; kept because: {'; '.join(kept)}" if kept else ""), flush=True)
-                    rows.append({"shape": shape_name, "world": world, "variant": variant, "batch": batch,
-                                 "context": context, "ms": ms, "sites_fused": sites})
-                    if rank == 0:  # in the log as it comes, should a time limit stop the run
+                    rows.append({"shape": shape_name, "world": world, "variant": "inductor_nccl_symm",
+                                 "batch": batch, "context": context, "ms": ms, "sites_fused": ""})
+                    if rank == 0:
                         print(f"row: {rows[-1]}", flush=True)
-                    if hasattr(call, "close"):
-                        call.close()
+                    call.close()
                 if progress is not None:
                     progress.update()
         del model, made
@@ -174,6 +163,52 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
             torch.cuda.empty_cache()
     if progress is not None:
         progress.close()
+    return rows
+
+
+def _measure_interleaved(shape_name, made, variants, args, world, rank, position, device, progress) -> list[dict]:
+    """Every variant compiled side by side, each (variant, batch) warmed up once, then measured in
+    ``args["rounds"]`` rounds that each time every cell in turn (``iters / rounds`` steps after one
+    warm-up step); a cell's time is the median of its rounds' medians. Default-mode decode steps
+    are host-bound, and this host's speed drifts: measured one variant after the other, Inductor's
+    own 8b_tp2 step read 7.4 and 15.2 ms in two processes of the same run (2026-12-02). Interleaved,
+    every variant sees the same drift. The Lamport switch is set before each cell's steps (under
+    CUDA graphs it was fixed when the graph was captured, at the warm-up)."""
+    compiled = {v: made[v]() for v in variants}  # Dynamo keeps one cache entry per backend and batch
+    cells = [(v, b) for v in variants for b in args["batches"]]
+    inputs = {b: torch.randint(0, VOCAB_PER_RANK * world, (b, 1), device=device,
+                               generator=torch.Generator(device=device).manual_seed(b))
+              for b in args["batches"]}
+    sites = {}
+    for variant, batch in cells:  # compile and warm up
+        _use_lamport(variant.endswith("_lamport"))
+        model, backend = compiled[variant]
+        seen = len(backend.report.graphs) if backend is not None else 0
+        times_ms(lambda ids, m=model: m(ids, cache_position=position), inputs[batch], args["warmup"], 1)
+        if backend is not None:
+            sites[variant, batch], kept, _ = _fused_sites(backend, seen)
+            if rank == 0:
+                print(f"{shape_name} {variant} batch {batch}: sites fused {sites[variant, batch]}"
+                      + (f"; kept because: {'; '.join(kept)}" if kept else ""), flush=True)
+        if progress is not None:
+            progress.update()
+    rounds = args["rounds"]
+    per_round = max(1, args["iters"] // rounds)
+    samples = {cell: [] for cell in cells}
+    for _ in range(rounds):
+        for variant, batch in cells:
+            _use_lamport(variant.endswith("_lamport"))
+            model = compiled[variant][0]
+            samples[variant, batch].append(statistics.median(
+                times_ms(lambda ids, m=model: m(ids, cache_position=position), inputs[batch], 1, per_round)))
+    _use_lamport(False)
+    rows = []
+    for variant, batch in cells:
+        rows.append({"shape": shape_name, "world": world, "variant": variant, "batch": batch,
+                     "context": args["context"], "ms": statistics.median(samples[variant, batch]),
+                     "sites_fused": sites.get((variant, batch), "")})
+        if rank == 0:
+            print(f"row: {rows[-1]}", flush=True)
     return rows
 
 
@@ -235,11 +270,11 @@ def main() -> None:
     from weavepass.testing import spawn
 
     if args.smoke:
-        batches, warmup, iters = [1, 4], 1, 2
+        batches, warmup, iters, rounds = [1, 4], 1, 2, 2
     elif args.quick:
-        batches, warmup, iters = [1, 32, 256], 3, 10
+        batches, warmup, iters, rounds = [1, 32, 256], 3, 12, 3
     else:
-        batches, warmup, iters = [1, 8, 32, 128, 256], 5, 30
+        batches, warmup, iters, rounds = [1, 8, 32, 128, 256], 5, 30, 5
     config = {
         "smoke": args.smoke,
         "shapes": args.shape or (["tiny"] if args.smoke else ["8b_tp2", "70b_tp8sim"]),
@@ -249,6 +284,7 @@ def main() -> None:
         "variants": variants,
         "warmup": warmup,
         "iters": iters,
+        "rounds": rounds,
     }
     rows = spawn(_run_rank, args.world, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
     report(rows, Path(args.out), config["layers"], args.name or world_name("bench_decode", args.world))
