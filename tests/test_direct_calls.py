@@ -124,3 +124,36 @@ def test_every_hot_op_is_installed_as_its_own_kernel():
         module_name, attr = path.split(":")
         assert getattr(extern_kernels, direct_calls.extern_name(op)) is getattr(importlib.import_module(module_name), attr)
     assert dist.is_initialized() is False
+
+
+def _cached_rank(rank, world):
+    """A weave compile with Inductor's FX-graph cache on, in a fresh process: (cache hits, max
+    difference to eager, the report's lowerings)."""
+    from torch._dynamo.utils import counters
+
+    from weavepass import WeaveConfig
+    from weavepass.testing import TPConfig, build_tp_model, random_token_ids
+
+    config = TPConfig(vocab=100, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate=96)
+    model = build_tp_model(config, rank, world, dist.group.WORLD)
+    ids = random_token_ids(config, 1, 9)
+    backend = WeaveBackend(WeaveConfig(fx_graph_cache=True))
+    with torch.no_grad():
+        diff = (torch.compile(model, backend=backend, dynamic=False)(ids) - model(ids)).abs().max().item()
+    return counters["inductor"]["fxgraph_cache_hit"], diff, [r.lowering for r in backend.report.records]
+
+
+def test_a_cached_weave_module_runs_in_a_fresh_process(tmp_path, monkeypatch):
+    """The generated module names ``extern_kernels.weave_*``: a process that loads it from the FX
+    graph cache (fresh processes, one cache directory) must have installed them first. The second
+    run hits the cache and still equals eager (fp32: reductions reordered, 1e-4)."""
+    from weavepass.testing import spawn
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    first = spawn(_cached_rank, 2, "gloo", timeout_s=300)
+    second = spawn(_cached_rank, 2, "gloo", timeout_s=300)
+    for hits, diff, lowerings in first:
+        assert hits == 0 and diff < 1e-4 and lowerings and all(low == "portable" for low in lowerings)
+    for hits, diff, _ in second:
+        assert hits > 0, "the second run did not load the module from the cache"
+        assert diff < 1e-4
