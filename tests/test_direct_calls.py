@@ -97,6 +97,19 @@ def test_async_join_and_layer_norm_ops_are_direct_too(group):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
+def test_direct_calls_show_in_profiler_traces(group):
+    """Traces keep the ops' host ranges (``weavepass.testing.trace`` reads them): one
+    ``weave::fused_allreduce_rmsnorm`` range per call of the compiled graph, as through the dispatcher."""
+    p, r, w = _inputs()
+    compiled = torch.compile(_sync_graph(group), backend=WeaveBackend())
+    compiled(p, r, w)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            compiled(p, r, w)
+    names = [e.name for e in prof.events()]
+    assert names.count("weave::fused_allreduce_rmsnorm") == 3, sorted(set(names))
+
+
 def test_plain_inductor_keeps_the_dispatcher_call(group):
     """Only weave compiles are renamed: a plain Inductor module may be cached and loaded by a
     process that never installed the direct calls."""
@@ -122,7 +135,8 @@ def test_every_hot_op_is_installed_as_its_own_kernel():
     assert len(HOT_OP_KERNELS) == 7
     for op, path in HOT_OP_KERNELS.items():
         module_name, attr = path.split(":")
-        assert getattr(extern_kernels, direct_calls.extern_name(op)) is getattr(importlib.import_module(module_name), attr)
+        direct = getattr(extern_kernels, direct_calls.extern_name(op))
+        assert direct.__wrapped__ is getattr(importlib.import_module(module_name), attr)
     assert dist.is_initialized() is False
 
 

@@ -19,11 +19,12 @@ Only graphs compiled with the weave pass are renamed (their FX-graph cache keys 
 a cached module that names ``extern_kernels.weave_*`` is only loaded by a weave compile, which
 installs them first); ``torch.compile(backend="inductor")`` keeps the dispatcher call. The C++
 wrapper (``cpp_wrapper``) keeps its own call path. ``WEAVE_DIRECT_CALLS=0`` keeps the dispatcher
-call everywhere (profiler traces then show the ops' names on the host side).
+call everywhere (a debugging switch).
 
-What the direct call gives up: the dispatcher's profiler range per call and dispatch to modes
-(``TorchDispatchMode``); a compiled graph runs real tensors under neither. The hot ops have no
-autograd formula in either path.
+While a profiler runs, each direct call records a range named like the op (``weave::<op>``), as
+the dispatcher does. What the direct call gives up is dispatch to modes (``TorchDispatchMode``);
+a compiled graph's generated code runs real tensors under none. The hot ops have no autograd
+formula in either path.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def install() -> bool:
             if op in _WRAPPED:
                 continue
             module_name, attr = path.split(":")
-            setattr(extern_kernels, extern_name(op), getattr(importlib.import_module(module_name), attr))
+            kernel = getattr(importlib.import_module(module_name), attr)
+            setattr(extern_kernels, extern_name(op), _profiled(f"weave::{op._opname}", kernel))
             if op not in lowering.lowerings:
                 lowering.make_fallback(op, layout_constraint=_default_layout_constraint(op))
             lowering.lowerings[op] = _renaming(op, lowering.lowerings[op])
@@ -79,6 +81,25 @@ def install() -> bool:
                     "(%s)", _INSTALL_FAILED[0])
         return False
     return True
+
+
+def _profiled(name: str, kernel):
+    """``kernel``, inside a profiler range named like the op (``weave::<op>``) while a profiler
+    runs: the dispatcher records one per op call, and traces (``weavepass.testing.trace``, a
+    user's) should not lose the ops' host time. Otherwise one check of a C flag."""
+    from torch.autograd.profiler import record_function
+
+    enabled = torch._C._autograd._profiler_enabled
+
+    def call(*args, **kwargs):  # Inductor passes arguments with defaults by keyword
+        if enabled():
+            with record_function(name):
+                return kernel(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"weave_{kernel.__name__}"
+    call.__wrapped__ = kernel
+    return call
 
 
 def _default_layout_constraint(op):
