@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from bench_overlap import SHAPES, VOCAB_PER_RANK, build_model  # benchmarks/bench_overlap.py
 from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
-from timing import progress_bar, times_ms  # benchmarks/timing.py
+from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "weave_min1_lamport",
             "weave_cg_lamport", "inductor_nccl_symm")
@@ -167,45 +167,38 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
 
 
 def _measure_interleaved(shape_name, made, variants, args, world, rank, position, device, progress) -> list[dict]:
-    """Every variant compiled side by side, each (variant, batch) warmed up once, then measured in
-    ``args["rounds"]`` rounds that each time every cell in turn (``iters / rounds`` steps after one
-    warm-up step); a cell's time is the median of its rounds' medians. Default-mode decode steps
-    are host-bound, and this host's speed drifts: measured one variant after the other, Inductor's
-    own 8b_tp2 step read 7.4 and 15.2 ms in two processes of the same run (2026-12-02). Interleaved,
-    every variant sees the same drift. The Lamport switch is set before each cell's steps (under
-    CUDA graphs it was fixed when the graph was captured, at the warm-up)."""
+    """Every variant compiled side by side and measured in interleaved rounds (``timing.interleaved_ms``:
+    default-mode decode steps are host-bound, and the host's speed drifts). The Lamport switch is
+    set before each cell's calls (under CUDA graphs it was fixed when the graph was captured, at the
+    warm-up)."""
     compiled = {v: made[v]() for v in variants}  # Dynamo keeps one cache entry per backend and batch
     cells = [(v, b) for v in variants for b in args["batches"]]
     inputs = {b: torch.randint(0, VOCAB_PER_RANK * world, (b, 1), device=device,
                                generator=torch.Generator(device=device).manual_seed(b))
               for b in args["batches"]}
+    seen = {v: 0 for v in variants}
     sites = {}
-    for variant, batch in cells:  # compile and warm up
-        _use_lamport(variant.endswith("_lamport"))
-        model, backend = compiled[variant]
-        seen = len(backend.report.graphs) if backend is not None else 0
-        times_ms(lambda ids, m=model: m(ids, cache_position=position), inputs[batch], args["warmup"], 1)
+
+    def warmed(cell):
+        variant, batch = cell
+        backend = compiled[variant][1]
         if backend is not None:
-            sites[variant, batch], kept, _ = _fused_sites(backend, seen)
+            sites[cell], kept, seen[variant] = _fused_sites(backend, seen[variant])
             if rank == 0:
-                print(f"{shape_name} {variant} batch {batch}: sites fused {sites[variant, batch]}"
+                print(f"{shape_name} {variant} batch {batch}: sites fused {sites[cell]}"
                       + (f"; kept because: {'; '.join(kept)}" if kept else ""), flush=True)
         if progress is not None:
             progress.update()
-    rounds = args["rounds"]
-    per_round = max(1, args["iters"] // rounds)
-    samples = {cell: [] for cell in cells}
-    for _ in range(rounds):
-        for variant, batch in cells:
-            _use_lamport(variant.endswith("_lamport"))
-            model = compiled[variant][0]
-            samples[variant, batch].append(statistics.median(
-                times_ms(lambda ids, m=model: m(ids, cache_position=position), inputs[batch], 1, per_round)))
+
+    times = interleaved_ms(
+        cells, lambda cell: (lambda ids, m=compiled[cell[0]][0]: m(ids, cache_position=position)),
+        lambda cell: inputs[cell[1]], args["warmup"], args["iters"], args["rounds"],
+        prepare=lambda cell: _use_lamport(cell[0].endswith("_lamport")), warmed=warmed)
     _use_lamport(False)
     rows = []
     for variant, batch in cells:
         rows.append({"shape": shape_name, "world": world, "variant": variant, "batch": batch,
-                     "context": args["context"], "ms": statistics.median(samples[variant, batch]),
+                     "context": args["context"], "ms": times[variant, batch],
                      "sites_fused": sites.get((variant, batch), "")})
         if rank == 0:
             print(f"row: {rows[-1]}", flush=True)

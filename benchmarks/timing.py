@@ -6,6 +6,7 @@ On CUDA each call is timed with CUDA events; on the CPU (``--smoke`` runs on glo
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -40,6 +41,31 @@ def times_ms(fn, ids, warmup: int, iters: int) -> list[float]:
             dist.barrier()
             times.append(one_call_ms(fn, ids))
     return times
+
+
+def interleaved_ms(cells: list, step, inputs, warmup: int, iters: int, rounds: int, prepare=None,
+                   warmed=None) -> dict:
+    """Median milliseconds of each cell, the cells measured in turn: every cell is first warmed up
+    (``warmup`` calls of ``step(cell)`` on ``inputs(cell)``, then ``warmed(cell)``), then ``rounds``
+    rounds each time every cell for ``iters // rounds`` calls (after one more warm-up call); a cell's
+    time is the median of its rounds' medians. ``prepare(cell)`` runs before a cell's calls (a
+    global switch the cell needs). The lent machine's host speed drifts between and within runs
+    (two processes of one run read the same Inductor decode step at 7.4 and 15.2 ms, 2026-12-02):
+    measured in turn, every cell sees the same drift, so ratios between cells carry."""
+    for cell in cells:
+        if prepare is not None:
+            prepare(cell)
+        times_ms(step(cell), inputs(cell), warmup, 1)
+        if warmed is not None:
+            warmed(cell)
+    per_round = max(1, iters // rounds)
+    samples = {cell: [] for cell in cells}
+    for _ in range(rounds):
+        for cell in cells:
+            if prepare is not None:
+                prepare(cell)
+            samples[cell].append(statistics.median(times_ms(step(cell), inputs(cell), 1, per_round)))
+    return {cell: statistics.median(values) for cell, values in samples.items()}
 
 
 class LineProgress:
