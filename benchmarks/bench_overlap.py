@@ -58,7 +58,9 @@ above 1 = faster than that floor, below 0 = slower than Inductor; left empty whe
 and no_comm, also for the ``_cg`` variants.
 
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
-the collectives). Output: a table on stdout, ``<out>/bench_overlap.csv`` (with a ``world`` column)
+the collectives), the variants of a layout compiled side by side and measured in interleaved rounds
+(``timing.interleaved_ms``: the host's speed drifts, and the split at 2K tokens is host-bound);
+``inductor_nccl_symm`` (a window pool per size) is measured on its own. Output: a table on stdout, ``<out>/bench_overlap.csv`` (with a ``world`` column)
 and ``<out>/bench_overlap.png`` (``bench_overlap_tpN.*`` when ``--world`` is not 2; latency
 normalised to ``inductor``, like TokenWeave's Figure 11; one row of panels per shape).
 
@@ -82,7 +84,7 @@ import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sy
 import torch
 import torch.distributed as dist
 from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
-from timing import progress_bar, times_ms  # benchmarks/timing.py
+from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.py
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,13 @@ def compilers(model, no_comm) -> dict:
     return made
 
 
+def _carveout(variant, smoke: bool) -> None:
+    """The SM carve-out a variant runs with (``CARVEOUT``; none for the others): cuBLAS reads it
+    when it picks a GEMM kernel, so it is set before the variant's calls."""
+    if not smoke:
+        torch._C._set_sm_carveout_experimental(CARVEOUT.get(variant))
+
+
 def _profile(fn, ids, rank: int) -> str:
     """One profiled call: the kernels that cost most and how much communication overlapped compute."""
     from weavepass.testing.trace import profile_stream_overlap
@@ -264,32 +273,50 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
         model = build_model(shape, group, device, args["layers"], dtype)
         no_comm = build_model(shape, None, device, args["layers"], dtype)
         made = compilers(model, no_comm)
-        for variant in variants:
-            for seqs in args["layouts"]:
+        interleaved = [v for v in variants if v != "inductor_nccl_symm"]
+        for seqs in args["layouts"]:
+            # One compile per variant and layout (the token dim is dynamic), side by side; a reset
+            # per layout, or Dynamo's automatic dynamic shapes would make the batch dim symbolic.
+            torch._dynamo.reset()
+            compiled = {}
+            for variant in interleaved:
+                _carveout(variant, smoke)
+                compiled[variant] = made[variant]()
+            inputs = {}
+            for tokens in args["tokens"]:
+                ids = torch.randint(0, VOCAB_PER_RANK * world, (seqs, tokens // seqs), device=device,
+                                    generator=torch.Generator(device=device).manual_seed(tokens))
+                torch._dynamo.mark_dynamic(ids, 1)
+                inputs[tokens] = ids
+            cells = [(v, t) for v in interleaved for t in args["tokens"]]
+            times = interleaved_ms(
+                cells, lambda cell: compiled[cell[0]], lambda cell: inputs[cell[1]], args["warmup"],
+                args["iters"], args["rounds"], prepare=lambda cell: _carveout(cell[0], smoke),
+                warmed=lambda cell: progress is not None and progress.update())
+            for variant, tokens in cells:
+                rows.append({"shape": shape_name, "world": world, "variant": variant,
+                             "sequences": seqs, "tokens": tokens, "ms": times[variant, tokens]})
+                if rank == 0:
+                    print(f"row: {rows[-1]}", flush=True)
+                if args["profile"] and variant != "eager" and not smoke:
+                    _carveout(variant, smoke)
+                    summary = _profile(compiled[variant], inputs[tokens], rank)
+                    if rank == 0:
+                        print(f"\n[profile] {shape_name} {variant}, {seqs} seq, {tokens} tokens: "
+                              f"{times[variant, tokens]:.3f} ms\n{summary}", flush=True)
+            _carveout(None, smoke)
+            if "inductor_nccl_symm" in variants:  # its own window pool per size: measured on its own
                 torch._dynamo.reset()
-                if not smoke:
-                    torch._C._set_sm_carveout_experimental(CARVEOUT.get(variant))
-                fn = made[variant]()
+                fn = made["inductor_nccl_symm"]()
                 for tokens in args["tokens"]:
-                    ids = torch.randint(0, VOCAB_PER_RANK * world, (seqs, tokens // seqs), device=device)
-                    if variant != "eager":
-                        torch._dynamo.mark_dynamic(ids, 1)
-                    call = fn
-                    if variant == "inductor_nccl_symm":
-                        call = _nccl_symm_call(fn, ids, group, device, rank)
+                    call = _nccl_symm_call(fn, inputs[tokens], group, device, rank)
                     if call is not None:
-                        ms = statistics.median(times_ms(call, ids, args["warmup"], args["iters"]))
-                        rows.append({"shape": shape_name, "world": world, "variant": variant,
+                        ms = statistics.median(times_ms(call, inputs[tokens], args["warmup"], args["iters"]))
+                        rows.append({"shape": shape_name, "world": world, "variant": "inductor_nccl_symm",
                                      "sequences": seqs, "tokens": tokens, "ms": ms})
-                        if rank == 0:  # in the log as it comes, should a time limit stop the run
+                        if rank == 0:
                             print(f"row: {rows[-1]}", flush=True)
-                        if args["profile"] and variant != "eager" and not smoke:
-                            summary = _profile(call, ids, rank)
-                            if rank == 0:
-                                print(f"\n[profile] {shape_name} {variant}, {seqs} seq, {tokens} tokens: "
-                                      f"{ms:.3f} ms\n{summary}", flush=True)
-                        if hasattr(call, "close"):
-                            call.close()
+                        call.close()
                     if progress is not None:
                         progress.update()
         del model, no_comm, made
@@ -320,11 +347,11 @@ def main() -> None:
     from weavepass.testing import spawn
 
     if args.smoke:
-        tokens, layouts, warmup, iters = [16, 32], [1], 1, 2
+        tokens, layouts, warmup, iters, rounds = [16, 32], [1], 1, 2, 2
     elif args.quick:
-        tokens, layouts, warmup, iters = [1024, 4096, 16384], [1], 2, 5
+        tokens, layouts, warmup, iters, rounds = [1024, 4096, 16384], [1], 2, 6, 3
     else:
-        tokens, layouts, warmup, iters = [512, 1024, 2048, 4096, 8192, 16384], [1, 8], 5, 20
+        tokens, layouts, warmup, iters, rounds = [512, 1024, 2048, 4096, 8192, 16384], [1, 8], 5, 20, 4
     config = {
         "smoke": args.smoke,
         "shapes": args.shape or (["tiny"] if args.smoke else ["70b_tp2"]),
@@ -335,6 +362,7 @@ def main() -> None:
         "profile": args.profile,
         "warmup": warmup,
         "iters": iters,
+        "rounds": rounds,
     }
     rows = spawn(_run_rank, args.world, "gloo" if args.smoke else "nccl", config, timeout_s=3000.0)[0]
     report(rows, Path(args.out), config["layers"], args.name or world_name("bench_overlap", args.world))
