@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger("weavepass")
 
-_WRAPPED: dict = {}  # op -> extern name, once installed
+_WRAPPED: set = set()  # the hot ops whose lowering is wrapped
 _INSTALL_FAILED: list[str] = []
 
 
@@ -73,7 +73,7 @@ def install() -> bool:
             if op not in lowering.lowerings:
                 lowering.make_fallback(op, layout_constraint=_default_layout_constraint(op))
             lowering.lowerings[op] = _renaming(op, lowering.lowerings[op])
-            _WRAPPED[op] = extern_name(op)
+            _WRAPPED.add(op)
     except (ImportError, AttributeError, TypeError) as error:  # an Inductor without these hooks
         _INSTALL_FAILED.append(f"{type(error).__name__}: {error}")
         log.warning("weavepass: compiled graphs call the fused ops through the dispatcher "

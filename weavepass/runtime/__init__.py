@@ -62,13 +62,16 @@ LAYER_NORM_LOWERINGS = tuple(_LAYER_NORM_LOWERINGS)
 
 
 def get_lowering(name: str) -> FusedLowering:
-    """The implementation registered under ``name`` (importing it on first use)."""
-    if name not in _LOWERINGS:
-        if name not in _LAZY_LOWERINGS:
-            known = sorted([*_LOWERINGS, *_LAZY_LOWERINGS])
-            raise ValueError(f"unknown weave lowering {name!r}; known lowerings: {known}")
-        module_name, attr = _LAZY_LOWERINGS[name].split(":")
-        _LOWERINGS[name] = getattr(importlib.import_module(module_name), attr)
+    """The implementation registered under ``name`` (importing it on first use). The fused ops'
+    kernels call this once per op call: a known name costs one dict lookup."""
+    run = _LOWERINGS.get(name)
+    if run is not None:
+        return run
+    if name not in _LAZY_LOWERINGS:
+        known = sorted([*_LOWERINGS, *_LAZY_LOWERINGS])
+        raise ValueError(f"unknown weave lowering {name!r}; known lowerings: {known}")
+    module_name, attr = _LAZY_LOWERINGS[name].split(":")
+    _LOWERINGS[name] = getattr(importlib.import_module(module_name), attr)
     return _LOWERINGS[name]
 
 
@@ -80,9 +83,9 @@ def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtyp
                             workspace_tokens):
     """The kernel of ``weave.fused_allreduce_rmsnorm`` (schema and fake: ``weavepass.ops``): runs
     the ``FusedLowering`` named ``lowering``. Compiled graphs call it directly, once per site and
-    forward pass (``weavepass.compile.direct_calls``): keep it one lookup and one call."""
-    run = _LOWERINGS.get(lowering) or get_lowering(lowering)
-    return run(partial, residual, weight, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens)
+    forward pass (``weavepass.compile.direct_calls``)."""
+    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
+                                  max_workspace_tokens=workspace_tokens)
 
 
 def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, out_dtype, lowering,

@@ -195,10 +195,7 @@ def _launch(launch: _Launch, tensors: tuple, eps: float) -> None:
     compiled = launch.compiled
     if compiled is not None and _DIRECT_LAUNCH:
         ptrs = [t.data_ptr() for t in tensors]
-        bits = 0
-        for ptr in ptrs:
-            bits |= ptr
-        if (not bits & 15) == launch.aligned:
+        if _aligned(ptrs) == launch.aligned:
             runtime = launch.runtime
             stream = torch._C._cuda_getCurrentRawStream(tensors[0].device.index)
             enter = _hook(runtime.launch_enter_hook)
@@ -218,13 +215,18 @@ def _launch(launch: _Launch, tensors: tuple, eps: float) -> None:
         names = launch.kernel.arg_names[len(tensors) + len(launch.tail) + 1:]
         if set(names) <= set(launch.meta):  # every remaining parameter is a constexpr we pass
             launch.constexprs = tuple(launch.meta[name] for name in names)
-            bits = 0
-            for t in tensors:
-                bits |= t.data_ptr()
-            launch.aligned = not bits & 15
+            launch.aligned = _aligned([t.data_ptr() for t in tensors])
             launch.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.tail)
             launch.runtime = runtime
             launch.compiled = result
+
+
+def _aligned(addresses) -> bool:
+    """Whether every address is 16-byte aligned (what Triton specialises pointer arguments on)."""
+    bits = 0
+    for address in addresses:
+        bits |= address
+    return not bits & 15
 
 
 def _hook(hook):
