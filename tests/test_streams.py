@@ -86,6 +86,8 @@ def two_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "Stream", stream)
     monkeypatch.setattr(streams, "get_lowering", lambda name: lowering)
+    monkeypatch.setattr(streams, "_record", lambda event, stream: event.record(stream))
+    monkeypatch.setattr(streams, "_wait", lambda event, stream: stream.wait_event(event))
     for state in ("_COMM_STREAMS", "_STREAMS", "_EVENTS", "_PENDING"):  # this process's real ones stay
         monkeypatch.setattr(streams, state, type(getattr(streams, state))())
     yield current, sides
@@ -140,3 +142,39 @@ def test_no_sweep_below_the_threshold(two_devices):
     partial = FakeOutput(0, 0x10)
     normed, _ = streams.fused_allreduce_rmsnorm_async(partial, None, None, 1e-6, "0", torch.float32, "fake", 16, 0)
     assert streams._PENDING[0x800000] is done and normed.data_ptr() in streams._PENDING
+
+
+@pytest.mark.parametrize("lowering", ["cuda_symm", "portable"])
+def test_the_cuda_lowering_gets_the_stream_others_run_with_it_current(two_devices, monkeypatch, lowering):
+    """``cuda_symm`` is handed the communication stream (``stream=``) and runs while the caller's
+    stream stays current (its outputs come from the caller's pool); any other lowering runs with
+    the communication stream current and gets no ``stream``. Either way the fork precedes the call,
+    the done event is recorded on the communication stream, the caller gets its stream back, and
+    the pending join holds the inputs and both outputs."""
+    current, sides = two_devices
+    default = current[0]
+    seen = {}
+    addresses = iter(range(0x5000, 0x6000, 0x100))
+
+    def recording_lowering(partial, *args, **kwargs):
+        seen["current"] = current[0]
+        seen["stream"] = kwargs.get("stream")
+        seen["side_waited"] = list(sides[0].waited)
+        return FakeOutput(0, next(addresses)), FakeOutput(0, next(addresses))
+
+    monkeypatch.setattr(streams, "get_lowering", lambda name: recording_lowering)
+    partial = FakeOutput(0, 0x10)
+    normed, residual_out = streams.fused_allreduce_rmsnorm_async(
+        partial, None, None, 1e-6, "0", torch.float32, lowering, 16, 0)
+    side = sides[0]
+    assert seen["side_waited"] == [(default, 0)]  # forked before the lowering ran
+    if lowering == "cuda_symm":
+        assert seen["stream"] is side and seen["current"] is default
+    else:
+        assert seen["stream"] is None and seen["current"] is side
+    assert current[0] is default
+    entry = streams._PENDING[normed.data_ptr()]
+    assert entry.event.last is side
+    assert entry.keep[0] is partial and entry.keep[-2:] == (normed, residual_out)
+    streams.join_async(normed, residual_out, [partial])
+    assert default.waited == [(side, 0)] and not streams._PENDING

@@ -68,6 +68,22 @@ def _direct_launch_worker(rank, world):
         launch = [v for k, v in cuda_symm._LAUNCHES.items() if k[0] == partials[rank].shape][0]
         if launch.compiled is None:
             errors.append(f"T={tokens} H={hidden}: the first launch recorded no compiled kernel")
+        else:
+            # The C launcher without Triton's Python wrapper (``_bare_launcher``): in use on the
+            # Triton it was written for, and equal to the wrapper's launch.
+            import triton
+
+            bare = launch.bare is not launch.compiled.run
+            if triton.__version__.startswith("3.6") and not bare:
+                errors.append(f"T={tokens} H={hidden}: Triton {triton.__version__} launches through its wrapper")
+            saved = launch.bare, launch.bare_fixed
+            launch.bare, launch.bare_fixed = launch.compiled.run, ()
+            try:
+                outputs["direct, Triton's wrapper"] = cuda_symm.fused_allreduce_rmsnorm_cuda(
+                    partials[rank], residual, weight, EPS, group, dtype)
+            finally:
+                launch.bare, launch.bare_fixed = saved
+            launches += 1
         reference = outputs["triton"]
         for label, (normed, res_out) in outputs.items():
             if not (torch.equal(normed, reference[0]) and torch.equal(res_out, reference[1])):
@@ -136,6 +152,31 @@ def _async_join_worker(rank, world):
     if pooled > 2:
         errors.append(f"event pool grew to {pooled} (expected at most 2: fork and done)")
 
+    # The calls that run with the communication stream made current instead of launching on it
+    # by handle (``fused_allreduce_rmsnorm_cuda``'s ``stream``): a strided residual (copied first)
+    # and an unaligned partial (Triton's own launch). The sleep again holds the kernel back.
+    for label in ("strided residual", "unaligned partial"):
+        partials, residual, weight = _make_inputs(80 + rounds, tokens, hidden, dtype, True, world)
+        want = fused_allreduce_rmsnorm_reference(partials, residual, weight, EPS, dtype)
+        partial = partials[rank]
+        if label == "strided residual":
+            wide = torch.empty(tokens, hidden + 64, dtype=dtype, device="cuda")
+            wide[:, :hidden].copy_(residual)
+            residual = wide[:, :hidden]
+        else:
+            partial = torch.empty(tokens * hidden + 1, dtype=dtype, device="cuda")[1:].view(tokens, hidden)
+            partial.copy_(partials[rank])
+        torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+        normed, res_out = call(partial, residual, weight)
+        JOIN(normed, res_out, [partial, residual])
+        got = (normed.clone(), res_out.clone())
+        torch.cuda.synchronize()
+        check(label, got, want)
+        rounds += 1
+
     # Captured: the fork and the join are recorded into the graph, and replays order them too.
     static = _make_inputs(50, tokens, hidden, dtype, True, world)
     normed, res_out = call(static[0][rank], static[1], static[2])  # warm-up outside capture
@@ -180,7 +221,7 @@ gpu_ranks, case_result = shared_ranks(CASES, 1)
 
 
 def test_direct_launch_matches_triton_dispatch(case_result):
-    assert case_result == [20]
+    assert case_result == [24]  # 4 shapes x (5 calls + 1 through Triton's launcher wrapper)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
@@ -206,4 +247,5 @@ def test_layer_norm_on_one_gpu(case_result):
 
 
 def test_async_op_and_join_on_one_gpu(case_result):
-    assert case_result == [8]  # 4 eager rounds (one a control without the join), 3 replays, 1 more eager
+    assert case_result == [10]  # 4 eager rounds (one a control without the join), 2 strided or
+    # unaligned rounds, 3 replays, 1 more eager

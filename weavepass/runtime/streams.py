@@ -14,9 +14,12 @@ two outputs and its inputs right before the first read of either output:
 Events and stream waits are recorded into a CUDA graph during capture, so the fork/join replays.
 No stream reuses a block the other still reads:
 
-* the caching allocator: the pending entry holds the inputs until the join, and the outputs'
-  blocks are only reused on the communication stream after a later fork (``_Join`` says why this,
-  not ``record_stream``);
+* the caching allocator: the pending entry holds the inputs and the outputs until the join
+  (``_Join`` says why this, not ``record_stream``). The ``cuda_symm`` lowering, in the steady state,
+  allocates the outputs on the calling stream and launches on the communication stream by its
+  handle, without making it current; the calling stream frees them only after its join. Other
+  calls run with the communication stream current, and their outputs' blocks are only reused on
+  that stream after a later fork;
 * Inductor: it reuses a buffer in place (``bufN = bufM; del bufM  # reuse``) as soon as its last
   reader in the graph has been *launched*, which for the async op is long before the
   communication stream has read it. The join is that last reader. (Before the join op, the split
@@ -27,8 +30,10 @@ No stream reuses a block the other still reads:
 
 Host cost is the point of this layout (one call per half and site, every forward pass): one op call
 joins both outputs (two ``wait_tensor`` calls went through PyTorch's Python autograd wrapper of the
-functional collective, about 10 us each on the H200 host), events come from a pool, and the
-current stream is looked up by its raw handle (``_current``), not ``torch.cuda.current_stream``.
+functional collective, about 10 us each on the H200 host), events come from a pool and are
+recorded and waited on through the C methods, the current stream is looked up by its raw handle
+(``_current``), not ``torch.cuda.current_stream``, and the ``cuda_symm`` lowering launches on the
+communication stream without two stream switches (``_run_async``).
 
 On CPU (and every non-CUDA device) the op is the plain fused op and the join finds no entry: both
 are no-ops around the same math.
@@ -94,11 +99,19 @@ def _free(index: int, event: torch.cuda.Event) -> None:
     _EVENTS.setdefault(index, []).append(event)
 
 
+_EVENT_BASE = getattr(torch._C, "_CudaEventBase", None)
+_record = getattr(_EVENT_BASE, "record", None) or (lambda event, stream: event.record(stream))
+"""``event.record(stream)`` and ``event.wait(stream)`` (``stream`` waits for ``event``) through the C
+methods, without the Python wrappers of ``torch.cuda.Event`` and ``Stream.wait_event`` (0.5 us per
+fork on the H200 host). A build without CUDA has no such methods (and no async calls on CUDA)."""
+_wait = getattr(_EVENT_BASE, "wait", None) or (lambda event, stream: event.wait(stream))
+
+
 def _fork(index: int, main: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
     """Make ``side`` wait for the work queued on ``main`` so far (both streams of device ``index``)."""
     fork = _event(index)
-    fork.record(main)
-    side.wait_event(fork)
+    _record(fork, main)
+    _wait(fork, side)
     _free(index, fork)
 
 
@@ -114,9 +127,10 @@ def _file(key: int, entry) -> None:
 class _Join:
     """The pending join of a fused async op: ``join()`` makes the current stream wait for ``event``.
 
-    It also holds the op's inputs until then: their blocks belong to the main stream, and the
-    communication stream reads them, so they must not go back to the caching allocator (and be
-    handed to a later main-stream kernel) before the main stream has waited for that read. Holding
+    It also holds the op's inputs (and its outputs: ``_run_async``) until then: their blocks belong
+    to the main stream, and the communication stream reads them, so they must not go back to the
+    caching allocator (and be handed to a later main-stream kernel) before the main stream has
+    waited for that read. Holding
     them is how c10d's own collectives protect their inputs; ``record_stream`` would also be safe,
     but it keeps freed blocks allocated until the allocator polls an event, which CUDA-graph trees
     report as live tensors not tracked as outputs."""
@@ -128,7 +142,7 @@ class _Join:
         self.keep = keep
 
     def join(self, index: int) -> None:
-        _current(index).wait_event(self.event)
+        _wait(self.event, _current(index))
         _free(index, self.event)
         self.keep = None
 
@@ -146,22 +160,28 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
         options = {"max_workspace_tokens": workspace_tokens, "num_ctas": num_ctas}
     else:
         options = {"max_workspace_tokens": workspace_tokens}
-    return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options, (partial, residual, weight))
+    return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options, (partial, residual, weight),
+                      lowering == "cuda_symm")
 
 
 def fused_allreduce_layernorm_async(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
                                     workspace_tokens, num_ctas=0):
     """``weave.fused_allreduce_layernorm`` on the communication stream, joined as the RMSNorm form
     (``fused_allreduce_rmsnorm_async``); the join also holds the bias."""
-    options = {"num_ctas": num_ctas} if num_ctas and lowering == "cuda_symm" else {}
+    cuda_symm = lowering == "cuda_symm"
+    options = {"num_ctas": num_ctas} if num_ctas and cuda_symm else {}
     return _run_async(fused_allreduce_layernorm,
                       (partial, residual, weight, bias, eps, group_name, out_dtype, lowering, workspace_tokens),
-                      options, (partial, residual, weight, bias))
+                      options, (partial, residual, weight, bias), cuda_symm)
 
 
-def _run_async(run, args: tuple, options: dict, inputs: tuple):
+def _run_async(run, args: tuple, options: dict, inputs: tuple, takes_stream: bool = False):
     """``run(*args, **options)`` (a lowering: ``(normed, residual_out)``; ``inputs[0]`` is the
-    partial) on the communication stream of its device, its join filed; plainly off CUDA."""
+    partial) on the communication stream of its device, its join filed; plainly off CUDA.
+
+    ``takes_stream``: ``run`` takes the stream as its ``stream`` argument (the ``cuda_symm``
+    lowering: ``fused_allreduce_rmsnorm_cuda`` says what it does with it); other lowerings run with
+    the communication stream made current."""
     device = inputs[0].device
     if device.type != "cuda":
         return run(*args, **options)
@@ -171,18 +191,26 @@ def _run_async(run, args: tuple, options: dict, inputs: tuple):
     if side is None:
         side = comm_stream(device)
     _fork(index, main, side)  # the inputs are ready
-    torch.cuda.set_stream(side)
-    try:
-        normed, residual_out = run(*args, **options)
+    if takes_stream:
+        normed, residual_out = run(*args, stream=side, **options)
         done = _event(index)
-        done.record(side)
-    finally:
-        torch.cuda.set_stream(main)
-    # The outputs' blocks come from the communication stream's pool and are freed on the main
-    # stream after its join; the side stream only reuses such a block in a later call, after that
-    # call's fork has made it wait for everything the main stream had queued (the reads included).
+        _record(done, side)
+    else:
+        torch.cuda.set_stream(side)
+        try:
+            normed, residual_out = run(*args, **options)
+            done = _event(index)
+            _record(done, side)
+        finally:
+            torch.cuda.set_stream(main)
+    # Until the join the entry holds the outputs too: blocks of the calling stream's pool (the
+    # direct launch's) must not be reused by that stream while the kernel may still write them,
+    # even if the graph raised before its join. Blocks of the communication stream's pool (the
+    # other calls') are freed on the main stream after the join; the side stream only reuses such a
+    # block in a later call, after that call's fork has made it wait for everything the main stream
+    # had queued (the reads included).
     if normed.numel():
-        _file(normed.data_ptr(), _Join(done, inputs))
+        _file(normed.data_ptr(), _Join(done, (*inputs, normed, residual_out)))
     return normed, residual_out
 
 
@@ -206,7 +234,7 @@ class _PushJoin:
         current = _current(index)
         if current != self.stream:  # the outputs were allocated for, and are written on, that stream
             raise RuntimeError("weave push op: joined on another stream than the one that called it")
-        current.wait_event(self.event)
+        _wait(self.event, current)
         _free(index, self.event)
         self.call.reduce(*self.pending)
         self.pending = None
@@ -244,7 +272,7 @@ def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_nam
     try:
         call.push(partial, slot)
         done = _event(index)
-        done.record(side)
+        _record(done, side)
     finally:
         torch.cuda.set_stream(main)
     # prepare_push serves no empty call (a zero-row reduce would have nothing to file under)

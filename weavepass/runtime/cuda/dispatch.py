@@ -80,8 +80,13 @@ class _Launch:
     aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
     tail_ptrs: tuple = ()  # ``tail`` with the workspace tensors as addresses (they outlive the launch)
     runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
+    idle_enter: object = None  # the launch-enter hook chain seen at the first launch (``_idle_chain``)
+    idle_exit: object = None  # the same for the exit hook
+    bare: object = None  # the launcher to call (``_bare_launcher``) and its extra arguments
+    bare_fixed: tuple = ()
     contiguous: tuple = (True, True, True)  # whether partial, residual, weight are contiguous (no copy)
     same_dtype: bool = True  # whether out_dtype is partial's dtype
+    on_stream: bool = False  # whether a call may launch on another stream without making it current
 
 
 _PORTABLE = "portable"
@@ -101,6 +106,7 @@ def fused_allreduce_rmsnorm_cuda(
     return_inv_rms: bool = False,
     layer_norm: bool = False,
     bias: torch.Tensor | None = None,
+    stream: torch.cuda.Stream | None = None,
     **overrides,
 ) -> tuple[torch.Tensor, ...]:
     """``partial`` [..., H] -> ``(normed, residual_out)``, same math and shapes as the portable lowering;
@@ -115,6 +121,13 @@ def fused_allreduce_rmsnorm_cuda(
     lowering instead, with a one-time warning. A norm without weight (``weight=None``) scales by 1.
 
     ``overrides`` are fields of ``LaunchOverrides`` (benchmarks, tests, the async op's grid).
+
+    ``stream``: the stream to run on instead of the current one (the async op's communication
+    stream, which must already wait for the inputs). A call of a known signature with contiguous
+    inputs launches there directly, its outputs allocated on the current stream (the caller orders
+    their use and their release after the kernel: ``weavepass.runtime.streams``). Any other call
+    (the first of its signature, a copy of a strided input, the portable fallback) runs whole with
+    ``stream`` made current, so that every piece of GPU work it queues stays in that stream's order.
 
     The first call of each signature (shapes, dtypes, devices, group, options) validates and plans;
     later ones reuse that (``_LAUNCHES``): this op runs once per site and forward pass, and at small
@@ -132,6 +145,11 @@ def fused_allreduce_rmsnorm_cuda(
         layer_norm and (None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)),
     )
     launch = _LAUNCHES.get(key)
+    if stream is not None and not (launch.__class__ is _Launch and launch.on_stream and _DIRECT_LAUNCH):
+        with torch.cuda.stream(stream):  # see the docstring
+            return fused_allreduce_rmsnorm_cuda(
+                partial, residual, weight, eps, group_name, out_dtype, max_workspace_tokens=max_workspace_tokens,
+                return_inv_rms=return_inv_rms, layer_norm=layer_norm, bias=bias, **overrides)
     if launch is None:
         launch = _prepare(partial, residual, weight, group_name, out_dtype, max_workspace_tokens,
                           LaunchOverrides(**overrides), return_inv_rms, layer_norm, bias)
@@ -162,7 +180,7 @@ def fused_allreduce_rmsnorm_cuda(
         w = weight if w_contiguous else weight.contiguous()
     # The bias: a LayerNorm's own (zeros without one); an RMSNorm reads none (the weight stands in).
     b = w if not layer_norm else launch.zeros if bias is None else bias if bias.is_contiguous() else bias.contiguous()
-    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b), eps)
+    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b), eps, stream)
     return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
 
 
@@ -175,11 +193,12 @@ def fused_allreduce_layernorm_cuda(partial, residual, weight, bias, eps, group_n
                                         bias=bias, **overrides)
 
 
-def _launch(launch: _Launch, tensors: tuple, eps: float) -> None:
+def _launch(launch: _Launch, tensors: tuple, eps: float, stream: torch.cuda.Stream | None = None) -> None:
     """Launch ``launch.kernel`` on ``tensors`` (partial, residual, weight, normed, residual_out,
-    inv_rms, bias), ``launch.tail`` and ``eps``: straight through the compiled kernel's launcher when
-    the first launch's specialisation still holds, else through Triton's ``JITFunction`` (which also
-    records the compiled kernel on the first call).
+    inv_rms, bias), ``launch.tail`` and ``eps``, on ``stream`` (default: the current stream):
+    straight through the compiled kernel's launcher when the first launch's specialisation still
+    holds, else through Triton's ``JITFunction`` (which also records the compiled kernel on the
+    first call).
 
     The direct launch passes the tensors' addresses as integers: given a tensor, Triton's launcher
     calls its ``data_ptr`` method and then ``cuPointerGetAttribute`` (a driver call) for every
@@ -196,19 +215,26 @@ def _launch(launch: _Launch, tensors: tuple, eps: float) -> None:
     if compiled is not None and _DIRECT_LAUNCH:
         ptrs = [t.data_ptr() for t in tensors]
         if _aligned(ptrs) == launch.aligned:
+            raw = (torch._C._cuda_getCurrentRawStream(tensors[0].device.index) if stream is None
+                   else stream.cuda_stream)
             runtime = launch.runtime
-            stream = torch._C._cuda_getCurrentRawStream(tensors[0].device.index)
-            enter = _hook(runtime.launch_enter_hook)
-            exit_hook = _hook(runtime.launch_exit_hook)
-            if enter is None and exit_hook is None:
-                compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
-                             None, None, None, *ptrs, *launch.tail_ptrs, eps, *launch.constexprs)
+            enter = runtime.launch_enter_hook
+            exit_hook = runtime.launch_exit_hook
+            if (enter is None or enter is launch.idle_enter and not enter.calls) and (
+                    exit_hook is None or exit_hook is launch.idle_exit and not exit_hook.calls):
+                launch.bare(launch.grid[0], 1, 1, raw, compiled.function, *launch.bare_fixed, compiled.packed_metadata,
+                            None, None, None, *ptrs, *launch.tail_ptrs, eps, *launch.constexprs)
             else:
+                enter, exit_hook = _hook(enter), _hook(exit_hook)
                 args = (*tensors, *launch.tail, eps)
-                metadata = None if enter is None else compiled.launch_metadata(launch.grid, stream, *args)
-                compiled.run(launch.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                metadata = None if enter is None else compiled.launch_metadata(launch.grid, raw, *args)
+                compiled.run(launch.grid[0], 1, 1, raw, compiled.function, compiled.packed_metadata,
                              metadata, enter, exit_hook, *args, *launch.constexprs)
             return
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            _launch(launch, tensors, eps)
+        return
     result = launch.kernel[launch.grid](*tensors, *launch.tail, eps, **launch.meta)
     runtime = _triton_runtime_knobs()
     if compiled is None and runtime is not None and hasattr(result, "packed_metadata"):
@@ -218,6 +244,9 @@ def _launch(launch: _Launch, tensors: tuple, eps: float) -> None:
             launch.aligned = _aligned([t.data_ptr() for t in tensors])
             launch.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.tail)
             launch.runtime = runtime
+            launch.idle_enter = _idle_chain(runtime.launch_enter_hook)
+            launch.idle_exit = _idle_chain(runtime.launch_exit_hook)
+            launch.bare, launch.bare_fixed = _bare_launcher(result.run)
             launch.compiled = result
 
 
@@ -227,6 +256,46 @@ def _aligned(addresses) -> bool:
     for address in addresses:
         bits |= address
     return not bits & 15
+
+
+def _idle_chain(hook):
+    """``hook`` when it is a hook chain (Triton 3.6's ``HookChain``: a launch hook is idle while its
+    ``calls`` list is empty, read at every launch), else an object no hook is."""
+    return hook if isinstance(getattr(hook, "calls", None), list) else _NOT_A_CHAIN
+
+
+_NOT_A_CHAIN = object()
+
+
+_TRITON_36_CALL = (
+    "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+    "global_scratch, profile_scratch, *args)"
+)
+
+
+def _bare_launcher(run):
+    """``(launch, fixed)``: what to call instead of Triton's launcher object ``run`` as
+    ``launch(gridX, gridY, gridZ, stream, function, *fixed, *args)``.
+
+    Triton 3.6's ``CudaLauncher.__call__`` allocates no scratch when the kernel needs none (ours
+    need none) and then calls its C ``launch`` with two of its own attributes and two ``None``
+    scratch buffers inserted; that Python wrapper cost ~2 us per launch on the H200 host
+    (scripts/profile_host_cost.py). When the wrapper is exactly that code and the kernel needs no
+    scratch, the C function is returned with those four arguments; otherwise (another Triton,
+    scratch needed, ``WEAVE_TRITON_BARE_LAUNCH=0``) ``run`` itself with none."""
+    if not _BARE_LAUNCH:
+        return run, ()
+    try:
+        import inspect
+
+        source = " ".join(inspect.getsource(type(run).__call__).split())
+        fixed = (run.launch_cooperative_grid, run.launch_pdl, None, None)
+        no_scratch = run.global_scratch_size == 0 and run.profile_scratch_size == 0
+    except (AttributeError, OSError, TypeError):
+        return run, ()
+    if _TRITON_36_CALL in source and no_scratch and callable(getattr(run, "launch", None)):
+        return run.launch, fixed
+    return run, ()
 
 
 def _hook(hook):
@@ -240,6 +309,8 @@ def _hook(hook):
 
 _DIRECT_LAUNCH = os.environ.get("WEAVE_TRITON_DIRECT_LAUNCH", "1") != "0"
 """Debugging switch: ``WEAVE_TRITON_DIRECT_LAUNCH=0`` sends every launch through Triton's dispatch."""
+_BARE_LAUNCH = os.environ.get("WEAVE_TRITON_BARE_LAUNCH", "1") != "0"
+"""Debugging switch: ``WEAVE_TRITON_BARE_LAUNCH=0`` keeps Triton's Python launcher wrapper (``_bare_launcher``)."""
 
 
 
@@ -300,8 +371,11 @@ def _prepare(
     ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
     zeros = constant_vector(hidden, partial.dtype, partial.device, 0.0) if layer_norm and bias is None else None
     contiguous = tuple(t is None or t.is_contiguous() for t in (partial, residual, weight))
+    # Launching on a given stream without making it current is only for calls that queue nothing
+    # but the kernel: no input copies (a strided bias is copied too), rows to launch on.
+    on_stream = all(contiguous) and (bias is None or bias.is_contiguous()) and num_tokens > 0
     return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0, zeros=zeros,
-                   contiguous=contiguous, same_dtype=out_dtype == partial.dtype)
+                   contiguous=contiguous, same_dtype=out_dtype == partial.dtype, on_stream=on_stream)
 
 
 def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int,
