@@ -102,9 +102,10 @@ def load_tp(path: str, mesh, dtype: torch.dtype = torch.float32):
 
 
 def run_families(rank: int, world: int, paths: dict[str, str], configs: dict[str, WeaveConfig],
-                 bf16: tuple[str, ...] = ()):
-    """On one rank: every family of ``paths`` (family -> checkpoint), under every config; for the
-    families in ``bf16`` also a bf16 run (``"bf16"``, fuse-only) checked by ``check_against_eager``.
+                 bf16: tuple[str, ...] = (), strategies: dict[str, tuple[str, ...]] | None = None):
+    """On one rank: every family of ``paths`` (family -> checkpoint), under every config (or the
+    configs ``strategies[family]`` names); for the families in ``bf16`` also a bf16 run
+    (``"bf16"``, fuse-only) checked by ``check_against_eager``.
 
     Returns ``{family: {config name: FamilyRun}}``.
     """
@@ -114,7 +115,11 @@ def run_families(rank: int, world: int, paths: dict[str, str], configs: dict[str
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     mesh = init_device_mesh("cpu", (world,))
     ids = torch.randint(0, _COMMON["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    runs = {name: _run_family(load_tp(path, mesh), ids, configs) for name, path in paths.items()}
+    runs = {
+        name: _run_family(load_tp(path, mesh), ids,
+                          configs if strategies is None else {c: configs[c] for c in strategies[name]})
+        for name, path in paths.items()
+    }
     for name in bf16:
         runs[name]["bf16"] = _run_bf16(paths[name], mesh, ids)
     return runs
