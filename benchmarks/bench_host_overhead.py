@@ -53,7 +53,7 @@ WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_
 
 
 def _callables(group_name: str):
-    from weavepass.runtime.cuda import dispatch as cuda_symm
+    from weavepass.runtime.cuda import launcher
     from weavepass.ops import (
         FUSED_ALLREDUCE_RMSNORM,
         FUSED_ALLREDUCE_RMSNORM_ASYNC,
@@ -74,11 +74,11 @@ def _callables(group_name: str):
         return fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group_name, p.dtype)
 
     def lowering_triton(p, r, w):
-        cuda_symm._DIRECT_LAUNCH = False
+        launcher.DIRECT_LAUNCH = False
         try:
             return fused_allreduce_rmsnorm_cuda(p, r, w, 1e-5, group_name, p.dtype)
         finally:
-            cuda_symm._DIRECT_LAUNCH = True
+            launcher.DIRECT_LAUNCH = True
 
     def dispatch(p, r, w):
         return _empty_op()(p, r, w, 1e-5, group_name, p.dtype, "cuda_symm", capacity)

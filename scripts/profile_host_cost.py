@@ -147,7 +147,7 @@ def main() -> None:
                                                         None, None, None, *ptr_args, *launch.constexprs),
         "compiled.launch_metadata": lambda: c.launch_metadata(launch.grid, stream, *call_args),
         "JITFunction[grid](...)": lambda: launch.kernel[launch.grid](*call_args, **launch.meta),
-        "_launch (direct)": lambda: cuda_symm._launch(launch, tensors, 1e-5),
+        "_launch (direct)": lambda: launch.launch(tensors, (1e-5,)),
         "lowering": lowering,
         "op (torch.ops)": op,
         "async op + join_async": async_op,

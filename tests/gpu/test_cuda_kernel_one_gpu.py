@@ -40,6 +40,7 @@ def _direct_launch_worker(rank, world):
     """Triton's dispatch and the cached direct launch give bit-identical outputs, call after call,
     also when a call's pointers lose the 16-byte alignment the first call was compiled for."""
     from weavepass.runtime.cuda import dispatch as cuda_symm
+    from weavepass.runtime.cuda import launcher
 
     group = dist.group.WORLD.group_name
     dtype = torch.bfloat16
@@ -59,11 +60,11 @@ def _direct_launch_worker(rank, world):
             ("direct, unaligned partial", shifted, True),
             ("direct after unaligned", partials[rank], True),
         ):
-            cuda_symm._DIRECT_LAUNCH = direct
+            launcher.DIRECT_LAUNCH = direct
             try:
                 outputs[label] = cuda_symm.fused_allreduce_rmsnorm_cuda(partial, residual, weight, EPS, group, dtype)
             finally:
-                cuda_symm._DIRECT_LAUNCH = True
+                launcher.DIRECT_LAUNCH = True
             launches += 1
         launch = [v for k, v in cuda_symm._LAUNCHES.items() if k[0] == partials[rank].shape][0]
         if launch.compiled is None:

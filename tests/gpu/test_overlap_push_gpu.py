@@ -33,7 +33,7 @@ def _push_ran(device) -> bool:
     """Whether the push kernels served at least one call (not only the fused async fallback)."""
     from weavepass.runtime.cuda import push
 
-    return any(call is not None and call.by_slot[0].push_tail[0].device == device for call in push._CALLS.values())
+    return any(call is not None and call.pushes[0].tail[0].device == device for call in push._CALLS.values())
 
 
 def _push_matches_eager(rank, world):

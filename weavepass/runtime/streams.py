@@ -268,13 +268,9 @@ def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_nam
     residual_out = torch.empty_like(partial)
     side = comm_stream(device)
     _fork(index, main, side)  # the partial is ready
-    torch.cuda.set_stream(side)
-    try:
-        call.push(partial, slot)
-        done = _event(index)
-        _record(done, side)
-    finally:
-        torch.cuda.set_stream(main)
+    call.push(partial, slot, side)  # launched there by handle (the workspace was set up before the fork)
+    done = _event(index)
+    _record(done, side)
     # prepare_push serves no empty call (a zero-row reduce would have nothing to file under)
     _file(normed.data_ptr(), _PushJoin(done, main, call, (partial, residual, weight, normed, residual_out, eps, slot)))
     return normed, residual_out

@@ -3,8 +3,8 @@
 The algorithm, the memory ordering and the launch rule are described in ``docs/cuda_kernel.md`` and
 in ``weavepass.runtime.cuda.kernels``. The host side is split by concern: ``support`` (what the
 kernel can serve), ``launch_plan`` (one-shot/two-shot, grid and tile rule), ``workspace`` (the
-symmetric buffers) and this module, the op's entry: a per-signature launch cache, the direct launch,
-and the fallback to the portable lowering.
+symmetric buffers), ``launcher`` (the direct launch of a kernel) and this module, the op's entry: a
+per-signature launch cache and the fallback to the portable lowering.
 
 NVLink multicast (multimem, NVLS, ``cuMulticastCreate``) is never used: the kernels only do
 peer-to-peer loads, stores and atomics through unicast symmetric pointers, and importing this module
@@ -14,15 +14,15 @@ allocator does not create a multicast object we would never use.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
 from weavepass.env import disable_multicast
+from weavepass.runtime.cuda import launcher
+from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.support import SUPPORTED_DTYPES, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
@@ -54,36 +54,16 @@ def _warn_once(key: str, message: str) -> None:
 
 
 @dataclass
-class _Launch:
+class _Launch(DirectLauncher):
     """Everything one call of a given signature needs besides its tensors: worked out on the first
     call (validation, plan, workspace, kernel) and reused, so a call costs two output allocations
-    and one launch.
+    and one direct launch (``launcher.DirectLauncher``: the kernel's arguments are ``(partial,
+    residual, weight, normed, residual_out, inv_rms, bias, *tail, eps)``)."""
 
-    The first launch goes through Triton's ``JITFunction`` (it compiles, and specialises integer
-    arguments and pointer alignment); it returns the compiled kernel, whose launcher later calls use
-    directly (``_launch``). Triton's own dispatch re-derives the specialisation from every argument on
-    every call, which cost more host time than the rest of the op (benchmarks/bench_host_overhead.py).
-    The direct path is valid while the specialisation cannot change: the integer arguments are part
-    of the call signature's key, and the tensor pointers are checked for the 16-byte alignment the
-    first call saw (an unaligned call takes Triton's path, which picks its own variant)."""
-
-    kernel: object  # triton JITFunction
-    grid: tuple[int]
-    tail: tuple  # ws buffer, pad, 2 x MAX_WORLD deltas, tokens, rows per rank, capacity
-    meta: dict  # constexprs and num_warps
-    hidden: int
+    hidden: int = 0
     ones: torch.Tensor | None = None  # the weight of a norm without scale
     empty: bool = False  # no rows: nothing to launch
     zeros: torch.Tensor | None = None  # the bias of a LayerNorm without one
-    compiled: object = None  # triton CompiledKernel, after the first launch
-    constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
-    aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
-    tail_ptrs: tuple = ()  # ``tail`` with the workspace tensors as addresses (they outlive the launch)
-    runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
-    idle_enter: object = None  # the launch-enter hook chain seen at the first launch (``_idle_chain``)
-    idle_exit: object = None  # the same for the exit hook
-    bare: object = None  # the launcher to call (``_bare_launcher``) and its extra arguments
-    bare_fixed: tuple = ()
     contiguous: tuple = (True, True, True)  # whether partial, residual, weight are contiguous (no copy)
     same_dtype: bool = True  # whether out_dtype is partial's dtype
     on_stream: bool = False  # whether a call may launch on another stream without making it current
@@ -145,7 +125,7 @@ def fused_allreduce_rmsnorm_cuda(
         layer_norm and (None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)),
     )
     launch = _LAUNCHES.get(key)
-    if stream is not None and not (launch.__class__ is _Launch and launch.on_stream and _DIRECT_LAUNCH):
+    if stream is not None and not (launch.__class__ is _Launch and launch.on_stream and launcher.DIRECT_LAUNCH):
         with torch.cuda.stream(stream):  # see the docstring
             return fused_allreduce_rmsnorm_cuda(
                 partial, residual, weight, eps, group_name, out_dtype, max_workspace_tokens=max_workspace_tokens,
@@ -180,7 +160,7 @@ def fused_allreduce_rmsnorm_cuda(
         w = weight if w_contiguous else weight.contiguous()
     # The bias: a LayerNorm's own (zeros without one); an RMSNorm reads none (the weight stands in).
     b = w if not layer_norm else launch.zeros if bias is None else bias if bias.is_contiguous() else bias.contiguous()
-    _launch(launch, (rows, res, w, normed, residual_out, inv_rms, b), eps, stream)
+    launch.launch((rows, res, w, normed, residual_out, inv_rms, b), (eps,), stream)
     return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
 
 
@@ -191,138 +171,6 @@ def fused_allreduce_layernorm_cuda(partial, residual, weight, bias, eps, group_n
     return fused_allreduce_rmsnorm_cuda(partial, residual, weight, eps, group_name, out_dtype,
                                         max_workspace_tokens=max_workspace_tokens, layer_norm=True,
                                         bias=bias, **overrides)
-
-
-def _launch(launch: _Launch, tensors: tuple, eps: float, stream: torch.cuda.Stream | None = None) -> None:
-    """Launch ``launch.kernel`` on ``tensors`` (partial, residual, weight, normed, residual_out,
-    inv_rms, bias), ``launch.tail`` and ``eps``, on ``stream`` (default: the current stream):
-    straight through the compiled kernel's launcher when the first launch's specialisation still
-    holds, else through Triton's ``JITFunction`` (which also records the compiled kernel on the
-    first call).
-
-    The direct launch passes the tensors' addresses as integers: given a tensor, Triton's launcher
-    calls its ``data_ptr`` method and then ``cuPointerGetAttribute`` (a driver call) for every
-    pointer argument, nine per call here, on every launch. The addresses are needed anyway for the
-    16-byte alignment check (an unaligned call takes Triton's path, which picks its own
-    specialisation), and the call signature's key and the first call's validation already fixed
-    every tensor's device; the workspace's own addresses are taken once (``_Launch.tail_ptrs``).
-    Launch hooks (profilers) get what Triton's own path gives them, tensors included; empty ones
-    (``_hook``) are skipped, and with them the per-launch metadata Triton computes only for hooks.
-
-    PyTorch's static CUDA launcher (``torch._C._StaticCudaLauncher``, Inductor's) was tried in its
-    place and measured no faster on the H200 host (7.6 against 7.1 us per launch, 2026-12-01)."""
-    compiled = launch.compiled
-    if compiled is not None and _DIRECT_LAUNCH:
-        ptrs = [t.data_ptr() for t in tensors]
-        if _aligned(ptrs) == launch.aligned:
-            raw = (torch._C._cuda_getCurrentRawStream(tensors[0].device.index) if stream is None
-                   else stream.cuda_stream)
-            runtime = launch.runtime
-            enter = runtime.launch_enter_hook
-            exit_hook = runtime.launch_exit_hook
-            if (enter is None or enter is launch.idle_enter and not enter.calls) and (
-                    exit_hook is None or exit_hook is launch.idle_exit and not exit_hook.calls):
-                launch.bare(launch.grid[0], 1, 1, raw, compiled.function, *launch.bare_fixed, compiled.packed_metadata,
-                            None, None, None, *ptrs, *launch.tail_ptrs, eps, *launch.constexprs)
-            else:
-                enter, exit_hook = _hook(enter), _hook(exit_hook)
-                args = (*tensors, *launch.tail, eps)
-                metadata = None if enter is None else compiled.launch_metadata(launch.grid, raw, *args)
-                compiled.run(launch.grid[0], 1, 1, raw, compiled.function, compiled.packed_metadata,
-                             metadata, enter, exit_hook, *args, *launch.constexprs)
-            return
-    if stream is not None:
-        with torch.cuda.stream(stream):
-            _launch(launch, tensors, eps)
-        return
-    result = launch.kernel[launch.grid](*tensors, *launch.tail, eps, **launch.meta)
-    runtime = _triton_runtime_knobs()
-    if compiled is None and runtime is not None and hasattr(result, "packed_metadata"):
-        names = launch.kernel.arg_names[len(tensors) + len(launch.tail) + 1:]
-        if set(names) <= set(launch.meta):  # every remaining parameter is a constexpr we pass
-            launch.constexprs = tuple(launch.meta[name] for name in names)
-            launch.aligned = _aligned([t.data_ptr() for t in tensors])
-            launch.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.tail)
-            launch.runtime = runtime
-            launch.idle_enter = _idle_chain(runtime.launch_enter_hook)
-            launch.idle_exit = _idle_chain(runtime.launch_exit_hook)
-            launch.bare, launch.bare_fixed = _bare_launcher(result.run)
-            launch.compiled = result
-
-
-def _aligned(addresses) -> bool:
-    """Whether every address is 16-byte aligned (what Triton specialises pointer arguments on)."""
-    bits = 0
-    for address in addresses:
-        bits |= address
-    return not bits & 15
-
-
-def _idle_chain(hook):
-    """``hook`` when it is a hook chain (Triton 3.6's ``HookChain``: a launch hook is idle while its
-    ``calls`` list is empty, read at every launch), else an object no hook is."""
-    return hook if isinstance(getattr(hook, "calls", None), list) else _NOT_A_CHAIN
-
-
-_NOT_A_CHAIN = object()
-
-
-_TRITON_36_CALL = (
-    "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
-    "global_scratch, profile_scratch, *args)"
-)
-
-
-def _bare_launcher(run):
-    """``(launch, fixed)``: what to call instead of Triton's launcher object ``run`` as
-    ``launch(gridX, gridY, gridZ, stream, function, *fixed, *args)``.
-
-    Triton 3.6's ``CudaLauncher.__call__`` allocates no scratch when the kernel needs none (ours
-    need none) and then calls its C ``launch`` with two of its own attributes and two ``None``
-    scratch buffers inserted; that Python wrapper cost ~2 us per launch on the H200 host
-    (scripts/profile_host_cost.py). When the wrapper is exactly that code and the kernel needs no
-    scratch, the C function is returned with those four arguments; otherwise (another Triton,
-    scratch needed, ``WEAVE_TRITON_BARE_LAUNCH=0``) ``run`` itself with none."""
-    if not _BARE_LAUNCH:
-        return run, ()
-    try:
-        import inspect
-
-        source = " ".join(inspect.getsource(type(run).__call__).split())
-        fixed = (run.launch_cooperative_grid, run.launch_pdl, None, None)
-        no_scratch = run.global_scratch_size == 0 and run.profile_scratch_size == 0
-    except (AttributeError, OSError, TypeError):
-        return run, ()
-    if _TRITON_36_CALL in source and no_scratch and callable(getattr(run, "launch", None)):
-        return run.launch, fixed
-    return run, ()
-
-
-def _hook(hook):
-    """A Triton launch hook, or None when there is none to call: Triton 3.6 keeps an empty
-    ``HookChain`` where older ones keep None."""
-    if hook is None:
-        return None
-    calls = getattr(hook, "calls", None)
-    return hook if calls is None or calls else None
-
-
-_DIRECT_LAUNCH = os.environ.get("WEAVE_TRITON_DIRECT_LAUNCH", "1") != "0"
-"""Debugging switch: ``WEAVE_TRITON_DIRECT_LAUNCH=0`` sends every launch through Triton's dispatch."""
-_BARE_LAUNCH = os.environ.get("WEAVE_TRITON_BARE_LAUNCH", "1") != "0"
-"""Debugging switch: ``WEAVE_TRITON_BARE_LAUNCH=0`` keeps Triton's Python launcher wrapper (``_bare_launcher``)."""
-
-
-
-@functools.cache
-def _triton_runtime_knobs():
-    """``triton.knobs.runtime`` (where launch hooks live), or None in a Triton without it (then
-    every launch goes through Triton's dispatch)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return None
-    return getattr(knobs, "runtime", None)
 
 
 def _prepare(
@@ -374,8 +222,8 @@ def _prepare(
     # Launching on a given stream without making it current is only for calls that queue nothing
     # but the kernel: no input copies (a strided bias is copied too), rows to launch on.
     on_stream = all(contiguous) and (bias is None or bias.is_contiguous()) and num_tokens > 0
-    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden, ones, num_tokens == 0, zeros=zeros,
-                   contiguous=contiguous, same_dtype=out_dtype == partial.dtype, on_stream=on_stream)
+    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden=hidden, ones=ones, empty=num_tokens == 0,
+                   zeros=zeros, contiguous=contiguous, same_dtype=out_dtype == partial.dtype, on_stream=on_stream)
 
 
 def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from weavepass.env import disable_multicast
+from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.launch_plan import SMALL_TILE_BYTES, triton_next_power_of_2
 from weavepass.runtime.cuda.support import (
     PUSH_WORLD,
@@ -105,30 +106,32 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@dataclass
 class PushCall:
-    """One prepared call signature: its arguments per slot, reused by every call (the slot is an
-    argument of the op, so both halves of a site share one ``PushCall``)."""
+    """One prepared call signature: its two kernels per slot, each a ``launcher.DirectLauncher``
+    (launched directly after its first launch, as the fused op's kernel), reused by every call (the
+    slot is an argument of the op, so both halves of a site share one ``PushCall``)."""
 
-    by_slot: tuple[PushArguments, ...]
-    ones: torch.Tensor | None  # the weight of a norm without scale
+    __slots__ = ("pushes", "reduces", "ones")
 
-    def push(self, partial: torch.Tensor, slot: int) -> None:
-        """The side-stream kernel, on the current stream."""
-        from weavepass.runtime.cuda.kernels import push_partial_rows_kernel
+    def __init__(self, by_slot: tuple[PushArguments, ...], ones: torch.Tensor | None):
+        from weavepass.runtime.cuda.kernels import push_partial_rows_kernel, reduce_pushed_rows_kernel
 
-        args = self.by_slot[slot]
-        push_partial_rows_kernel[args.push_grid](partial, *args.push_tail, **args.push_meta)
+        self.pushes = tuple(DirectLauncher(push_partial_rows_kernel, a.push_grid, a.push_tail, a.push_meta)
+                            for a in by_slot)
+        self.reduces = tuple(DirectLauncher(reduce_pushed_rows_kernel, a.reduce_grid, a.reduce_tail, a.reduce_meta)
+                             for a in by_slot)
+        self.ones = ones  # the weight of a norm without scale
+
+    def push(self, partial: torch.Tensor, slot: int, stream: torch.cuda.Stream | None = None) -> None:
+        """The side-stream kernel, on ``stream`` (default: the current one)."""
+        self.pushes[slot].launch((partial,), (), stream)
 
     def reduce(self, partial, residual, weight, normed, residual_out, eps: float, slot: int) -> None:
         """The compute-stream kernel, on the current stream: it must run after that stream waited
         for this call's ``push``."""
-        from weavepass.runtime.cuda.kernels import reduce_pushed_rows_kernel
-
-        args = self.by_slot[slot]
-        reduce_pushed_rows_kernel[args.reduce_grid](
-            partial, partial if residual is None else residual, self.ones if weight is None else weight,
-            normed, residual_out, *args.reduce_tail, eps, **args.reduce_meta)
+        self.reduces[slot].launch(
+            (partial, partial if residual is None else residual, self.ones if weight is None else weight,
+             normed, residual_out), (eps,))
 
 
 _CALLS: dict[tuple, PushCall | None] = {}
