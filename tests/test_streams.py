@@ -178,3 +178,30 @@ def test_the_cuda_lowering_gets_the_stream_others_run_with_it_current(two_device
     assert entry.keep[0] is partial and entry.keep[-2:] == (normed, residual_out)
     streams.join_async(normed, residual_out, [partial])
     assert default.waited == [(side, 0)] and not streams._PENDING
+
+
+def test_the_layer_norm_async_op_hands_the_stream_to_the_cuda_lowering(two_devices, monkeypatch):
+    """The LayerNorm form reaches ``fused_allreduce_rmsnorm_cuda`` through two more functions
+    (``runtime.fused_allreduce_layernorm``, ``dispatch.fused_allreduce_layernorm_cuda``): the
+    communication stream and the grid arrive as the lowering's ``stream`` and a launch override,
+    with ``layer_norm`` and the bias, and the caller's stream stays current."""
+    from weavepass.runtime.cuda import dispatch
+
+    current, sides = two_devices
+    default = current[0]
+    seen = {}
+
+    def cuda_lowering(partial, residual, weight, eps, group_name, out_dtype, **kwargs):
+        seen.update(kwargs, current=current[0])
+        return FakeOutput(0, 0x7000), FakeOutput(0, 0x7100)
+
+    monkeypatch.setattr(dispatch, "fused_allreduce_rmsnorm_cuda", cuda_lowering)
+    partial, bias = FakeOutput(0, 0x10), object()
+    normed, residual_out = streams.fused_allreduce_layernorm_async(
+        partial, None, None, bias, 1e-6, "0", torch.float32, "cuda_symm", 16, 4)
+    assert seen["stream"] is sides[0] and seen["current"] is default and current[0] is default
+    assert seen["layer_norm"] is True and seen["bias"] is bias
+    assert seen["num_ctas"] == 4 and seen["max_workspace_tokens"] == 16
+    assert streams._PENDING[normed.data_ptr()].keep[3] is bias
+    streams.join_async(normed, residual_out, [partial])
+    assert not streams._PENDING
