@@ -130,10 +130,9 @@ class _Join:
     It also holds the op's inputs (and its outputs: ``_run_async``) until then: their blocks belong
     to the main stream, and the communication stream reads them, so they must not go back to the
     caching allocator (and be handed to a later main-stream kernel) before the main stream has
-    waited for that read. Holding
-    them is how c10d's own collectives protect their inputs; ``record_stream`` would also be safe,
-    but it keeps freed blocks allocated until the allocator polls an event, which CUDA-graph trees
-    report as live tensors not tracked as outputs."""
+    waited for that read. Holding them is how c10d's own collectives protect their inputs;
+    ``record_stream`` would also be safe, but it keeps freed blocks allocated until the allocator
+    polls an event, which CUDA-graph trees report as live tensors not tracked as outputs."""
 
     __slots__ = ("event", "keep")
 
@@ -193,16 +192,14 @@ def _run_async(run, args: tuple, options: dict, inputs: tuple, takes_stream: boo
     _fork(index, main, side)  # the inputs are ready
     if takes_stream:
         normed, residual_out = run(*args, stream=side, **options)
-        done = _event(index)
-        _record(done, side)
     else:
         torch.cuda.set_stream(side)
         try:
             normed, residual_out = run(*args, **options)
-            done = _event(index)
-            _record(done, side)
         finally:
             torch.cuda.set_stream(main)
+    done = _event(index)
+    _record(done, side)
     # Until the join the entry holds the outputs too: blocks of the calling stream's pool (the
     # direct launch's) must not be reused by that stream while the kernel may still write them,
     # even if the graph raised before its join. Blocks of the communication stream's pool (the
