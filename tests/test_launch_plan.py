@@ -47,7 +47,8 @@ def _push_workspace(rank, world, capacity):
     from weavepass.runtime.cuda.workspace import _Workspace
 
     deltas = tuple(range(8))
-    return _Workspace(torch.empty(0), torch.empty(0, dtype=torch.int32), capacity, deltas, deltas, rank, world)
+    return _Workspace(torch.empty(0), torch.empty(0, dtype=torch.int32), capacity, deltas, deltas, rank, world,
+                      watch=4096, timeout_ns=600 * 10**9)
 
 
 def test_push_arguments_address_the_call_slot_and_its_signals():
@@ -60,13 +61,15 @@ def test_push_arguments_address_the_call_slot_and_its_signals():
     ws = _push_workspace(1, 2, 1024 * 8192)
     args = push_arguments(ws, 1000, 8192, 2, 1, True, push_ctas=16, reduce_ctas=528)
     assert signal_slots(2) == 8
-    assert args.push_tail[-3:] == args.reduce_tail[-3:] == (1000, 1024 * 8192, 8)
+    # push: ..., rows, slot region, signal block, then the bounded wait's record and limit (peer_wait)
+    assert args.push_tail[-5:] == (1000, 1024 * 8192, 8, ws.watch, ws.timeout_ns)
+    assert args.reduce_tail[-3:] == (1000, 1024 * 8192, 8)  # the reduce waits for nothing
     assert args.push_grid == (16,) and args.push_meta["ROWS"] == 4 and args.push_meta["num_warps"] == 16
     assert args.reduce_grid == (528,) and args.reduce_meta["ROWS"] == 1 and args.reduce_meta["HAS_RESIDUAL"]
     assert args.push_meta["RANK"] == args.reduce_meta["RANK"] == 1
     small = push_arguments(ws, 3, 8192, 2, 0, False, push_ctas=16, reduce_ctas=528)
     assert small.push_grid == (1,) and small.reduce_grid == (3,)  # no CTA without rows
-    assert small.push_tail[-3:] == (3, 0, 0)
+    assert small.push_tail[-5:-2] == (3, 0, 0)
 
 
 def test_push_arguments_refuse_a_third_slot_and_an_overfull_one():

@@ -293,3 +293,32 @@ def test_push_variant_replays_in_cuda_graph():
         torch.cuda.synchronize()
         _check_push(sim, calls, outputs, weight, dtype, f"replay {replay}")
     _push_signals_settled(sim, 2 + 2 * 5)
+
+
+@pytest.mark.parametrize("kind,site", [
+    ("one_shot", "the two-shot barrier: the peer's signal never came"),
+    ("two_shot", "the two-shot barrier: the peer's signal never came"),
+    ("pipelined", "the pipelined kernel's chunk counters"),
+    ("lamport", "the Lamport one-shot"),
+    ("push", "the push variant's push: the peer's rows never came"),
+])
+def test_a_peer_that_never_comes_stops_the_kernel(kind, site):
+    """A dead or stalled peer: only simulated rank 0 launches, with its waits bounded at 2 s. The
+    kernel must give up, trap and leave the reason in weave's message, and the process must fail
+    (not hang, not return wrong rows). Before the bounded waits (``runtime.cuda.peer_wait``) this
+    case spun for ever; the limit here is 90 s for the whole process (CUDA start-up, one compile)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    case = Path(__file__).with_name("peer_wait_case.py")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(case), kind], capture_output=True, text=True, timeout=90,
+                          cwd=Path(__file__).parents[2])
+    elapsed = time.monotonic() - start
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "UNREACHED" not in output, output[-3000:]
+    assert "weave: rank 0 of a 2-rank group waited 2 s for rank 1" in output, output[-3000:]
+    assert site in output, output[-3000:]
+    assert "CUDA" in output and elapsed < 90, (elapsed, output[-3000:])

@@ -15,6 +15,11 @@ bandwidth or latency (times here mean nothing), and the symmetric-memory allocat
 All ranks' grids must be resident at once (the ranks wait for each other inside the kernels), so the
 sum of their CTAs must fit the GPU: ``run_ranks`` refuses more than ``max_resident_ctas``.
 
+The kernels' waits are bounded as in the real lowering (``runtime.cuda.peer_wait``), by
+``peer_timeout_s`` (30 s by default, less than ``wait_all``'s host limit): a simulated rank that waits
+for a signal never sent writes the pinned record and traps, so the test process fails with the
+reason instead of spinning for ever.
+
 ``SimulatedPushRanks`` does the same for the token split's push variant (``runtime.cuda.push``),
 with two streams per simulated rank (side: pushes; main: reduces) in the split's fork/join order.
 """
@@ -25,6 +30,7 @@ import time
 
 import torch
 
+from weavepass.runtime.cuda import peer_wait
 from weavepass.runtime.cuda.dispatch import kernel_arguments
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.support import MAX_WORLD
@@ -35,12 +41,16 @@ from weavepass.runtime.cuda.workspace import (
 )
 from weavepass.runtime.portable import rows_per_rank
 
+SIM_PEER_TIMEOUT_S = 30.0
+"""How long a simulated rank's kernel waits for the others before it gives up (peer_wait)."""
+
 
 class SimulatedRanks:
     """``world`` ranks' workspaces and pads on the current GPU, reused across calls (as the real
     workspace is), so back-to-back calls also test that the kernels leave their signals reset."""
 
-    def __init__(self, world: int, hidden: int, max_tokens: int, dtype: torch.dtype):
+    def __init__(self, world: int, hidden: int, max_tokens: int, dtype: torch.dtype,
+                 peer_timeout_s: float = SIM_PEER_TIMEOUT_S):
         if not 1 <= world <= MAX_WORLD:
             raise ValueError(f"world {world} outside 1..{MAX_WORLD}")
         self.world, self.hidden, self.dtype = world, hidden, dtype
@@ -64,6 +74,7 @@ class SimulatedRanks:
             self.workspaces.append(_Workspace(
                 self.buffers[r], self.pads[r], capacity,
                 (*[d // size for d in diffs], *padding), (*[d // 4 for d in pads], *padding), r, world,
+                peer_wait.record_address(), int(peer_timeout_s * 1e9),
             ))
 
     def poison(self) -> None:
@@ -99,6 +110,7 @@ class SimulatedRanks:
         return_inv_rms: bool = False,
         layer_norm: bool = False,
         bias: torch.Tensor | None = None,
+        ranks=None,
     ) -> list[tuple[torch.Tensor, ...]]:
         """Every rank's ``(normed, residual_out)`` (``return_inv_rms``: plus the per-row inverse RMS,
         [T, 1] fp32; ``layer_norm``: a LayerNorm with an optional ``bias``) for the ranks' ``partials``
@@ -106,7 +118,9 @@ class SimulatedRanks:
         after the calling stream's work so far. ``wait``: return once the kernels finished
         (``wait_all``). Without it each rank's calls queue up on its own stream, so one rank can
         start its next call while another is still in this one (as real ranks do); the outputs are
-        ready for the calling stream after ``wait_all``."""
+        ready for the calling stream after ``wait_all``. ``ranks``: launch only these ranks' kernels
+        (default: all); the others never come, so the launched ones give up after ``peer_timeout_s``
+        (the bounded-wait test, ``tests/gpu/peer_wait_case.py``)."""
         world, hidden = self.world, self.hidden
         tokens = partials[0].shape[0]
         elem = partials[0].element_size()
@@ -141,7 +155,7 @@ class SimulatedRanks:
             compiled = kernel.warmup(*launches[rank], grid=(plan.num_ctas,), **meta[rank])
             if hasattr(compiled, "_init_handles"):
                 compiled._init_handles()
-        for rank in range(world):
+        for rank in range(world) if ranks is None else ranks:
             stream = self.streams[rank]
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
@@ -176,7 +190,8 @@ class SimulatedPushRanks:
     that waits for the op's outputs). Workspaces and pads persist across calls, as the real ones do,
     so back-to-back calls and CUDA-graph replays test the kernels' self-advancing signals."""
 
-    def __init__(self, hidden: int, max_tokens: int, dtype: torch.dtype, world: int = 2):
+    def __init__(self, hidden: int, max_tokens: int, dtype: torch.dtype, world: int = 2,
+                 peer_timeout_s: float = SIM_PEER_TIMEOUT_S):
         from weavepass.runtime.cuda.push import STAGING_SLOTS, signal_slots
 
         self.world, self.hidden, self.dtype = world, hidden, dtype
@@ -191,7 +206,8 @@ class SimulatedPushRanks:
         self.workspaces = [
             _Workspace(self.buffers[r], self.pads[r], capacity,
                        (*[(b.data_ptr() - self.buffers[r].data_ptr()) // size for b in self.buffers], *padding),
-                       (*[(p.data_ptr() - self.pads[r].data_ptr()) // 4 for p in self.pads], *padding), r, world)
+                       (*[(p.data_ptr() - self.pads[r].data_ptr()) // 4 for p in self.pads], *padding), r, world,
+                       peer_wait.record_address(), int(peer_timeout_s * 1e9))
             for r in range(world)
         ]
 

@@ -80,7 +80,10 @@ def _ipc_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     pad_deltas = [(p.data_ptr() - pad.data_ptr()) // 4 for p in pads]
     padding = [0] * (MAX_WORLD - world)
     dist.barrier(group)  # every rank imported every peer before any kernel runs
-    return ws._Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
+    from weavepass.runtime.cuda import peer_wait
+
+    return ws._Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world,
+                         watch=peer_wait.record_address(), timeout_ns=peer_wait.peer_timeout_ns(group_name))
 
 
 def install() -> None:

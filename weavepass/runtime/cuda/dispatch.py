@@ -240,7 +240,8 @@ def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: in
     )
     if plan.lamport:
         meta.update(BITS=8 * element_size, FLAG_SLOT=lamport_flag_slot(world))
-        tail = (ws.buffer, ws.pad, *ws.buffer_deltas, num_tokens, ws.lamport_offset, ws.lamport_slot_elements)
+        tail = (ws.buffer, ws.pad, *ws.buffer_deltas, num_tokens, ws.lamport_offset, ws.lamport_slot_elements,
+                ws.watch, ws.timeout_ns)
         return kernels.fused_allreduce_rmsnorm_lamport_kernel, tail, meta
     if plan.pipelined:
         kernel = kernels.fused_allreduce_rmsnorm_pipelined_kernel
@@ -251,6 +252,6 @@ def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: in
     meta.update(MAX_CTAS=MAX_CTAS)
     tail = (
         ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas,
-        num_tokens, rows_per_rank(num_tokens, world), ws.capacity,
+        num_tokens, rows_per_rank(num_tokens, world), ws.capacity, ws.watch, ws.timeout_ns,
     )
     return kernel, tail, meta

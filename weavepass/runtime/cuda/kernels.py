@@ -66,11 +66,54 @@ def _select(i: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7):
     return r
 
 
+# ------------------------------------------------------------------ bounded waits (runtime.cuda.peer_wait)
+
+
+@triton.jit
+def _globaltimer(x):
+    """The GPU's nanosecond clock (``%globaltimer``); ``x`` (any int64) only gives the asm an operand."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [x], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _deadline(timeout_ns):
+    """When a wait that starts now gives up: ``%globaltimer + timeout_ns``; 0 (never) for a timeout of 0."""
+    t = timeout_ns.to(tl.int64)
+    deadline = t * 0
+    if t > 0:
+        deadline = _globaltimer(t) + t
+    return deadline
+
+
+@triton.jit
+def _give_up_after(deadline, watch_addr, timeout_ns, peer, SITE: tl.constexpr, RANK: tl.constexpr,
+                   WORLD: tl.constexpr):
+    """Called once per turn of every spin loop: past ``deadline`` (not 0), write who waited for whom
+    and where into the pinned host record at ``watch_addr`` (``peer_wait.RECORD_SLOTS`` int32; none at
+    0), make it visible system-wide and ``trap``: the kernel ends and the CUDA context fails, so the
+    host's next CUDA call raises instead of the GPU spinning for ever (``runtime.cuda.peer_wait``)."""
+    if deadline > 0:
+        if _globaltimer(deadline) > deadline:
+            addr = watch_addr.to(tl.int64)
+            if addr != 0:
+                record = addr.to(tl.pointer_type(tl.int32))
+                tl.store(record + 1, RANK)
+                tl.store(record + 2, peer)
+                tl.store(record + 3, SITE)
+                tl.store(record + 4, WORLD)
+                tl.store(record + 5, (timeout_ns.to(tl.int64) // 1000000000).to(tl.int32))
+                tl.store(record, 1)
+            tl.inline_asm_elementwise("fence.sc.sys;\n\ttrap;\n\tmov.u64 $0, $1;", "=l,l", [deadline],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+
+
 @triton.jit
 def _block_barrier(
     pad_ptr,  # int32*: this rank's signal pad
     pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,  # peer pad address - local pad address, in int32 slots
     channel: tl.constexpr,  # which of the two barriers of a call
+    watch_addr, timeout_ns,  # the bounded wait (_give_up_after)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     MAX_CTAS: tl.constexpr,
@@ -84,15 +127,16 @@ def _block_barrier(
     """
     tl.debug_barrier()  # every thread's stores are issued before the release
     base = (channel * MAX_CTAS + tl.program_id(0)) * WORLD
+    deadline = _deadline(timeout_ns)
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             remote = pad_ptr + _select(peer, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + base + RANK
             while tl.atomic_cas(remote, 0, 1, sem="release", scope="sys") != 0:
-                pass
+                _give_up_after(deadline, watch_addr, timeout_ns, peer, 1, RANK, WORLD)
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             while tl.atomic_cas(pad_ptr + base + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+                _give_up_after(deadline, watch_addr, timeout_ns, peer, 2, RANK, WORLD)
     tl.debug_barrier()  # no thread reads peer data before the acquire
 
 
@@ -203,6 +247,8 @@ def fused_allreduce_rmsnorm_kernel(
     num_tokens,  # T
     shard_rows,  # S = ceil(T / WORLD): rows per owner in two-shot mode
     recv_offset,  # element offset of recv in the workspace
+    watch_addr,  # pinned host record of a wait that gave up (runtime.cuda.peer_wait), 0: none
+    timeout_ns,  # how long any wait for a peer may last, 0: for ever
     eps,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
@@ -243,7 +289,8 @@ def fused_allreduce_rmsnorm_kernel(
                 x = tl.load(partial_ptr + src, mask=mask)
                 tl.store(ws_ptr + delta + dst, x, mask=mask)
 
-    _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 0, RANK, WORLD, MAX_CTAS)
+    _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 0, watch_addr, timeout_ns, RANK, WORLD,
+                   MAX_CTAS)
 
     # 3. reduce the owned rows, add the residual, push residual_out, normalise
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -267,7 +314,8 @@ def fused_allreduce_rmsnorm_kernel(
                     tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
         _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
 
-    _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 1, RANK, WORLD, MAX_CTAS)
+    _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 1, watch_addr, timeout_ns, RANK, WORLD,
+                   MAX_CTAS)
 
     # 5. two-shot only: finalise the peers' shards from the local recv buffer
     if not ONE_SHOT:
@@ -309,15 +357,17 @@ def _wait_counters(
     pad_ptr,
     channel: tl.constexpr,
     target,  # wait until every peer's counter [channel, b, peer] reaches this
+    watch_addr, timeout_ns,  # the bounded wait (_give_up_after)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     MAX_CTAS: tl.constexpr,
 ):
     base = pad_ptr + (channel * MAX_CTAS + tl.program_id(0)) * WORLD
+    deadline = _deadline(timeout_ns)
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             while tl.atomic_add(base + peer, 0, sem="acquire", scope="sys") < target:
-                pass
+                _give_up_after(deadline, watch_addr, timeout_ns, peer, 3, RANK, WORLD)
     tl.debug_barrier()  # no thread reads peer data before the acquire
 
 
@@ -406,7 +456,9 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr, ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,
-    num_tokens, shard_rows, recv_offset, eps,
+    num_tokens, shard_rows, recv_offset,
+    watch_addr, timeout_ns,  # the bounded waits, as in fused_allreduce_rmsnorm_kernel
+    eps,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -454,19 +506,19 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
             _push_chunk(partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                         chunk + num_programs, num_tokens, shard_rows, cols, col_mask,
                         RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS)
-        _wait_counters(pad_ptr, 2, c + 1, RANK, WORLD, MAX_CTAS)
+        _wait_counters(pad_ptr, 2, c + 1, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
         _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                       wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                       chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
                       RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM)
         if c > 0:
-            _wait_counters(pad_ptr, 3, c, RANK, WORLD, MAX_CTAS)
+            _wait_counters(pad_ptr, 3, c, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
             _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                             chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
                             rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM)
         _signal_counters(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, more, RANK, WORLD, MAX_CTAS)
     if n > 0:
-        _wait_counters(pad_ptr, 3, n, RANK, WORLD, MAX_CTAS)
+        _wait_counters(pad_ptr, 3, n, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
         _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                         pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
                         rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM)
@@ -505,6 +557,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
     num_tokens,
     lamport_offset,  # element offset of the Lamport region in the workspace
     slot_elems,  # elements per (parity, source) slot: T * HIDDEN fits one
+    watch_addr, timeout_ns,  # the bounded waits, as in fused_allreduce_rmsnorm_kernel
     eps,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
@@ -559,6 +612,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
                 tl.store(ws_ptr + delta + region + RANK * slot_elems + offs, x, mask=mask)
 
     # 2. reduce each tile once every peer's rows have arrived, then mark the slots empty again
+    deadline = _deadline(timeout_ns)
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     b = _load_bias(bias_ptr, cols, col_mask, w, NORM)
     for tile in range(pid, num_tiles, num_programs):
@@ -573,6 +627,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
                 slot = ws_ptr + region + src * slot_elems + offs
                 v = tl.load(slot, mask=mask, other=0.0, volatile=True)
                 while tl.max((_empty_bits(v, BITS) & mask).to(tl.int32)) > 0:
+                    _give_up_after(deadline, watch_addr, timeout_ns, src, 4, RANK, WORLD)
                     v = tl.load(slot, mask=mask, other=0.0, volatile=True)
                 acc += v.to(tl.float32)
                 tl.store(slot, _empty_value(ROWS, BLOCK_H, v.dtype, BITS), mask=mask)
@@ -611,6 +666,7 @@ def push_partial_rows_kernel(
     num_tokens,  # T
     slot_offset,  # element offset of the staging slot this call uses (slot * capacity)
     signal_base,  # pad slot of this staging slot's signals (slot * (4 + 2 * WORLD))
+    watch_addr, timeout_ns,  # the bounded waits, as in fused_allreduce_rmsnorm_kernel
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -652,10 +708,11 @@ def push_partial_rows_kernel(
     seq = tl.load(signals, volatile=True) + 1  # the previous push of this slot finished on this stream
 
     # 1. the peers have read this slot's previous push
+    deadline = _deadline(timeout_ns)
     for dst in tl.static_range(WORLD):
         if dst != RANK:
             while tl.atomic_add(signals + 4 + WORLD + dst, 0, sem="acquire", scope="sys") != seq - 1:
-                pass
+                _give_up_after(deadline, watch_addr, timeout_ns, dst, 5, RANK, WORLD)
     tl.debug_barrier()  # no thread stores before the acquire
 
     # 2. push every row into every peer's slot
@@ -678,10 +735,11 @@ def push_partial_rows_kernel(
             if dst != RANK:
                 remote = signals + _select(dst, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7) + 4 + RANK
                 tl.atomic_xchg(remote, seq, sem="release", scope="sys")
+        deadline = _deadline(timeout_ns)
         for src in tl.static_range(WORLD):
             if src != RANK:
                 while tl.atomic_add(signals + 4 + src, 0, sem="acquire", scope="sys") != seq:
-                    pass
+                    _give_up_after(deadline, watch_addr, timeout_ns, src, 6, RANK, WORLD)
         tl.atomic_xchg(signals + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(signals, seq, sem="release", scope="gpu")
 

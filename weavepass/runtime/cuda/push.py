@@ -87,7 +87,7 @@ def push_arguments(ws, num_tokens: int, hidden: int, element_size: int, slot: in
     where = (num_tokens, slot * ws.capacity, slot * signal_slots(ws.world))
     return PushArguments(
         push_grid=(max(1, min(push_ctas, -(-num_tokens // push_rows))),),
-        push_tail=(ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas, *where),
+        push_tail=(ws.buffer, ws.pad, *ws.buffer_deltas, *ws.pad_deltas, *where, ws.watch, ws.timeout_ns),
         push_meta=dict(common, ROWS=push_rows, num_warps=_warps(push_rows * block_h * element_size)),
         reduce_grid=(max(1, min(reduce_ctas, -(-num_tokens // reduce_rows))),),
         reduce_tail=(ws.buffer, ws.pad, *ws.pad_deltas, *where),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weavepass.runtime.cuda import peer_wait
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, triton_next_power_of_2
 from weavepass.runtime.cuda.support import MAX_WORLD
 from weavepass.runtime.portable import resolve_group
@@ -54,6 +55,8 @@ class _Workspace:
     pad_deltas: tuple[int, ...]  # the same for signal pads, in int32 slots
     rank: int
     world: int
+    watch: int = 0  # address of the pinned record a kernel writes when a wait gives up (peer_wait), 0: none
+    timeout_ns: int = 0  # how long a kernel waits for a peer before it gives up (peer_wait), 0: for ever
 
     @property
     def lamport_offset(self) -> int:
@@ -120,7 +123,8 @@ def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     deltas = [(p - handle.buffer_ptrs[rank]) // size for p in handle.buffer_ptrs]
     pad_deltas = [(p - handle.signal_pad_ptrs[rank]) // 4 for p in handle.signal_pad_ptrs]
     padding = [0] * (MAX_WORLD - world)
-    return _Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world)
+    return _Workspace(buffer, pad, capacity, (*deltas, *padding), (*pad_deltas, *padding), rank, world,
+                      watch=peer_wait.record_address(), timeout_ns=peer_wait.peer_timeout_ns(group_name))
 
 
 def outside_graph_pools(make, device: torch.device):
