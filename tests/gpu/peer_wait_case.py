@@ -51,6 +51,12 @@ def push() -> None:
 if __name__ == "__main__":
     kind = sys.argv[1]
     push() if kind == "push" else fused(kind)
-    torch.cuda.synchronize()  # raises once the kernel has trapped
+    try:
+        torch.cuda.synchronize()  # raises once the kernel has trapped
+    except Exception:
+        from weavepass.runtime.cuda import peer_wait
+
+        print("record:", None if peer_wait._RECORD is None else peer_wait._RECORD.tolist(), flush=True)
+        raise
     print("UNREACHED: the kernel finished without its peer", flush=True)
     os._exit(3)
