@@ -144,9 +144,25 @@ def test_a_record_is_reported_once(monkeypatch, caplog, capsys):
 def test_without_logging_the_message_goes_to_stderr(monkeypatch, capsys):
     monkeypatch.setattr(peer_wait, "_RECORD", _record(FLAG=1, RANK=1, PEER=0, SITE=6, WORLD=2, TIMEOUT_S=9))
     monkeypatch.setattr(peer_wait, "_REPORTED", False)
-    monkeypatch.setattr(peer_wait.logger, "hasHandlers", lambda: False)
+    monkeypatch.setattr(peer_wait, "_logged_somewhere", lambda log: False)
     message = peer_wait.check_record()
     assert message in capsys.readouterr().err
+
+
+def test_the_packages_null_handler_does_not_count_as_logging():
+    """weavepass adds a NullHandler to its logger: without a real handler the message must go to
+    stderr (the GPU run of the bounded-wait case printed nothing before this was checked)."""
+    import weavepass  # noqa: F401  (adds the NullHandler)
+
+    parent = logging.Logger("bare")
+    child = logging.Logger("bare.weavepass")
+    child.parent = parent
+    child.addHandler(logging.NullHandler())
+    assert not peer_wait._logged_somewhere(child)
+    parent.addHandler(logging.StreamHandler())
+    assert peer_wait._logged_somewhere(child)
+    child.propagate = False
+    assert not peer_wait._logged_somewhere(child)
 
 
 def test_no_record_without_cuda(monkeypatch):

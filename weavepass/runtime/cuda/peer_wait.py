@@ -134,11 +134,21 @@ def check_record() -> str | None:
     message = describe(record)
     if message is not None:
         _REPORTED = True
-        if logger.hasHandlers():
+        if _logged_somewhere(logger):
             logger.error(message)
-        else:  # no logging set up: logging's last-resort handler would print it anyway; once is enough
+        else:  # weavepass's own NullHandler only: nobody would see the log record
             print(message, file=sys.stderr, flush=True)
     return message
+
+
+def _logged_somewhere(log: logging.Logger) -> bool:
+    """Whether a record of ``log`` reaches a handler that writes it (the package adds a
+    ``NullHandler``, so ``hasHandlers`` is true even where logging was never set up)."""
+    while log is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in log.handlers):
+            return True
+        log = log.parent if log.propagate else None
+    return False
 
 
 def _watch(interval_s: float = 1.0) -> None:
