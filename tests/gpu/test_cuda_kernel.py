@@ -434,3 +434,50 @@ def test_fp16_overflow_as_in_eager(case_result):
 
 def test_fallbacks_to_portable(case_result):
     assert case_result == [None] * WORLD
+
+
+# ---------------------------------------------------------------- a stalled peer (its own ranks: it ends rank 0's CUDA context)
+
+
+def _stalled_peer_worker(rank, world, timeout_s, stall_s):
+    """Both ranks make one call (the workspace is made together), then every rank but 0 stalls
+    while rank 0 calls again: its kernel must give up after ``timeout_s`` (``WEAVE_PEER_TIMEOUT_S``,
+    read when the workspace is made), stop the GPU and leave weave's message."""
+    import os
+    import time
+
+    os.environ["WEAVE_PEER_TIMEOUT_S"] = str(timeout_s)
+    from weavepass.runtime.cuda import peer_wait
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
+
+    group = dist.group.WORLD.group_name
+    x = torch.randn(64, 1024, device="cuda").to(torch.bfloat16)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    fused_allreduce_rmsnorm_cuda(x, x, w, EPS, group, torch.bfloat16)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank != 0:
+        time.sleep(stall_s)
+        return None
+    start = time.monotonic()
+    try:
+        fused_allreduce_rmsnorm_cuda(x, x, w, EPS, group, torch.bfloat16)
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 (the CUDA error the trap leaves)
+        return str(error).splitlines()[0], peer_wait.describe(peer_wait._RECORD), time.monotonic() - start
+    return "finished without its peers", None, time.monotonic() - start
+
+
+def test_a_stalled_peer_stops_the_kernel_with_the_reason():
+    """A peer that stops calling (alive, stalled): rank 0's kernel gives up after 3 s instead of
+    spinning for ever (before the bounded waits it never returned), its process's next CUDA call
+    raises, and weave's message names the ranks and the wait (runtime.cuda.peer_wait)."""
+    from weavepass.testing.distributed import spawn
+
+    timeout_s, stall_s = 3, 25
+    results = spawn(_stalled_peer_worker, WORLD, "nccl", timeout_s, stall_s, timeout_s=240, allow_shared_gpu=True)
+    error, message, elapsed = results[0]
+    assert "CUDA error" in error, error
+    assert message is not None and f"rank 0 of a {WORLD}-rank group waited {timeout_s} s for rank " in message, message
+    assert timeout_s * 0.9 <= elapsed < stall_s, elapsed  # it gave up, and before the peer could have come back
+    assert results[1:] == [None] * (WORLD - 1)
