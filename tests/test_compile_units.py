@@ -551,6 +551,37 @@ def _exchange(lines: list[list[tuple[str, str]]]) -> list[str | None]:
     return errors
 
 
+def test_plan_check_waits_longer_for_a_peers_first_graph_than_for_later_ones():
+    """Rank 1 publishes each graph 1 s after rank 0 (timeout 0.3 s). Its first graph on the group
+    is awaited up to ``first_timeout_s`` (the group's timeout in a real job: start-up skew is
+    healthy); its second is late by the ordinary limit and fails, naming the silent rank."""
+    import time
+
+    store = dist.HashStore()
+    line = [("ar", "_c10d_functional.all_reduce float32[4, 16] sum")]
+    exchanges = [PlanExchange(), PlanExchange()]
+    errors: dict[tuple[int, int], str | None] = {}
+
+    def rank_main(rank: int) -> None:
+        for graph in range(2):
+            if rank == 1:
+                time.sleep(1.0)
+            try:
+                exchanges[rank].check(store, "0", rank, [0, 1], line, graph, timeout_s=0.3, first_timeout_s=5.0)
+                errors[(rank, graph)] = None
+            except PlanMismatchError as error:
+                errors[(rank, graph)] = str(error)
+                return
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors[(0, 0)] is None and errors[(1, 0)] is None  # the first graph: 1 s late is fine
+    assert "rank 1 published no plan for collective #1" in errors[(0, 1)] and "within 0.3 s" in errors[(0, 1)]
+
+
 @pytest.mark.parametrize("config", [WeaveConfig(), SPLIT, WeaveConfig(**FLASHCOMM)],
                          ids=["fuse", "split", "flashcomm"])
 def test_plan_does_not_depend_on_the_rank(config):

@@ -138,8 +138,11 @@ class WeaveConfig:
 
     plan_check_timeout_s: float = 60.0
     """How long the plan check waits for a peer that has published nothing for this point of the
-    collective stream. Bounds how far apart ranks may reach a compile: the first compile also
-    absorbs start-up skew (loading, earlier compiles), so do not set it near zero in production."""
+    collective stream, once the peer has published its first graph on that group: how far apart
+    ranks that have met in the group's collectives since may reach a compile. A peer's first graph
+    on a group is awaited for the group's own timeout (``init_process_group(timeout=...)``, at least
+    this), since start-up skew (loading weights, earlier compiles) is healthy for as long as the
+    group's first collective would wait."""
 
     check_replicated: bool = False
     """Debug check, run on every call of every fused site: all-gather an exact digest of the

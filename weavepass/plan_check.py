@@ -17,7 +17,9 @@ into more graphs on one rank, and the lines still agree where they overlap. A ra
 peer only when the peer has published nothing that overlaps its graph's first line; a peer that
 then fails to publish within ``WeaveConfig.plan_check_timeout_s`` either compiled a different
 number of graphs (a graph break, a recompile, a cache hit on one rank only) or is slow; both are
-reported. Cost: one store ``set`` and one ``get`` per peer, once per compiled graph with
+reported. A peer's first lines on a group are awaited for as long as the group's own timeout (what
+its first collective would wait): ranks reach their first compile as far apart as their start-up
+(loading weights, earlier compiles) leaves them, and a healthy job must not fail there. Cost: one store ``set`` and one ``get`` per peer, once per compiled graph with
 collectives.
 """
 
@@ -101,12 +103,15 @@ def check_plan_across_ranks(graph: torch.fx.Graph, graph_index: int, timeout_s: 
     """
     from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
 
+    from weavepass.runtime.portable import group_timeout_s
+
     for group_name, lines in collective_lines(graph).items():
         group = _resolve_process_group(group_name)
         if group.size() < 2 or dist.get_backend(group) == "fake":
             continue
         _EXCHANGE.check(_get_default_store(), group_name, dist.get_rank(),
-                        dist.get_process_group_ranks(group), lines, graph_index, timeout_s)
+                        dist.get_process_group_ranks(group), lines, graph_index, timeout_s,
+                        first_timeout_s=max(timeout_s, group_timeout_s(group_name) or 0.0))
 
 
 class PlanExchange:
@@ -121,30 +126,38 @@ class PlanExchange:
         """(group name, peer rank) -> the peer's lines read so far."""
 
     def check(self, store, group_name: str, me: int, ranks: list[int], lines: list[tuple[str, str]],
-              graph_index: int, timeout_s: float) -> None:
+              graph_index: int, timeout_s: float, first_timeout_s: float | None = None) -> None:
         """Publish ``lines`` (one graph's, on ``group_name``) as global rank ``me`` in ``store``
-        and compare them with every other rank of ``ranks``."""
+        and compare them with every other rank of ``ranks``.
+
+        ``first_timeout_s`` (default ``timeout_s``) bounds the wait for a peer's *first* lines on
+        the group: start-up skew (a peer still loading its weights or compiling its first graph)
+        is healthy for as long as the group's own collectives would wait, so
+        ``check_plan_across_ranks`` passes the group's timeout. Later lines come from ranks that
+        have met in the group's collectives since, and ``timeout_s`` bounds them."""
         start = self.offsets.get(group_name, 0)
         self.offsets[group_name] = start + len(lines)
         mine = [[name, line, graph_index] for name, line in lines]
         store.set(_key(group_name, me, start), json.dumps(mine))
         for peer in ranks:
             if peer != me:
-                self._compare_with_peer(store, group_name, me, peer, start, mine, timeout_s)
+                self._compare_with_peer(store, group_name, me, peer, start, mine, timeout_s,
+                                        timeout_s if first_timeout_s is None else first_timeout_s)
 
-    def _compare_with_peer(self, store, group_name, me, peer, start, mine, timeout_s) -> None:
+    def _compare_with_peer(self, store, group_name, me, peer, start, mine, timeout_s, first_timeout_s) -> None:
         stream = self.peers.setdefault((group_name, peer), _PeerStream())
         # Read the peer's chunks up to our first line. Waiting further could deadlock: a peer that
         # compiled the same lines as several graphs publishes its next one only after running this
         # one's collectives with us; it checks those lines against ours when it compiles them.
         while stream.end <= start:
             key = _key(group_name, peer, stream.end)
+            limit = first_timeout_s if stream.end == 0 else timeout_s
             try:
-                store.wait([key], timedelta(seconds=timeout_s))
+                store.wait([key], timedelta(seconds=limit))
             except RuntimeError:  # DistStoreError on timeout
                 raise PlanMismatchError(
                     f"weavepass: rank {peer} published no plan for collective #{stream.end} on group "
-                    f"{group_name!r} within {timeout_s:g} s, while rank {me} compiled graph "
+                    f"{group_name!r} within {limit:g} s, while rank {me} compiled graph "
                     f"{mine[0][2]}, which runs {len(mine)} collective(s) from #{start} on: "
                     f"first {mine[0][0]}: {mine[0][1]}. Rank {peer} compiled fewer graphs with "
                     f"collectives (a graph break or recompile on some ranks only, or a graph that "

@@ -20,6 +20,24 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+def group_timeout_s(group_name: str | None) -> float | None:
+    """The timeout the group's backend was created with (``init_process_group(timeout=...)``: how
+    long its own collectives wait for a peer), or None where this torch or backend does not say."""
+    import datetime
+
+    if group_name is None:
+        return None
+    try:
+        group = resolve_group(group_name)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        timeout = group._get_backend(device).options._timeout
+    except Exception:  # an older torch, a backend without options, an unknown group
+        return None
+    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return None
+
+
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

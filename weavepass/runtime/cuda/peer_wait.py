@@ -25,7 +25,6 @@ than the host-side NCCL timer, which starts when the collective is queued.
 from __future__ import annotations
 
 import atexit
-import datetime
 import logging
 import os
 import sys
@@ -72,26 +71,10 @@ def peer_timeout_ns(group_name: str | None) -> int:
         if not (seconds == 0 or 1e-3 <= seconds < 1e9):  # NaN fails both
             raise ValueError(f"{TIMEOUT_ENV}={text!r} must be 0 (wait for ever) or 0.001 seconds or more")
         return int(seconds * 1e9)
-    seconds = _group_timeout_s(group_name)
+    from weavepass.runtime.portable import group_timeout_s
+
+    seconds = group_timeout_s(group_name)
     return int((DEFAULT_TIMEOUT_S if seconds is None else seconds) * 1e9)
-
-
-def _group_timeout_s(group_name: str | None) -> float | None:
-    """The timeout the group's backend was created with (``init_process_group(timeout=...)``), or
-    None where this torch or backend does not say."""
-    if group_name is None:
-        return None
-    try:
-        from weavepass.runtime.portable import resolve_group
-
-        group = resolve_group(group_name)
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        timeout = group._get_backend(device).options._timeout
-    except Exception:  # an older torch, a backend without options: the default applies
-        return None
-    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-        return timeout.total_seconds()
-    return None
 
 
 def record_address() -> int:
