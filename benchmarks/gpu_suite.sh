@@ -28,7 +28,7 @@
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
-# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, STEPS=sim (a call each), then
+# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, STEPS=sim, STEPS=peerwait (a call each), then
 # WORLD=1 STEPS=host,overlap,decode --quick:
 # a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
@@ -56,6 +56,8 @@
 #   onegpu     the tests that need only one GPU: the launch path at world 1
 #              (tests/gpu/test_cuda_kernel_one_gpu.py), then tests/gpu/test_overlap_gpu.py on a group
 #              of one rank (~75 s on 2026-12-01); a step for the `nvidia-h200` kind
+#   peerwait   bounded waits: a simulated peer that never comes (every kernel kind), then a stalled
+#              peer process sharing GPU 0 (runtime.cuda.peer_wait); one GPU, ~100 s
 #   sim        the kernels of 2, 4 and 8 ranks simulated on one GPU
 #              (tests/gpu/test_kernel_sim_one_gpu.py, mostly compiling every rank's kernels: with the
 #              onegpu file it ran out of 420 s after 16 of 20 tests on 2026-12-01); one GPU
@@ -123,7 +125,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -195,7 +197,13 @@ python3 -c "import pytest_timeout" 2>/dev/null && HANG_GUARD="--timeout ${TEST_T
 wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA \
     --durations=10 $HANG_GUARD tests/gpu/test_cuda_kernel_one_gpu.py
 wanted sim && step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 -m pytest -m gpu -q -rA \
-    --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py
+    --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k "not peer_that_never"
+# Bounded waits (runtime.cuda.peer_wait): a peer that never comes, per kernel kind (simulated ranks,
+# one process each), then a stalled peer process with both ranks on GPU 0 (~100 s on one H200).
+wanted peerwait && step pytest_peer_wait_sim "${PEERWAIT_TIMEOUT_S:-150}" python3 -m pytest -m gpu -q -rA \
+    $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k peer_that_never
+wanted peerwait && WEAVE_GPU_SHARED=1 step pytest_peer_wait_shared "${PEERWAIT_TIMEOUT_S:-150}" python3 -m pytest \
+    -m gpu -q -rA $HANG_GUARD tests/gpu/test_cuda_kernel.py -k stalled_peer
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
     -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py
