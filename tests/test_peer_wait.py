@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from weavepass.runtime.cuda import peer_wait
+from weavepass.runtime.portable import DEFAULT_GROUP_TIMEOUT_S
 
 KERNELS = Path(peer_wait.__file__).with_name("kernels.py")
 
@@ -83,13 +84,13 @@ def test_the_limit_is_the_process_groups_timeout(monkeypatch):
     monkeypatch.setattr(portable, "resolve_group", lambda name: _Group(datetime.timedelta(seconds=77)))
     assert peer_wait.peer_timeout_ns("g") == 77 * 10**9
     monkeypatch.setattr(portable, "resolve_group", lambda name: _Group(None))
-    assert peer_wait.peer_timeout_ns("g") == int(peer_wait.DEFAULT_TIMEOUT_S * 1e9)
+    assert peer_wait.peer_timeout_ns("g") == int(DEFAULT_GROUP_TIMEOUT_S * 1e9)
 
     def unknown(name):
         raise ValueError("no such group")
 
     monkeypatch.setattr(portable, "resolve_group", unknown)
-    assert peer_wait.peer_timeout_ns("g") == int(peer_wait.DEFAULT_TIMEOUT_S * 1e9)
+    assert peer_wait.peer_timeout_ns("g") == int(DEFAULT_GROUP_TIMEOUT_S * 1e9)
     monkeypatch.setenv(peer_wait.TIMEOUT_ENV, "2.5")
     assert peer_wait.peer_timeout_ns("g") == 2_500_000_000
     monkeypatch.setenv(peer_wait.TIMEOUT_ENV, "0")

@@ -111,7 +111,7 @@ def check_plan_across_ranks(graph: torch.fx.Graph, graph_index: int, timeout_s: 
             continue
         _EXCHANGE.check(_get_default_store(), group_name, dist.get_rank(),
                         dist.get_process_group_ranks(group), lines, graph_index, timeout_s,
-                        first_timeout_s=max(timeout_s, group_timeout_s(group_name) or 0.0))
+                        first_timeout_s=max(timeout_s, group_timeout_s(group_name)))
 
 
 class PlanExchange:

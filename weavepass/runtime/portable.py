@@ -20,22 +20,28 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def group_timeout_s(group_name: str | None) -> float | None:
+DEFAULT_GROUP_TIMEOUT_S = 600.0
+"""What weave assumes a group's collectives wait when ``group_timeout_s`` cannot read it: PyTorch's
+default for NCCL groups."""
+
+
+def group_timeout_s(group_name: str | None) -> float:
     """The timeout the group's backend was created with (``init_process_group(timeout=...)``: how
-    long its own collectives wait for a peer), or None where this torch or backend does not say."""
+    long its own collectives wait for a peer); ``DEFAULT_GROUP_TIMEOUT_S`` where this torch or
+    backend does not say."""
     import datetime
 
     if group_name is None:
-        return None
+        return DEFAULT_GROUP_TIMEOUT_S
     try:
         group = resolve_group(group_name)
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         timeout = group._get_backend(device).options._timeout
     except Exception:  # an older torch, a backend without options, an unknown group
-        return None
+        return DEFAULT_GROUP_TIMEOUT_S
     if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
         return timeout.total_seconds()
-    return None
+    return DEFAULT_GROUP_TIMEOUT_S
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 has only the old names.

@@ -96,20 +96,22 @@ def _give_up_after(deadline, watch_addr, timeout_ns, peer, SITE: tl.constexpr, R
     if deadline > 0:
         if _globaltimer(deadline) > deadline:
             addr = watch_addr.to(tl.int64)
-            seconds = (timeout_ns.to(tl.int64) // 1000000000).to(tl.int32)
             if addr != 0:
                 # The record's stores, the system-scope fence and the trap in one asm block, so that
                 # nothing can reorder a store past the trap (which ends the kernel).
+                seconds = (timeout_ns.to(tl.int64) // 1000000000).to(tl.int32)
                 tl.inline_asm_elementwise(
                     "st.volatile.u32 [$1+4], $2;\n\tst.volatile.u32 [$1+8], $3;\n\t"
                     "st.volatile.u32 [$1+12], $4;\n\tst.volatile.u32 [$1+16], $5;\n\t"
                     "st.volatile.u32 [$1+20], $6;\n\tst.volatile.u32 [$1], 1;\n\t"
                     "fence.sc.sys;\n\ttrap;\n\tmov.u64 $0, $1;",
                     "=l,l,r,r,r,r,r",
-                    [addr, seconds * 0 + RANK, seconds * 0 + peer, seconds * 0 + SITE, seconds * 0 + WORLD, seconds],
+                    [addr, tl.full([], RANK, tl.int32), tl.full([], peer, tl.int32), tl.full([], SITE, tl.int32),
+                     tl.full([], WORLD, tl.int32), seconds],
                     dtype=tl.int64, is_pure=False, pack=1)
-            tl.inline_asm_elementwise("fence.sc.sys;\n\ttrap;\n\tmov.u64 $0, $1;", "=l,l", [deadline],
-                                      dtype=tl.int64, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise("trap;\n\tmov.u64 $0, $1;", "=l,l", [deadline], dtype=tl.int64,
+                                          is_pure=False, pack=1)
 
 
 @triton.jit

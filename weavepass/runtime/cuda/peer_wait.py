@@ -35,8 +35,6 @@ import torch
 logger = logging.getLogger("weavepass")
 
 TIMEOUT_ENV = "WEAVE_PEER_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0
-"""The limit when the group's own timeout cannot be read: PyTorch's default for NCCL groups."""
 
 RECORD_SLOTS = 8
 """int32 slots of the record: ``[FLAG, RANK, PEER, SITE, WORLD, TIMEOUT_S]`` (two spare)."""
@@ -61,7 +59,7 @@ def peer_timeout_ns(group_name: str | None) -> int:
     """How long a kernel of this group waits for a peer before giving up, in ns (0: for ever).
 
     ``WEAVE_PEER_TIMEOUT_S`` if set, else the process group's own timeout (what its NCCL
-    collectives would wait), else ``DEFAULT_TIMEOUT_S``."""
+    collectives would wait; ``portable.DEFAULT_GROUP_TIMEOUT_S`` where it cannot be read)."""
     text = os.environ.get(TIMEOUT_ENV)
     if text is not None and text.strip():
         try:
@@ -73,8 +71,7 @@ def peer_timeout_ns(group_name: str | None) -> int:
         return int(seconds * 1e9)
     from weavepass.runtime.portable import group_timeout_s
 
-    seconds = group_timeout_s(group_name)
-    return int((DEFAULT_TIMEOUT_S if seconds is None else seconds) * 1e9)
+    return int(group_timeout_s(group_name) * 1e9)
 
 
 def record_address() -> int:
