@@ -4,5 +4,4 @@
 # About 3x the CI subset's time (several minutes on 2 CPU cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-WEAVE_HF_FULL=1 python -m pytest -q -p no:cacheprovider tests/test_hf_models.py "$@"
+WEAVE_TEST_FULL=1 bash scripts/test.sh tests/test_hf_models.py "$@"

@@ -38,8 +38,6 @@ SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 # (model, batch, seq, half B's share: None = the planner's cut, else "tiny" = one token/sequence)
 CASES = [
-    ("dense", 1, 1, None),      # one token: nothing to split (fuse-only)
-    ("dense", 1, 33, "tiny"),   # a one-token half B at the end of a long sequence
     ("dense", 4, 3, None),      # several short sequences: cut between sequences
     ("moe", 1, 7, None),        # odd: one sequence cut inside, B attends to A's keys
     ("mask", 1, 13, None),      # explicit mask, one sequence cut: B's rows of the mask over all keys
@@ -47,10 +45,14 @@ CASES = [
 ]
 CASES_WORLD_3 = [
     ("dense", 1, 2, None),      # the smallest cut: one token per half
-    ("dense", 3, 5, "tiny"),    # a one-sequence half B
-    ("mask", 2, 6, None),       # explicit [S, S] mask shared by the sequences of both halves
     ("eager", 1, 5, "tiny"),    # bmm attention with a one-token half B
 ]
+FULL_CASES = {  # the full tier's (tests/conftest.py): edges the cases above already cross
+    2: [("dense", 1, 1, None),       # one token: nothing to split (fuse-only; test_scheduler plans it)
+        ("dense", 1, 33, "tiny")],   # a one-token half B at the end of a long sequence
+    3: [("dense", 3, 5, "tiny"),     # a one-sequence half B
+        ("mask", 2, 6, None)],       # explicit [S, S] mask shared by the sequences of both halves
+}
 
 
 def _tiny_second_half(tokens, batch, *args, **kwargs):
@@ -112,9 +114,14 @@ def _check_case(case, result):
     assert after.get("_c10d_functional.wait_tensor.default", 0) == 0, after
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_split_matches_eager(world_size):
-    cases = CASES if world_size == 2 else CASES_WORLD_3
+FULL_SPLIT = pytest.mark.full(covered_by="the CI cases of test_split_matches_eager (the same cuts on other shapes)")
+
+
+@pytest.mark.parametrize("world_size,tier", [(2, "ci"), (3, "ci"),
+                                             pytest.param(2, "full", marks=FULL_SPLIT),
+                                             pytest.param(3, "full", marks=FULL_SPLIT)])
+def test_split_matches_eager(world_size, tier):
+    cases = FULL_CASES[world_size] if tier == "full" else CASES if world_size == 2 else CASES_WORLD_3
     results = spawn(_numerics, world_size, "gloo", cases)
     for rank_results in results:
         for case, result in zip(cases, rank_results):
