@@ -380,6 +380,25 @@ def test_layer_norm_mean_used_elsewhere_is_rejected():
     assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), "is also used by output")
 
 
+
+@pytest.mark.parametrize("stats", ["decomposed", "var_mean"])
+def test_mean_subtracted_with_alpha_is_not_a_layer_norm(stats):
+    """``x - 2 * mean`` (``sub(x, mean, alpha=2)``) is not LayerNorm's centring: the fused op
+    would subtract the mean once (the probe before the fix: rewritten, 0.23 off eager in bf16)."""
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        hf = h.float()
+        if stats == "var_mean":
+            var, mean = torch.var_mean(hf, -1, keepdim=True, correction=0)
+            d = torch.sub(hf, mean, alpha=2)
+        else:
+            d = torch.sub(hf, hf.mean(-1, keepdim=True), alpha=2)
+            var = d.pow(2).mean(-1, keepdim=True)
+        return (d * torch.rsqrt(var + 1e-5)).to(h.dtype), h
+
+    assert_unchanged(compile_report(f, *inputs()), "subtracts the mean with alpha=2")
+
+
 def parallel_branches(norm):
     """Cohere's layer: attention and MLP read one normed input; ``(h + attn) + mlp``, each a sum."""
     def layer(x, w, r, weight):

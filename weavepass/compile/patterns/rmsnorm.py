@@ -82,7 +82,8 @@ def _only_user(node: Node, targets) -> Node | None:
 
 
 def add_alpha(node: Node):
-    """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``."""
+    """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``
+    (and of ``sub.Tensor``: ``a - alpha * b``)."""
     if len(node.args) > 2:
         return node.args[2]
     return node.kwargs.get("alpha", 1)
@@ -385,14 +386,18 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
             if len(user.users) != 2 or set(getters) != {0, 1}:
                 return "the norm's var_mean outputs are not each read once"
             var, mean = getters[0], getters[1]
-            centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+            centred = _centred(xf, mean)
+            if isinstance(centred, str):
+                return centred
             if len(centred) != len(mean.users):
                 other = next(u for u in mean.users if u not in centred)
                 return f"the norm's mean {used_also_by(mean, other, LAYER_NORM)}"
             return var, centred, [user, var, mean, *centred], "var_mean"
         if is_target(user, MEAN) and user.args[0] is xf and _unfit_last_dim_mean(user, ndim, "") is None:
             mean = user
-            centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+            centred = _centred(xf, mean)
+            if isinstance(centred, str):
+                return centred
             squares = [u for c in centred for u in c.users
                        if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args == (c, 2))
                        or (is_target(u, MULS) and u.args == (c, c))]
@@ -406,6 +411,16 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
                 return unfit
             return var, centred, [mean, *centred, squares[0], var], "decomposed"
     return None
+
+
+def _centred(xf: Node, mean: Node) -> list[Node] | str:
+    """The ``xf - mean`` nodes among ``mean``'s users, or why one of them is not LayerNorm's
+    centring (``sub(xf, mean, alpha=a)`` computes ``xf - a * mean``)."""
+    centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+    for sub in centred:
+        if add_alpha(sub) != 1:
+            return f"{sub.name} subtracts the mean with alpha={add_alpha(sub)}; only x - mean is matched"
+    return centred
 
 
 def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype) -> bool:
