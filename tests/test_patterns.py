@@ -399,6 +399,17 @@ def test_mean_subtracted_with_alpha_is_not_a_layer_norm(stats):
     assert_unchanged(compile_report(f, *inputs()), "subtracts the mean with alpha=2")
 
 
+@pytest.mark.parametrize("norm", [llama_norm, cohere_layer_norm])
+def test_fp32_norm_of_an_fp64_sum_is_left_alone(norm):
+    """``h.to(float32)`` of an fp64 ``h`` narrows: eager normalises in fp32, the fused op would in
+    fp64 (the probe before the fix: 4e-7 off eager, the fp64 tolerance is 1e-12)."""
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        return norm(h, weight), h
+
+    assert_unchanged(compile_report(f, *inputs(dtype=torch.float64)), "computes the norm in torch.float32")
+
+
 def parallel_branches(norm):
     """Cohere's layer: attention and MLP read one normed input; ``(h + attn) + mlp``, each a sum."""
     def layer(x, w, r, weight):

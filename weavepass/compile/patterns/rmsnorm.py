@@ -277,6 +277,9 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     ]
     if not scales:
         return "the inverse RMS does not scale the norm's own input"
+    narrowed = _narrowing_cast_reason(x, xf)
+    if narrowed is not None:
+        return narrowed
     scale = scales[0]
     nodes.append(scale)
 
@@ -302,6 +305,18 @@ def _upcast(x: Node) -> Node:
     """``x``'s fp32 upcast when it has one and is not fp32 already, else ``x``."""
     upcasts = [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
     return upcasts[0] if val(x).dtype != torch.float32 and upcasts else x
+
+
+def _narrowing_cast_reason(x: Node, xf: Node) -> str | None:
+    """Why a norm computed on ``xf`` (``_upcast(x)``) cannot be fused, or None: the fused op
+    computes in ``accumulation_dtype`` of ``x``'s dtype, so a cast to fp32 must widen ``x``."""
+    from weavepass.runtime.reference import accumulation_dtype
+
+    dtype = val(x).dtype
+    if xf is x or accumulation_dtype(dtype) == torch.float32:
+        return None
+    return (f"the norm casts its {dtype} input to float32 and computes the norm in torch.float32; "
+            f"the fused op would compute it in {accumulation_dtype(dtype)}")
 
 
 def _hidden_vector(node, hidden: int) -> bool:
@@ -355,6 +370,9 @@ def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
               and _other_operand(u, root) in centred and (is_rsqrt or u.args[1] is root)]
     if not scales:
         return "the inverse standard deviation does not scale the mean-subtracted input"
+    narrowed = _narrowing_cast_reason(x, xf)
+    if narrowed is not None:
+        return narrowed
     nodes += [*stat_nodes, *inv_nodes, scales[0]]
     out, weight, bias = _affine(scales[0], hidden, nodes, LAYER_NORM)
     # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
