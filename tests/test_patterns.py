@@ -410,6 +410,27 @@ def test_fp32_norm_of_an_fp64_sum_is_left_alone(norm):
     assert_unchanged(compile_report(f, *inputs(dtype=torch.float64)), "computes the norm in torch.float32")
 
 
+@pytest.mark.parametrize("form", ["residual", "shared", "weight", "bias"])
+def test_input_computed_from_the_partial_sum_is_left_alone(form):
+    """The residual, a value added to the sum, or the norm's weight or bias computed from this
+    rank's own partial sum differs between ranks: the fused op normalises each rank's rows with
+    their owner's copy (the probe before the fix: rewritten, off eager by 2.3 and more)."""
+    def f(x, w, r, weight):
+        p = x @ w
+        if form == "residual":
+            h = ar(p) + p
+        elif form == "shared":
+            h = (ar(p) + torch.tanh(p)).view(1, *p.shape) + r.view(1, *r.shape)
+        elif form == "weight":
+            h, weight = ar(p) + r, weight * p.amax(0)
+        else:
+            h = ar(p) + r
+            return F.layer_norm(h, (H,), weight, p.amax(0), 1e-5), h
+        return llama_norm(h, weight), h
+
+    assert_unchanged(compile_report(f, *inputs()), "from the all_reduce's own partial sum")
+
+
 def parallel_branches(norm):
     """Cohere's layer: attention and MLP read one normed input; ``(h + attn) + mlp``, each a sum."""
     def layer(x, w, r, weight):
