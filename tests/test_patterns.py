@@ -380,6 +380,57 @@ def test_layer_norm_mean_used_elsewhere_is_rejected():
     assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), "is also used by output")
 
 
+
+@pytest.mark.parametrize("stats", ["decomposed", "var_mean"])
+def test_mean_subtracted_with_alpha_is_not_a_layer_norm(stats):
+    """``x - 2 * mean`` (``sub(x, mean, alpha=2)``) is not LayerNorm's centring: the fused op
+    would subtract the mean once (the probe before the fix: rewritten, 0.23 off eager in bf16)."""
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        hf = h.float()
+        if stats == "var_mean":
+            var, mean = torch.var_mean(hf, -1, keepdim=True, correction=0)
+            d = torch.sub(hf, mean, alpha=2)
+        else:
+            d = torch.sub(hf, hf.mean(-1, keepdim=True), alpha=2)
+            var = d.pow(2).mean(-1, keepdim=True)
+        return (d * torch.rsqrt(var + 1e-5)).to(h.dtype), h
+
+    assert_unchanged(compile_report(f, *inputs()), "subtracts the mean with alpha=2")
+
+
+@pytest.mark.parametrize("norm", [llama_norm, cohere_layer_norm])
+def test_fp32_norm_of_an_fp64_sum_is_left_alone(norm):
+    """``h.to(float32)`` of an fp64 ``h`` narrows: eager normalises in fp32, the fused op would in
+    fp64 (the probe before the fix: 4e-7 off eager, the fp64 tolerance is 1e-12)."""
+    def f(x, w, r, weight):
+        h = ar(x @ w) + r
+        return norm(h, weight), h
+
+    assert_unchanged(compile_report(f, *inputs(dtype=torch.float64)), "computes the norm in torch.float32")
+
+
+@pytest.mark.parametrize("form", ["residual", "shared", "weight", "bias"])
+def test_input_computed_from_the_partial_sum_is_left_alone(form):
+    """The residual, a value added to the sum, or the norm's weight or bias computed from this
+    rank's own partial sum differs between ranks: the fused op normalises each rank's rows with
+    their owner's copy (the probe before the fix: rewritten, off eager by 2.3 and more)."""
+    def f(x, w, r, weight):
+        p = x @ w
+        if form == "residual":
+            h = ar(p) + p
+        elif form == "shared":
+            h = (ar(p) + torch.tanh(p)).view(1, *p.shape) + r.view(1, *r.shape)
+        elif form == "weight":
+            h, weight = ar(p) + r, weight * p.amax(0)
+        else:
+            h = ar(p) + r
+            return F.layer_norm(h, (H,), weight, p.amax(0), 1e-5), h
+        return llama_norm(h, weight), h
+
+    assert_unchanged(compile_report(f, *inputs()), "from the all_reduce's own partial sum")
+
+
 def parallel_branches(norm):
     """Cohere's layer: attention and MLP read one normed input; ``(h + attn) + mlp``, each a sum."""
     def layer(x, w, r, weight):

@@ -643,7 +643,35 @@ def _with_scale(site: FusedAllReduceRMSNormSite, scale: Node | None,
         else:
             site.scale_text = factor.name
         site.extra["move_factor"] = isinstance(factor, Node) and order[factor] > order[site.all_reduce]
-    return _check_order(site, order) or site
+    return _rank_local_input(site) or _check_order(site, order) or site
+
+
+def _rank_local_input(site: FusedAllReduceRMSNormSite) -> RejectedAllReduce | None:
+    """Why ``site`` reads a value that differs between ranks where the fused op needs it the same
+    on every rank (``weavepass.report.REPLICATED_ASSUMPTION``), or None: the residual, a value added
+    to the sum, the norm's weight or bias computed from the site's own partial sum (not through a
+    collective). Each rank would normalise its rows with another rank's copy."""
+    partials = [site.partial] + ([site.inner.merged.partial] if site.inner and site.inner.merged else [])
+    local = set()
+    for node in partials:
+        local.add(node)
+        while is_target(node, VIEWS):
+            node = node.args[0]
+            local.add(node)
+    inner = site.inner.other if site.inner is not None else None
+    for start in (site.stream_residual() if site.add is not None else None, inner,
+                  site.norm.weight, site.norm.bias):
+        stack, seen = [start] if isinstance(start, Node) else [], set()
+        while stack:
+            node = stack.pop()
+            if node in local:
+                return RejectedAllReduce(site.all_reduce, (
+                    f"{start.name} is computed from the all_reduce's own partial sum ({node.name}), "
+                    "which differs between ranks; the fused op needs it the same on every rank"))
+            if node not in seen and not is_target(node, ALL_REDUCES):  # a sum is the same everywhere
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+    return None
 
 
 def _late_inputs(site: FusedAllReduceRMSNormSite, order) -> list[Node] | str:

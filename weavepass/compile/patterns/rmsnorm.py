@@ -82,7 +82,8 @@ def _only_user(node: Node, targets) -> Node | None:
 
 
 def add_alpha(node: Node):
-    """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``."""
+    """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``
+    (and of ``sub.Tensor``: ``a - alpha * b``)."""
     if len(node.args) > 2:
         return node.args[2]
     return node.kwargs.get("alpha", 1)
@@ -276,6 +277,9 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     ]
     if not scales:
         return "the inverse RMS does not scale the norm's own input"
+    narrowed = _narrowing_cast_reason(x, xf)
+    if narrowed is not None:
+        return narrowed
     scale = scales[0]
     nodes.append(scale)
 
@@ -301,6 +305,18 @@ def _upcast(x: Node) -> Node:
     """``x``'s fp32 upcast when it has one and is not fp32 already, else ``x``."""
     upcasts = [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
     return upcasts[0] if val(x).dtype != torch.float32 and upcasts else x
+
+
+def _narrowing_cast_reason(x: Node, xf: Node) -> str | None:
+    """Why a norm computed on ``xf`` (``_upcast(x)``) cannot be fused, or None: the fused op
+    computes in ``accumulation_dtype`` of ``x``'s dtype, so a cast to fp32 must widen ``x``."""
+    from weavepass.runtime.reference import accumulation_dtype
+
+    dtype = val(x).dtype
+    if xf is x or accumulation_dtype(dtype) == torch.float32:
+        return None
+    return (f"the norm casts its {dtype} input to float32 and computes the norm in torch.float32; "
+            f"the fused op would compute it in {accumulation_dtype(dtype)}")
 
 
 def _hidden_vector(node, hidden: int) -> bool:
@@ -354,6 +370,9 @@ def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
               and _other_operand(u, root) in centred and (is_rsqrt or u.args[1] is root)]
     if not scales:
         return "the inverse standard deviation does not scale the mean-subtracted input"
+    narrowed = _narrowing_cast_reason(x, xf)
+    if narrowed is not None:
+        return narrowed
     nodes += [*stat_nodes, *inv_nodes, scales[0]]
     out, weight, bias = _affine(scales[0], hidden, nodes, LAYER_NORM)
     # ``xf`` and every inner node must serve the norm alone, or removing it would change others.
@@ -385,14 +404,18 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
             if len(user.users) != 2 or set(getters) != {0, 1}:
                 return "the norm's var_mean outputs are not each read once"
             var, mean = getters[0], getters[1]
-            centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+            centred = _centred(xf, mean)
+            if isinstance(centred, str):
+                return centred
             if len(centred) != len(mean.users):
                 other = next(u for u in mean.users if u not in centred)
                 return f"the norm's mean {used_also_by(mean, other, LAYER_NORM)}"
             return var, centred, [user, var, mean, *centred], "var_mean"
         if is_target(user, MEAN) and user.args[0] is xf and _unfit_last_dim_mean(user, ndim, "") is None:
             mean = user
-            centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+            centred = _centred(xf, mean)
+            if isinstance(centred, str):
+                return centred
             squares = [u for c in centred for u in c.users
                        if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args == (c, 2))
                        or (is_target(u, MULS) and u.args == (c, c))]
@@ -406,6 +429,16 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
                 return unfit
             return var, centred, [mean, *centred, squares[0], var], "decomposed"
     return None
+
+
+def _centred(xf: Node, mean: Node) -> list[Node] | str:
+    """The ``xf - mean`` nodes among ``mean``'s users, or why one of them is not LayerNorm's
+    centring (``sub(xf, mean, alpha=a)`` computes ``xf - a * mean``)."""
+    centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+    for sub in centred:
+        if add_alpha(sub) != 1:
+            return f"{sub.name} subtracts the mean with alpha={add_alpha(sub)}; only x - mean is matched"
+    return centred
 
 
 def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype) -> bool:
