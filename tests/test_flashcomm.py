@@ -409,6 +409,28 @@ def test_symbolic_token_count_is_declined():
     assert "symbolic" in note and "static" in note, note
 
 
+def _residual_view(h, w1, w2, g):
+    """The second site adds the ``[B, S, H]`` stream through a ``[T, H]`` view nothing else reads."""
+    h = h + funcol.all_reduce(h @ w1, "sum", dist.group.WORLD)
+    y = _rms(h, g)
+    h = h.view(-1, h.shape[-1]) + funcol.all_reduce(y.view(-1, h.shape[-1]) @ w2, "sum", dist.group.WORLD)
+    return _rms(h, g)
+
+
+def test_residual_read_through_a_view_is_not_gathered():
+    """The stream stays sharded through the view: one all_gather per site (a gather of the whole
+    stream for the view, read by nobody, once ran at every such boundary). Numerics: the
+    ``residual view`` case of ``test_norm_dims_are_replayed_on_shard_rows_gloo``."""
+    w = torch.randn(64, 64) / 8
+    with fake_process_group(2):
+        backend, compile_fn = _compile(WeaveConfig(**ON))
+        with torch.no_grad():
+            compile_fn(_residual_view)(torch.randn(2, 5, 64), w, w, torch.ones(64))
+    graph = backend.report.graphs[0]
+    assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2, graph.records
+    assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == 2, graph.ops_after
+
+
 def _npu_graph(chip: str = A2, world: int = 2, dtype=torch.bfloat16, **config):
     """TwoSites (hidden 320; down-projection k of 256 and 384) compiled for NPU on a fake group of
     ``world`` with MMRS on; returns the graph report and the emulated torch_npu calls."""
@@ -468,6 +490,40 @@ def test_npu_chip_rule_refusals_fall_back_with_the_reason(chip, world, config, w
     assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert not any(name.startswith(("npu_mm", "npu_all_gather")) for name, _ in calls), calls
     assert len(_calls(calls, "npu_add_rms_norm")) == 2  # the norm does not depend on the chip rules
+
+
+class MergedSumsFirst(nn.Module):
+    """The first site sums two all_reduces and has no residual add, ``all_reduce(a) +
+    all_reduce(b) -> RMSNorm`` (two vocab-parallel embeddings added, say): one collective of the
+    partials' sum, whose wait is a node made while the site is prepared, and its normed rows
+    feed a matmul with k = 320 that all-gather + matmul takes. Then a ``TwoSites`` site."""
+
+    def __init__(self, dtype, rank: int, world: int):
+        super().__init__()
+        self.two = TwoSites((256, 384), (False, False), dtype, rank, world, hidden=320)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        two = self.two
+        h = funcol.all_reduce(a, "sum", dist.group.WORLD) + funcol.all_reduce(b, "sum", dist.group.WORLD)
+        y = F.silu(F.linear(_rms(h, two.norms[0]), two.up[1]))
+        h = h + funcol.all_reduce(F.linear(y, two.down[1]), "sum", dist.group.WORLD)
+        return _rms(h, two.norms[2])
+
+
+@pytest.mark.parametrize("kind", ["npu", "cuda"])
+def test_fused_gather_after_merged_sums_without_residual(kind):
+    """The fused all-gather + matmul after a site whose insertion point ``prepare`` made (the one
+    wait of two merged sums) once raised KeyError: wait_tensor_default while compiling."""
+    a, b = (torch.randn(20, 320).bfloat16() for _ in range(2))
+    patch = emulated_torch_npu() if kind == "npu" else symm_mem_on_cpu()
+    with fake_process_group(2), force_device_kind(kind), patch:
+        backend, compile_fn = _compile(WeaveConfig(**ON, enable_mmrs_fusion=True))
+        with torch.no_grad():
+            compile_fn(MergedSumsFirst(torch.bfloat16, 0, 2))(a, b)
+    graph = backend.report.graphs[0]
+    assert [r.lowering.startswith("flashcomm:") for r in graph.records] == [True, True], graph.records
+    fused = {"npu": "weave.npu_all_gather_mm.default", "cuda": "symm_mem.fused_all_gather_matmul.default"}
+    assert graph.ops_after[fused[kind]] == 1, graph.ops_after
 
 
 def _cuda_mmrs_graph():
@@ -545,6 +601,9 @@ def _numerics_world_2(rank, world):
         h = torch.randn(5, 320, generator=torch.Generator().manual_seed(2)).to(dtype)
         model_fn = lambda d, dtype=dtype: TwoSites((256, 384), (False, False), d or dtype, rank, world, hidden=320)  # noqa: E731
         results[name] = _check(model_fn, h, mmrs, "npu", chip)
+    # Two merged sums without a residual add (a wait that prepare makes), then all-gather + matmul.
+    ab = tuple(torch.randn(5, 320, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (5, 6))
+    results["merged-first"] = _check(lambda d: MergedSumsFirst(d or torch.bfloat16, rank, world), ab, mmrs, "npu")
     # Qwen2-MoE's shared expert at both sites: the op's residual x + h built on the shard.
     h = torch.randn(7, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     results["shared-expert"] = _check(lambda d: SharedExpertTwoSites(d or torch.bfloat16, rank, world), h,
@@ -585,6 +644,9 @@ def test_numerics_world_2_gloo():
     assert results["dense-7-cuda"][1] == ["flashcomm:portable"] + ["flashcomm:cuda_symm"] * (sites - 1)
     assert "flashcomm:npu_mmrs" in results["moe-3-mmrs"][1]
     assert results["shared-expert"][1] == ["flashcomm:portable"] * 2, results["shared-expert"][0]
+    _, lowerings, reasons, calls = results["merged-first"]
+    assert lowerings == ["flashcomm:portable", "flashcomm:npu_mmrs"], reasons
+    assert calls.count("npu_all_gather_base_mm") == 1, calls
     for name in ("agmm-bf16-a2", "agmm-fp16-a950"):
         _, lowerings, reasons, calls = results[name]
         assert lowerings == ["flashcomm:npu_mmrs"] * 2, (name, reasons)
@@ -689,6 +751,7 @@ def _norm_dims(rank, world):
         ("1-D", _ln_sites, (torch.randn(32, generator=g), w1, w2, gamma, beta)),
         ("3-D", _ln_sites, (torch.randn(2, 5, 32, generator=g), w1, w2, gamma, beta)),
         ("shared view", _view_read_elsewhere, (torch.randn(2, 5, 32, generator=g), w1, w2, gamma)),
+        ("residual view", _residual_view, (torch.randn(2, 5, 32, generator=g), w1, w2, gamma)),
     ]:
         torch._dynamo.reset()
         backend, compile_fn = _compile(WeaveConfig(**ON))
@@ -707,7 +770,7 @@ def test_norm_dims_are_replayed_on_shard_rows_gloo():
     results = spawn(_norm_dims, 2)[0]
     lowerings, note = results["1-D"]
     assert lowerings == ["portable"] * 2 and "the norm reads a 1-D [32] value" in note, note
-    for name in ("3-D", "shared view"):
+    for name in ("3-D", "shared view", "residual view"):
         lowerings, note = results[name]
         assert lowerings == ["flashcomm:portable"] * 2, (name, note)
         assert "10 tokens padded to 32" in note, (name, note)

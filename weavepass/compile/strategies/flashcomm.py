@@ -294,6 +294,9 @@ class _FlashCommRewrite:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
         shared = site.shared
         stream_in = site.stream_residual() if site.add is not None else None
+        # Where the op goes, as a position in the graph as it was: ``prepare`` may put a new node
+        # there (the one wait of merged sums without a residual add), and moves late inputs up.
+        point = self.position[site.insertion_point()]
         site.prepare(self.graph)  # a shared expert's x is now in the op's residual x + r
         with self.graph.inserting_before(site.insertion_point()):
             shard, label, notes = self.reduce_scatter(site)
@@ -307,7 +310,7 @@ class _FlashCommRewrite:
             normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
             notes.append(norm_note)
             self.flush()
-            gathered, gather_note = self.gather_normed(site, normed)
+            gathered, gather_note = self.gather_normed(site, normed, point)
             notes.append(gather_note)
             self.flush()
         if gathered is not None:
@@ -320,6 +323,12 @@ class _FlashCommRewrite:
             if all(user in self.dead for user in view.users):
                 self.dead.add(view)
         self.dead.update([_carried(site), *site.views_to_add, site.wait, site.all_reduce])
+        # Views of the stream that only this site's add read (``h.view(T, H) + sum``): nothing
+        # reads the stream through them now, so ``finish`` gathers nothing for them.
+        view = stream_in
+        while is_target(view, VIEWS) and all(user in self.dead for user in view.users):
+            self.dead.add(view)
+            view = view.args[0]
         return label, [n for n in notes if n]
 
     def shard_rows(self, full: Node, hidden: int) -> Node:
@@ -420,12 +429,13 @@ class _FlashCommRewrite:
         out = env[norm.output]
         return out if rank == 2 else self.call(aten.view.default, out, [self.d.rows_per_rank, site.hidden])
 
-    def gather_normed(self, site, normed: Node) -> tuple[Node | None, str]:
+    def gather_normed(self, site, normed: Node, point: int) -> tuple[Node | None, str]:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when
         ``fused_all_gather_matmul`` took over every consumer (CUDA). On NPU the rows come from
-        ``npu_all_gather_base_mm`` where it can take one consumer matmul."""
+        ``npu_all_gather_base_mm`` where it can take one consumer matmul. ``point``: the site's
+        position (``rewrite_site``); a matmul weight computed after it is not read."""
         if self.npu_target is not None:
-            found = self.npu_all_gather_mm(site, normed)
+            found = self.npu_all_gather_mm(site, normed, point)
             if not isinstance(found, str):
                 return found
             log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
@@ -433,7 +443,7 @@ class _FlashCommRewrite:
             return self.gather_rows(normed, val(site.norm.output).shape), \
                 f"all_gather+matmul not fused: {found}"
         if self.kind == "cuda" and self.config.enable_mmrs_fusion:
-            reason = self.symm_reason or self.all_gather_matmul(site, normed)
+            reason = self.symm_reason or self.all_gather_matmul(site, normed, point)
             if reason is None:
                 return None, "consumers: fused_all_gather_matmul"
             log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
@@ -443,10 +453,9 @@ class _FlashCommRewrite:
             note = ""
         return self.gather_rows(normed, val(site.norm.output).shape), note
 
-    def all_gather_matmul(self, site, normed: Node) -> str | None:
+    def all_gather_matmul(self, site, normed: Node, point: int) -> str | None:
         """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
         d, out = self.d, site.norm.output
-        point = self.position[site.insertion_point()]
         rows_shape = (d.num_tokens, site.hidden)
         mms, views = [], []
         for user in out.users:
@@ -492,14 +501,13 @@ class _FlashCommRewrite:
             return self.graph.node_copy(w)  # a transposed weight defined after the norm: move it up
         return None
 
-    def npu_all_gather_mm(self, site, normed: Node) -> tuple[Node, str] | str:
+    def npu_all_gather_mm(self, site, normed: Node, point: int) -> tuple[Node, str] | str:
         """Gather the normed shard through ``npu_all_gather_base_mm`` with the first
         ``[tokens, hidden] @ w`` reader: ``(gathered rows for the other readers, note)``, or why not.
 
         The op multiplies by one weight only; the other readers take its gathered rows.
         """
         d, out = self.d, site.norm.output
-        point = self.position[site.insertion_point()]
         rows_shape = (d.num_tokens, site.hidden)
         candidates = [(user, None) for user in out.users]
         candidates += [(reader, view) for view in out.users if is_target(view, VIEWS)
