@@ -806,6 +806,32 @@ def test_bmm_attention_without_a_mask_and_softmax_on_every_path_is_refused(form)
         _split_error(_bmm_attention(form), inputs, 3)
 
 
+def _causal_sdpa_keys_per_token(keys_per_token: int):
+    """Two sites with causal SDPA (2 heads of 8) between them, each token giving ``keys_per_token``
+    keys and values (a view of its row, one head)."""
+    def attention(partial, residual, norm):
+        out, residual = _site(partial, residual, norm)
+        q = out.view(1, 8, 2, 8).transpose(1, 2)
+        kv = out.view(1, 8 * keys_per_token, 1, 16 // keys_per_token).transpose(1, 2)[..., :8].expand(1, 2, -1, 8)
+        heads = F.scaled_dot_product_attention(q, kv * 2, kv * 3, is_causal=True)
+        return _site(heads.transpose(1, 2).reshape(1, 8, 16), residual, norm)
+
+    return attention
+
+
+def test_causal_sdpa_with_other_key_than_query_counts_is_refused():
+    """``is_causal`` aligns the diagonal at the upper left: query ``i`` sees keys ``0 .. i``. Over a
+    cut sequence half B's queries see all of A's keys (the first call) and B's own keys causally,
+    which is that only when each token gives one query and one key. With two keys per token
+    (``2 sA`` keys in A), B's query ``sA + i`` saw A's keys past ``sA + i``, and the split answered
+    wrong by 5.4 on this graph; one key per token splits and matches eager."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16)]
+    assert _split_error(_causal_sdpa_keys_per_token(1), inputs, 3) < 1e-5
+    with pytest.raises(Unsupported, match=r"causal attention with 8 queries over 16 keys over a cut sequence"):
+        _split_error(_causal_sdpa_keys_per_token(2), inputs, 3)
+
+
 @needs_grouped_mm
 def test_routing_block_constant_also_read_by_a_token_op_is_refused():
     """``arange(P)`` builds the inverse permutation (rebuilt per half from 0, the half's own pair

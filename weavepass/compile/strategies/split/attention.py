@@ -64,6 +64,11 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
         # of B (causal, or a mask that says so) can be cut inside a sequence.
         raise Unsupported(f"{node.name}: bidirectional attention (no mask, not causal) over a cut sequence: "
                           "half A's queries would miss half B's keys")
+    if info.cut.mode == "sequence" and mask is None and shape(q)[2] != shape(k)[2]:
+        # ``is_causal`` aligns the diagonal at the upper left; half B's two calls (all of A's keys,
+        # then its own causally) are that only with one query per key.
+        raise Unsupported(f"{node.name}: causal attention with {shape(q)[2]} queries over {shape(k)[2]} keys over "
+                          "a cut sequence: half B's queries would see half A's keys past their own position")
     if isinstance(mask, Node):
         mshape = shape(mask)
         if info.cut.mode == "batch":
