@@ -806,6 +806,31 @@ def test_bmm_attention_without_a_mask_and_softmax_on_every_path_is_refused(form)
         _split_error(_bmm_attention(form), inputs, 3)
 
 
+def test_one_mask_hiding_keys_by_both_values_is_checked_for_both():
+    """One boolean mask read by two attentions, by ``where(mask, scores, -inf)`` (False hides) and
+    by ``where(mask, -inf, scores)`` (True hides): its block ``[A's rows, B's keys]`` must hide B's
+    keys for each, i.e. be all False and all True. The run-time check was emitted once per mask,
+    for the first reader only, so the second attention's A queries missed B's keys, which they
+    see, and the split answered wrong by 0.75 on this graph; now the run stops."""
+    def attention(x, mask, hide):
+        q = x.view(1, 8, 2, 8).transpose(1, 2).reshape(2, 8, 8)
+        scores = torch.bmm(q, q.transpose(1, 2)) * 8**-0.5
+        low = torch.full((), float("-inf"))
+        scores = torch.where(mask, low, scores) if hide else torch.where(mask, scores, low)
+        return torch.bmm(torch.softmax(scores, -1), q).view(1, 2, 8, 8).transpose(1, 2).reshape(1, 8, 16)
+
+    def two_attentions(partial, residual, norm, mask):
+        out, residual = _site(partial, residual, norm)
+        return _site(attention(attention(out, mask, hide=False), mask, hide=True), residual, norm)
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()  # may attend: a causal mask for the first reader
+    mask[2, 2] = mask[7, 7] = False  # every row keeps a key for the second reader, in the whole and in A
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16), mask]
+    with pytest.raises(RuntimeError, match="the attention mask lets a query before the cut attend to a key after it"):
+        _split_error(two_attentions, inputs, 3)
+
+
 def _causal_sdpa_keys_per_token(keys_per_token: int):
     """Two sites with causal SDPA (2 heads of 8) between them, each token giving ``keys_per_token``
     keys and values (a view of its row, one head)."""
