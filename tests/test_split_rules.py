@@ -732,6 +732,21 @@ def test_split_of_a_token_wise_graph_matches_eager():
     assert _split_error(gathered, inputs, 3) < 1e-6
 
 
+def test_addmm_with_a_bias_per_token_row_slices_the_bias():
+    """``addmm(bias, rows, w)`` with a token-free bias of one row per token (``torch.addmm(r, x, w)``
+    with a ``[T, N]`` ``r``): the bias lines up with the tokens like an elementwise op's input and is
+    sliced per half. Kept whole before, half A's ``addmm`` could not broadcast it and the rewrite
+    crashed the compile."""
+    def biased(partial, residual, norm, w, bias):
+        out, residual = _site(partial, residual, norm)
+        return _site(torch.addmm(bias, out.view(8, 16), w).view(1, 8, 16), residual, norm)
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randn(16, 16, generator=g), torch.randn(8, 16, generator=g)]
+    assert _split_error(biased, inputs, 3) < 1e-5
+
+
 def test_gather_and_scatter_with_an_index_shorter_than_the_tokens_are_refused():
     """``gather``/``scatter`` do not broadcast: an index of one row in the token dim reads (writes)
     row 0 only, which for half B is the whole's row ``sA``. Accepted before as if it broadcast, the
