@@ -872,6 +872,34 @@ def test_reductions_over_keys_that_hidden_keys_change_are_refused(form, op):
         _split_error(_reduced_attention(form), inputs, 3)
 
 
+def _log_softmax_attention(exp: bool):
+    """Two sites with attention written out, a causal mask (the dtype's lowest value) added to the
+    scores, then ``log_softmax`` over the keys, read by ``probabilities @ v`` through ``exp`` or
+    directly."""
+    def attention(partial, residual, norm, mask):
+        out, residual = _site(partial, residual, norm)
+        q = out.view(1, 8, 2, 8).transpose(1, 2).reshape(2, 8, 8)
+        log_probs = torch.log_softmax(torch.bmm(q, q.transpose(1, 2)) * 8**-0.5 + mask, -1)
+        probs = torch.exp(log_probs) if exp else log_probs
+        heads = torch.bmm(probs, q).view(1, 2, 8, 8).transpose(1, 2).reshape(1, 8, 16)
+        return _site(heads, residual, norm)
+
+    return attention
+
+
+def test_log_softmax_leaves_hidden_keys_lowest_not_zero():
+    """``log_softmax`` gives a hidden key the lowest value, not a zero weight: ``log_probs @ v`` was
+    taken as ``probabilities @ v`` (its whole answered nan, the split a number), and
+    ``exp(log_probs) @ v``, a softmax, was refused; now the first is refused and the second splits
+    and matches eager."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16), mask]
+    assert _split_error(_log_softmax_attention(exp=True), inputs, 3) < 1e-5
+    with pytest.raises(Unsupported, match=_UNMASKED_PROBABILITIES):
+        _split_error(_log_softmax_attention(exp=False), inputs, 3)
+
+
 def test_one_mask_hiding_keys_by_both_values_is_checked_for_both():
     """One boolean mask read by two attentions, by ``where(mask, scores, -inf)`` (False hides) and
     by ``where(mask, -inf, scores)`` (True hides): its block ``[A's rows, B's keys]`` must hide B's

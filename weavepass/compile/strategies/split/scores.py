@@ -128,6 +128,8 @@ def _hidden_as(node: Node, info: Analysis, seen: dict) -> str | None:
         state = "low"
     elif state is None or target in _KEEP:
         pass
+    elif state == "low" and target is aten._log_softmax.default:
+        pass  # a hidden key's log-probability: still the lowest
     elif state == "low" and (target in _SOFTMAX or target is aten.exp.default):
         state = "zero"
     elif state == "low" and target in (aten.sub.Tensor, aten.add.Tensor) and len(inputs) == 1 and first_is_scores:
