@@ -900,6 +900,29 @@ def test_log_softmax_leaves_hidden_keys_lowest_not_zero():
         _split_error(_log_softmax_attention(exp=False), inputs, 3)
 
 
+@pytest.mark.parametrize("alpha", [1, -1])
+def test_a_mask_added_with_alpha_hides_only_with_alpha_one(alpha):
+    """``torch.add(scores, mask, alpha=-1)`` subtracts the mask: a key the mask hides (the dtype's
+    lowest value) gets the highest score. It was taken as an additive mask, the run-time check
+    passed (the mask does hold the lowest value) and the split answered wrong by 2.2 on this graph;
+    now it is refused like ``scores - mask``, while ``alpha=1`` splits and matches eager."""
+    def attention(partial, residual, norm, mask):
+        out, residual = _site(partial, residual, norm)
+        q = out.view(1, 8, 2, 8).transpose(1, 2).reshape(2, 8, 8)
+        scores = torch.add(torch.bmm(q, q.transpose(1, 2)) * 8**-0.5, mask, alpha=alpha)
+        heads = torch.bmm(torch.softmax(scores, -1), q).view(1, 2, 8, 8).transpose(1, 2).reshape(1, 8, 16)
+        return _site(heads, residual, norm)
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16), mask]
+    if alpha == 1:
+        assert _split_error(attention, inputs, 3) < 1e-5
+        return
+    with pytest.raises(Unsupported, match=r"mask_1 is lined up with the keys but is neither a mask added to the scores"):
+        _split_error(attention, inputs, 3)
+
+
 def test_one_mask_hiding_keys_by_both_values_is_checked_for_both():
     """One boolean mask read by two attentions, by ``where(mask, scores, -inf)`` (False hides) and
     by ``where(mask, -inf, scores)`` (True hides): its block ``[A's rows, B's keys]`` must hide B's

@@ -191,8 +191,9 @@ def mask_blocks(node: Node, mask: Node, keys: dict) -> str | None:
     None when that is not known. ``low`` must be a constant at most the dtype's lowest value: any
     other fill (``where(mask, scores, 0)``) leaves the key in the softmax."""
     if val(mask).is_floating_point():
-        # scores + mask only: ``scores - mask`` would turn a -inf mask into +inf (a key shown).
-        return "additive" if node.target is aten.add.Tensor else None
+        # scores + mask only: ``scores - mask`` (or ``add`` with another ``alpha``) would turn a
+        # -inf mask into +inf (a key shown).
+        return "additive" if node.target is aten.add.Tensor and node.kwargs.get("alpha", 1) == 1 else None
     if val(mask).dtype != torch.bool or node.target is not aten.where.self or node.args[0] is not mask:
         return None
     on_true, on_false = node.args[1:3]
