@@ -64,6 +64,11 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
         # of B (causal, or a mask that says so) can be cut inside a sequence.
         raise Unsupported(f"{node.name}: bidirectional attention (no mask, not causal) over a cut sequence: "
                           "half A's queries would miss half B's keys")
+    if info.cut.mode == "sequence" and mask is None and shape(q)[2] != shape(k)[2]:
+        # ``is_causal`` aligns the diagonal at the upper left; half B's two calls (all of A's keys,
+        # then its own causally) are that only with one query per key.
+        raise Unsupported(f"{node.name}: causal attention with {shape(q)[2]} queries over {shape(k)[2]} keys over "
+                          "a cut sequence: half B's queries would see half A's keys past their own position")
     if isinstance(mask, Node):
         mshape = shape(mask)
         if info.cut.mode == "batch":
@@ -127,10 +132,12 @@ def emit_keys_hidden_check(rw: Rewrite, mask: Node, row_dim: int | None, key_dim
     all: every element False (``blocks == "false"``), every element True (``"true"``: a
     ``masked_fill`` condition) or at most the dtype's lowest value, which is what -inf and Hugging
     Face's ``finfo.min`` masks hold (``"additive"``; ``scores.mask_blocks`` says which). A failing check stops the
-    run with ``HIDDEN_KEYS_MESSAGE`` (on CUDA as a device-side assertion) instead of a wrong answer."""
-    if mask in rw.checked_masks:
+    run with ``HIDDEN_KEYS_MESSAGE`` (on CUDA as a device-side assertion) instead of a wrong answer.
+    Emitted once per mask and way of hiding: a mask read as ``where(mask, scores, low)`` by one
+    attention and as ``where(mask, low, scores)`` by another must hide B's keys for both."""
+    if (mask, blocks) in rw.checked_masks:
         return
-    rw.checked_masks.add(mask)
+    rw.checked_masks.add((mask, blocks))
     sizes = shape(mask)
     block = mask
     if row_dim is not None and hint(sizes[row_dim]) != 1:

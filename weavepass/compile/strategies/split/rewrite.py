@@ -57,7 +57,7 @@ class Rewrite:
         self.slices: dict[tuple, Node] = {}
         self.joins: dict[Node, Node] = {}  # attention's k^T and v over both halves (half B)
         self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
-        self.checked_masks: set[Node] = set()  # masks whose hidden [A rows, B keys] block is asserted
+        self.checked_masks: set[tuple] = set()  # (mask, how it hides): its [A rows, B keys] block asserted hidden
         self.block_consts: dict[tuple, Node] = {}  # (routing block constant, half) -> its copy
         self.split_point = None
 

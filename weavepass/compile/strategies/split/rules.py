@@ -390,11 +390,14 @@ def _wait(node: Node, info: Analysis) -> int:
 
 @register(aten.mm.default, aten.addmm.default)
 def _rows(node: Node, info: Analysis) -> int:
-    """Tokens are the rows of the left operand (``addmm``: the bias comes first)."""
+    """Tokens are the rows of the left operand (``addmm``: the bias comes first, added like an
+    elementwise op's input: a bias with one row per token is sliced per half)."""
     addmm = node.target is aten.addmm.default
     a, b = node.args[1:3] if addmm else node.args[:2]
     if info.token.get(a) != 0 or b in info.token or (addmm and node.args[0] in info.token):
         raise Unsupported(f"{node.name} ({op_name(node.target)}): tokens are not the rows of the left operand")
+    if addmm and val(node.args[0]).dim() == 2 and shape(node.args[0])[0] != 1:
+        info.sliced.setdefault(node, {})[node.args[0]] = 0
     return 0
 
 

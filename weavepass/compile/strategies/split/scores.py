@@ -15,7 +15,8 @@ half B (``info.key_sliced``), and in the half's query rows (``info.sliced``), as
 Half A leaving out B's keys assumes what the fused ops' masked path assumes: no query of A sees a
 key of B (a causal or sliding-window decoder mask, what every family with a TP plan has). Only
 ops whose meaning over the keys is known are taken: elementwise ops, views and expands that keep
-the keys in the last dim, reductions and softmax over the keys, and ``probs @ v``; anything else
+the keys in the last dim, softmax over the keys, the max of masked scores and the sum of the
+softmax's ``exp`` over the keys (``_UNCHANGED_BY_HIDDEN_KEYS``), and ``probs @ v``; anything else
 reading a score tensor is refused.
 """
 
@@ -39,6 +40,10 @@ prims = torch.ops.prims
 _REDUCTIONS = (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
 _SOFTMAX = (aten._softmax.default, aten._log_softmax.default, aten.softmax.int)
 _ELEMENTWISE = (aten.clone.default, aten._to_copy.default, prims.convert_element_type.default, aten.alias.default)
+_UNCHANGED_BY_HIDDEN_KEYS = {aten.amax.default: "low", aten.sum.dim_IntList: "zero"}
+"""reduction over the keys -> the state (``_hidden_as``) of its input in which the keys a mask hides
+do not change its result: the max of scores where they hold the lowest value, the sum of weights
+where they hold 0 (a ``mean`` divides by the key count, an ``amin`` is the hidden keys' value)"""
 
 
 def scores_bmm(node: Node, info: Analysis) -> int:
@@ -77,6 +82,10 @@ def score_dims(node: Node, info: Analysis) -> int:
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         if dims != [k] or not keep:
             raise Unsupported(f"{node.name} ({op_name(target)}) reduces attention scores over other dims than the keys")
+        if _hidden_as(x, info, {}) != _UNCHANGED_BY_HIDDEN_KEYS.get(target):
+            raise Unsupported(f"{node.name} ({op_name(target)}) reduces attention scores over the keys where the keys "
+                              "a mask hides change the result (half A leaves out half B's keys): only the amax of "
+                              "masked scores and the sum of the softmax's exp are taken")
         return d
     if target in _SOFTMAX:
         if norm_dim(node.args[1], rank) != k:
@@ -119,6 +128,8 @@ def _hidden_as(node: Node, info: Analysis, seen: dict) -> str | None:
         state = "low"
     elif state is None or target in _KEEP:
         pass
+    elif state == "low" and target is aten._log_softmax.default:
+        pass  # a hidden key's log-probability: still the lowest
     elif state == "low" and (target in _SOFTMAX or target is aten.exp.default):
         state = "zero"
     elif state == "low" and target in (aten.sub.Tensor, aten.add.Tensor) and len(inputs) == 1 and first_is_scores:
@@ -180,8 +191,9 @@ def mask_blocks(node: Node, mask: Node, keys: dict) -> str | None:
     None when that is not known. ``low`` must be a constant at most the dtype's lowest value: any
     other fill (``where(mask, scores, 0)``) leaves the key in the softmax."""
     if val(mask).is_floating_point():
-        # scores + mask only: ``scores - mask`` would turn a -inf mask into +inf (a key shown).
-        return "additive" if node.target is aten.add.Tensor else None
+        # scores + mask only: ``scores - mask`` (or ``add`` with another ``alpha``) would turn a
+        # -inf mask into +inf (a key shown).
+        return "additive" if node.target is aten.add.Tensor and node.kwargs.get("alpha", 1) == 1 else None
     if val(mask).dtype != torch.bool or node.target is not aten.where.self or node.args[0] is not mask:
         return None
     on_true, on_false = node.args[1:3]
