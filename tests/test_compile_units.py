@@ -5,8 +5,10 @@ planner and the strategies' decisions, on graphs traced with ``make_fx`` on a fa
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import threading
+from datetime import timedelta
 
 import warnings
 
@@ -418,6 +420,19 @@ def test_overlap_comm_is_validated():
     with pytest.raises(ValueError, match="overlap_comm must be one of"):
         WeaveConfig(overlap_comm="lean")
     assert WeaveConfig().overlap_comm == "fused"  # off by default: not measured on GPUs yet
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e15])
+def test_plan_check_timeout_must_be_a_wait_the_store_can_take(seconds):
+    """``inf`` ("wait for ever") was accepted, and every compile with collectives then failed in the
+    plan check's first wait with ``OverflowError: cannot convert float infinity to integer``."""
+    with pytest.raises(ValueError, match="plan_check_timeout_s must be"):
+        WeaveConfig(plan_check_timeout_s=seconds)
+    longest = WeaveConfig(plan_check_timeout_s=timedelta.max.days * 86400.0)  # about 2.7 million years
+    store = dist.HashStore()
+    line = [("ar", "_c10d_functional.all_reduce(float32[4, 16], 'sum', '0')")]
+    store.set("weavepass/plan/0/1/0", json.dumps([["ar", line[0][1], 0]]))  # rank 1 published already
+    PlanExchange().check(store, "0", 0, [0, 1], line, 0, longest.plan_check_timeout_s)
 
 
 @pytest.mark.parametrize("tokens, mode", [((640,), "fake"), ((640,), "symbolic"), ((4, 10), "symbolic"),
