@@ -5,8 +5,10 @@ planner and the strategies' decisions, on graphs traced with ``make_fx`` on a fa
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import threading
+from datetime import timedelta
 
 import warnings
 
@@ -420,6 +422,19 @@ def test_overlap_comm_is_validated():
     assert WeaveConfig().overlap_comm == "fused"  # off by default: not measured on GPUs yet
 
 
+@pytest.mark.parametrize("seconds", [float("inf"), 1e15])
+def test_plan_check_timeout_must_be_a_wait_the_store_can_take(seconds):
+    """``inf`` ("wait for ever") was accepted, and every compile with collectives then failed in the
+    plan check's first wait with ``OverflowError: cannot convert float infinity to integer``."""
+    with pytest.raises(ValueError, match="plan_check_timeout_s must be"):
+        WeaveConfig(plan_check_timeout_s=seconds)
+    longest = WeaveConfig(plan_check_timeout_s=timedelta.max.days * 86400.0)  # about 2.7 million years
+    store = dist.HashStore()
+    line = [("ar", "_c10d_functional.all_reduce(float32[4, 16], 'sum', '0')")]
+    store.set("weavepass/plan/0/1/0", json.dumps([["ar", line[0][1], 0]]))  # rank 1 published already
+    PlanExchange().check(store, "0", 0, [0, 1], line, 0, longest.plan_check_timeout_s)
+
+
 @pytest.mark.parametrize("tokens, mode", [((640,), "fake"), ((640,), "symbolic"), ((4, 10), "symbolic"),
                                           ((1, 40), "symbolic")], ids=["static", "T", "BxS", "1xS"])
 def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mode):
@@ -628,3 +643,60 @@ def test_group_unknown_on_one_rank_is_stopped(monkeypatch):
     errors = _exchange(lines)
     assert all(e is not None and "weave.fused_allreduce_rmsnorm(" in e and "_c10d_functional.all_reduce(" in e
                for e in errors), errors
+
+
+def first_site(x, r, w1, g1):
+    """``two_sites`` up to its first norm: rank 0's first graph when a break follows that norm."""
+    h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+    return torch.relu(_rms(h1, g1)), h1
+
+
+def second_site(n1, h1, w2, g2):
+    """The rest of ``two_sites``, from the first norm's output: rank 0's second graph."""
+    h2 = funcol.all_reduce(n1 @ w2, "sum", dist.group.WORLD) + h1
+    return _rms(h2, g2), h2
+
+
+def _streams(per_rank: list[list[list[tuple[str, str]]]]) -> list[str | None]:
+    """``_exchange`` for ranks that compiled several graphs each, checked in order."""
+    store = dist.HashStore()
+    errors: list[str | None] = [None] * len(per_rank)
+
+    def check(rank: int) -> None:
+        exchange = PlanExchange()
+        try:
+            for index, lines in enumerate(per_rank[rank]):
+                exchange.check(store, "0", rank, list(range(len(per_rank))), lines, index, timeout_s=10.0)
+        except PlanMismatchError as error:
+            errors[rank] = str(error)
+
+    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(per_rank))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+@pytest.mark.parametrize("check_replicated", [False, True])
+def test_a_harmless_break_on_one_rank_passes_the_plan_check(check_replicated):
+    """Rank 0 breaks the graph after the first site's norm (a rank-dependent print), rank 1 does
+    not: the same collectives, in two graphs on rank 0, whose nodes are named afresh in each graph
+    (its second all_reduce is ``all_reduce``, rank 1's ``all_reduce_1``). With ``check_replicated``
+    the check op carried the site's node name, a label for its error message, into the plan line:
+    a healthy job failed with ``PlanMismatchError``."""
+    config = WeaveConfig(check_replicated=check_replicated)
+    args = _args(640)
+    with fake_process_group(2, 0):
+        graphs = [_trace(first_site, *args[:4]), _trace(second_site, torch.randn(640, H), args[1], *args[4:])]
+        for graph in graphs:
+            WeavePass(config)(graph)
+        broken = [collective_lines(graph)["0"] for graph in graphs]
+    whole = _lines_on_rank(1, config)
+    assert len(whole) == sum(map(len, broken)) == (4 if check_replicated else 2)
+    assert _streams([broken, [whole]]) == [None, None]
+    # The check can fail: a different shape in rank 0's second graph is still named (by rank 0,
+    # which compares it; rank 1 compared its lines with rank 0's first graph only).
+    wrong = [(name, line.replace("[640, 64]", "[641, 64]")) for name, line in broken[1]]
+    error = _streams([[broken[0], wrong], [whole]])[0]
+    assert error is not None and "[641, 64]" in error and "would run different collectives" in error

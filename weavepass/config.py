@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from datetime import timedelta
 
 LOWERINGS = ("auto", "portable", "cuda_symm")
 OVERLAP_MODES = ("off", "auto", "force")
 OVERLAP_COMM_MODES = ("fused", "push")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
+_LONGEST_WAIT_S = timedelta.max.days * 86400.0  # what timedelta(seconds=...) still takes
 # Field annotations are strings (``from __future__ import annotations``); every field is one of these.
 _FIELD_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}
 
@@ -185,8 +187,9 @@ class WeaveConfig:
             raise ValueError(
                 f"WeaveConfig.cuda_workspace_tokens must be >= 1, got {self.cuda_workspace_tokens}"
             )
-        if not self.plan_check_timeout_s > 0:
-            raise ValueError(f"WeaveConfig.plan_check_timeout_s must be > 0, got {self.plan_check_timeout_s}")
+        if not 0 < self.plan_check_timeout_s <= _LONGEST_WAIT_S:  # also rejects nan and inf
+            raise ValueError(f"WeaveConfig.plan_check_timeout_s must be > 0 and at most {_LONGEST_WAIT_S:g} "
+                             f"(the longest wait a store takes), got {self.plan_check_timeout_s}")
 
     def _check_types(self) -> None:
         """Each field holds its declared type: ``enabled="no"`` would otherwise be truthy (on),

@@ -38,6 +38,11 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "weave", "symm_m
 """Ops whose calls can talk to other ranks: the functional collectives, weave's own ops (fused,
 FlashComm) and the symmetric-memory fused matmuls."""
 
+LABELS = {"weave.check_replicated": ("site",)}
+"""Arguments (by schema name) that only name things in an op's error message: left out of its
+line. ``check_replicated``'s ``site`` is the site's node name, which differs between ranks whose
+graphs are cut differently by a harmless rank-dependent break, as the collectives do not."""
+
 LIKELY_CAUSE = (
     "Likely cause: control flow that depends on the rank (e.g. `if dist.get_rank() == 0: print(...)`) "
     "or another graph break in forward on some ranks only, so the ranks compiled different graphs. "
@@ -71,11 +76,14 @@ def collective_lines(graph: torch.fx.Graph) -> dict[str, list[tuple[str, str]]]:
             continue
         if target.namespace not in COLLECTIVE_NAMESPACES:
             continue
-        args = list(node.args) + [v for _, v in sorted(node.kwargs.items())]
+        op = f"{target.namespace}.{target._opname}"
+        labels = [i for i, a in enumerate(target._schema.arguments) if a.name in LABELS.get(op, ())]
+        args = [a for i, a in enumerate(node.args) if i not in labels]
+        args += [v for k, v in sorted(node.kwargs.items()) if k not in LABELS.get(op, ())]
         groups = [a for a in args if isinstance(a, str) and group_size(a) is not None]
         if not groups:  # weave.join_async and the like: no communication
             continue
-        line = f"{target.namespace}.{target._opname}({', '.join(_describe(a) for a in args)})"
+        line = f"{op}({', '.join(_describe(a) for a in args)})"
         by_group.setdefault(groups[0], []).append((node.name, line))
     return by_group
 
