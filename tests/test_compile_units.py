@@ -32,6 +32,7 @@ from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
 from weavepass.plan_check import PlanExchange, PlanMismatchError, collective_lines
 from weavepass.report import AllReduceRecord, GraphReport
+from weavepass.runtime.reference import add_rmsnorm_local
 from weavepass.testing import fake_process_group
 
 H = 64
@@ -172,6 +173,28 @@ def test_finder_layer_norm_forms(world2, norm, form, weight, bias):
 def test_finder_rejects_what_is_not_a_layer_norm(world2, norm, reason):
     sites, (rejected,) = find_allreduce_rmsnorm_sites(_trace(_site_with(norm), *_args(8)))
     assert sites == [] and reason in rejected.reason, rejected.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("op", [torch.ops.aten.rms_norm.default, torch.ops.aten._fused_rms_norm.default])
+def test_undecomposed_rms_norm_without_eps_gets_the_eps_eager_uses(world2, dtype, op):
+    """``aten.rms_norm`` / ``_fused_rms_norm`` with ``eps=None`` (kept by a pre-dispatch trace) add
+    the eps of the dtype they compute in (fp32 for bf16 and fp16), not the input's: the fused op's
+    math with the eps the finder read must give eager's rows. Rows of RMS ~1e-3, where bf16's own
+    eps (2^-7) would dominate the mean of squares."""
+    def norm(h, g):
+        out = op(h, [H], g, None)
+        return out if op is torch.ops.aten.rms_norm.default else out[0]
+
+    gen = torch.Generator().manual_seed(0)
+    h, g = (torch.randn(8, H, generator=gen) * 1e-3).to(dtype), (1 + torch.randn(H, generator=gen) / 8).to(dtype)
+    graph = make_fx(_site_with(norm), tracing_mode="fake", pre_dispatch=True)(
+        *(t.to(dtype) for t in (torch.randn(8, 32), h, torch.randn(32, H), g, torch.randn(H, H), g)))
+    (site,), rejected = find_allreduce_rmsnorm_sites(graph.graph)
+    assert rejected == [] and site.norm.form == str(op)
+    ours, _ = add_rmsnorm_local(h, None, g, site.norm.eps, dtype, dtype)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(ours, norm(h, g), rtol=2 * ulp, atol=2 * ulp)
 
 
 def test_finder_rejects_all_reduce_without_norm(world2):

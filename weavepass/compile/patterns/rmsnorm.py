@@ -187,8 +187,10 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
         names = ("weight", "bias", "eps") if layer else ("weight", "eps")
         given = {**dict(zip(names, user.args[2:])), **{k: v for k, v in user.kwargs.items() if k in names}}
         weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps")
-        if eps is None:
-            eps = 1e-5 if layer else torch.finfo(val(x).dtype).eps
+        if eps is None:  # rms_norm's default: the eps of the dtype it computes in (fp32 for bf16, fp16)
+            from weavepass.runtime.reference import accumulation_dtype
+
+            eps = 1e-5 if layer else torch.finfo(accumulation_dtype(val(x).dtype)).eps
         output, nodes = user, [user]
         if user.target not in (aten.rms_norm.default, aten.layer_norm.default):
             # _fused_rms_norm returns (out, rstd), native_layer_norm (out, mean, rstd); only
