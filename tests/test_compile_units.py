@@ -723,3 +723,45 @@ def test_a_harmless_break_on_one_rank_passes_the_plan_check(check_replicated):
     wrong = [(name, line.replace("[640, 64]", "[641, 64]")) for name, line in broken[1]]
     error = _streams([[broken[0], wrong], [whole]])[0]
     assert error is not None and "[641, 64]" in error and "would run different collectives" in error
+
+
+# --- what the CUDA lowering is asked -------------------------------------------------------------
+
+def test_cuda_lowering_is_asked_about_the_norms_output_dtype(world2, monkeypatch):
+    """A bf16 site whose norm weight is fp64 writes an fp64 normed output, which the CUDA kernel
+    cannot: the planner asks the support check with the output dtype, and the check refuses it
+    (before, the site was planned onto cuda_symm and its first call raised ValueError)."""
+    from weavepass.runtime.cuda import support
+
+    assert "output dtype torch.float64" in support.cuda_site_unsupported_reason(
+        torch.bfloat16, H, torch.device("cuda"), "0", torch.float64)
+    assert "output dtype" not in (support.cuda_site_unsupported_reason(
+        torch.bfloat16, H, torch.device("cuda"), "0", torch.float32) or "")
+    asked = []
+    monkeypatch.setattr(support, "cuda_site_unsupported_reason", lambda *a: asked.append(a[4]) or "asked")
+    args = [a.to(torch.bfloat16) for a in _args(8)]
+    args[3] = args[3].to(torch.float64)  # the first norm's weight: its output is fp64
+    sites, _ = find_allreduce_rmsnorm_sites(_trace(two_sites, *args))
+    plans = plan_sites(sites, WeaveConfig(lowering="cuda_symm"))
+    assert asked[0] == torch.float64 and all(p.lowering == "portable" for p in plans), (asked, plans)
+
+
+@pytest.mark.parametrize("config, fn, level", [
+    (WeaveConfig(overlap="force", min_world_size=4), "split", "WARNING"),  # asked for, not split
+    (WeaveConfig(overlap="auto", min_world_size=4), "split", "INFO"),  # the cost model's call
+    (WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1), "broken_stream", "WARNING"),
+    (WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=641), "two_sites", "INFO"),  # too few
+])
+def test_a_strategy_asked_for_and_not_used_is_a_warning(world2, caplog, config, fn, level):
+    """``overlap="force"`` not splitting, or FlashComm not used for another reason than a graph
+    too small for it, is logged as a warning (the report alone would be silent unless read)."""
+    with caplog.at_level("INFO", logger="weavepass"):
+        if fn == "split":
+            rewrite = _split(config)
+        else:
+            rewrite = _rewrite(_trace(globals()[fn], *_args(640)), config)
+            strategy = FlashCommStrategy()
+            strategy.decline(rewrite, strategy.decide(rewrite))
+    (record,) = [r for r in caplog.records if any(words in r.getMessage() for words in (
+        "token split skipped", "FlashComm not used"))]
+    assert record.levelname == level, record.getMessage()

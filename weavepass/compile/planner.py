@@ -46,7 +46,7 @@ def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
         from weavepass.runtime.cuda.support import cuda_site_unsupported_reason
     except ImportError as error:  # the module not built for this torch
         return f"CUDA lowering unavailable ({error})"
-    return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name)
+    return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
 
 
 CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspace (the producing "

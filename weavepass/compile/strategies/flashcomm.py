@@ -55,6 +55,9 @@ from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewr
 from weavepass.compile.tokens import TokenCount
 
 log = logging.getLogger("weavepass")
+_EXPECTED_DECLINES = (ReasonCode.TOO_FEW_TOKENS, ReasonCode.NO_SITES, ReasonCode.GROUP_TOO_SMALL)
+"""FlashComm's declines that are the configuration at work (logged at INFO); every other one is a
+warning: the user enabled FlashComm and this graph runs without it."""
 
 SYMM_MEM_CUDAGRAPHS_NOTE = (
     "Inductor CUDA graphs are on: PyTorch's symm_mem fused matmul ops allocate their symmetric "
@@ -597,7 +600,10 @@ class FlashCommStrategy(Strategy):
         if decision.stopped_at in records:
             record = records[decision.stopped_at]
             record.reason = "; ".join(x for x in (record.reason, f"FlashComm: {decision.reason}") if x)
-        log.info("weavepass: FlashComm not used: %s", decision.reason)
+        # Asked for and not used: a warning, unless the graph is simply too small (decode steps) or
+        # has nothing to shard, which is FlashComm working as configured.
+        level = logging.INFO if decision.code in _EXPECTED_DECLINES else logging.WARNING
+        log.log(level, "weavepass: graph %d: FlashComm not used: %s", report.graph_index, decision.reason)
 
     def apply(self, rewrite: GraphRewrite, decision: FlashCommDecision) -> bool:
         graph, plans, config, report = rewrite.graph, rewrite.plans, rewrite.config, rewrite.report

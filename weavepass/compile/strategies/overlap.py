@@ -40,5 +40,8 @@ class SplitStrategy(Strategy):
         return False
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
+        from weavepass.compile.strategies.split import split_skip_level
+
         rewrite.report.add_note(f"fuse-only: {decision.reason}")
-        log.info("weavepass: graph %d: %s", rewrite.report.graph_index, rewrite.report.notes[-1])
+        log.log(split_skip_level(rewrite.config), "weavepass: graph %d: %s", rewrite.report.graph_index,
+                rewrite.report.notes[-1])

@@ -24,7 +24,7 @@ from weavepass.env import disable_multicast
 from weavepass.runtime.cuda import launcher
 from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
-from weavepass.runtime.cuda.support import SUPPORTED_DTYPES, cuda_unsupported_reason
+from weavepass.runtime.cuda.support import cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
     constant_vector,
@@ -185,15 +185,13 @@ def _prepare(
     hidden = partial.shape[-1] if partial.dim() else 0
     reason = cuda_unsupported_reason(
         partial, residual, ones_weight(hidden, partial.dtype, partial.device) if weight is None else weight,
-        group_name,
+        group_name, out_dtype,
     )
     if reason is None and layer_norm and bias is not None and (bias.shape != (hidden,) or bias.device != partial.device):
         reason = "bias is not a [hidden] tensor on partial's device"
     if reason is not None:
         _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
         return _PORTABLE
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"out_dtype {out_dtype} is not bf16, fp16 or fp32")
     num_tokens = partial.numel() // hidden
     world = resolve_group(group_name).size()
     elem = partial.element_size()

@@ -16,13 +16,16 @@ PUSH_WORLD = 2
 
 
 def cuda_site_unsupported_reason(
-    dtype: torch.dtype, hidden: int, device: torch.device, group_name: str
+    dtype: torch.dtype, hidden: int, device: torch.device, group_name: str, out_dtype: torch.dtype | None = None
 ) -> str | None:
-    """Why the CUDA lowering cannot serve sites of this kind (compile-time form), or None."""
+    """Why the CUDA lowering cannot serve sites of this kind (compile-time form), or None.
+    ``out_dtype``: the normed output's dtype (the input's when None)."""
     if torch.device(device).type != "cuda":
         return f"tensors are on {torch.device(device).type}, not CUDA"
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not bf16, fp16 or fp32"
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        return f"the norm's output dtype {out_dtype} is not bf16, fp16 or fp32"
     if hidden <= 0 or hidden % 8 != 0:
         return f"hidden size {hidden} is not a positive multiple of 8 (16-byte vectors)"
     if hidden > MAX_HIDDEN:
@@ -43,7 +46,7 @@ def cuda_site_unsupported_reason(
     return None
 
 
-def cuda_unsupported_reason(partial, residual, weight, group_name: str) -> str | None:
+def cuda_unsupported_reason(partial, residual, weight, group_name: str, out_dtype: torch.dtype | None = None) -> str | None:
     """Why the CUDA lowering cannot serve this call (run-time form, on the call's tensors), or None.
     Batch size is not checked here: a batch larger than the workspace falls back to portable."""
     hidden = partial.shape[-1] if partial.dim() else 0
@@ -51,7 +54,7 @@ def cuda_unsupported_reason(partial, residual, weight, group_name: str) -> str |
         return "residual differs from partial in shape or device"
     if weight.shape != (hidden,) or weight.device != partial.device:
         return "weight is not a [hidden] tensor on partial's device"
-    return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name)
+    return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name, out_dtype)
 
 
 def push_unsupported_reason(world: int) -> str | None:

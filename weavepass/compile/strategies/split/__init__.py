@@ -114,6 +114,12 @@ def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool,
     return True, "communication: push (slot 0 for A, 1 for B)"
 
 
+def split_skip_level(config: WeaveConfig) -> int:
+    """The log level of a graph left fuse-only: a warning where ``overlap="force"`` asked for the
+    split; under ``"auto"`` not splitting is the cost model's call (INFO)."""
+    return logging.WARNING if config.overlap == "force" else logging.INFO
+
+
 def apply_token_split(
     graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport
 ) -> bool:
@@ -123,7 +129,7 @@ def apply_token_split(
     """
     def skip(reason: str) -> bool:
         report.add_note(f"fuse-only: {reason}")
-        log.info("weavepass: token split skipped: %s", reason)
+        log.log(split_skip_level(config), "weavepass: graph %d: token split skipped: %s", report.graph_index, reason)
         return False
 
     fused_nodes = [n for n in fused_nodes if n.target in (FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_LAYERNORM)]
