@@ -623,6 +623,24 @@ def _keys_rounded(x, r, u, d):
     return routing.unsort(routing.experts(x, perm, offs, u, d, K), perm)
 
 
+def _counts_rounded(x, r, u, d):
+    """The expert counts held in bf16, which holds integers exactly up to 256 only: past that the
+    whole's offsets round where a half's stay exact, and a row gets the next expert's weights (the
+    probe before the fix, 200 tokens with k = 2 between two sites: offset 309 rounded to 308 in the
+    whole, and the split answered 0.07 off it; 0.0 with fp32 counts)."""
+    keys, perm, _, _ = routing.route(x, r, K)
+    counts = torch.histc(keys.float(), bins=E, min=0, max=E - 1)
+    return routing.unsort(routing.experts(x, perm, torch.cumsum(counts.bfloat16(), 0).int(), u, d, K), perm)
+
+
+def _offsets_rounded(x, r, u, d):
+    """The offsets summed in fp16 (exact up to 2048 only), then cast to the grouped matmul's int32."""
+    keys, perm, _, _ = routing.route(x, r, K)
+    counts = torch.histc(keys.float(), bins=E, min=0, max=E - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.float16).int()
+    return routing.unsort(routing.experts(x, perm, offs, u, d, K), perm)
+
+
 @needs_grouped_mm
 @pytest.mark.parametrize("fn, reason", [
     (_capacity_by_counts, "(sub.Tensor) reads the expert counts of an MoE routing block"),
@@ -635,8 +653,11 @@ def _keys_rounded(x, r, u, d):
     (_sorted_scores, "(sort.default) sorts along the token dim, and its keys are not the flattened experts"),
     (_descending, "(sort.default) sorts the experts in descending order"),
     (_keys_rounded, "(histc) counts rows other than one bin per expert"),
+    (_counts_rounded, "(_to_copy.default) holds the expert counts of an MoE routing block in torch.bfloat16"),
+    (_offsets_rounded, "(cumsum.default) holds the expert counts of an MoE routing block in torch.float16"),
 ], ids=["capacity-by-counts", "capacity-by-position", "load-normalised", "normalised-over-tokens",
-        "not-unsorted", "mixed-orders", "scatter-without-permutation", "sorted-scores", "descending", "keys-rounded"])
+        "not-unsorted", "mixed-orders", "scatter-without-permutation", "sorted-scores", "descending", "keys-rounded",
+        "counts-rounded", "offsets-rounded"])
 def test_routing_blocks_that_mix_tokens_are_refused(fn, reason):
     """A value computed across rows that reaches an output (a capacity, a load, a normalisation
     over tokens), rows left in expert order, rows of two orders combined, a scatter that leaves

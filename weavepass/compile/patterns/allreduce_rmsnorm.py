@@ -650,7 +650,8 @@ def _rank_local_input(site: FusedAllReduceRMSNormSite) -> RejectedAllReduce | No
     """Why ``site`` reads a value that differs between ranks where the fused op needs it the same
     on every rank (``weavepass.report.REPLICATED_ASSUMPTION``), or None: the residual, a value added
     to the sum, the norm's weight or bias computed from the site's own partial sum (not through a
-    collective). Each rank would normalise its rows with another rank's copy."""
+    collective). Each rank would normalise its rows with another rank's copy. So may the factor of
+    a scaled sum not: ``all_reduce(p) * c`` is ``all_reduce(p * c)`` only for one ``c`` on every rank."""
     partials = [site.partial] + ([site.inner.merged.partial] if site.inner and site.inner.merged else [])
     local = set()
     for node in partials:
@@ -659,8 +660,9 @@ def _rank_local_input(site: FusedAllReduceRMSNormSite) -> RejectedAllReduce | No
             node = node.args[0]
             local.add(node)
     inner = site.inner.other if site.inner is not None else None
+    factor = _scale_factor(site.scale, site.wait) if site.scale is not None else None
     for start in (site.stream_residual() if site.add is not None else None, inner,
-                  site.norm.weight, site.norm.bias):
+                  site.norm.weight, site.norm.bias, factor):
         stack, seen = [start] if isinstance(start, Node) else [], set()
         while stack:
             node = stack.pop()

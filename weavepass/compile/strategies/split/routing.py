@@ -26,7 +26,8 @@ never reaches an output, which the analysis checks op by op with a role per tens
   the token dim read them, and floor division by a divisor of the rows per unit (pair -> token).
   Arithmetic on positions (a capacity limit that drops pairs by position) is refused.
 - counts (``Counts``): the histogram of a sort's keys and its cumsum, the grouped matmul's
-  offsets and nothing else (a load-balancing term or a capacity from the counts is refused).
+  offsets and nothing else (a load-balancing term or a capacity from the counts is refused), held
+  in dtypes that hold every count exactly (``EXACT_KEYS``).
 - block constants: ``empty``/``zeros``/``full`` as long as the rows (the scatter's target) and
   ``arange(P)`` (``iota``), rebuilt per half with the half's size (``block_consts``), read by
   those scatters only.
@@ -102,8 +103,9 @@ GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 """Grouped matmuls ``(rows [P, K], weights [E, K, N], offs [E])``: rows ``offs[e-1] .. offs[e]``
 times ``weights[e]`` (``torch._grouped_mm``; transformers' fallback for non-bf16 weights)."""
 EXACT_KEYS = (torch.int32, torch.int64, torch.float32, torch.float64)
-"""dtypes a cast of the sorted keys may have and still be counted: the expert indices exactly
-(a narrower one could wrap or round them into other experts' bins)"""
+"""dtypes a cast of the sorted keys may have and still be counted, and the only ones the counts and
+offsets may be held in: the expert indices and the row counts exactly (a narrower one could wrap
+or round keys into other experts' bins, or the whole's larger counts where a half's stay exact)"""
 ROUTING_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_add.default, aten.histc.default)
 
 
@@ -230,12 +232,15 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
 def _counts_op(node: Node, info: Analysis, counts: list[Node]):
     """The cumsum of the counts (the offsets), and casts: still counts of the same sort."""
     role = info.roles[counts[0]]
-    if node.target in CASTS and node.args[0] is counts[0]:
-        info.roles[node] = role
-        return None
-    if node.target is aten.cumsum.default and node.args[0] is counts[0] and norm_dim(node.args[1], 1) == 0 \
-            and not role.cumulative and val(node.args[0]).dim() == 1:
-        info.roles[node] = Counts(role.sort, cumulative=True)
+    cast = node.target in CASTS and node.args[0] is counts[0]
+    cumsum = node.target is aten.cumsum.default and node.args[0] is counts[0] \
+        and norm_dim(node.args[1], 1) == 0 and not role.cumulative and val(node.args[0]).dim() == 1
+    if (cast or cumsum) and val(node).dtype not in EXACT_KEYS:
+        raise Unsupported(f"{node.name} ({op_name(node.target)}) holds the expert counts of an MoE routing block "
+                          f"in {val(node).dtype}, which does not hold every row count exactly: the whole's "
+                          "offsets would round or wrap where a half's do not")
+    if cast or cumsum:
+        info.roles[node] = Counts(role.sort, cumulative=True) if cumsum else role
         return None
     raise Unsupported(f"{node.name} ({op_name(node.target)}) reads the expert counts of an MoE routing block, "
                       "computed across the tokens (a capacity or a load-balancing term): only their cumsum and "
