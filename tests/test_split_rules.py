@@ -732,6 +732,22 @@ def test_split_of_a_token_wise_graph_matches_eager():
     assert _split_error(gathered, inputs, 3) < 1e-6
 
 
+def test_rows_packing_several_tokens_slice_a_token_free_input_at_the_cut():
+    """``view(1, 2, 64)`` of 8 tokens packs 4 tokens per row; cut 4 / 4 it keeps whole rows (one per
+    half), and a token-free ``[2, 64]`` added to it is sliced per half at row 1. Its bounds were
+    ``size // units * first`` = 0 rows: half A added an empty slice (broadcast to no rows), half B
+    both rows, and the split answered wrong by 3.8 on this graph."""
+    def packed(partial, residual, norm, pos):
+        out, residual = _site(partial, residual, norm)
+        rows = out.view(1, 2, 64) + pos  # between the sites, read after the last one
+        return *_site(out * 2, residual, norm), rows
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randn(2, 64, generator=g)]
+    assert _split_error(packed, inputs, 4) < 1e-5
+
+
 def test_a_size_read_after_the_last_site_is_shared_not_joined():
     """A size of a non-token dim of a token node between the sites, read after the last site
     (here by a view): both halves' copies are the same size, so the reader gets half A's. It was
