@@ -753,6 +753,59 @@ def test_split_of_a_token_wise_graph_matches_eager():
     assert _split_error(gathered, inputs, 3) < 1e-6
 
 
+def test_rows_packing_several_tokens_slice_a_token_free_input_at_the_cut():
+    """``view(1, 2, 64)`` of 8 tokens packs 4 tokens per row; cut 4 / 4 it keeps whole rows (one per
+    half), and a token-free ``[2, 64]`` added to it is sliced per half at row 1. Its bounds were
+    ``size // units * first`` = 0 rows: half A added an empty slice (broadcast to no rows), half B
+    both rows, and the split answered wrong by 3.8 on this graph."""
+    def packed(partial, residual, norm, pos):
+        out, residual = _site(partial, residual, norm)
+        rows = out.view(1, 2, 64) + pos  # between the sites, read after the last one
+        return *_site(out * 2, residual, norm), rows
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randn(2, 64, generator=g)]
+    assert _split_error(packed, inputs, 4) < 1e-5
+
+
+def test_a_size_read_after_the_last_site_is_shared_not_joined():
+    """A size of a non-token dim of a token node between the sites, read after the last site
+    (here by a view): both halves' copies are the same size, so the reader gets half A's. It was
+    joined like a token tensor, by ``cat`` of two ints, and the rewrite raised RuntimeError.
+    (``make_fx`` reads every size from a placeholder: the graph is edited to read it from ``h``.)"""
+    from weavepass.testing.distributed import fake_process_group
+
+    def reshaped(partial, residual, norm, w):
+        out, residual = _site(partial, residual, norm)
+        h = out * 2
+        out, residual = _site(h, residual, norm)
+        return out.view(-1, h.shape[2]) @ w
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randn(16, 4, generator=g)]
+    with fake_process_group(1), torch.no_grad():
+        gm = _trace(reshaped, *inputs, tracing_mode="symbolic")
+        (size,) = [n for n in gm.graph.nodes if n.target is aten.sym_size.int]
+        (h,) = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+        with gm.graph.inserting_after(h):
+            of_h = gm.graph.call_function(aten.sym_size.int, (h, 2))
+        of_h.meta["val"] = size.meta["val"]
+        size.replace_all_uses_with(of_h)
+        gm.graph.erase_node(size)
+        sites = _sites(gm)
+        cut = Cut.of(sites[0])
+        cut.first = 4
+        info = analyse(gm.graph, sites, cut)
+        assert info.token[of_h] is None
+        rewrite(gm.graph, info, WeaveConfig(overlap="force"))
+        gm.graph.lint()
+        gm.recompile()
+        assert not _sites(gm)
+        assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
+
+
 def test_addmm_with_a_bias_per_token_row_slices_the_bias():
     """``addmm(bias, rows, w)`` with a token-free bias of one row per token (``torch.addmm(r, x, w)``
     with a ``[T, N]`` ``r``): the bias lines up with the tokens like an elementwise op's input and is

@@ -85,7 +85,10 @@ class Rewrite:
                         self.copy(sites[k + 1], half)
             outside = [n for n in info.token if any(u not in info.token for u in n.users)]
             for node in outside:
-                joined = self.emit(aten.cat.default, ([self.read(node, h) for h in HALVES], info.token[node]))
+                if info.token[node] is None:  # a size of a non-token dim: half A's copy serves both
+                    joined = self.read(node, "A")
+                else:
+                    joined = self.emit(aten.cat.default, ([self.read(node, h) for h in HALVES], info.token[node]))
                 for user in [u for u in node.users if u not in info.token]:
                     user.replace_input_with(node, joined)
             for half in HALVES:  # join every fork, also where an output is never read

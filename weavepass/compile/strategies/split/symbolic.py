@@ -109,7 +109,9 @@ class Cut:
         ``split_point`` is what ``emit_split_point`` emitted."""
         size = val(node).shape[dim]
         if isinstance(split_point, int) and not isinstance(size, torch.SymInt):
-            cut = size // hint(self.units) * split_point
+            # exact where a view packs several units into one row: ``view_dim`` accepts the view
+            # only when the cut falls between rows (``size // units`` would be 0 rows per unit)
+            cut = size * split_point // hint(self.units)
         else:
             size_node = emit(aten.sym_size.int, (node, dim))
             per_unit = emit(operator.floordiv, (size_node, self.emit_units(emit)))
