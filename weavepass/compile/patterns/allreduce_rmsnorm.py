@@ -723,6 +723,41 @@ def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | 
     return None
 
 
+_REGION = (("dim", 0), ("start", None), ("end", None), ("step", 1))
+
+
+def _region(node: Node, first: int) -> tuple:
+    """``(dim, start, end, step)`` of a ``slice`` (``first=1``) or ``slice_scatter`` (``first=2``)."""
+    args = node.args[first:]
+    return tuple(args[i] if i < len(args) else node.kwargs.get(name, default)
+                 for i, (name, default) in enumerate(_REGION))
+
+
+def fold_sums_read_back(graph: Graph) -> None:
+    """``slice(slice_scatter(buf, S, region), region) -> S`` for a reduced sum ``S``.
+
+    An in-place all_reduce on rows of a buffer (``dist.all_reduce(buf[:T])``), functionalised,
+    writes the sum into a copy of the buffer and reads the same rows back: the read is the sum
+    itself, and would otherwise stand between the sum and its residual add. Only the read is
+    replaced; a buffer copy that something else reads keeps the sum, and is then another user of
+    it (the site is kept, and says so). Run before finding sites."""
+    for read in list(graph.nodes):
+        scatter = read.args[0] if is_target(read, {aten.slice.Tensor}) else None
+        if not is_target(scatter, {aten.slice_scatter.default}) or len(scatter.args) < 2:
+            continue
+        summed = scatter.args[1]
+        if not (is_target(summed, {WAIT}) and is_target(summed.args[0], ALL_REDUCES)):
+            continue
+        rv, sv = val(read), val(summed)
+        if (_region(read, 1) != _region(scatter, 2) or rv is None or sv is None
+                or rv.shape != sv.shape or rv.dtype != sv.dtype):
+            continue
+        read.replace_all_uses_with(summed)
+        graph.erase_node(read)
+        if not scatter.users:
+            graph.erase_node(scatter)
+
+
 def find_allreduce_rmsnorm_sites(
     graph: Graph,
 ) -> tuple[list[FusedAllReduceRMSNormSite], list[RejectedAllReduce]]:
