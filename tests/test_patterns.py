@@ -339,6 +339,29 @@ def test_reject_all_reduce_result_with_other_users():
     assert_unchanged(compile_report(f, *inputs()), "other user")
 
 
+@pytest.mark.parametrize("form", ["in-place all_reduce", "copy_ into a buffer"])
+def test_sum_written_back_into_an_input_is_named_in_the_reason(form):
+    """Engines reduce in place into a tensor they were given, or copy the sum into a preallocated
+    buffer passed in: the graph then writes the sum back into that input at its end, a reader of
+    the sum that the user's code does not show. The reason names it, and the other readers."""
+    def f(x, y, r, weight, out):
+        if form == "in-place all_reduce":
+            dist.all_reduce(y)
+        else:
+            out.copy_(ar(y))
+            y = out
+        h = y + r
+        return llama_norm(h, weight), h, y * 2
+
+    x, w, r, weight = inputs()
+    graph = compile_report(f, x, x @ w, r, weight, torch.zeros_like(r))
+    (record,) = graph.records
+    assert not record.matched
+    assert "2 other user(s) besides the residual add" in record.reason, record.reason
+    assert "mul" in record.reason and "copy_" in record.reason, record.reason
+    assert "written back into the graph input" in record.reason, record.reason
+
+
 def test_reject_norm_over_another_dim():
     def f(x, w, r, weight):
         h = ar(x @ w) + r

@@ -474,11 +474,20 @@ def _match_after_sum(summed: Node) -> tuple[list[Node], Node | None, list[Node],
             no_norm_reason = f"after adding {residual.name}: {found}"  # a residual or not: unknown here
             continue
         if len(cur.users) != 1:
+            others = ", ".join(_reader(u) for u in cur.users if u is not add)
             return (f"the all_reduce result has {len(cur.users) - 1} other user(s) besides the "
-                    "residual add that feeds the norm")
+                    f"residual add that feeds the norm: {others}")
         views_to_norm, norm = found
         return views_to_add, add, views_to_norm, norm
     return no_norm_reason
+
+
+def _reader(node: Node) -> str:
+    """A reader of the sum, for a reason: its name, and what a write-back into an input means."""
+    if is_target(node, {aten.copy_.default}) and node.args[0].op == "placeholder":
+        return (f"{node.name} (the sum is written back into the graph input {node.args[0].name}: "
+                "an in-place all_reduce of, or a copy_ into, a tensor the compiled code was given)")
+    return node.name
 
 
 def _exclusive_views(node: Node) -> tuple[list[Node], Node]:
