@@ -732,39 +732,46 @@ def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | 
     return None
 
 
-_REGION = (("dim", 0), ("start", None), ("end", None), ("step", 1))
+READ_BACKS = {
+    aten.slice.Tensor: (aten.slice_scatter.default, (("dim", 0), ("start", None), ("end", None), ("step", 1))),
+    aten.select.int: (aten.select_scatter.default, (("dim", None), ("index", None))),
+}
+"""A read of part of a tensor -> the op that writes that part, and the arguments naming the part."""
 
 
-def _region(node: Node, first: int) -> tuple:
-    """``(dim, start, end, step)`` of a ``slice`` (``first=1``) or ``slice_scatter`` (``first=2``)."""
+def _part(node: Node, first: int, params) -> tuple:
+    """The part a read (``first=1``) or a write (``first=2``) names, defaults filled in."""
     args = node.args[first:]
     return tuple(args[i] if i < len(args) else node.kwargs.get(name, default)
-                 for i, (name, default) in enumerate(_REGION))
+                 for i, (name, default) in enumerate(params))
 
 
 def fold_sums_read_back(graph: Graph) -> None:
-    """``slice(slice_scatter(buf, S, region), region) -> S`` for a reduced sum ``S``.
+    """``slice(slice_scatter(buf, S, part), part) -> S`` (and ``select`` / ``select_scatter``) for
+    a reduced sum ``S``.
 
-    An in-place all_reduce on rows of a buffer (``dist.all_reduce(buf[:T])``), functionalised,
-    writes the sum into a copy of the buffer and reads the same rows back: the read is the sum
-    itself, and would otherwise stand between the sum and its residual add. Only the read is
-    replaced; a buffer copy that something else reads keeps the sum, and is then another user of
-    it (the site is kept, and says so). Run before finding sites."""
+    An in-place all_reduce on part of a buffer (``dist.all_reduce(buf[:T])``, ``buf[i]``),
+    functionalised, writes the sum into a copy of the buffer and reads the same part back: the
+    read is the sum itself, and would otherwise stand between the sum and its residual add. Only
+    the read is replaced; a buffer copy that something else reads keeps the sum, and is then
+    another user of it (the site is kept, and says so). Run before finding sites."""
     for read in list(graph.nodes):
-        scatter = read.args[0] if is_target(read, {aten.slice.Tensor}) else None
-        if not is_target(scatter, {aten.slice_scatter.default}) or len(scatter.args) < 2:
+        if read.op != "call_function" or read.target not in READ_BACKS:
             continue
-        summed = scatter.args[1]
+        write_op, params = READ_BACKS[read.target]
+        write = read.args[0]
+        if not is_target(write, {write_op}) or len(write.args) < 2:
+            continue
+        summed = write.args[1]
         if not (is_target(summed, {WAIT}) and is_target(summed.args[0], ALL_REDUCES)):
             continue
         rv, sv = val(read), val(summed)
-        if (_region(read, 1) != _region(scatter, 2) or rv is None or sv is None
+        if (_part(read, 1, params) != _part(write, 2, params) or rv is None or sv is None
                 or rv.shape != sv.shape or rv.dtype != sv.dtype):
             continue
         read.replace_all_uses_with(summed)
         graph.erase_node(read)
-        if not scatter.users:
-            graph.erase_node(scatter)
+        _erase_dead([write], graph)
 
 
 def find_allreduce_rmsnorm_sites(
