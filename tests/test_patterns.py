@@ -7,6 +7,8 @@ rewrite, and on the per-all_reduce records of the explain report.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -243,6 +245,68 @@ def test_in_place_c10d_all_reduce_is_matched():
     assert_fused(compile_report(f, *inputs()), 1)
 
 
+SCRATCH_FORMS = ("rows", "layer")
+
+
+def scratch_buffer(x, w, r, weight, form="rows", keep=False):
+    """An engine that reduces in place into part of a scratch buffer and reads the same part back:
+    rows (``buf[:T]``) or one layer's slot (``buf[i]``). Functionalised, the sum is written into a
+    copy of the buffer (``slice_scatter`` / ``select_scatter``) and read back (``slice`` /
+    ``select`` of the same part), which is the sum itself. With ``keep`` the buffer (holding the
+    sum) is also returned: the sum is needed beside the site's residual add, which the fused op
+    does not return."""
+    tokens, hidden = x.shape[0], w.shape[1]
+    if form == "rows":
+        buf, part = torch.zeros(2 * tokens, hidden, dtype=x.dtype), slice(0, tokens)
+    else:
+        buf, part = torch.zeros(3, tokens, hidden, dtype=x.dtype), 1
+    buf[part] = x @ w
+    dist.all_reduce(buf[part])
+    h = buf[part] + r
+    return (llama_norm(h, weight), h) + ((buf,) if keep else ())
+
+
+@pytest.mark.parametrize("form", SCRATCH_FORMS)
+def test_in_place_all_reduce_into_a_scratch_buffer_is_matched(form):
+    assert_fused(compile_report(functools.partial(scratch_buffer, form=form), *inputs()), 1)
+
+
+def test_scratch_buffer_holding_the_sum_read_elsewhere_is_kept():
+    graph = compile_report(functools.partial(scratch_buffer, keep=True), *inputs())
+    assert graph.ops_after[FUSED] == 0 and graph.ops_after[AR] == 1
+    (record,) = graph.records
+    assert "other user(s) besides the residual add" in record.reason, record.reason
+
+
+def _scratch_buffer_rank(rank: int, world: int) -> dict:
+    """The scratch-buffer forms in fp32 and bf16, compiled vs eager vs the fp32 function, on gloo."""
+    from weavepass.testing.harness import check_against_eager
+
+    g = torch.Generator().manual_seed(0)
+    x, r, weight = torch.randn(7, 32, generator=g), torch.randn(7, H, generator=g), torch.randn(H, generator=g)
+    w = [torch.randn(32, H, generator=g) / 4 for _ in range(world)][rank]
+    results = {}
+    for form, keep in [(form, False) for form in SCRATCH_FORMS] + [("rows", True)]:
+        f = functools.partial(scratch_buffer, form=form, keep=keep)
+        for dtype in (torch.float32, torch.bfloat16):
+            backend = weavepass.make_backend()
+            torch._dynamo.reset()
+            comparison = check_against_eager(f, tuple(t.to(dtype) for t in (x, w, r, weight)),
+                                             lambda f: torch.compile(f, backend=backend), f, dtype,
+                                             raise_on_failure=False)
+            results[form, keep, str(dtype)] = (comparison.passed, str(comparison), backend.report.rewritten)
+    return results
+
+
+def test_scratch_buffer_forms_equal_eager_on_gloo():
+    from weavepass.testing.distributed import spawn
+
+    for rank_results in spawn(_scratch_buffer_rank, 2, "gloo"):
+        for (form, keep, dtype), (passed, table, rewritten) in rank_results.items():
+            assert rewritten == (not keep), (form, keep, dtype)
+            assert passed, (form, keep, dtype, table)
+
+
 def test_every_site_of_a_stack_is_rewritten():
     layers = 4
 
@@ -275,6 +339,29 @@ def test_reject_all_reduce_result_with_other_users():
         return llama_norm(y + r, weight), y
 
     assert_unchanged(compile_report(f, *inputs()), "other user")
+
+
+@pytest.mark.parametrize("form", ["in-place all_reduce", "copy_ into a buffer"])
+def test_sum_written_back_into_an_input_is_named_in_the_reason(form):
+    """Engines reduce in place into a tensor they were given, or copy the sum into a preallocated
+    buffer passed in: the graph then writes the sum back into that input at its end, a reader of
+    the sum that the user's code does not show. The reason names it, and the other readers."""
+    def f(x, y, r, weight, out):
+        if form == "in-place all_reduce":
+            dist.all_reduce(y)
+        else:
+            out.copy_(ar(y))
+            y = out
+        h = y + r
+        return llama_norm(h, weight), h, y * 2
+
+    x, w, r, weight = inputs()
+    graph = compile_report(f, x, x @ w, r, weight, torch.zeros_like(r))
+    (record,) = graph.records
+    assert not record.matched
+    assert "2 other user(s) besides the residual add" in record.reason, record.reason
+    assert "mul" in record.reason and "copy_" in record.reason, record.reason
+    assert "written back into the graph input" in record.reason, record.reason
 
 
 def test_reject_norm_over_another_dim():

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from weavepass.config import WeaveConfig
-from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_read_back
 from weavepass.compile.planner import INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import STRATEGIES, GraphRewrite
@@ -111,6 +111,7 @@ class WeavePass(CustomGraphPass):
             self.on_report(report)
 
     def _rewrite(self, graph: torch.fx.Graph, report: GraphReport) -> None:
+        fold_sums_read_back(graph)
         position = {n: i for i, n in enumerate(graph.nodes)}
         sites, rejected = find_allreduce_rmsnorm_sites(graph)
         records: dict[int, AllReduceRecord] = {}

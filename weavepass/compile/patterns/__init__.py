@@ -4,6 +4,7 @@ from weavepass.compile.patterns.allreduce_rmsnorm import (
     FusedAllReduceRMSNormSite,
     RejectedAllReduce,
     find_allreduce_rmsnorm_sites,
+    fold_sums_read_back,
 )
 from weavepass.compile.patterns.rmsnorm import RMSNormMatch, match_rmsnorm
 
@@ -12,5 +13,6 @@ __all__ = [
     "RMSNormMatch",
     "RejectedAllReduce",
     "find_allreduce_rmsnorm_sites",
+    "fold_sums_read_back",
     "match_rmsnorm",
 ]

@@ -474,11 +474,20 @@ def _match_after_sum(summed: Node) -> tuple[list[Node], Node | None, list[Node],
             no_norm_reason = f"after adding {residual.name}: {found}"  # a residual or not: unknown here
             continue
         if len(cur.users) != 1:
+            others = ", ".join(_reader(u) for u in cur.users if u is not add)
             return (f"the all_reduce result has {len(cur.users) - 1} other user(s) besides the "
-                    "residual add that feeds the norm")
+                    f"residual add that feeds the norm: {others}")
         views_to_norm, norm = found
         return views_to_add, add, views_to_norm, norm
     return no_norm_reason
+
+
+def _reader(node: Node) -> str:
+    """A reader of the sum, for a reason: its name, and what a write-back into an input means."""
+    if is_target(node, {aten.copy_.default}) and node.args[0].op == "placeholder":
+        return (f"{node.name} (the sum is written back into the graph input {node.args[0].name}: "
+                "an in-place all_reduce of, or a copy_ into, a tensor the compiled code was given)")
+    return node.name
 
 
 def _exclusive_views(node: Node) -> tuple[list[Node], Node]:
@@ -723,6 +732,48 @@ def _check_order(site: FusedAllReduceRMSNormSite, order) -> RejectedAllReduce | 
         return RejectedAllReduce(site.all_reduce, late)
     site.extra["hoist"] = late
     return None
+
+
+READ_BACKS = {
+    aten.slice.Tensor: (aten.slice_scatter.default, (("dim", 0), ("start", None), ("end", None), ("step", 1))),
+    aten.select.int: (aten.select_scatter.default, (("dim", None), ("index", None))),
+}
+"""A read of part of a tensor -> the op that writes that part, and the arguments naming the part."""
+
+
+def _part(node: Node, first: int, params) -> tuple:
+    """The part a read (``first=1``) or a write (``first=2``) names, defaults filled in."""
+    args = node.args[first:]
+    return tuple(args[i] if i < len(args) else node.kwargs.get(name, default)
+                 for i, (name, default) in enumerate(params))
+
+
+def fold_sums_read_back(graph: Graph) -> None:
+    """``slice(slice_scatter(buf, S, part), part) -> S`` (and ``select`` / ``select_scatter``) for
+    a reduced sum ``S``.
+
+    An in-place all_reduce on part of a buffer (``dist.all_reduce(buf[:T])``, ``buf[i]``),
+    functionalised, writes the sum into a copy of the buffer and reads the same part back: the
+    read is the sum itself, and would otherwise stand between the sum and its residual add. Only
+    the read is replaced; a buffer copy that something else reads keeps the sum, and is then
+    another user of it (the site is kept, and says so). Run before finding sites."""
+    for read in list(graph.nodes):
+        if read.op != "call_function" or read.target not in READ_BACKS:
+            continue
+        write_op, params = READ_BACKS[read.target]
+        write = read.args[0]
+        if not is_target(write, {write_op}) or len(write.args) < 2:
+            continue
+        summed = write.args[1]
+        if not (is_target(summed, {WAIT}) and is_target(summed.args[0], ALL_REDUCES)):
+            continue
+        rv, sv = val(read), val(summed)
+        if (_part(read, 1, params) != _part(write, 2, params) or rv is None or sv is None
+                or rv.shape != sv.shape or rv.dtype != sv.dtype):
+            continue
+        read.replace_all_uses_with(summed)
+        graph.erase_node(read)
+        _erase_dead([write], graph)
 
 
 def find_allreduce_rmsnorm_sites(
