@@ -14,6 +14,7 @@ Needs ``transformers`` (>= 5.17) and ``accelerate``, imported only when these fu
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 import traceback
@@ -183,7 +184,9 @@ def _rel_diff(compiled, eager) -> float:
     worst = 0.0
     for c, e in zip(pytree.tree_leaves(compiled), pytree.tree_leaves(eager), strict=True):
         if isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel():
-            worst = max(worst, ((c - e).abs().max() / e.abs().max().clamp(min=1)).item())
+            diff = ((c - e).abs().max() / e.abs().max().clamp(min=1)).item()
+            # NaN compares False: max(0.0, nan) is 0.0, and a NaN output would read as no difference
+            worst = max(worst, math.inf if math.isnan(diff) else diff)
     return worst
 
 
