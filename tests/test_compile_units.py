@@ -574,18 +574,23 @@ def _exchange(lines: list[list[tuple[str, str]]]) -> list[str | None]:
     """Each rank's ``PlanMismatchError`` text (None: the check passed), ranks checking concurrently."""
     store = dist.HashStore()
     errors: list[str | None] = [None] * len(lines)
+    crashed: list[BaseException] = []  # a thread's exception is only a warning: re-raised here
 
     def check(rank: int) -> None:
         try:
             PlanExchange().check(store, "0", rank, list(range(len(lines))), lines[rank], 0, timeout_s=10.0)
         except PlanMismatchError as error:
             errors[rank] = str(error)
+        except Exception as error:  # noqa: BLE001
+            crashed.append(error)
 
     threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(lines))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if crashed:
+        raise crashed[0]
     return errors
 
 
@@ -684,6 +689,7 @@ def _streams(per_rank: list[list[list[tuple[str, str]]]]) -> list[str | None]:
     """``_exchange`` for ranks that compiled several graphs each, checked in order."""
     store = dist.HashStore()
     errors: list[str | None] = [None] * len(per_rank)
+    crashed: list[BaseException] = []  # as in _exchange
 
     def check(rank: int) -> None:
         exchange = PlanExchange()
@@ -692,12 +698,16 @@ def _streams(per_rank: list[list[list[tuple[str, str]]]]) -> list[str | None]:
                 exchange.check(store, "0", rank, list(range(len(per_rank))), lines, index, timeout_s=10.0)
         except PlanMismatchError as error:
             errors[rank] = str(error)
+        except Exception as error:  # noqa: BLE001
+            crashed.append(error)
 
     threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(per_rank))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if crashed:
+        raise crashed[0]
     return errors
 
 
