@@ -152,6 +152,24 @@ def test_harness_raises_on_wrong_compiled_model():
     assert not report.passed and report.max_abs_diff == pytest.approx(0.1, rel=0.05)
 
 
+def test_a_nan_output_is_a_failure_not_a_zero_difference():
+    """NaN compares False: ``max(0.0, nan)`` is 0.0, and the HF tests' ``rel_diff`` read an all-NaN
+    compiled output as no difference. Both checks must fail it."""
+    from weavepass.testing.hf_models import _rel_diff
+
+    eager = torch.randn(1, 9, 16)
+    compiled = eager.clone()
+    compiled[0, 3, 5] = float("nan")
+    assert _rel_diff(compiled, eager) == float("inf")
+    assert _rel_diff((eager.clone(), compiled), (eager, eager)) == float("inf")  # a later output too
+    assert _rel_diff(eager.clone(), eager) == 0.0
+    ids = random_token_ids(DENSE, batch=1, seq=6)
+    model = build_tp_model(DENSE)
+    report = check_against_eager(model, ids, lambda m: lambda *a: m(*a) * float("nan"), model,
+                                 raise_on_failure=False)
+    assert not report.passed and "non-finite" in str(report)
+
+
 def test_harness_with_torch_compile():
     ids = random_token_ids(TORCH_NORM, batch=1, seq=6)
     model = build_tp_model(TORCH_NORM, dtype=torch.bfloat16)
