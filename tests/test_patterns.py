@@ -8,6 +8,7 @@ rewrite, and on the per-all_reduce records of the explain report.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -782,7 +783,10 @@ def test_explain_numbers_its_own_graphs_from_0():
         torch._dynamo.reset()
         report = weavepass.explain(f, *inputs())
         assert [g.graph_index for g in report.graphs] == [0, 1]
-        assert "\ngraph 0: 0/1 rewritten" in str(report) and "\ngraph 1: 1/1 rewritten" in str(report)
+        # (the backend, shared by every explain of this config, logs its own count: shown beside)
+        logged = r"( \(graph \d+ in weavepass's log\))?"
+        assert re.search(rf"\ngraph 0{logged}: 0/1 rewritten", str(report)), str(report)
+        assert re.search(rf"\ngraph 1{logged}: 1/1 rewritten", str(report)), str(report)
 
 
 # ----- MoE sums: a replicated shared expert, or a second all_reduce, added before the residual ---
