@@ -943,3 +943,27 @@ def test_flashcomm_takes_merged_parallel_branch_sites():
     graph = compile_report(f, *inputs(), config=WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1))
     assert graph.ops_after[AR] == 0 and graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2, graph.records
+
+
+def test_dynamic_true_eps_input_is_given_once_per_site():
+    """A site whose residual is another all_reduce's sum (the embedding's, in a vocab-parallel
+    model) is read two ways (that sum as the residual, or as a second sum added first); when both
+    stop at the lifted eps, the reason says so once, not twice."""
+
+    class Block(torch.nn.Module):
+        eps = 1e-5
+
+        def forward(self, x, w, r, weight):
+            h0 = ar(x @ w)
+            h1 = ar(llama_norm(h0, weight, eps=self.eps) @ w.T @ w) + h0
+            h2 = ar(llama_norm(h1, weight, eps=self.eps) @ w.T @ w) + h1
+            return llama_norm(h2, weight, eps=self.eps)
+
+    backend = weavepass.make_backend()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(Block(), backend=backend, dynamic=True)(*inputs(tokens=6))
+    (graph,) = backend.report.graphs
+    assert len(graph.records) == 3 and graph.rewritten == 0
+    for record in graph.records:
+        assert record.reason.count("the norm's eps is not a constant") == 1, record.reason
