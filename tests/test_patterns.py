@@ -967,3 +967,5 @@ def test_dynamic_true_eps_input_is_given_once_per_site():
     assert len(graph.records) == 3 and graph.rewritten == 0
     for record in graph.records:
         assert record.reason.count("the norm's eps is not a constant") == 1, record.reason
+    # every sum does feed an RMSNorm here: the graph's note must not say that none does
+    assert "feeds an" not in graph.note and "each one's reason is listed" in graph.note, graph.note
