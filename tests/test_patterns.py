@@ -419,9 +419,9 @@ def torch_layer_norm(affine: str):
     ("cohere", False, torch.float32, "LayerNorm (decomposed), weight torch.float32,"),
     ("weight+bias", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), weight torch.bfloat16, bias torch.bfloat16,"),
     ("weight+bias", False, torch.float32, "LayerNorm (var_mean), weight torch.float32, bias torch.float32,"),
-    ("weight", True, torch.float32, "LayerNorm (var_mean), weight torch.float32, torch.float32"),
+    ("weight", True, torch.float32, "LayerNorm (var_mean), weight torch.float32, sum torch.float32"),
     ("bias", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), bias torch.bfloat16,"),
-    ("none", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), torch.bfloat16"),
+    ("none", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), sum torch.bfloat16"),
 ])
 def test_layer_norm_is_a_site(norm, residual, dtype, form):
     """Every LayerNorm form Inductor's post-grad graph holds becomes one

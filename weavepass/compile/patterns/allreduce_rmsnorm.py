@@ -157,7 +157,7 @@ class FusedAllReduceRMSNormSite:
         inner = f", {self.inner_text}" if self.inner_text else ""
         weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
         bias = "" if self.norm.bias is None else f", bias {val(self.norm.bias).dtype}"
-        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, {self.dtype}, "
+        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, sum {self.dtype}, "
                 f"hidden {self.hidden}")
 
     @property
