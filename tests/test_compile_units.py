@@ -785,3 +785,15 @@ def test_explains_graph_numbers_match_the_log(world2, caplog):
     assert "graph 1:" in warning
     text = str(report)
     assert report.graphs[0].graph_index == 0 and "graph 0 (graph 1 in weavepass's log): 1/1" in text, text
+
+
+def test_a_fallback_shared_by_many_sites_is_one_warning(world2, caplog):
+    """``lowering="cuda_symm"`` on CPU tensors: every site falls back for the same reason; the log
+    says so once per graph, naming the sites, not once per site (65 lines for 32 layers)."""
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="weavepass"):
+        report = weavepass.explain(two_sites, *_args(40), config=WeaveConfig(lowering="cuda_symm"))
+    warnings = [r.getMessage() for r in caplog.records if "instead of cuda_symm" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "all_reduce, all_reduce_1" in warnings[0] and "2 site(s)" in warnings[0], warnings
+    assert all(r.reason.startswith("portable instead of cuda_symm:") for r in report.records)
