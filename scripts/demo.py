@@ -27,6 +27,7 @@ import weavepass  # noqa: E402  (registers backend="weave")
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WORLD_SIZES = (1, 2, 4, 8)  # the ones that divide demo_config's 16 query and 8 kv heads
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--moe", action="store_true", help="4 experts, top-2, not a dense MLP")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the token ids")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.world_size not in WORLD_SIZES:
+        parser.error(
+            f"--world-size {args.world_size}: the demo model's 16 query / 8 kv heads split evenly "
+            f"only over 1, 2, 4 or 8 ranks"
+        )
+    return args
 
 
 def demo_config(args: argparse.Namespace) -> TPConfig:

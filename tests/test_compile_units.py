@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import weavepass
 from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass, op_counts
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
@@ -775,3 +776,34 @@ def test_a_strategy_asked_for_and_not_used_is_a_warning(world2, caplog, config, 
     (record,) = [r for r in caplog.records if any(words in r.getMessage() for words in (
         "token split skipped", "FlashComm not used"))]
     assert record.levelname == level, record.getMessage()
+
+
+def test_explains_graph_numbers_match_the_log(world2, caplog):
+    """``explain`` numbers its graphs from 0, but its backend (one per config, shared) logs the
+    number it gave the graph among all it compiled: the report names that number too, so a warning
+    about "graph 1" can be found in a report that says "graph 0"."""
+    config = WeaveConfig(overlap="force", plan_check_timeout_s=61.0)  # a backend of its own
+
+    def one_site(x, r, w1, g1, w2, g2):
+        return _rms(funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r, g1)
+
+    torch._dynamo.reset()
+    weavepass.explain(two_sites, *_args(40), config=config)  # the backend's graph 0
+    with caplog.at_level("WARNING", logger="weavepass"):
+        report = weavepass.explain(one_site, *_args(40), config=config)
+    (warning,) = [r.getMessage() for r in caplog.records if "token split skipped" in r.getMessage()]
+    assert "graph 1:" in warning
+    text = str(report)
+    assert report.graphs[0].graph_index == 0 and "graph 0 (graph 1 in weavepass's log): 1/1" in text, text
+
+
+def test_a_fallback_shared_by_many_sites_is_one_warning(world2, caplog):
+    """``lowering="cuda_symm"`` on CPU tensors: every site falls back for the same reason; the log
+    says so once per graph, naming the sites, not once per site (65 lines for 32 layers)."""
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="weavepass"):
+        report = weavepass.explain(two_sites, *_args(40), config=WeaveConfig(lowering="cuda_symm"))
+    warnings = [r.getMessage() for r in caplog.records if "instead of cuda_symm" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "all_reduce, all_reduce_1" in warnings[0] and "2 site(s)" in warnings[0], warnings
+    assert all(r.reason.startswith("portable instead of cuda_symm:") for r in report.records)

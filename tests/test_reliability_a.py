@@ -355,3 +355,19 @@ def test_flashcomm_says_when_it_drops_the_requested_overlap():
         assert f"overlap='{overlap}' dropped: FlashComm took this graph" in graph.note, graph.notes
     quiet = graph_report(f, *args, config=FLASHCOMM)
     assert "dropped" not in quiet.note
+
+
+def test_backend_error_names_weave_and_its_config_not_an_object_address():
+    """Dynamo's BackendCompilerFailed prints ``backend=<repr>``: a backend made with a config says
+    what it is, not ``<weavepass.backend.WeaveBackend object at 0x...>``."""
+
+    def f(x, w, r, weight):
+        return norm(ar(x @ w) + r, weight)
+
+    torch._dynamo.reset()
+    backend = weavepass.make_backend(WeaveConfig(lowering="portable"))
+    with fake_process_group(2), torch.no_grad(), pytest.raises(Exception) as info:
+        torch.compile(f, backend=backend, options={"unknown_option": 1})(*inputs())
+    message = str(info.value)
+    assert "object at 0x" not in message and "weave" in message.split("raised")[0], message
+    assert "lowering='portable'" in repr(backend)

@@ -7,6 +7,7 @@ entry point, so it works without importing weavepass first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -86,6 +87,13 @@ class WeaveBackend:
                 "for each and runs it eagerly after its recompile limit (8). Reuse one backend "
                 "(weavepass.shared_backend(config)) or use weavepass.weave", _RECOMPILE_LIMIT_HINT + 1)
         self._graph_ids = itertools.count()  # the report numbers this backend's graphs from 0
+
+    def __repr__(self) -> str:
+        """What Dynamo's errors print as ``backend=...``: weave, and the fields set off default."""
+        default = WeaveConfig()
+        changed = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}" for f in dataclasses.fields(WeaveConfig)
+                            if getattr(self.config, f.name) != getattr(default, f.name))
+        return f"weave(WeaveConfig({changed}))"
 
     def _record(self, graph_report: GraphReport) -> None:
         self.report.graphs.append(graph_report)

@@ -35,6 +35,9 @@ class GraphReport:
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
+    logged_as: int | None = None
+    """In a report that numbers its graphs itself (``explain``, ``weave``): the number the backend
+    gave this graph, which its log lines and errors use; None where the two are the same."""
 
     def add_note(self, text: str) -> None:
         """A graph-wide decision (a strategy used or declined, and why); notes accumulate."""
@@ -68,7 +71,9 @@ class WeaveReport:
         for graph in graphs:
             if not any(graph is g for g in self._collected):
                 self._collected.append(graph)
-                self.graphs.append(dataclasses.replace(graph, graph_index=len(self.graphs)))
+                index = len(self.graphs)
+                logged_as = graph.graph_index if graph.graph_index != index else None
+                self.graphs.append(dataclasses.replace(graph, graph_index=index, logged_as=logged_as))
 
     @property
     def records(self) -> list[AllReduceRecord]:
@@ -88,7 +93,8 @@ class WeaveReport:
         if self.rewritten:
             lines.append(f"assumes: {REPLICATED_ASSUMPTION}")
         for g in self.graphs:
-            lines.append(f"graph {g.graph_index}: {g.rewritten}/{len(g.records)} rewritten"
+            logged = f" (graph {g.logged_as} in weavepass's log)" if g.logged_as is not None else ""
+            lines.append(f"graph {g.graph_index}{logged}: {g.rewritten}/{len(g.records)} rewritten"
                          + (f" ({g.note})" if g.note else ""))
             for r in g.records:
                 if r.matched and r.lowering:

@@ -33,8 +33,8 @@ def nothing_to_rewrite_note(num_all_reduces: int) -> str:
     """The graph-wide note when no all_reduce of a graph is a site."""
     if num_all_reduces == 0:
         return "nothing to rewrite: the graph has no all_reduce"
-    return (f"nothing to rewrite: none of its {num_all_reduces} all_reduce(s) feeds an "
-            "[add residual ->] RMSNorm (each one's reason is listed)")
+    return (f"nothing to rewrite: none of its {num_all_reduces} all_reduce(s) is a sum -> [add "
+            "residual ->] RMSNorm or LayerNorm that weave can fuse (each one's reason is listed)")
 
 
 def op_counts(graph: torch.fx.Graph) -> Counter:

@@ -157,7 +157,7 @@ class FusedAllReduceRMSNormSite:
         inner = f", {self.inner_text}" if self.inner_text else ""
         weight = "" if self.norm.weight is None else f", weight {val(self.norm.weight).dtype}"
         bias = "" if self.norm.bias is None else f", bias {val(self.norm.bias).dtype}"
-        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, {self.dtype}, "
+        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, sum {self.dtype}, "
                 f"hidden {self.hidden}")
 
     @property
@@ -532,6 +532,13 @@ def _partner_sum(x: Node, ar: Node) -> PartnerSum | str | None:
     return PartnerSum(other, x, list(reversed(views)))
 
 
+def _after_add_cause(reason: str) -> str:
+    """``reason`` without its leading ``after adding <node>: `` (where a reading stopped)."""
+    if reason.startswith("after adding ") and ": " in reason:
+        return reason.split(": ", 1)[1]
+    return reason
+
+
 def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order,
                 plain_reason: str = "") -> FusedAllReduceRMSNormSite | RejectedAllReduce:
     """The site ``sum + x -> [add residual] -> RMSNorm`` (``InnerAdd``), or why not.
@@ -543,8 +550,10 @@ def _inner_site(ar: Node, wait: Node, scale: Node | None, inner: InnerAdd, order
     if isinstance(found, str) and inner.partner is not None:
         return RejectedAllReduce(ar, f"after adding {inner.other.name} "
                                  f"({inner.partner.all_reduce.name}'s sum): {found}")
-    if isinstance(found, str):  # (the same words when the first reading stopped at the same place)
-        same = plain_reason == f"after adding {inner.other.name}: {found}"
+    if isinstance(found, str):  # (the same words when the first reading stopped at the same place,
+        # or for the same cause one add further on: a lifted eps stops every norm alike)
+        same = plain_reason == f"after adding {inner.other.name}: {found}" or (
+            _after_add_cause(plain_reason) == _after_add_cause(found))
         return RejectedAllReduce(ar, plain_reason if same else f"{plain_reason}; after that: {found}")
     views_to_add, add, views_to_norm, norm = found
     other = inner.other

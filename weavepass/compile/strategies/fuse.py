@@ -25,6 +25,7 @@ class FuseStrategy(Strategy):
 
     def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
         records = {r.node: r for r in rewrite.report.records}
+        said: dict[tuple[int, str], list[str]] = {}
         for plan in rewrite.plans:
             record = records[plan.site.all_reduce.name]
             if plan.lowering is None:
@@ -42,7 +43,11 @@ class FuseStrategy(Strategy):
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING
-                log.log(level, "weavepass: %s: %s", record.node, plan.reason)
+                said.setdefault((level, plan.reason), []).append(record.node)
+        for (level, reason), nodes in said.items():  # one line per reason, not one per site
+            where = nodes[0] if len(nodes) == 1 else (
+                f"graph {rewrite.report.graph_index}: {len(nodes)} site(s) ({', '.join(nodes)})")
+            log.log(level, "weavepass: %s: %s", where, reason)
         if rewrite.fused and rewrite.config.check_replicated:
             checked = insert_checks(rewrite.graph, rewrite.fused)
             rewrite.report.add_note(f"check_replicated: the residual and norm weight of {checked} "
