@@ -573,26 +573,7 @@ def _lines_on_rank(rank: int, config: WeaveConfig) -> list[tuple[str, str]]:
 
 def _exchange(lines: list[list[tuple[str, str]]]) -> list[str | None]:
     """Each rank's ``PlanMismatchError`` text (None: the check passed), ranks checking concurrently."""
-    store = dist.HashStore()
-    errors: list[str | None] = [None] * len(lines)
-    crashed: list[BaseException] = []  # a thread's exception is only a warning: re-raised here
-
-    def check(rank: int) -> None:
-        try:
-            PlanExchange().check(store, "0", rank, list(range(len(lines))), lines[rank], 0, timeout_s=10.0)
-        except PlanMismatchError as error:
-            errors[rank] = str(error)
-        except Exception as error:  # noqa: BLE001
-            crashed.append(error)
-
-    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(lines))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if crashed:
-        raise crashed[0]
-    return errors
+    return _streams([[rank_lines] for rank_lines in lines])
 
 
 def test_plan_check_waits_longer_for_a_peers_first_graph_than_for_later_ones():
@@ -687,10 +668,11 @@ def second_site(n1, h1, w2, g2):
 
 
 def _streams(per_rank: list[list[list[tuple[str, str]]]]) -> list[str | None]:
-    """``_exchange`` for ranks that compiled several graphs each, checked in order."""
+    """Each rank's ``PlanMismatchError`` text (None: the check passed) for ranks that compiled
+    several graphs each, checked in order, ranks checking concurrently."""
     store = dist.HashStore()
     errors: list[str | None] = [None] * len(per_rank)
-    crashed: list[BaseException] = []  # as in _exchange
+    crashed: list[BaseException] = []  # a thread's exception is only a warning: re-raised here
 
     def check(rank: int) -> None:
         exchange = PlanExchange()
