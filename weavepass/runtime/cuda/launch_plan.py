@@ -38,6 +38,15 @@ at least 16 CTAs. Measured (H=8192 bf16, 2 ranks): at 32 CTAs it is 6% faster at
 chunks per CTA) and 18% at 16384, but 10% slower at 1024 (2 chunks per CTA); at 8 CTAs it is 6% slower
 at every size."""
 
+LOCAL_TILE_BYTES = 16 << 10
+LOCAL_NUM_WARPS = 8
+"""A group of one rank: nothing is exchanged, so the kernel is one pass (read partial and residual,
+write residual_out and normed) with no barrier and no signal slot per CTA. The grid is then one
+CTA per tile of ``LOCAL_TILE_BYTES`` (one row of 8192 bf16), as many as there are tiles, like
+Inductor's add + RMSNorm: 32 CTAs, the cap that the barriers of a group of several ranks need,
+left 100 of the 132 SMs idle and measured 1.7-1.8x the four-pass HBM floor (docs/cuda_kernel.md,
+"Local cost")."""
+
 
 @dataclass(frozen=True)
 class LaunchOverrides:
@@ -84,6 +93,9 @@ def choose_launch_plan(
     * CTAs = ``clamp(owned tiles, MIN_CTAS, MAX_CTAS)``: one tile per CTA until 32 (owned rows: ``T``
       in one-shot, ``ceil(T / world)`` in two-shot). Measured: time falls with every CTA added up to
       32 at every size, because each CTA is latency-bound (one tile in flight), not link-bound;
+    * a group of one rank (no peers, so no barrier slots and no residency across ranks): one CTA
+      per tile of ``LOCAL_TILE_BYTES``, uncapped, ``LOCAL_NUM_WARPS`` warps (a ``num_ctas``
+      override is not capped either);
     * kernel (only while ``PIPELINE_BY_DEFAULT``; else always the flat kernel): the chunk-pipelined
       two-shot kernel when two-shot, ``CTAs >= PIPELINE_MIN_CTAS`` and
       every CTA gets ``>= PIPELINE_MIN_CHUNKS_PER_CTA`` chunks of ``PIPELINE_CHUNK_TILES`` tiles (4096
@@ -112,6 +124,10 @@ def choose_launch_plan(
     if one_shot is None:
         one_shot = (world_size - 1) * num_tokens * hidden * element_size <= ONE_SHOT_MAX_BYTES
     owned = num_tokens if one_shot else rows_per_rank(num_tokens, world_size)
+    local = world_size == 1
+    if local and tile_elements is None:
+        tile_elements = LOCAL_TILE_BYTES // element_size
+        num_warps = LOCAL_NUM_WARPS if num_warps is None else num_warps
     if tile_elements is None:
         large = owned * block_h * element_size >= MAX_CTAS * LARGE_TILE_BYTES
         tile_elements = (LARGE_TILE_BYTES if large else SMALL_TILE_BYTES) // element_size
@@ -120,7 +136,7 @@ def choose_launch_plan(
         num_warps = max(8, min(16, rows_per_tile * block_h * element_size // 4096))
     if num_ctas is None:
         num_ctas = -(-owned // rows_per_tile)
-    num_ctas = max(MIN_CTAS, min(MAX_CTAS, num_ctas))
+    num_ctas = max(1, num_ctas) if local else max(MIN_CTAS, min(MAX_CTAS, num_ctas))
     chunk_tiles = chunk_tiles or PIPELINE_CHUNK_TILES
     chunk_rows = rows_per_tile * chunk_tiles
     if pipelined is None:

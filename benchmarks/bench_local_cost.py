@@ -1,0 +1,227 @@
+"""The fused op's local cost (issue 33): what ``weave.fused_allreduce_rmsnorm`` costs where nothing
+is communicated, against Inductor's add + RMSNorm and the HBM floor, on one GPU.
+
+Two parts, each on its own flag (both by default):
+
+``--op``: a group of one rank (one NCCL process). Per hidden size and token count, in one process,
+in ``--rounds`` interleaved rounds (``triton.testing.do_bench`` medians; do_bench clears the L2
+before every call):
+
+    floor      a device copy of ``2 T H`` elements: the four passes the math needs (read partial,
+               read residual, write residual_out, write normed), ``4 T H elem`` bytes
+    inductor   ``torch.compile`` of the model's add + RMSNorm (LlamaRMSNorm: normalise in fp32,
+               round, scale), the token dim dynamic as in the model benchmarks
+    weave      the ``cuda_symm`` lowering called directly, by the launch rule
+    weave_cap32  the same kernel on the grid the rule gave a group of one before issue 33 (32 CTAs,
+               64 KiB tiles, 16 warps): the before of a before/after in one process
+    weave_rR_wW  (``--sweep``) R rows per tile, one CTA per tile, W warps
+
+``--sim N...``: N simulated ranks on one GPU (``weavepass.testing.kernel_sim``), all N kernels in
+one CUDA graph, against a device copy of the bytes the algorithm must move through the HBM of all
+N ranks together (docs/cuda_kernel.md, "Local bytes"): one GPU's HBM serves every simulated rank,
+so ``time / copy time`` is how far the kernels are from moving their minimum local bytes at copy
+speed (above 1: more bytes, or the bytes moved slower than a copy).
+
+Output: a table on stdout and ``<out>/bench_local_cost.csv`` (rows of both parts).
+Run: ``python3 benchmarks/bench_local_cost.py --out $OUT`` (about 3 minutes on one H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
+import torch
+import torch.distributed as dist
+from report import write_csv  # benchmarks/report.py
+
+EPS = 1e-5
+DTYPE = torch.bfloat16
+CAP32 = dict(num_ctas=32, tile_elements=(64 << 10) // 2, num_warps=16)
+"""The rule's grid at a group of one rank before issue 33 (>= 128 tokens at H=8192 bf16)."""
+
+
+def local_bytes_per_rank(world: int, tokens: int, hidden: int, elem: int) -> float:
+    """The fewest bytes the two-shot algorithm moves through one rank's HBM (docs/cuda_kernel.md):
+    read partial (S) and the owned residual rows (S/N), write residual_out and normed (2 S); the
+    reduce-scatter's incoming rows land in staging and are read once (2 (N-1)/N S), and so do the
+    all-gather's in recv (2 (N-1)/N S). ``S = T H elem``; a group of one: 4 S."""
+    s = tokens * hidden * elem
+    if world == 1:
+        return 4.0 * s
+    return (3 + 1 / world + 4 * (world - 1) / world) * s
+
+
+def _add_rms_norm(partial, residual, weight):
+    x = partial + residual
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * x32.to(x.dtype), x
+
+
+def _op_rank(rank: int, world: int, args: dict) -> list[dict]:
+    import triton
+
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
+    from weavepass.runtime.cuda.launch_plan import choose_launch_plan
+
+    group = dist.group.WORLD.group_name
+    inductor = torch.compile(_add_rms_norm)
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
+    for hidden in args["hidden"]:
+        variants = {"weave": {}, "weave_cap32": CAP32}
+        for r, w in args["sweep"]:
+            variants[f"weave_r{r}_w{w}"] = dict(tile_elements=r * hidden, num_warps=w)
+        for tokens in args["tokens"]:
+            p = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
+            res = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
+            w = 1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda", dtype=DTYPE)
+            src = torch.randn(2 * tokens * hidden, generator=gen, device="cuda", dtype=DTYPE)
+            dst = torch.empty_like(src)
+            torch._dynamo.mark_dynamic(p, 0)
+            torch._dynamo.mark_dynamic(res, 0)
+            want_n, want_r = _add_rms_norm(p.float(), res.float(), w.float())
+            calls = {"floor": lambda: dst.copy_(src), "inductor": lambda: inductor(p, res, w)}
+            for name, opts in variants.items():  # one CTA per tile at a group of one (launch_plan)
+                calls[name] = (lambda o: lambda: fused_allreduce_rmsnorm_cuda(p, res, w, EPS, group, DTYPE, **o))(opts)
+                normed, res_out = calls[name]()
+                err = max(float((normed.float() - want_n).norm() / want_n.norm()),
+                          float((res_out.float() - want_r).norm() / want_r.norm()))
+                if not err < 1e-2:  # bf16 outputs against an fp32 reference (NaN fails too)
+                    raise AssertionError(f"{name} H={hidden} T={tokens}: relative error {err}")
+            calls["inductor"]()
+            per_round = {name: [] for name in calls}
+            for _ in range(args["rounds"]):
+                for name, fn in calls.items():
+                    per_round[name].append(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+            plan = choose_launch_plan(tokens, hidden, 2, 1)
+            for name, times in per_round.items():
+                rows.append({"part": "op", "world": 1, "hidden": hidden, "tokens": tokens, "variant": name,
+                             "ms": statistics.median(times), "ms_rounds": " ".join(f"{t:.4f}" for t in times),
+                             "plan": f"{plan.num_ctas} CTAs x {plan.rows_per_tile} rows, {plan.num_warps} warps"
+                             if name == "weave" else ""})
+                print(f"row: {rows[-1]}", flush=True)
+            del p, res, src, dst
+    return rows
+
+
+def _sim_rows(worlds, tokens: int, hidden: int, reps: int) -> list[dict]:
+    import triton
+
+    from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    rows, elem = [], 2
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for world in worlds:
+        sim = SimulatedRanks(world, hidden, tokens, DTYPE)
+        partials = [torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE) for _ in range(world)]
+        residual = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
+        weight = torch.ones(hidden, device="cuda", dtype=DTYPE)
+        want_n, want_r = _add_rms_norm(sum(q.float() for q in partials).to(DTYPE).float(), residual.float(),
+                                       weight.float())
+        for ctas in (min(32, 128 // world),):  # all ranks resident; 32 is the kernels' cap
+            overrides = LaunchOverrides(num_ctas=ctas)
+            plan = choose_launch_plan(tokens, hidden, elem, world, overrides)
+            outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
+            for normed, res_out in outs:
+                err = max(float((normed.float() - want_n).norm() / want_n.norm()),
+                          float((res_out.float() - want_r).norm() / want_r.norm()))
+                if not err < 1e-2:
+                    raise AssertionError(f"sim world {world}: relative error {err}")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                sim.run(partials, residual, weight, EPS, DTYPE, overrides, wait=False)
+                for stream in sim.streams:
+                    torch.cuda.current_stream().wait_stream(stream)
+            graph.replay()
+            torch.cuda.synchronize()
+            need = world * local_bytes_per_rank(world, tokens, hidden, elem)
+            src = torch.empty(int(need // 2 // elem), device="cuda", dtype=DTYPE).normal_()
+            dst = torch.empty_like(src)
+            t_kernel = triton.testing.do_bench(graph.replay, warmup=5, rep=reps, return_mode="median")
+            t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=reps, return_mode="median")
+            rows.append({"part": "sim", "world": world, "hidden": hidden, "tokens": tokens,
+                         "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank", "ms": t_kernel,
+                         "floor_ms": t_copy, "min_bytes_per_rank": local_bytes_per_rank(world, tokens, hidden, elem),
+                         "vs_floor": t_kernel / t_copy})
+            print(f"row: {rows[-1]}", flush=True)
+            del graph, src, dst
+        del sim, partials
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _ncu_rank(rank: int, world: int, args: dict) -> None:
+    """One call of each kernel between cudaProfilerStart/Stop, for ``ncu --profile-from-start off``."""
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
+
+    group = dist.group.WORLD.group_name
+    tokens, hidden = args["tokens"][-1], args["hidden"][0]
+    p, res = (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2))
+    w = torch.ones(hidden, device="cuda", dtype=DTYPE)
+    src = torch.randn(2 * tokens * hidden, device="cuda", dtype=DTYPE)
+    dst = torch.empty_like(src)
+    torch._dynamo.mark_dynamic(p, 0)
+    torch._dynamo.mark_dynamic(res, 0)
+    inductor = torch.compile(_add_rms_norm)
+    calls = [lambda: fused_allreduce_rmsnorm_cuda(p, res, w, EPS, group, DTYPE),
+             lambda: fused_allreduce_rmsnorm_cuda(p, res, w, EPS, group, DTYPE, **CAP32),
+             lambda: inductor(p, res, w), lambda: dst.copy_(src)]
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--hidden", type=int, nargs="+", default=[8192, 4096])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every variant")
+    parser.add_argument("--sweep", default="", help="tiles to try, 'R:W,...' (R rows per tile, W warps)")
+    parser.add_argument("--sim", type=int, nargs="*", default=[2, 4, 8], help="simulated worlds ('--sim' alone: none)")
+    parser.add_argument("--sim-tokens", type=int, default=8192)
+    parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
+    parser.add_argument("--ncu", action="store_true", help="only the calls to profile with ncu (see _ncu_rank)")
+    args = parser.parse_args()
+    from weavepass.testing import spawn
+
+    sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep.split(",") if item]
+    config = {"hidden": args.hidden, "tokens": args.tokens, "rounds": args.rounds, "sweep": sweep}
+    if args.ncu:
+        spawn(_ncu_rank, 1, "nccl", config, timeout_s=600.0)
+        return
+    rows = [] if args.no_op else spawn(_op_rank, 1, "nccl", config, timeout_s=1200.0)[0]
+    if args.sim:
+        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100)
+    os.makedirs(args.out, exist_ok=True)
+    path = write_csv(os.path.join(args.out, "bench_local_cost.csv"), rows,
+                     ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",
+                      "min_bytes_per_rank", "vs_floor"])
+    print(f"wrote {path}")
+    ops = {(r["hidden"], r["tokens"], r["variant"]): r["ms"] for r in rows if r["part"] == "op"}
+    if ops:
+        names = list(dict.fromkeys(k[2] for k in ops))
+        print(f"{'hidden':>6} {'tokens':>6} " + " ".join(f"{n:>12}" for n in names)
+              + "   weave/inductor  weave/floor  cap32/inductor  inductor/floor")
+        for hidden, tokens in dict.fromkeys((k[0], k[1]) for k in ops):
+            get = lambda n: ops[(hidden, tokens, n)]  # noqa: E731
+            print(f"{hidden:>6} {tokens:>6} " + " ".join(f"{get(n):12.4f}" for n in names)
+                  + f"   {get('weave') / get('inductor'):14.2f} {get('weave') / get('floor'):12.2f}"
+                  f" {get('weave_cap32') / get('inductor'):15.2f} {get('inductor') / get('floor'):15.2f}")
+    for r in rows:
+        if r["part"] == "sim":
+            print(f"sim world {r['world']} {r['variant']}: {r['ms']:.4f} ms, copy of the minimum bytes "
+                  f"{r['floor_ms']:.4f} ms, ratio {r['vs_floor']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
