@@ -107,7 +107,7 @@ def _op_rank(rank: int, world: int, args: dict) -> list[dict]:
     return rows
 
 
-def _sim_rows(worlds, tokens: int, hidden: int, reps: int) -> list[dict]:
+def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None) -> list[dict]:
     import triton
 
     from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
@@ -123,7 +123,7 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int) -> list[dict]:
         want_n, want_r = _add_rms_norm(sum(q.float() for q in partials).to(DTYPE).float(), residual.float(),
                                        weight.float())
         for ctas in (min(32, 128 // world),):  # all ranks resident; 32 is the kernels' cap
-            overrides = LaunchOverrides(num_ctas=ctas)
+            overrides = LaunchOverrides(num_ctas=ctas, num_warps=num_warps)
             plan = choose_launch_plan(tokens, hidden, elem, world, overrides)
             outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
             for normed, res_out in outs:
@@ -144,7 +144,8 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int) -> list[dict]:
             t_kernel = triton.testing.do_bench(graph.replay, warmup=5, rep=reps, return_mode="median")
             t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=reps, return_mode="median")
             rows.append({"part": "sim", "world": world, "hidden": hidden, "tokens": tokens,
-                         "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank", "ms": t_kernel,
+                         "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, {plan.rows_per_tile} "
+                                    f"rows x {plan.num_warps} warps", "ms": t_kernel,
                          "floor_ms": t_copy, "min_bytes_per_rank": local_bytes_per_rank(world, tokens, hidden, elem),
                          "vs_floor": t_kernel / t_copy})
             print(f"row: {rows[-1]}", flush=True)
@@ -189,7 +190,9 @@ def main() -> None:
     parser.add_argument("--sweep", default="", help="tiles to try, 'R:W,...' (R rows per tile, W warps)")
     parser.add_argument("--sim", type=int, nargs="*", default=[2, 4, 8], help="simulated worlds ('--sim' alone: none)")
     parser.add_argument("--sim-tokens", type=int, default=8192)
+    parser.add_argument("--sim-warps", type=int, default=None, help="warps per CTA of the simulated kernels (default: the rule's)")
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
+    parser.add_argument("--name", default="bench_local_cost", help="CSV file name (no suffix)")
     parser.add_argument("--ncu", action="store_true", help="only the calls to profile with ncu (see _ncu_rank)")
     args = parser.parse_args()
     from weavepass.testing import spawn
@@ -201,9 +204,9 @@ def main() -> None:
         return
     rows = [] if args.no_op else spawn(_op_rank, 1, "nccl", config, timeout_s=1200.0)[0]
     if args.sim:
-        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100)
+        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps)
     os.makedirs(args.out, exist_ok=True)
-    path = write_csv(os.path.join(args.out, "bench_local_cost.csv"), rows,
+    path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
                      ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",
                       "min_bytes_per_rank", "vs_floor"])
     print(f"wrote {path}")

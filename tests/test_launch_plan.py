@@ -88,3 +88,25 @@ def test_push_variant_serves_two_ranks_only():
     assert push_unsupported_reason(2) is None
     reason = push_unsupported_reason(8)
     assert "2 ranks only, not 8" in reason and "7 S bytes per rank" in reason and "1.75 S" in reason
+
+
+@pytest.mark.parametrize("hidden, rows", [(8192, 1), (4096, 2), (1032, 4)])
+def test_a_group_of_one_gets_one_cta_per_tile_uncapped(hidden, rows):
+    """No peers: no barrier slot per CTA and no residency across ranks, so the grid is one CTA per
+    16 KiB tile, as many as the batch has (Inductor's shape), not the 32 a group of several ranks
+    is capped at (measured 1.7-1.8x the HBM floor at 32 CTAs, docs/cuda_kernel.md)."""
+    for tokens in (1, 5, 1000, 4096, 16384):
+        plan = choose_launch_plan(tokens, hidden, 2, 1)
+        assert plan.one_shot and not plan.pipelined and not plan.lamport
+        assert plan.rows_per_tile == rows and plan.num_warps == launch_plan.LOCAL_NUM_WARPS
+        assert plan.num_ctas == -(-tokens // rows)
+    assert choose_launch_plan(16384, hidden, 2, 1, LaunchOverrides(num_ctas=64)).num_ctas == 64
+    assert choose_launch_plan(16384, hidden, 2, 1, LaunchOverrides(num_warps=16)).num_warps == 16
+
+
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_groups_of_several_ranks_keep_the_capped_grid(world):
+    for tokens in (1, 128, 1000, 4096, 16384):
+        plan = choose_launch_plan(tokens, 8192, 2, world)
+        assert launch_plan.MIN_CTAS <= plan.num_ctas <= launch_plan.MAX_CTAS
+    assert choose_launch_plan(16384, 8192, 2, world, LaunchOverrides(num_ctas=64)).num_ctas == launch_plan.MAX_CTAS
