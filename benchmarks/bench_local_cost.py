@@ -107,7 +107,8 @@ def _op_rank(rank: int, world: int, args: dict) -> list[dict]:
     return rows
 
 
-def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None) -> list[dict]:
+def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None,
+              peer_timeout_s: float = 30.0) -> list[dict]:
     import triton
 
     from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
@@ -116,7 +117,7 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
     rows, elem = [], 2
     gen = torch.Generator(device="cuda").manual_seed(1)
     for world in worlds:
-        sim = SimulatedRanks(world, hidden, tokens, DTYPE)
+        sim = SimulatedRanks(world, hidden, tokens, DTYPE, peer_timeout_s=peer_timeout_s)
         partials = [torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE) for _ in range(world)]
         residual = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
         weight = torch.ones(hidden, device="cuda", dtype=DTYPE)
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="", help="tiles to try, 'R:W,...' (R rows per tile, W warps)")
     parser.add_argument("--sim", type=int, nargs="*", default=[2, 4, 8], help="simulated worlds ('--sim' alone: none)")
     parser.add_argument("--sim-tokens", type=int, default=8192)
+    parser.add_argument("--sim-timeout", type=float, default=30.0, help="seconds a simulated rank waits for a peer")
     parser.add_argument("--sim-warps", type=int, default=None, help="warps per CTA of the simulated kernels (default: the rule's)")
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
     parser.add_argument("--name", default="bench_local_cost", help="CSV file name (no suffix)")
@@ -204,7 +206,8 @@ def main() -> None:
         return
     rows = [] if args.no_op else spawn(_op_rank, 1, "nccl", config, timeout_s=1200.0)[0]
     if args.sim:
-        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps)
+        print(f"simulated ranks {args.sim}, {args.sim_tokens} tokens", flush=True)
+        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout)
     os.makedirs(args.out, exist_ok=True)
     path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
                      ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",
