@@ -28,7 +28,8 @@
 #     WORLD=8 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=8 STEPS=flashcomm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   then, as device time allows: WORLD=8 STEPS=decode70,host --quick; the same without --quick.
-# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, STEPS=sim, STEPS=peerwait (a call each), then
+# With the one-GPU kind only (nvidia-h200): STEPS=onegpu, STEPS=sim, STEPS=peerwait (a call each),
+# STEPS=local (issue 33: the op's local cost against Inductor and the HBM floor, ~4 min), then
 # WORLD=1 STEPS=host,overlap,decode --quick:
 # a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
@@ -62,6 +63,9 @@
 #              (tests/gpu/test_kernel_sim_one_gpu.py, mostly compiling every rank's kernels: with the
 #              onegpu file it ran out of 420 s after 16 of 20 tests on 2026-12-01); one GPU
 #   host       bench_host_overhead (host cost per fused-op call)
+#   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
+#              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
+#              their minimum local bytes; one GPU (docs/cuda_kernel.md, "Local cost")
 #   overlap    bench_overlap at 70b_tp8sim and 8b_tp2 (WORLD 4: 70b_tp4; 8: 70b_tp8 and 8b_tp8),
 #              2K/4K/8K/16K tokens, one sequence
 #              (--quick: inductor, weave_fuse, weave_overlap, weave_auto, no_comm; else
@@ -125,7 +129,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,local,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -207,6 +211,10 @@ wanted peerwait && WEAVE_GPU_SHARED=1 step pytest_peer_wait_shared "${PEERWAIT_T
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
     -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py
+wanted local && step bench_local_cost "${LOCAL_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --sim 2 4
+wanted local && step bench_local_cost_sim8 "${LOCAL_TIMEOUT_S:-300}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-tokens 2048 --name bench_local_cost_sim8
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
 wanted overlap && with_shapes overlap "$OVERLAP_SHAPES" && step bench_overlap "${OVERLAP_TIMEOUT_S:-${ALONE_LIMIT:-240}}" \
