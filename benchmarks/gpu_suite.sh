@@ -34,6 +34,10 @@
 # a group of one rank, so nothing is communicated; the model benchmarks then measure what weave's
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
 # the fused, flashcomm and hf steps refuse a world of 1.
+# Issue 33 on 2 GPUs (kind nvidia-h200-x2; what a group of one cannot show: the fraction of the
+# communication hidden once the local cost is gone), one call each:
+#     WORLD=2 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#     WORLD=2 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh   (without --quick: the _cg variants too)
 # SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests and kernel steps share one GPU
 # (weavepass/testing/shared_gpu.py: gloo stands in for NCCL, CUDA IPC for the symmetric-memory
 # rendezvous). It checks the multi-rank compile path and arithmetic, not speed, and not the kernels'
