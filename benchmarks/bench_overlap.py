@@ -77,7 +77,6 @@ NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABL
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
@@ -86,42 +85,9 @@ import torch.distributed as dist
 from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
 from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.py
 
-
-@dataclass(frozen=True)
-class Shape:
-    """Per-rank widths of one decoder layer (heads of ``head_dim``); ``tp``: the tensor-parallel
-    degree of the model these widths are a rank of (None: not a real model's)."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    mlp: int
-    head_dim: int = 128
-    tp: int | None = None
-
-    def simulation_note(self, world: int) -> str | None:
-        """What a run at ``world`` ranks measures when that is not the preset's TP degree."""
-        if world == 1:
-            return ("one GPU: the all_reduce has no peers, so nothing is communicated or hidden; "
-                    "the variants differ by what the rewrites cost (report.model_world_size)")
-        if self.tp is None or self.tp == world:
-            return None
-        return (f"per-rank widths of TP={self.tp} with the all_reduce of {world} ranks: a simulation of "
-                f"TP={self.tp}")
+from weavepass.tune.shapes import SHAPES, VOCAB_PER_RANK, build_model  # shared with python -m weavepass.tune
 
 
-SHAPES = {
-    "70b_tp2": Shape(8192, 32, 4, 14336, tp=2),
-    "70b_tp4": Shape(8192, 16, 2, 7168, tp=4),
-    "70b_tp8": Shape(8192, 8, 1, 3584, tp=8),
-    "8b_tp2": Shape(4096, 16, 4, 7168, tp=2),
-    "8b_tp8": Shape(4096, 4, 1, 1792, tp=8),
-    "tiny": Shape(64, 4, 2, 128, head_dim=16),
-}
-# Same widths, the names the 2-GPU tables carry (run at --world 2 to predict TP=8).
-SHAPES["70b_tp8sim"] = SHAPES["70b_tp8"]
-SHAPES["8b_tp8sim"] = SHAPES["8b_tp8"]
-VOCAB_PER_RANK = 4096
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_overlap_push",
             "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_overlap_push_cg",
             "inductor_nccl_symm",
@@ -139,42 +105,6 @@ CUDA_ONLY = {
     **{name: "the SM carve-out applies to cuBLAS" for name in CARVEOUT},
 }
 DEFAULT_VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_auto", "no_comm")
-
-
-def build_model(shape: Shape, group, device, n_layers: int, dtype=torch.bfloat16, seed: int = 0):
-    """Rank-local shard at the per-rank widths of ``shape``, random weights drawn on ``device``.
-
-    ``group=None`` builds the same model without collectives (the no-communication floor).
-    """
-    from weavepass.testing.models import (
-        RMSNorm, RotaryEmbedding, TPAttention, TPConfig, TPDecoder, TPDecoderLayer, TPSwiGLU,
-        VocabParallelEmbedding,
-    )
-
-    hidden, heads, kv_heads, head_dim, mlp = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def w(*dims):
-        t = torch.randn(*dims, generator=gen, device=device, dtype=dtype) * dims[-1] ** -0.5
-        return torch.nn.Parameter(t, requires_grad=False)
-
-    def norm():
-        return RMSNorm(torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype),
-                                          requires_grad=False), 1e-5, "llama")
-
-    layers = []
-    for _ in range(n_layers):
-        attention = TPAttention(w(heads * head_dim, hidden), w(kv_heads * head_dim, hidden),
-                                w(kv_heads * head_dim, hidden), w(hidden, heads * head_dim),
-                                heads, kv_heads, head_dim)
-        layers.append(TPDecoderLayer(norm(), attention, norm(),
-                                     TPSwiGLU(w(mlp, hidden), w(mlp, hidden), w(hidden, mlp)), group))
-    rank = dist.get_rank() if group is not None else 0
-    cfg = TPConfig(vocab=VOCAB_PER_RANK * world, hidden=hidden, n_layers=n_layers, n_heads=world * heads,
-                   n_kv_heads=world * kv_heads, head_dim=head_dim, intermediate=world * mlp, dtype=dtype)
-    embed = VocabParallelEmbedding(w(VOCAB_PER_RANK, hidden), rank * VOCAB_PER_RANK, group)
-    return TPDecoder(cfg, embed, RotaryEmbedding(head_dim, 10000.0, device), layers, norm()).eval()
 
 
 def compilers(model, no_comm) -> dict:

@@ -60,7 +60,9 @@ class WeaveConfig:
     overlap: str = "off"
     """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
     splits, ``"auto"`` splits between ``overlap_min_tokens`` and ``overlap_max_tokens``,
-    ``"force"`` splits whenever the graph allows (tests use this). Off by default: on 2 H200s
+    ``"force"`` splits whenever the graph allows (tests use this). With a ``tuning_table`` that has
+    an entry for the graph, ``"auto"`` picks plain Inductor, fuse-only or the split from the
+    table's measurements instead of the window. Off by default: on 2 H200s
     (4 Llama-3-70B TP=2 layers, docs/overlap.md, 2026-11-30) the split was 1.03x faster than
     plain Inductor at 16K tokens, even at 8K, 1.03-2.9x *slower* from 512 to 4K tokens and 1.13x
     slower at 32K; weave must never make a batch slower, and one measured size is thin evidence."""
@@ -81,6 +83,16 @@ class WeaveConfig:
     """``overlap_min_tokens`` for graphs with a routed MoE (``topk``). Not measured on GPUs (no MoE
     benchmark yet): set no lower than the dense threshold, since TokenWeave reports MoE gains only
     at larger batches."""
+
+    tuning_table: str = "builtin"
+    """With ``overlap="auto"``: the measured cost table that picks, per graph and token count,
+    between plain Inductor (sites left as all_reduce), fuse-only and the split
+    (``weavepass.tune.table``; the rule: docs/overlap.md, "How `auto` decides"). ``"builtin"``: our
+    own measurements (one H200, a group of one rank: it applies to nothing else); ``"none"``: no
+    table; else the path of a table written by ``python -m weavepass.tune`` on your machine. A
+    graph the table has no entry for (another world size, device, dtype, compile mode, layer
+    widths) is decided by the overlap window above, and the report says why. Loaded and validated
+    when the config is made: a malformed table raises ``TuningTableError``."""
 
     overlap_comm_ctas: int = 0
     """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
@@ -177,6 +189,11 @@ class WeaveConfig:
             )
         if self.overlap_comm_ctas != 0 and not 2 <= self.overlap_comm_ctas <= 32:
             raise ValueError(f"WeaveConfig.overlap_comm_ctas must be 0 or 2..32, got {self.overlap_comm_ctas}")
+        if not self.tuning_table:
+            raise ValueError('WeaveConfig.tuning_table must be "builtin", "none" or a path, got ""')
+        from weavepass.tune.table import load_table
+
+        load_table(self.tuning_table)  # a malformed table fails here, naming its problem
         if self.flashcomm_min_prefill_tokens < 1:
             raise ValueError("WeaveConfig.flashcomm_min_prefill_tokens must be >= 1")
         if self.min_world_size < 1:

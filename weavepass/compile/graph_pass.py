@@ -22,6 +22,7 @@ from weavepass.compile.planner import INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import STRATEGIES, GraphRewrite
 from weavepass.plan_check import check_plan_across_ranks
+from weavepass.tune.table import load_table
 from weavepass.report import AllReduceRecord, GraphReport
 
 log = logging.getLogger("weavepass")
@@ -95,8 +96,11 @@ class WeavePass(CustomGraphPass):
 
     def uuid(self) -> str:
         """Inductor's cache key for this pass: everything the rewrite reads besides the graph
-        (which Inductor keys itself): the code, the config and ``environment_key()``."""
-        return hashlib.sha256(f"{source_hash()}|{self.config!r}|{environment_key()}".encode()).hexdigest()
+        (which Inductor keys itself): the code, the config, the tuning table's contents and
+        ``environment_key()``."""
+        table = load_table(self.config.tuning_table)  # its contents, not only its path
+        digest = table.digest if table is not None else ""
+        return hashlib.sha256(f"{source_hash()}|{self.config!r}|{digest}|{environment_key()}".encode()).hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         report = GraphReport(next(self.graph_ids), ops_before=op_counts(graph))

@@ -7,6 +7,7 @@ rank of a group makes the same choice (a different choice on one rank would dead
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from weavepass.config import WeaveConfig
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.tokens import TokenCount
+from weavepass.compile.tuned import TunedDecision, tuned_decision
 
 
 @dataclass
@@ -27,6 +29,9 @@ class SitePlan:
     """Why not the first choice, for users (empty: nothing to say)."""
     code: ReasonCode = ReasonCode.NONE
     """What ``reason`` says, for code and tests."""
+    tuned: TunedDecision | None = None
+    """The tuning table's call for the whole graph (``overlap="auto"``), the same on every plan of
+    it; None where no table was asked (no site to rewrite, another overlap mode, no table)."""
 
 
 def group_size(group_name: str) -> int | None:
@@ -106,12 +111,21 @@ def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: W
     return INDUCTOR_CUDAGRAPHS_NOTE if any(site.device.type == "cuda" for site in sites) else None
 
 
+def graph_tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> TunedDecision | None:
+    """The tuning table's call for a graph with ``sites`` (``weavepass.compile.tuned``), on the
+    first site's group size and this compile's CUDA-graph mode; None when no table is asked for."""
+    if not sites:
+        return None
+    return tuned_decision(sites, config, group_size(sites[0].group_name), inductor_cudagraphs_on())
+
+
 def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> list[SitePlan]:
     """One plan per site, in order. Reads shapes, dtypes, the group's size, the config and which
     lowerings this process has; never the rank."""
     blocked = inductor_cudagraphs_reason(sites, config)
     if blocked is not None:
         return [SitePlan(site, None, blocked, ReasonCode.INDUCTOR_CUDAGRAPHS) for site in sites]
+    tuned = functools.cache(lambda: graph_tuned_decision(sites, config))  # asked once, where a site is rewritten
     plans = []
     for site in sites:
         size = group_size(site.group_name)
@@ -125,5 +139,8 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
             ))
         else:
             lowering, code, note = choose_lowering(site, config)
-            plans.append(SitePlan(site, lowering, note, code))
+            decision = tuned() if lowering is not None else None
+            if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
+                lowering, code, note = None, decision.code, f"left as all_reduce: {decision.text}"
+            plans.append(SitePlan(site, lowering, note, code, decision))
     return plans

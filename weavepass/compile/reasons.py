@@ -45,3 +45,15 @@ class ReasonCode(enum.Enum):
     """The residual stream does not run from one site to the next."""
     NO_TOKEN_DIM = "no_token_dim"
     """A site's norm reads a 1-D ``[H]`` value: its ops name dims of a tensor without a token dim."""
+
+    # ``overlap="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
+    TUNED_NO_REWRITE = "tuned_no_rewrite"
+    """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
+    neighbouring cells: the sites stay all_reduce."""
+    TUNED_FUSE_ONLY = "tuned_fuse_only"
+    """The table chose fuse-only: the split was not measured faster at the neighbouring cells."""
+    TUNED_SPLIT = "tuned_split"
+    """The table chose the split (information; the split may still find the graph unsplittable)."""
+    TUNING_TABLE_NOT_APPLICABLE = "tuning_table_not_applicable"
+    """The table has no entry for this graph (another world size, device, dtype, compile mode or layer
+    widths): the overlap window (``overlap_min_tokens``..``overlap_max_tokens``) decides."""

@@ -31,17 +31,30 @@ class SplitStrategy(Strategy):
             return Decision(False, ReasonCode.NOT_ASKED)
         if rewrite.fused and rewrite.training:
             return Decision(False, ReasonCode.TRAINING, TRAINING_NOTE)
+        tuned = next((plan.tuned for plan in rewrite.plans if plan.tuned is not None), None)
+        if tuned is not None and tuned.rewrite in ("inductor", "fuse"):
+            return Decision(False, tuned.code, tuned.text)
+        if tuned is not None:  # the split, or no entry for this graph (the window decides)
+            return Decision(True, tuned.code, tuned.text)
         return Decision(True)
 
     def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
         from weavepass.compile.strategies.split import apply_token_split
 
-        apply_token_split(rewrite.graph, list(rewrite.fused.values()), rewrite.config, rewrite.report)
+        config = rewrite.config
+        if decision.code is ReasonCode.TUNED_SPLIT:  # the table's token range replaces the window
+            low, high = next(plan.tuned for plan in rewrite.plans if plan.tuned is not None).window
+            config = config.replace(overlap_min_tokens=low, overlap_min_tokens_moe=low, overlap_max_tokens=high)
+            rewrite.report.add_note(decision.reason)
+        apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)
+        if decision.code is ReasonCode.TUNING_TABLE_NOT_APPLICABLE:
+            rewrite.report.add_note(decision.reason)
         return False
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
         from weavepass.compile.strategies.split import split_skip_level
 
-        rewrite.report.add_note(f"fuse-only: {decision.reason}")
+        tuned = decision.code in (ReasonCode.TUNED_NO_REWRITE, ReasonCode.TUNED_FUSE_ONLY)
+        rewrite.report.add_note(decision.reason if tuned else f"fuse-only: {decision.reason}")
         log.log(split_skip_level(rewrite.config), "weavepass: graph %d: %s", rewrite.report.graph_index,
                 rewrite.report.notes[-1])

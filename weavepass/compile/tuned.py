@@ -1,0 +1,169 @@
+"""``overlap="auto"`` from a measured table: plain Inductor, fuse-only or the split for one graph.
+
+``tuned_decision(sites, config, world, cudagraphs)`` reads the graph's facts (device, world size,
+dtype, compile mode, hidden size, the row-parallel matmuls' inner widths, the token count), finds
+the table's entry (``WeaveConfig.tuning_table``, ``weavepass.tune.table``) and applies its rule.
+The planner calls it to leave sites as all_reduce; the split's strategy calls it for fuse-only or
+split. Both get the same answer: it reads only the graph, the config, the group's size and the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from weavepass.config import WeaveConfig
+from weavepass.compile.patterns import FusedAllReduceRMSNormSite
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.tokens import TokenCount
+from weavepass.tune.table import Choice, TuningTable, choose, load_table, region_of
+
+log = logging.getLogger("weavepass")
+
+_WEIGHT_ARGUMENT = {
+    torch.ops.aten.mm.default: "mat2",
+    torch.ops.aten.addmm.default: "mat2",
+    torch.ops.aten.bmm.default: "mat2",
+    torch.ops.aten.matmul.default: "other",
+}
+"""The ``[.., K, N]`` operand of each matmul a site's partial comes from, by schema name."""
+
+_CODES = {"inductor": ReasonCode.TUNED_NO_REWRITE, "fuse": ReasonCode.TUNED_FUSE_ONLY, "split": ReasonCode.TUNED_SPLIT}
+_WORDS = {"inductor": "no rewrite (plain Inductor)", "fuse": "fuse-only", "split": "split"}
+_warned: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class TunedDecision:
+    """The table's call for one graph. ``rewrite`` is ``"inductor"``, ``"fuse"`` or ``"split"``,
+    or None when the table has no entry for the graph (then the overlap window decides)."""
+
+    rewrite: str | None
+    code: ReasonCode
+    text: str
+    window: tuple[int, int] | None = None
+    """For ``"split"``: the token range ``[low, high]`` decided alike, the split's overlap window
+    (for a symbolic count, the range its guards keep the graph to)."""
+
+
+def inner_width(matmul: Node) -> int | None:
+    """``K`` of a matmul ``[.., T, K] x [.., K, N]`` (its weight operand's second-to-last dim)."""
+    name = _WEIGHT_ARGUMENT.get(matmul.target)
+    if name is None:
+        return None
+    arguments = dict(zip((a.name for a in matmul.target._schema.arguments), matmul.args), **matmul.kwargs)
+    value = getattr(arguments.get(name), "meta", {}).get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return None
+    return int(value.shape[-2])
+
+
+def _not_applicable(table: TuningTable, why: str) -> TunedDecision:
+    return TunedDecision(None, ReasonCode.TUNING_TABLE_NOT_APPLICABLE,
+                         f"auto: tuning table {table.label} not used: {why}; the overlap window decides")
+
+
+def _warn_once(table: TuningTable, what: str, text: str) -> None:
+    if (table.digest, what) not in _warned:
+        _warned.add((table.digest, what))
+        warnings.warn(f"weavepass: tuning table {table.label}: {text}", stacklevel=2)
+
+
+def _check_versions(table: TuningTable, device: torch.device) -> None:
+    """Warn (once per table) where this process differs from the one that measured: the times may
+    have moved, but the table is still the best evidence there is. Refusing is for what changes
+    what was measured (world, device type, dtype, widths, mode: ``tuned_decision``)."""
+    here = torch.__version__.split("+")[0].rsplit(".", 1)[0]
+    there = table.versions["torch"].split("+")[0].rsplit(".", 1)[0]
+    if here != there:
+        _warn_once(table, "torch", f"measured with torch {table.versions['torch']}, this is {torch.__version__}; "
+                   "re-run python -m weavepass.tune to measure this version")
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        if table.machine.get("device_name") not in (None, name):
+            _warn_once(table, "device", f"measured on {table.machine.get('device_name')}, this is {name}; "
+                       "re-run python -m weavepass.tune on this machine")
+
+
+def _graph_facts(sites: list[FusedAllReduceRMSNormSite]) -> tuple[str | None, TokenCount]:
+    """``(problem, token count)``: the sites must share group, hidden size, dtype and token count
+    to be one table lookup."""
+    first = sites[0]
+    tokens = TokenCount.of(first.partial)
+    for site in sites[1:]:
+        count = TokenCount.of(site.partial)
+        if (site.group_name, site.hidden, site.dtype) != (first.group_name, first.hidden, first.dtype):
+            return "its sites differ in group, hidden size or dtype", tokens
+        if (str(count.value), count.hint) != (str(tokens.value), tokens.hint):  # str: no guard
+            return "its sites have different token counts", tokens
+    return None, tokens
+
+
+def tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig, world: int | None,
+                   cudagraphs: bool) -> TunedDecision | None:
+    """The table's call for a graph with ``sites`` on a group of ``world`` ranks, compiled with
+    (``cudagraphs``) or without Inductor CUDA graphs; None when no table is asked for
+    (``overlap != "auto"``, ``tuning_table="none"``) or the graph has no site.
+
+    A symbolic token count installs guards for the range it is decided on."""
+    if config.overlap != "auto" or not sites:
+        return None
+    table = load_table(config.tuning_table)
+    if table is None:
+        return None
+    site = sites[0]
+    problem, tokens = _graph_facts(sites)
+    device_type = table.machine["device_type"]
+    dtype = str(site.dtype).removeprefix("torch.")
+    mode = "reduce-overhead" if cudagraphs else "default"
+    widths = frozenset(k for k in (inner_width(s.matmul) for s in sites if s.matmul is not None) if k)
+    if problem is not None:
+        return _not_applicable(table, problem)
+    if site.device.type != device_type:
+        return _not_applicable(table, f"measured on {device_type}, this graph runs on {site.device.type}")
+    if world != table.world:
+        return _not_applicable(table, f"measured at world {table.world}, this group has {world} rank(s) "
+                                      f"(python -m weavepass.tune --world {world} measures it)")
+    if dtype != table.dtype:
+        return _not_applicable(table, f"measured in {table.dtype}, this graph computes in {dtype}")
+    entry = table.entry(mode, site.hidden, widths)
+    if entry is None:
+        measured = "; ".join(sorted({f"{e.widths.describe()} ({e.mode})" for e in table.entries})) or "nothing"
+        return _not_applicable(table, f"no entry for hidden {site.hidden} with row-parallel matmul widths "
+                                      f"{sorted(widths)} in {mode} mode (it has: {measured})")
+    _check_versions(table, site.device)
+    if tokens.symbolic:
+        region, choice = region_of(entry, tokens.hint, table.min_gain)
+        low, high = region.low, region.high
+        # Comparing the SymInt installs one guard per finite bound: a batch outside [low, high)
+        # compiles its own graph, decided for its own range.
+        if not ((low is None or tokens.value >= low) and (high is None or tokens.value < high)):
+            raise AssertionError(f"token hint {tokens.hint} outside its own range [{low}, {high})")
+        span = " <= ".join(str(x) for x in (low, "tokens") if x is not None)
+        span += f" < {high}" if high is not None else ""
+        span += " (symbolic, guarded)"
+        window = (max(2, low), high - 1) if choice.rewrite == "split" else None
+    else:
+        choice = choose(entry, tokens.static, table.min_gain)
+        span = f"{tokens.static} tokens"
+        window = (tokens.static, tokens.static) if choice.rewrite == "split" else None
+    text = (f"auto: {_WORDS[choice.rewrite]} at {span}: {_why(choice, table.min_gain)} in tuning table "
+            f"{table.label} ({entry.shape}, {mode} mode, world {table.world})")
+    return TunedDecision(choice.rewrite, _CODES[choice.rewrite], text, window)
+
+
+def _why(choice: Choice, min_gain: float) -> str:
+    """The measurements behind ``choice``, in the words of the rule (``weavepass.tune.table``)."""
+    measured = [f"fuse {choice.ratios('fuse')}"]
+    if choice.basis in ("cell", "between"):
+        measured.append(f"split {choice.ratios('split')}")
+    where = {"cell": "", "between": " (both neighbouring cells)",
+             "below": " (below the measured range: the nearest cell; the split is not extrapolated)",
+             "above": " (above the measured range: the nearest cell; the split is not extrapolated)"}
+    rule = "" if choice.rewrite != "inductor" else \
+        f"; a rewrite must be at least {min_gain:.0%} faster than Inductor at every neighbouring cell"
+    return f"measured {' and '.join(measured)} Inductor at {choice.at} tokens{where[choice.basis]}{rule}"
