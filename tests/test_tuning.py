@@ -1,0 +1,398 @@
+"""``overlap="auto"`` from a measured table (``weavepass.tune``): the table's schema and its errors,
+the decision rule, the decisions on graphs traced with ``make_fx`` on a fake group (ops present or
+absent, reason codes), and the tuning command on CPU (a dry run, and a tiny run whose table then
+drives a compile)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from weavepass import WeaveConfig
+from weavepass.compile.graph_pass import op_counts
+from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.planner import plan_sites
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.strategies import GraphRewrite
+from weavepass.compile.strategies.fuse import FuseStrategy
+from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.tuned import inner_width
+from weavepass.report import AllReduceRecord, GraphReport
+from weavepass.testing import fake_process_group, spawn
+from weavepass.tune import command
+from weavepass.tune.table import (
+    Cell, Entry, LayerWidths, TuningTableError, choose, load_table, parse_table, regions,
+)
+
+H = 64
+ALL_REDUCE = "_c10d_functional.all_reduce.default"
+FUSED = "weave.fused_allreduce_rmsnorm.default"
+ASYNC = "weave.fused_allreduce_rmsnorm_async.default"
+# The widths of ``two_sites``: its row-parallel matmuls have inner widths 32 and 64.
+TWO_SITES = {"hidden": H, "heads": 4, "kv_heads": 2, "head_dim": 8, "mlp": 64}
+
+
+def _rms(h, g):
+    return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def two_sites(x, r, w1, g1, w2, g2):
+    """Two row-parallel layers on one residual stream (``x @ w1``: K 32; ``.. @ w2``: K 64)."""
+    h1 = funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r
+    h2 = funcol.all_reduce(torch.relu(_rms(h1, g1)) @ w2, "sum", dist.group.WORLD) + h1
+    return _rms(h2, g2), h2
+
+
+def _args(tokens: int, dtype=torch.float32):
+    return tuple(t.to(dtype) for t in (torch.randn(tokens, 32), torch.randn(tokens, H), torch.randn(32, H),
+                                       torch.randn(H), torch.randn(H, H), torch.randn(H)))
+
+
+def _table(cells: dict[int, dict[str, float]], *, world=2, device_type="cpu", dtype="float32", mode="default",
+           widths=TWO_SITES, torch_version=torch.__version__, min_gain=0.02) -> dict:
+    """A hand-written table: ``cells`` maps tokens to each rewrite's time relative to Inductor."""
+    return {
+        "schema": "weavepass-tuning-table", "version": 1, "source": "hand-written for tests/test_tuning.py",
+        "created_utc": "2026-12-03T00:00:00Z", "machine": {"device_type": device_type},
+        "versions": {"torch": torch_version}, "world": world, "dtype": dtype, "layers": 1, "sequences": 1,
+        "time_unit": "relative", "timing": "none: hand-written", "min_gain": min_gain,
+        "entries": [{"shape": "two_sites", **widths, "mode": mode,
+                     "cells": [{"tokens": t, "times": {"inductor": 1.0, **times}} for t, times in sorted(cells.items())]}],
+    }
+
+
+def _write(tmp_path: Path, data, name="table.json") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _compile(config: WeaveConfig, tokens: int = 640, mode: str = "fake", dtype=torch.float32) -> GraphRewrite:
+    """``two_sites`` traced at ``tokens`` and rewritten as ``WeavePass`` would: plan, fuse, split.
+    ``rewrite.decisions``: the two strategies' decisions."""
+    graph = make_fx(two_sites, tracing_mode=mode)(*_args(tokens, dtype)).graph
+    sites, _ = find_allreduce_rmsnorm_sites(graph)
+    plans = plan_sites(sites, config)
+    report = GraphReport(0, ops_before=op_counts(graph))
+    report.records = [AllReduceRecord(p.site.all_reduce.name, True, p.reason, p.site.kind) for p in plans]
+    rewrite = GraphRewrite(graph, plans, config, report)
+    rewrite.decisions = []
+    for strategy in (FuseStrategy(), SplitStrategy()):
+        decision = strategy.decide(rewrite)
+        rewrite.decisions.append(decision)
+        if decision.use:
+            strategy.apply(rewrite, decision)
+        elif decision.code is not ReasonCode.NOT_ASKED:
+            strategy.decline(rewrite, decision)
+    return rewrite
+
+
+@pytest.fixture
+def world2():
+    with fake_process_group(2) as group:
+        yield group
+
+
+# --- the table: schema, round trip, errors --------------------------------------------------------
+
+
+def test_builtin_table_round_trips_and_picks_no_rewrite():
+    """The built-in table (one H200, a group of one rank, DEVICE-FACTS 2026-12-03) loads, survives
+    a write and a read, and picks plain Inductor in every cell: every rewrite was measured slower."""
+    table = load_table("builtin")
+    assert (table.world, table.machine["device_type"], table.dtype, table.time_unit) == (1, "cuda", "bfloat16", "relative")
+    assert "DEVICE-FACTS" in table.source and "local cost only" in table.source
+    assert {(e.shape, e.mode) for e in table.entries} == {
+        (s, m) for s in ("70b_tp8sim", "8b_tp2") for m in ("default", "reduce-overhead")}
+    again = parse_table(json.loads(json.dumps(table.to_json())), table.label, table.digest)
+    assert again == table
+    assert {c["choice"] for e in table.to_json()["entries"] for c in e["cells"]} == {"inductor"}
+    split_2k = table.entry("default", 8192, frozenset({1024, 3584})).cells[0]
+    assert (split_2k.tokens, split_2k.ratio("split")) == (2048, 1.24)  # the DEVICE-FACTS cell
+
+
+def test_saved_table_loads_back(tmp_path):
+    table = parse_table(_table({512: {"fuse": 0.9, "split": 1.1}, 1024: {"fuse": 0.95}}))
+    path = table.save(tmp_path / "t.json")
+    loaded = load_table(str(path))
+    assert loaded.entries == table.entries and loaded.min_gain == table.min_gain
+    assert [c["choice"] for c in json.loads(path.read_text())["entries"][0]["cells"]] == ["fuse", "fuse"]
+
+
+def _broken(change):
+    data = _table({512: {"fuse": 0.9, "split": 1.1}, 1024: {"fuse": 0.95}})
+    change(data)
+    return data
+
+
+def _cells(data):
+    return data["entries"][0]["cells"]
+
+
+MALFORMED = {
+    "schema": (lambda d: d.update(schema="something-else"), "schema must be 'weavepass-tuning-table'"),
+    "version": (lambda d: d.update(version=2), "version 2 is not supported"),
+    "missing world": (lambda d: d.pop("world"), "missing field 'world'"),
+    "world 0": (lambda d: d.update(world=0), "'world' must be >= 1"),
+    "dtype": (lambda d: d.update(dtype="bf16"), "'dtype' must be one of"),
+    "device type": (lambda d: d["machine"].update(device_type="npu"), "'device_type' must be one of"),
+    "min_gain": (lambda d: d.update(min_gain=0.7), "min_gain must be in [0, 0.5)"),
+    "mode": (lambda d: d["entries"][0].update(mode="max-autotune"), "'mode' must be one of"),
+    "width": (lambda d: d["entries"][0].update(mlp=-1), "'mlp' must be >= 1"),
+    "no cells": (lambda d: d["entries"][0].update(cells=[]), "no cells"),
+    "no baseline": (lambda d: _cells(d)[0]["times"].pop("inductor"), "times has no 'inductor'"),
+    "bad time": (lambda d: _cells(d)[0]["times"].update(fuse=0.0), "time of 'fuse' must be a positive finite"),
+    "nan time": (lambda d: _cells(d)[0]["times"].update(fuse=float("nan")), "positive finite"),
+    "unknown rewrite": (lambda d: _cells(d)[0]["times"].update(flashcomm=0.5), "unknown rewrite(s) ['flashcomm']"),
+    "unsorted": (lambda d: _cells(d).reverse(), "strictly increasing"),
+    "duplicate": (lambda d: d["entries"].append(copy.deepcopy(d["entries"][0])), "measure the same layer widths"),
+    "wrong choice": (lambda d: _cells(d)[0].update(choice="split"), "choice 'split' disagrees with its times"),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_table_is_refused_with_its_problem(name, tmp_path):
+    change, message = MALFORMED[name]
+    with pytest.raises(TuningTableError) as error:
+        WeaveConfig(overlap="auto", tuning_table=_write(tmp_path, _broken(change)))
+    assert message in str(error.value), str(error.value)
+
+
+def test_unreadable_table_is_refused(tmp_path):
+    with pytest.raises(TuningTableError, match="cannot read it"):
+        WeaveConfig(tuning_table=str(tmp_path / "missing.json"))
+    with pytest.raises(TuningTableError, match="not JSON"):
+        WeaveConfig(tuning_table=_write(tmp_path, "{not json"))
+    with pytest.raises(ValueError, match="tuning_table must be"):
+        WeaveConfig(tuning_table="")
+    assert WeaveConfig(tuning_table="none").tuning_table == "none"
+
+
+# --- the rule --------------------------------------------------------------------------------------
+
+WIDTHS = LayerWidths(**TWO_SITES)
+
+
+def _entry(cells: dict[int, dict[str, float]]) -> Entry:
+    return Entry("e", WIDTHS, "default", tuple(Cell(t, {"inductor": 1.0, **v}) for t, v in sorted(cells.items())))
+
+
+RULE = _entry({1024: {"fuse": 0.97, "split": 0.99}, 2048: {"fuse": 0.95, "split": 0.90},
+               4096: {"fuse": 0.97, "split": 0.85}, 8192: {"fuse": 1.01, "split": 0.92}})
+
+
+@pytest.mark.parametrize("tokens, rewrite, basis", [
+    (1024, "fuse", "cell"),       # split 0.99: not 2 % faster
+    (2048, "split", "cell"),
+    (3000, "split", "between"),   # split allowed at 2048 and 4096: worse ratio 0.90 beats fuse's 0.97
+    (1500, "fuse", "between"),    # split not allowed at 1024: never chosen between 1024 and 2048
+    (6000, "split", "between"),   # fuse measured slower at 8192, split 0.85/0.92
+    (8192, "split", "cell"),
+    (512, "fuse", "below"),       # fuse extended below the range (0.97 at 1024)
+    (16384, "inductor", "above"),  # fuse slower at 8192; the split is never extrapolated
+])
+def test_rule(tokens, rewrite, basis):
+    choice = choose(RULE, tokens, 0.02)
+    assert (choice.rewrite, choice.basis) == (rewrite, basis)
+
+
+def test_rule_never_picks_a_rewrite_slower_at_a_neighbouring_cell():
+    """For every token count from 1 to 20000: the chosen rewrite was measured faster than Inductor
+    by min_gain at each neighbouring cell (and a split only inside the measured range)."""
+    for tokens in range(1, 20000, 7):
+        choice = choose(RULE, tokens, 0.02)
+        if choice.rewrite != "inductor":
+            assert all(cell.ratio(choice.rewrite) <= 0.98 for cell in choice.neighbours), tokens
+        if choice.rewrite == "split":
+            assert 1024 <= tokens <= 8192
+
+
+def test_ties_and_min_gain():
+    tie = _entry({100: {"fuse": 0.9, "split": 0.9}})
+    assert choose(tie, 100, 0.02).rewrite == "fuse"  # a tie goes to the rewrite that changes less
+    close = _entry({100: {"fuse": 0.99}})
+    assert choose(close, 100, 0.02).rewrite == "inductor"
+    assert choose(close, 100, 0.0).rewrite == "fuse"
+    # Between two cells the margin holds at both: 0.97 and 0.99 is not enough, nor a missing cell.
+    assert choose(_entry({100: {"fuse": 0.97}, 200: {"fuse": 0.99}}), 150, 0.02).rewrite == "inductor"
+    assert choose(_entry({100: {"fuse": 0.9, "split": 0.5}, 200: {"fuse": 0.9}}), 150, 0.02).rewrite == "fuse"
+
+
+def test_regions_of_a_symbolic_count_merge_and_cover_everything():
+    merged = regions(RULE, 0.02)
+    assert [(r.low, r.high, r.choice.rewrite) for r in merged] == [
+        (None, 2048, "fuse"), (2048, 8193, "split"), (8193, None, "inductor")]
+    for tokens in range(1, 20000, 13):  # each range's rewrite is allowed at both cells bounding it
+        region = next(r for r in merged if tokens in r)
+        if region.choice.rewrite == "split":
+            assert choose(RULE, tokens, 0.02).rewrite == "split"
+
+
+# --- decisions on graphs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cells, tokens, code, fused, split, text", [
+    ({640: {"fuse": 1.05, "split": 1.2}}, 640, ReasonCode.TUNED_NO_REWRITE, 0, 0,
+     "auto: no rewrite (plain Inductor) at 640 tokens: measured fuse 1.05x and split 1.20x Inductor at 640 tokens"),
+    ({640: {"fuse": 0.9, "split": 1.1}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0,
+     "auto: fuse-only at 640 tokens: measured fuse 0.90x and split 1.10x Inductor at 640 tokens"),
+    ({640: {"fuse": 0.9, "split": 0.8}}, 640, ReasonCode.TUNED_SPLIT, 0, 4,
+     "auto: split at 640 tokens: measured fuse 0.90x and split 0.80x Inductor at 640 tokens"),
+    ({512: {"fuse": 0.9, "split": 0.8}, 1024: {"fuse": 0.9, "split": 1.01}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0,
+     "split 0.80x/1.01x Inductor at 512/1024 tokens (both neighbouring cells)"),
+    ({256: {"fuse": 0.9, "split": 0.5}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0,
+     "above the measured range: the nearest cell; the split is not extrapolated"),
+    ({1024: {"fuse": 1.0, "split": 0.5}}, 640, ReasonCode.TUNED_NO_REWRITE, 0, 0,
+     "auto: no rewrite (plain Inductor) at 640 tokens: measured fuse 1.00x Inductor at 1024 tokens (below"),
+], ids=["inductor", "fuse", "split", "between", "above", "below"])
+def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, split, text):
+    path = _write(tmp_path, _table(cells))
+    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path), tokens)
+    ops = op_counts(rewrite.graph)
+    assert (ops[FUSED], ops[ASYNC], ops[ALL_REDUCE]) == (fused, split, 2 if fused + split == 0 else 0)
+    assert {plan.tuned.code for plan in rewrite.plans} == {code}
+    note = rewrite.report.notes[0]
+    assert note.startswith("auto: ") and text in note and path in note, note
+    if code is ReasonCode.TUNED_NO_REWRITE:
+        assert [(p.lowering, p.code) for p in rewrite.plans] == [(None, code)] * 2
+        assert all(r.reason.startswith("left as all_reduce: auto: no rewrite") for r in rewrite.report.records)
+        assert rewrite.decisions[-1].code is code
+    elif code is ReasonCode.TUNED_FUSE_ONLY:
+        assert (rewrite.decisions[-1].use, rewrite.decisions[-1].code) == (False, code)
+    else:
+        assert rewrite.report.notes[1].startswith("token split (sequence)"), rewrite.report.notes
+
+
+@pytest.mark.parametrize("table, why", [
+    (dict(world=4), "measured at world 4, this group has 2 rank(s) (python -m weavepass.tune --world 2"),
+    (dict(device_type="cuda"), "measured on cuda, this graph runs on cpu"),
+    (dict(dtype="bfloat16"), "measured in bfloat16, this graph computes in float32"),
+    (dict(mode="reduce-overhead"), "no entry for hidden 64 with row-parallel matmul widths [32, 64] in default mode"),
+    (dict(widths={**TWO_SITES, "mlp": 128}), "no entry for hidden 64 with row-parallel matmul widths [32, 64]"),
+], ids=["world", "device", "dtype", "mode", "widths"])
+def test_a_table_without_an_entry_leaves_it_to_the_window(world2, tmp_path, table, why):
+    """Another world size, device, dtype, compile mode or layer widths: the table is not used, the
+    report says why, and the overlap window decides as without a table (here: fuse-only, 640
+    tokens below the default threshold)."""
+    path = _write(tmp_path, _table({640: {"fuse": 1.5, "split": 1.5}}, **table))
+    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path))
+    assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNING_TABLE_NOT_APPLICABLE}
+    assert op_counts(rewrite.graph)[FUSED] == 2
+    first, second = rewrite.report.notes
+    assert first.startswith("fuse-only: 640 tokens < overlap threshold 16384"), first
+    assert second.startswith(f"auto: tuning table {path} not used: ") and why in second, second
+
+
+def test_builtin_table_does_not_apply_on_cpu_and_off_asks_no_table(world2):
+    rewrite = _compile(WeaveConfig(overlap="auto"))
+    assert "auto: tuning table builtin not used: measured on cuda" in rewrite.report.notes[-1]
+    for config in (WeaveConfig(overlap="off"), WeaveConfig(overlap="force"), WeaveConfig(overlap="auto", tuning_table="none")):
+        rewrite = _compile(config)
+        assert all(plan.tuned is None for plan in rewrite.plans)
+        assert not any("tuning table" in note for note in rewrite.report.notes)
+
+
+def test_another_torch_version_warns_and_still_decides(world2, tmp_path):
+    path = _write(tmp_path, _table({640: {"fuse": 1.5, "split": 1.5}}, torch_version="2.9.1"))
+    with pytest.warns(UserWarning, match="measured with torch 2.9.1"):
+        rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path))
+    assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNED_NO_REWRITE}
+
+
+def test_bfloat16_graph_uses_a_bfloat16_table(world2, tmp_path):
+    path = _write(tmp_path, _table({640: {"fuse": 0.9, "split": 1.5}}, dtype="bfloat16"))
+    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path), dtype=torch.bfloat16)
+    assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNED_FUSE_ONLY}
+
+
+def test_symbolic_token_count_is_decided_per_range_with_guards(world2, tmp_path):
+    """A symbolic count (hint 640) is decided for the range it lies in, [512, 1024) here (split
+    faster at 512 and 1024, not at 2048), and the comparison installs guards for both bounds, so a
+    batch in another range recompiles; the split's window is that range."""
+    path = _write(tmp_path, _table({512: {"fuse": 0.9, "split": 0.8}, 1024: {"fuse": 0.9, "split": 0.8},
+                                    2048: {"fuse": 0.9, "split": 1.1}}))
+    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path), mode="symbolic")
+    (tuned,) = {plan.tuned for plan in rewrite.plans}
+    assert (tuned.code, tuned.window) == (ReasonCode.TUNED_SPLIT, (512, 1023))
+    assert "at 512 <= tokens < 1024 (symbolic, guarded)" in tuned.text, tuned.text
+    assert op_counts(rewrite.graph)[ASYNC] == 4
+    symbol = next(iter(rewrite.graph.nodes)).meta["val"].shape[0]
+    guards = [str(g.expr) for g in symbol.node.shape_env.guards]
+    assert any("512" in g for g in guards) and any("1024" in g or "1023" in g for g in guards), guards
+
+
+def test_inner_width_reads_the_weight_operand(world2):
+    graph = make_fx(two_sites, tracing_mode="fake")(*_args(16)).graph
+    sites, _ = find_allreduce_rmsnorm_sites(graph)
+    assert [inner_width(site.matmul) for site in sites] == [32, 64]
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def test_dry_run_says_what_it_would_measure(capsys, tmp_path):
+    command.main(["--shape", "70b_tp8sim", "mine:hidden=5120,heads=40,kv_heads=8,mlp=13824", "--world", "1",
+                  "--tokens", "4096", "2048", "--out", str(tmp_path / "t.json"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert "LOCAL COST of the rewrites only" in out
+    assert "mine: hidden 5120, 40/8 heads of 128, MLP 13824" in out
+    assert "2 entries x 3 compiles, 12 cells" in out and "tokens 2048 4096" in out
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "nope"], "unknown shape 'nope'"),
+    (["--shape", "x:hidden=64,heads=4"], "needs a name and kv_heads, mlp"),
+    (["--shape", "x:hidden=64,heads=3,kv_heads=2,mlp=8"], "must be a multiple of kv_heads"),
+    (["--device", "cpu", "--modes", "reduce-overhead"], "records CUDA graphs"),
+    (["--shape", "tiny", "--tokens", "1"], "every token count must be >= 2"),
+])
+def test_command_line_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        command.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def _compile_with_table(rank, world, path, tokens):
+    from weavepass.backend import WeaveBackend
+    from weavepass.tune.shapes import SHAPES, build_model
+
+    model = build_model(SHAPES["tiny"], dist.group.WORLD, torch.device("cpu"), 1, torch.float32)
+    backend = WeaveBackend(WeaveConfig(overlap="auto", min_world_size=1, tuning_table=path))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=False)(torch.randint(0, 4096, (1, tokens)))
+    return backend.report.graphs[0].notes
+
+
+@pytest.mark.slow
+def test_tune_on_cpu_writes_a_table_that_drives_auto(tmp_path):
+    """The command end to end on one CPU process (tiny shape, 1 layer, 16 and 32 tokens): it says
+    it measures the local cost only, writes a valid table with every rewrite timed, and a compile
+    with ``overlap="auto"`` and that table decides from it (CPU times: the check is the plumbing,
+    not which rewrite wins)."""
+    out = tmp_path / "cpu.json"
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-m", "weavepass.tune", "--device", "cpu", "--iters", "3", "--rounds", "3",
+                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "LOCAL COST of the rewrites only" in done.stdout and "auto picks" in done.stdout
+    table = load_table(str(out))
+    assert (table.world, table.machine["device_type"], table.dtype, table.time_unit) == (1, "cpu", "float32", "ms")
+    (entry,) = table.entries
+    assert (entry.shape, entry.mode, [c.tokens for c in entry.cells]) == ("tiny", "default", [16, 32])
+    assert all(set(c.times) == {"inductor", "fuse", "split"} and min(c.times.values()) > 0 for c in entry.cells)
+    notes = spawn(_compile_with_table, 1, "gloo", str(out), 16)[0]
+    expected = {"inductor": "no rewrite (plain Inductor)", "fuse": "fuse-only", "split": "split"}
+    word = expected[choose(entry, 16, table.min_gain).rewrite]
+    assert any(n.startswith(f"auto: {word} at 16 tokens") and str(out) in n for n in notes), notes
