@@ -31,7 +31,14 @@ from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.testing import fake_process_group, spawn
 from weavepass.tune import command
 from weavepass.tune.table import (
-    Cell, Entry, LayerWidths, TuningTableError, choose, load_table, parse_table, regions,
+    Cell,
+    Entry,
+    LayerWidths,
+    TuningTableError,
+    choose,
+    load_table,
+    parse_table,
+    regions,
 )
 
 H = 64
@@ -274,11 +281,11 @@ def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, sp
 
 
 @pytest.mark.parametrize("table, why", [
-    (dict(world=4), "measured at world 4, this group has 2 rank(s) (python -m weavepass.tune --world 2"),
-    (dict(device_type="cuda"), "measured on cuda, this graph runs on cpu"),
-    (dict(dtype="bfloat16"), "measured in bfloat16, this graph computes in float32"),
-    (dict(mode="reduce-overhead"), "no entry for hidden 64 with row-parallel matmul widths [32, 64] in default mode"),
-    (dict(widths={**TWO_SITES, "mlp": 128}), "no entry for hidden 64 with row-parallel matmul widths [32, 64]"),
+    ({"world": 4}, "measured at world 4, this group has 2 rank(s) (python -m weavepass.tune --world 2"),
+    ({"device_type": "cuda"}, "measured on cuda, this graph runs on cpu"),
+    ({"dtype": "bfloat16"}, "measured in bfloat16, this graph computes in float32"),
+    ({"mode": "reduce-overhead"}, "no entry for hidden 64 with row-parallel matmul widths [32, 64] in default mode"),
+    ({"widths": {**TWO_SITES, "mlp": 128}}, "no entry for hidden 64 with row-parallel matmul widths [32, 64]"),
 ], ids=["world", "device", "dtype", "mode", "widths"])
 def test_a_table_without_an_entry_leaves_it_to_the_window(world2, tmp_path, table, why):
     """Another world size, device, dtype, compile mode or layer widths: the table is not used, the
@@ -363,6 +370,21 @@ def test_command_line_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_merge_joins_entries_of_tables_measured_alike(tmp_path, capsys):
+    default = _write(tmp_path, _table({512: {"fuse": 0.9}}), "a.json")
+    cuda_graphs = _write(tmp_path, _table({512: {"fuse": 1.1}}, mode="reduce-overhead"), "b.json")
+    command.main(["--merge", default, cuda_graphs, "--out", str(tmp_path / "c.json")])
+    merged = load_table(str(tmp_path / "c.json"))
+    assert [(e.mode, choose(e, 512, merged.min_gain).rewrite) for e in merged.entries] == [
+        ("default", "fuse"), ("reduce-overhead", "inductor")]
+    assert "auto picks" in capsys.readouterr().out
+    other_world = _write(tmp_path, _table({512: {"fuse": 0.9}}, world=4, mode="reduce-overhead"), "d.json")
+    with pytest.raises(TuningTableError, match="cannot merge .*d.json.*: world 4 != 2"):
+        command.main(["--merge", default, other_world, "--out", str(tmp_path / "e.json")])
+    with pytest.raises(TuningTableError, match="measure the same layer widths"):
+        command.main(["--merge", default, default, "--out", str(tmp_path / "f.json")])
+
+
 def _compile_with_table(rank, world, path, tokens):
     from weavepass.backend import WeaveBackend
     from weavepass.tune.shapes import SHAPES, build_model
@@ -384,7 +406,8 @@ def test_tune_on_cpu_writes_a_table_that_drives_auto(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     done = subprocess.run([sys.executable, "-m", "weavepass.tune", "--device", "cpu", "--iters", "3", "--rounds", "3",
-                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env,
+                          check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "LOCAL COST of the rewrites only" in done.stdout and "auto picks" in done.stdout
     table = load_table(str(out))

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from weavepass.config import WeaveConfig
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.tokens import TokenCount
+from weavepass.config import WeaveConfig
 from weavepass.tune.table import Choice, TuningTable, choose, load_table, region_of
 
 log = logging.getLogger("weavepass")
@@ -146,11 +146,12 @@ def tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig, 
         span = " <= ".join(str(x) for x in (low, "tokens") if x is not None)
         span += f" < {high}" if high is not None else ""
         span += " (symbolic, guarded)"
-        window = (max(2, low), high - 1) if choice.rewrite == "split" else None
+        window = (max(2, low), max(2, high - 1)) if choice.rewrite == "split" else None
     else:
         choice = choose(entry, tokens.static, table.min_gain)
         span = f"{tokens.static} tokens"
-        window = (tokens.static, tokens.static) if choice.rewrite == "split" else None
+        # (below 2 tokens the split refuses before it reads the window: "nothing to split")
+        window = (max(2, tokens.static),) * 2 if choice.rewrite == "split" else None
     text = (f"auto: {_WORDS[choice.rewrite]} at {span}: {_why(choice, table.min_gain)} in tuning table "
             f"{table.label} ({entry.shape}, {mode} mode, world {table.world})")
     return TunedDecision(choice.rewrite, _CODES[choice.rewrite], text, window)

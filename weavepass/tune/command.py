@@ -18,6 +18,8 @@ so the table says what the rewrites cost, not what they save; such a table appli
 one rank. Ranks are spawned here, or, under ``torchrun --nproc-per-node N``, the ranks are
 torchrun's. ``--device cpu`` runs the ranks on CPU processes over gloo (float32, wall-clock): it
 checks the command, not the speed. ``--dry-run`` prints what would be measured and exits.
+``--merge A B --out C`` writes the entries of tables measured alike as one table (e.g. a
+default-mode and a reduce-overhead run).
 
 The table is written after every (shape, mode) entry, so a run stopped by ``--time-budget-s`` or
 a time limit keeps what it measured. Schema: ``weavepass.tune.table``; docs/usage.md.
@@ -71,8 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the table's path (default tuning_table_w<world>.json in $OUT or here)")
     parser.add_argument("--source", default="", help="text the table's source field starts with")
     parser.add_argument("--dry-run", action="store_true", help="print what would be measured; measure nothing")
+    parser.add_argument("--merge", nargs="+", metavar="TABLE", default=None,
+                        help="measure nothing: write the entries of these tables (same device, world, "
+                             "dtype, layers, sequences, time unit, min_gain, torch) as one table to --out")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
+    if args.merge:
+        if not args.out:
+            parser.error("--merge needs --out")
+        args.out = Path(args.out)
+        return args
     args.shape = args.shape or (["tiny"] if cpu else None)
     if not args.shape:
         parser.error("--shape is required (a preset or name:hidden=H,heads=A,kv_heads=K,mlp=M[,head_dim=D])")
@@ -112,10 +122,10 @@ def scope_note(world: int) -> str:
 def plan_lines(args: argparse.Namespace) -> list[str]:
     """The measurement plan, for ``--dry-run`` and the start of a run."""
     lines = [scope_note(args.world),
-             f"device {args.device}, dtype {args.dtype}, {args.layers} layer(s), {args.sequences} sequence(s) "
-             f"per batch, tokens {' '.join(map(str, args.tokens))}, modes {' '.join(args.modes)}",
-             f"rewrites timed: {', '.join(VARIANTS)} (interleaved: {args.rounds} rounds, {args.iters} calls "
-             f"per cell, {args.warmup} warm-up)"]
+             (f"device {args.device}, dtype {args.dtype}, {args.layers} layer(s), {args.sequences} sequence(s) "
+              f"per batch, tokens {' '.join(map(str, args.tokens))}, modes {' '.join(args.modes)}"),
+             (f"rewrites timed: {', '.join(VARIANTS)} (interleaved: {args.rounds} rounds, {args.iters} calls "
+              f"per cell, {args.warmup} warm-up)")]
     for name, shape in args.shapes:
         lines.append(f"  {name}: {shape.widths.describe()}")
     entries = len(args.shapes) * len(args.modes)
@@ -139,7 +149,7 @@ def _versions() -> dict[str, str]:
     try:
         here = Path(__file__).resolve().parent
         commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
+                                text=True, timeout=10, check=False).stdout.strip()
         if commit:
             versions["weavepass"] = commit
     except (OSError, subprocess.SubprocessError):
@@ -196,8 +206,7 @@ def _entry_rows(rank: int, world: int, args: dict, name: str, shape, mode: str, 
     from weavepass.tune.shapes import VOCAB_PER_RANK, build_model
     from weavepass.tune.timing import interleaved_ms, progress_bar
 
-    cpu = args["device"] == "cpu"
-    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
+    device = torch.device("cpu") if args["device"] == "cpu" else torch.device("cuda", rank)
     dtype = getattr(torch, args["dtype"])
     torch._dynamo.reset()
     model = build_model(shape, dist.group.WORLD, device, args["layers"], dtype)
@@ -227,9 +236,6 @@ def _entry_rows(rank: int, world: int, args: dict, name: str, shape, mode: str, 
             continue
         for tokens in args["tokens"]:
             rows[tokens][rewrite] = times[rewrite, tokens]
-    del model, compiled
-    if not cpu:
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -246,6 +252,8 @@ def _stop(elapsed: float, longest: float, budget: float | None, world: int) -> b
 def measure_rank(rank: int, world: int, args: dict) -> list[dict]:
     """Run every (shape, mode) entry on this rank; rank 0 writes the table after each one.
     Returns the entries measured (JSON objects)."""
+    import torch
+
     from weavepass.tune.table import WIDTHS, parse_table
 
     def say(text: str) -> None:
@@ -269,7 +277,8 @@ def measure_rank(rank: int, world: int, args: dict) -> list[dict]:
     for line in args["plan"]:
         say(line)
     longest, skipped = 0.0, []
-    todo = [(name, shape, mode) for name, shape in args["shapes"] for mode in args["modes"]]
+    # Modes outer: with a time budget, every shape's default-mode entry comes first.
+    todo = [(name, shape, mode) for mode in args["modes"] for name, shape in args["shapes"]]
     for i, (name, shape, mode) in enumerate(todo):
         if _stop(time.monotonic() - t0, longest, args["time_budget_s"], world):
             skipped = [f"{n} ({m})" for n, _, m in todo[i:]]
@@ -278,6 +287,8 @@ def measure_rank(rank: int, world: int, args: dict) -> list[dict]:
         started = time.monotonic()
         say(f"{name} ({shape.widths.describe()}), {mode} mode: compiling inductor, fuse, split")
         rows = _entry_rows(rank, world, args, name, shape, mode, say)
+        if args["device"] == "cuda":  # the entry's model and compiled graphs are gone with its frame
+            torch.cuda.empty_cache()
         longest = max(longest, time.monotonic() - started)
         head["entries"].append({
             "shape": name, **{w: getattr(shape.widths, w) for w in WIDTHS}, "mode": mode,
@@ -305,9 +316,35 @@ def print_table(path: Path) -> None:
                   f"{ratios[0]:>7} {ratios[1]:>7}  {choose(entry, cell.tokens, table.min_gain).rewrite}")
 
 
+def merge_tables(paths: list[str], out: Path) -> Path:
+    """One table with every entry of ``paths`` (each measured alike: ``TuningTableError`` names the
+    first field that differs), written to ``out``; e.g. a default-mode and a reduce-overhead run,
+    each short enough for one device call."""
+    from weavepass.tune.table import TuningTableError, load_table, parse_table
+
+    tables = [load_table(path) for path in paths]
+    first = tables[0]
+    for table in tables[1:]:
+        for name in ("world", "dtype", "layers", "sequences", "time_unit", "min_gain"):
+            if getattr(table, name) != getattr(first, name):
+                raise TuningTableError(f"cannot merge {table.label} with {first.label}: {name} "
+                                       f"{getattr(table, name)!r} != {getattr(first, name)!r}")
+        for where, name in (("machine", "device_type"), ("machine", "device_name"), ("versions", "torch")):
+            if getattr(table, where).get(name) != getattr(first, where).get(name):
+                raise TuningTableError(f"cannot merge {table.label} with {first.label}: {where} {name} "
+                                       f"{getattr(table, where).get(name)!r} != {getattr(first, where).get(name)!r}")
+    data = first.to_json()
+    data["entries"] = [entry for table in tables for entry in table.to_json()["entries"]]
+    data["source"] = " + ".join(dict.fromkeys(table.source for table in tables))
+    return parse_table(data, str(out)).save(out)  # parse: two entries for one layer and mode are refused
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.merge:
+        print_table(merge_tables(args.merge, args.out))
+        return
     plan = plan_lines(args)
     if args.dry_run:
         print("\n".join(["weavepass.tune --dry-run (nothing measured):", *plan]))

@@ -86,7 +86,13 @@ def build_model(shape: Shape, group, device, n_layers: int, dtype=torch.bfloat16
     ``group=None`` builds the same model without collectives (the no-communication floor).
     """
     from weavepass.testing.models import (
-        RMSNorm, RotaryEmbedding, TPAttention, TPConfig, TPDecoder, TPDecoderLayer, TPSwiGLU,
+        RMSNorm,
+        RotaryEmbedding,
+        TPAttention,
+        TPConfig,
+        TPDecoder,
+        TPDecoderLayer,
+        TPSwiGLU,
         VocabParallelEmbedding,
     )
 

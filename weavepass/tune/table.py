@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -325,7 +326,7 @@ def _entry(data, where: str, min_gain: float) -> Entry:
         raise TuningTableError(f"{where}: no cells")
     cells = tuple(_cell(c, f"{where} cell {i}") for i, c in enumerate(cells_data))
     tokens = [c.tokens for c in cells]
-    if any(a >= b for a, b in zip(tokens, tokens[1:])):
+    if any(a >= b for a, b in itertools.pairwise(tokens)):
         raise TuningTableError(f"{where}: cell token counts must be strictly increasing, got {tokens}")
     entry = Entry(shape, widths, mode, cells)
     for i, (cell, raw) in enumerate(zip(cells, cells_data)):
