@@ -32,7 +32,9 @@ same processes:
                    add + RMSNorm as a full-width kernel at the op's join
                    (docs/overlap.md, "The push variant"; world 2 only, else it is weave_overlap)
     weave_auto     backend weave, overlap="auto": the per-size strategy (split, fuse-only or plain
-                   all_reduce, whichever the scheduler picks for the batch), what a user gets
+                   all_reduce, whichever the scheduler picks for the batch), what a user gets; with
+                   ``--tuning-table PATH`` decided from a table of ``python -m weavepass.tune``
+                   (default: the built-in table, which has only world-1 entries)
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
     weave_overlap_smN  (N in 8, 16, 32) weave_overlap with the fused kernel on N CTAs and N SMs
                    carved out of every cuBLAS matmul (``torch._C._set_sm_carveout_experimental``),
@@ -107,8 +109,9 @@ CUDA_ONLY = {
 DEFAULT_VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_auto", "no_comm")
 
 
-def compilers(model, no_comm) -> dict:
-    """Variant name -> a function that compiles (or wraps) the model for that variant."""
+def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
+    """Variant name -> a function that compiles (or wraps) the model for that variant
+    (``tuning_table``: weave_auto's ``WeaveConfig.tuning_table``)."""
     from weavepass.backend import WeaveBackend
 
     def weave(mode=None, **config):
@@ -121,7 +124,7 @@ def compilers(model, no_comm) -> dict:
         "weave_overlap": weave(overlap="force"),
         "weave_overlap_c8": weave(overlap="force", overlap_comm_ctas=8),
         "weave_overlap_push": weave(overlap="force", overlap_comm="push"),
-        "weave_auto": weave(overlap="auto"),
+        "weave_auto": weave(overlap="auto", tuning_table=tuning_table),
         "no_comm": lambda: torch.compile(no_comm),
         "inductor_cg": lambda: torch.compile(model, mode="reduce-overhead"),
         "weave_fuse_cg": weave("reduce-overhead", overlap="off", allow_inductor_cudagraphs=True),
@@ -202,7 +205,7 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
             print(f"{shape_name} at --world {world}: {note}", flush=True)
         model = build_model(shape, group, device, args["layers"], dtype)
         no_comm = build_model(shape, None, device, args["layers"], dtype)
-        made = compilers(model, no_comm)
+        made = compilers(model, no_comm, args["tuning_table"])
         interleaved = [v for v in variants if v != "inductor_nccl_symm"]
         for seqs in args["layouts"]:
             # One compile per variant and layout (the token dim is dynamic), side by side; a reset
@@ -270,6 +273,9 @@ def main() -> None:
     parser.add_argument("--layouts", type=int, nargs="+", help="sequences per batch (default: 1 8)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one call per case: top kernels and comm/compute overlap")
+    parser.add_argument("--tuning-table", default="builtin",
+                        help="weave_auto's WeaveConfig.tuning_table: builtin (default), none, or a path "
+                             "written by python -m weavepass.tune")
     args = parser.parse_args()
     variants = parse_variants(parser, args, VARIANTS)
     if not args.smoke and torch.cuda.device_count() < args.world:
@@ -290,6 +296,7 @@ def main() -> None:
         "tokens": args.tokens or tokens,
         "layouts": args.layouts or layouts,
         "profile": args.profile,
+        "tuning_table": args.tuning_table,
         "warmup": warmup,
         "iters": iters,
         "rounds": rounds,

@@ -113,19 +113,17 @@ def world2():
 # --- the table: schema, round trip, errors --------------------------------------------------------
 
 
-def test_builtin_table_round_trips_and_picks_no_rewrite():
-    """The built-in table (one H200, a group of one rank, DEVICE-FACTS 2026-12-03) loads, survives
-    a write and a read, and picks plain Inductor in every cell: every rewrite was measured slower."""
+def test_builtin_table_round_trips():
+    """The built-in table loads (its stored choices agree with the rule: checked on load) and
+    survives a write and a read. Only what every regeneration keeps is asserted: one GPU, a group
+    of one rank, the two shapes of the device command in default mode (docs/usage.md)."""
     table = load_table("builtin")
-    assert (table.world, table.machine["device_type"], table.dtype, table.time_unit) == (1, "cuda", "bfloat16", "relative")
-    assert "DEVICE-FACTS" in table.source and "local cost only" in table.source
-    assert {(e.shape, e.mode) for e in table.entries} == {
-        (s, m) for s in ("70b_tp8sim", "8b_tp2") for m in ("default", "reduce-overhead")}
+    assert (table.world, table.machine["device_type"], table.dtype) == (1, "cuda", "bfloat16")
+    assert table.source
+    assert {("70b_tp8sim", "default"), ("8b_tp2", "default")} <= {(e.shape, e.mode) for e in table.entries}
+    assert table.entry("default", 8192, frozenset({1024, 3584})) is not None  # 70b_tp8sim's widths
     again = parse_table(json.loads(json.dumps(table.to_json())), table.label, table.digest)
     assert again == table
-    assert {c["choice"] for e in table.to_json()["entries"] for c in e["cells"]} == {"inductor"}
-    split_2k = table.entry("default", 8192, frozenset({1024, 3584})).cells[0]
-    assert (split_2k.tokens, split_2k.ratio("split")) == (2048, 1.24)  # the DEVICE-FACTS cell
 
 
 def test_saved_table_loads_back(tmp_path):
