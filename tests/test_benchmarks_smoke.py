@@ -139,3 +139,12 @@ def test_world_in_names_and_presets():
     assert shapes["70b_tp8sim"] == shapes["70b_tp8"]
     assert "with the all_reduce of 2 ranks" in shapes["70b_tp8sim"].simulation_note(2)
     assert shapes["tiny"].simulation_note(4) is None
+
+
+def test_split_cost_smoke(tmp_path):
+    """bench_split_cost on the CPU: every cut of every token count measured against the whole, with
+    the wave model's prediction; halves that add up to the tokens."""
+    _, rows = _smoke("bench_split_cost.py", tmp_path)
+    assert {(r["tokens"], r["cut"]) for r in rows} == {(t, c) for t in ("256", "384") for c in ("wave", "tile", "half", "5/8")}
+    assert all(int(r["first"]) + int(r["second"]) == int(r["tokens"]) and float(r["halves_ms"]) > 0 for r in rows)
+    assert all(float(r["predicted"]) >= 1.0 for r in rows)  # the wave model: a split never saves waves
