@@ -417,3 +417,42 @@ def test_tune_on_cpu_writes_a_table_that_drives_auto(tmp_path):
     expected = {"inductor": "no rewrite (plain Inductor)", "fuse": "fuse-only", "split": "split"}
     word = expected[choose(entry, 16, table.min_gain).rewrite]
     assert any(n.startswith(f"auto: {word} at 16 tokens") and str(out) in n for n in notes), notes
+
+
+def _auto_by_table(rank, world, path, sizes):
+    from weavepass.backend import WeaveBackend
+    from weavepass.testing import TPConfig, build_tp_model, random_token_ids
+
+    dense = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
+    torch._dynamo.reset()
+    backend = WeaveBackend(WeaveConfig(overlap="auto", tuning_table=path))
+    model = build_tp_model(dense, rank, world, dist.group.WORLD)
+    compiled = torch.compile(model, backend=backend)
+    worst, graphs_after = 0.0, []
+    for seq in sizes:
+        ids = random_token_ids(dense, 1, seq, seed=seq)
+        with torch.no_grad():
+            worst = max(worst, (compiled(ids) - model(ids)).abs().max().item())
+        graphs_after.append(len(backend.report.graphs))
+    return graphs_after, [g.notes for g in backend.report.graphs], worst
+
+
+@pytest.mark.slow
+def test_auto_by_table_on_a_dynamic_model_matches_eager(tmp_path):
+    """2 ranks on gloo, the reference model with its token count dynamic after the first call: the
+    table's ranges (fuse below 16 tokens, split in [16, 32), fuse from 32 on) are guards, so the
+    sizes compile four graphs (static 5; symbolic below, inside, above) and no more, each decided
+    as the table says, and every answer equals eager's."""
+    # Per rank at world 2: 6 heads of 8 (o_proj K = 48), MLP 40.
+    widths = {"hidden": 64, "heads": 6, "kv_heads": 3, "head_dim": 8, "mlp": 40}
+    path = _write(tmp_path, _table({16: {"fuse": 0.9, "split": 0.8}, 32: {"fuse": 0.9, "split": 0.8},
+                                    48: {"fuse": 0.9, "split": 1.2}}, widths=widths))
+    sizes = [5, 9, 20, 40, 12, 24, 60, 31, 33]
+    graphs_after, notes, worst = spawn(_auto_by_table, 2, "gloo", path, sizes)[0]
+    assert worst < 1e-5
+    assert graphs_after == [1, 2, 3, 4, 4, 4, 4, 4, 4], (graphs_after, notes)
+    assert notes[0][0].startswith("auto: fuse-only at 5 tokens") and "below the measured range" in notes[0][0], notes
+    assert notes[1][0].startswith("auto: fuse-only at tokens < 16 (symbolic, guarded)"), notes
+    assert notes[2][0].startswith("auto: split at 16 <= tokens < 32 (symbolic, guarded)"), notes
+    assert notes[2][1].startswith("token split (sequence): computed at run time"), notes
+    assert notes[3][0].startswith("auto: fuse-only at 32 <= tokens (symbolic, guarded)"), notes
