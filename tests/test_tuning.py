@@ -456,3 +456,15 @@ def test_auto_by_table_on_a_dynamic_model_matches_eager(tmp_path):
     assert notes[2][0].startswith("auto: split at 16 <= tokens < 32 (symbolic, guarded)"), notes
     assert notes[2][1].startswith("token split (sequence): computed at run time"), notes
     assert notes[3][0].startswith("auto: fuse-only at 32 <= tokens (symbolic, guarded)"), notes
+
+
+def test_the_tables_contents_are_part_of_the_cache_key(tmp_path):
+    """``WeavePass.uuid()`` changes when the table file does, not only when its path does."""
+    from weavepass.compile.graph_pass import WeavePass
+
+    path = _write(tmp_path, _table({512: {"fuse": 0.9}}))
+    config = WeaveConfig(overlap="auto", tuning_table=path)
+    before = WeavePass(config).uuid()
+    _write(tmp_path, _table({512: {"fuse": 0.9}, 1024: {"fuse": 1.5}}))
+    assert WeavePass(config).uuid() != before
+    assert WeavePass(WeaveConfig(overlap="auto", tuning_table="none")).uuid() != before

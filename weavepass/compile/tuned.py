@@ -52,10 +52,11 @@ class TunedDecision:
 
 def inner_width(matmul: Node) -> int | None:
     """``K`` of a matmul ``[.., T, K] x [.., K, N]`` (its weight operand's second-to-last dim)."""
-    name = _WEIGHT_ARGUMENT.get(matmul.target)
-    if name is None:
+    target = matmul.target
+    if not isinstance(target, torch._ops.OpOverload) or target not in _WEIGHT_ARGUMENT:
         return None
-    arguments = dict(zip((a.name for a in matmul.target._schema.arguments), matmul.args), **matmul.kwargs)
+    name = _WEIGHT_ARGUMENT[target]
+    arguments = dict(zip((a.name for a in target._schema.arguments), matmul.args), **matmul.kwargs)
     value = getattr(arguments.get(name), "meta", {}).get("val")
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
@@ -146,12 +147,14 @@ def tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig, 
         span = " <= ".join(str(x) for x in (low, "tokens") if x is not None)
         span += f" < {high}" if high is not None else ""
         span += " (symbolic, guarded)"
-        window = (max(2, low), max(2, high - 1)) if choice.rewrite == "split" else None
+        window = None
+        if choice.rewrite == "split" and low is not None and high is not None:  # split ranges are bounded
+            window = (max(2, low), max(2, high - 1))
     else:
-        choice = choose(entry, tokens.static, table.min_gain)
-        span = f"{tokens.static} tokens"
+        choice = choose(entry, tokens.hint, table.min_gain)  # the hint is the static count here
+        span = f"{tokens.hint} tokens"
         # (below 2 tokens the split refuses before it reads the window: "nothing to split")
-        window = (max(2, tokens.static),) * 2 if choice.rewrite == "split" else None
+        window = (max(2, tokens.hint), max(2, tokens.hint)) if choice.rewrite == "split" else None
     text = (f"auto: {_WORDS[choice.rewrite]} at {span}: {_why(choice, table.min_gain)} in tuning table "
             f"{table.label} ({entry.shape}, {mode} mode, world {table.world})")
     return TunedDecision(choice.rewrite, _CODES[choice.rewrite], text, window)

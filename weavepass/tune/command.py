@@ -228,7 +228,7 @@ def _entry_rows(rank: int, world: int, args: dict, name: str, shape, mode: str, 
     if progress is not None:
         progress.close()
     say(f"{name} {mode}: measured {len(cells)} cells in {time.monotonic() - started:.0f} s")
-    rows = {t: {} for t in args["tokens"]}
+    rows: dict[int, dict[str, float]] = {t: {} for t in args["tokens"]}
     for rewrite in VARIANTS:
         missing = _missing_rewrite(rewrite, backends[rewrite])
         if missing is not None:
@@ -303,9 +303,9 @@ def measure_rank(rank: int, world: int, args: dict) -> list[dict]:
 
 def print_table(path: Path) -> None:
     """The written table as text: times, ratios to Inductor, and the choice per cell."""
-    from weavepass.tune.table import choose, load_table
+    from weavepass.tune.table import choose, read_table
 
-    table = load_table(str(path))
+    table = read_table(path)
     print(f"\n{path}: world {table.world}, {table.machine.get('device_name')}, torch {table.versions['torch']}, "
           f"min_gain {table.min_gain:.0%}")
     print(f"{'shape':>12} {'mode':>15} {'tokens':>7} {'inductor ms':>12} {'fuse':>7} {'split':>7}  auto picks")
@@ -320,9 +320,9 @@ def merge_tables(paths: list[str], out: Path) -> Path:
     """One table with every entry of ``paths`` (each measured alike: ``TuningTableError`` names the
     first field that differs), written to ``out``; e.g. a default-mode and a reduce-overhead run,
     each short enough for one device call."""
-    from weavepass.tune.table import TuningTableError, load_table, parse_table
+    from weavepass.tune.table import TuningTableError, parse_table, read_table
 
-    tables = [load_table(path) for path in paths]
+    tables = [read_table(path) for path in paths]
     first = tables[0]
     for table in tables[1:]:
         for name in ("world", "dtype", "layers", "sequences", "time_unit", "min_gain"):

@@ -107,12 +107,6 @@ class Cell:
         time = self.times.get(rewrite)
         return None if time is None else time / self.times["inductor"]
 
-    def allowed(self, rewrite: str, min_gain: float) -> bool:
-        """Whether ``rewrite`` was measured at least ``min_gain`` faster than Inductor here."""
-        if rewrite == "inductor":
-            return True
-        ratio = self.ratio(rewrite)
-        return ratio is not None and ratio <= 1.0 - min_gain
 
 
 @dataclass(frozen=True)
@@ -201,13 +195,16 @@ class TuningTable:
 
 
 def _best(neighbours: tuple[Cell, ...], candidates: tuple[str, ...], min_gain: float) -> str:
-    """The candidate allowed at every neighbour with the lowest worst ratio; Inductor if none."""
+    """The candidate allowed at every neighbour (measured there at least ``min_gain`` faster than
+    Inductor: ``ratio <= 1 - min_gain``) with the lowest worst ratio; Inductor if none."""
     best, best_score = "inductor", 1.0
     for rewrite in candidates:
-        if all(cell.allowed(rewrite, min_gain) for cell in neighbours):
-            score = max(cell.ratio(rewrite) for cell in neighbours)
-            if score < best_score:  # strict: a tie keeps the simpler rewrite
-                best, best_score = rewrite, score
+        ratios = [cell.ratio(rewrite) for cell in neighbours]
+        measured = [ratio for ratio in ratios if ratio is not None]
+        if len(measured) < len(ratios) or any(ratio > 1.0 - min_gain for ratio in measured):
+            continue
+        if max(measured) < best_score:  # strict: a tie keeps the simpler rewrite
+            best, best_score = rewrite, max(measured)
     return best
 
 
@@ -380,16 +377,20 @@ def table_path(setting: str) -> Path | None:
 
 
 def load_table(setting: str) -> TuningTable | None:
-    """The table ``WeaveConfig.tuning_table`` names, validated (None for ``"none"``); cached per
-    file version (path, size, modification time)."""
+    """The table ``WeaveConfig.tuning_table`` names, validated (None for ``"none"``)."""
     path = table_path(setting)
-    if path is None:
-        return None
+    return None if path is None else read_table(path, setting)
+
+
+def read_table(path: str | Path, label: str | None = None) -> TuningTable:
+    """The table at ``path``, validated; cached per file version (path, size, modification time).
+    ``label``: how reports name it (default: the path)."""
+    label = str(path) if label is None else label
     try:
         stat = os.stat(path)
     except OSError as error:
-        raise TuningTableError(f"tuning table {setting!r}: cannot read it ({error})") from None
-    return _load(str(path), stat.st_size, stat.st_mtime_ns, setting)
+        raise TuningTableError(f"tuning table {label!r}: cannot read it ({error})") from None
+    return _load(str(path), stat.st_size, stat.st_mtime_ns, label)
 
 
 @functools.lru_cache(maxsize=16)

@@ -59,7 +59,7 @@ def interleaved_ms(cells: list, step, inputs, warmup: int, iters: int, rounds: i
         if warmed is not None:
             warmed(cell)
     per_round = max(1, iters // rounds)
-    samples = {cell: [] for cell in cells}
+    samples: dict = {cell: [] for cell in cells}
     for _ in range(rounds):
         for cell in cells:
             if prepare is not None:
