@@ -61,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default bfloat16 (float32 on cpu)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up calls per cell (default 2)")
-    parser.add_argument("--iters", type=int, default=9, help="timed calls per cell, over all rounds (default 9)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--iters", type=int, default=25,
+                        help="timed calls per cell, over all rounds (default 25: compiling costs far more)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--min-gain", type=float, default=0.02,
                         help="a rewrite is chosen only where it is at least this much faster than "
                              "Inductor (default 0.02: cells move by a few percent between runs)")

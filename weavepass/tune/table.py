@@ -108,7 +108,6 @@ class Cell:
         return None if time is None else time / self.times["inductor"]
 
 
-
 @dataclass(frozen=True)
 class Choice:
     """What the rule picked for one token count (or range), and from which cells."""
