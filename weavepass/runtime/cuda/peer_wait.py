@@ -47,6 +47,8 @@ SITES = {
     4: "the Lamport one-shot: the peer's rows never came",
     5: "the push variant's push: the peer never finished reading this rank's previous rows",
     6: "the push variant's push: the peer's rows never came",
+    7: "the scatter GEMM: the peer never finished reading this rank's previous rows (runtime.cuda.gemm)",
+    8: "the scatter GEMM's reduce: the peer's tiles of a row block never came (runtime.cuda.gemm)",
 }
 """What each wait site of ``weavepass.runtime.cuda.kernels`` waits for (the ``SITE`` code)."""
 

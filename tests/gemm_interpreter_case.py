@@ -1,0 +1,115 @@
+"""The persistent GEMM, its scatter epilogue and the owners' reduce (``runtime.cuda.gemm``) run by
+Triton's interpreter on CPU, all simulated ranks in this one process (``testing.gemm_sim``: every
+rank's GEMM, then every rank's reduce, one after another, so each wait is met when reached).
+
+Run by tests/test_gemm_interpreted.py as ``TRITON_INTERPRET=1 python tests/gemm_interpreter_case.py
+<case>``; prints ``<case>: OK`` after its checks, raises otherwise.
+
+fp16 only: Triton 3.9's interpreter multiplies bf16 operands of ``tl.dot`` as their raw 16-bit
+integers (``create_dot`` passes the uint16 storage to ``np.matmul``), so a bf16 GEMM is garbage
+there; bf16 runs on the GPU (tests/gpu/test_gemm_gpu.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from weavepass.runtime.cuda.gemm import INTERPRETER_CONFIG, STAGING_SLOTS, matmul, owner_row_starts
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
+from weavepass.testing.gemm_sim import SimulatedScatterRanks
+
+DTYPE = torch.float16
+EPS = 1e-6
+# The GEMM against torch.mm: both accumulate exact fp16 products in fp32 (in different orders) and
+# round once, so they differ by at most one fp16 ulp (<= 2^-10 relative) where the fp32 sums
+# straddle a rounding boundary; atol covers values near 0, where the fp32 order difference
+# (<= K * 2^-24 * sum |x||w|, ~1e-5 here) is not small relative to the value.
+GEMM_TOL = dict(rtol=2**-10, atol=1e-4)
+# The reduce against the fp32 reference fed the same partials: residual_out is one final rounding
+# (an ulp where the fp32 sums differ in order), normed 2 ulp (tests/gpu/test_kernel_sim_one_gpu.py's).
+RESIDUAL_TOL = dict(rtol=2**-10, atol=1e-5)
+NORMED_TOL = dict(rtol=2**-9, atol=2**-9)
+SIGNAL_ROWS = 16  # = INTERPRETER_CONFIG.block_m: several signals per owner at these sizes
+
+
+def _draw(gen, *shape):
+    return torch.randn(*shape, generator=gen).to(DTYPE)
+
+
+def case_gemm() -> None:
+    """Plain GEMM, both load paths, odd sizes (rows, columns and K not multiples of the tiles)."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in ((37, 40, 48), (1, 16, 16), (50, 24, 72)):
+        x, w = _draw(gen, m, k), _draw(gen, n, k)
+        want = torch.mm(x, w.T)
+        for desc in (False, True):
+            got = matmul(x, w, use_descriptors=desc, max_ctas=3)
+            torch.testing.assert_close(got, want, **GEMM_TOL, msg=lambda e: f"{m}x{n}x{k} desc={desc}: {e}")
+    print("gemm: OK")
+
+
+def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int, desc: bool, residual: bool):
+    """``calls`` back-to-back calls of ``world`` simulated ranks; checks every call's staged partials
+    and outputs, and the signals after the last."""
+    gen = torch.Generator().manual_seed(world * 100 + tokens)
+    starts = owner_row_starts(tokens, world, counts)
+    capacity = max(b - a for a, b in zip(starts, starts[1:])) or 1
+    sim = SimulatedScatterRanks(world, hidden, capacity, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+    for call in range(calls):
+        xs = [_draw(gen, tokens, k) for _ in range(world)]
+        ws = [_draw(gen, hidden, k) for _ in range(world)]
+        res = _draw(gen, tokens, hidden) if residual else None
+        outputs = sim.run(xs, ws, res, weight, EPS, counts, INTERPRETER_CONFIG, desc, reduce_ctas=2, gemm_ctas=3)
+        slot = (call + 1) % STAGING_SLOTS
+        label = f"world {world}, counts {counts}, call {call}, desc={desc}"
+        assert sim.counts_clear(), f"{label}: tile counters not reset: {[p.tolist() for p in sim.pads]}"
+        # Routing: owner j's staging[slot][src] holds exactly src's GEMM of j's rows (the same
+        # kernel and K order as the plain GEMM of all rows, so equal to the bit).
+        plain = [matmul(xs[s], ws[s], config=INTERPRETER_CONFIG, use_descriptors=desc) for s in range(world)]
+        for j in range(world):
+            rows = starts[j + 1] - starts[j]
+            for s in range(world):
+                staged = sim.workspaces[j].staged(s, rows, slot)
+                assert torch.equal(staged, plain[s][starts[j]:starts[j + 1]]), f"{label}: owner {j} src {s}"
+        # The reduce: the reference's math on those partials, for each owner's rows.
+        want_normed, want_res = fused_allreduce_rmsnorm_reference(plain, res, weight, EPS, DTYPE)
+        for j, (normed, res_out) in enumerate(outputs):
+            rows = slice(starts[j], starts[j + 1])
+            torch.testing.assert_close(res_out, want_res[rows], **RESIDUAL_TOL, msg=lambda e: f"{label} {j}: {e}")
+            torch.testing.assert_close(normed, want_normed[rows], **NORMED_TOL, msg=lambda e: f"{label} {j}: {e}")
+    # Signals: every rank made `calls` GEMMs and reduces, the done counts are back to 0 (the tile
+    # counters were checked after each call), and each (src, row block) flag of an owner's rows
+    # holds the last call that used its slot; flags past the owner's rows were never written.
+    assert sim.sequence_numbers() == [[calls, 0, calls, 0]] * world, sim.sequence_numbers()
+    for j in range(world):
+        blocks = -(-(starts[j + 1] - starts[j]) // SIGNAL_ROWS)
+        for slot in range(STAGING_SLOTS):
+            last = max((c + 1 for c in range(calls) if (c + 1) % STAGING_SLOTS == slot), default=0)
+            flags = sim.flags(j, slot)
+            assert bool((flags[:, :blocks] == last).all()), (j, slot, flags.tolist(), last)
+            assert bool((flags[:, blocks:] == 0).all()), (j, slot, flags.tolist())
+
+
+def case_scatter() -> None:
+    """World 2, 3 and 4, default and ragged splits (an owner without rows, counts that are not
+    multiples of the tile or the signal block), three calls each (both slots, then slot 1 again),
+    alternating the pointer and the descriptor loads."""
+    splits = ((2, 37, None), (2, 33, [33, 0]), (3, 41, [20, 4, 17]), (3, 7, None), (4, 45, [1, 16, 0, 28]),
+              (4, 37, None))
+    for i, (world, tokens, counts) in enumerate(splits):  # each world through both load paths
+        _world_run(world, tokens, 24, 32, counts, 3, desc=bool(i % 2), residual=True)
+    print("scatter: OK")
+
+
+def case_reduce() -> None:
+    """The reduce without a residual, and more signal blocks per owner than reduce programs."""
+    _world_run(2, 70, 40, 16, [51, 19], 2, True, residual=False)
+    _world_run(3, 64, 24, 16, None, 1, False, residual=True)
+    print("reduce: OK")
+
+
+if __name__ == "__main__":
+    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce}[sys.argv[1]]()

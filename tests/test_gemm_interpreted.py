@@ -1,0 +1,47 @@
+"""The persistent GEMM with its scatter epilogue and the owners' reduce (``runtime.cuda.gemm``) on CPU
+through Triton's interpreter (tests/gemm_interpreter_case.py, one process per case because
+``TRITON_INTERPRET`` is read when the kernels are defined): the GEMM against ``torch.mm``, the routing
+of every tile to its owner at world 2, 3 and 4 with ragged splits, the reduce against the reference,
+and the signals' values after back-to-back calls. Skipped where Triton is not installed. What the
+interpreter cannot show: the waits under concurrency, memory ordering, TMA on the device, bf16 dots
+(the case file says why); tests/gpu/test_gemm_gpu.py covers those on one GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+
+CASE = pathlib.Path(__file__).with_name("gemm_interpreter_case.py")
+
+
+@pytest.mark.parametrize("case", ["gemm", "scatter", "reduce"])
+def test_gemm_kernels_interpreted(case):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
+    result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"{case}: OK" in result.stdout
+
+
+def test_wait_sites_are_described():
+    """A wait that gives up names this module's wait in the record's message (peer_wait.SITES)."""
+    from weavepass.runtime.cuda import gemm_kernels, peer_wait
+
+    assert "scatter GEMM" in peer_wait.SITES[gemm_kernels.SITE_GEMM_CONSUMED]
+    assert "reduce" in peer_wait.SITES[gemm_kernels.SITE_REDUCE_ROWS]
+
+
+def test_owner_row_starts():
+    from weavepass.runtime.cuda.gemm import owner_row_starts
+
+    assert owner_row_starts(10, 4) == [0, 3, 6, 9, 10]  # the fused op's split: ceil(T / N) per owner
+    assert owner_row_starts(5, 4) == [0, 2, 4, 5, 5]  # the last owner may have none
+    assert owner_row_starts(7, 3, [0, 7, 0]) == [0, 0, 7, 7]
+    with pytest.raises(ValueError, match="do not split"):
+        owner_row_starts(7, 3, [1, 2, 3])

@@ -1,0 +1,305 @@
+"""Host side of the persistent Triton GEMM and its scatter epilogue (kernels:
+``runtime.cuda.gemm_kernels``; design and diagram: docs/gemm_epilogue.md).
+
+* ``matmul(x, w)``: ``x[M, K] @ w[N, K]^T`` (bf16/fp16, fp32 accumulation), the plain persistent GEMM.
+* ``scatter_matmul(x, w, ws, starts)``: the same GEMM whose epilogue stores each tile into the
+  staging buffer of the rank that owns its token rows (``ScatterWorkspace``), peers first, and signals
+  each (owner, row block) once all its tiles are stored.
+* ``reduce_scattered(ws, ...)``: the owner's reduce + residual add + RMSNorm over its rows, waiting per
+  row block.
+
+Loads go through host-side tensor descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``,
+TMA on Hopper; Triton >= 3.4; needs no ``triton.set_allocator``, which only the in-kernel
+``tl.make_tensor_descriptor`` does) where ``descriptor_unsupported_reason`` finds nothing against them,
+else through pointers (``use_descriptors=False`` forces that path). The epilogue always stores through
+pointers: one destination computed from a table, so no per-owner descriptor and no branch between
+stores.
+
+Nothing here is wired into the compile pass yet (no planner choice, no op): this is the kernel
+foundation of issue 34, exercised by ``weavepass.testing.gemm_sim`` and ``benchmarks/bench_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from weavepass.runtime.cuda.gemm_kernels import HEADER_SLOTS
+from weavepass.runtime.cuda.launch_plan import SMALL_TILE_BYTES, triton_next_power_of_2
+from weavepass.runtime.portable import rows_per_rank
+
+STAGING_SLOTS = 2
+"""Staging slots per rank: call ``seq`` uses slot ``seq % 2`` (gemm_kernels' docstring says why two)."""
+SIGNAL_ROWS = 128
+"""Rows per (owner, row block) signal: the largest ``block_m`` of ``GPU_CONFIGS``, so a signal
+fires after one row of tiles. The reduce waits per signal, so smaller means earlier starts but more
+atomics; not measured yet."""
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One tiling of ``persistent_gemm_kernel``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_stages: int
+    num_warps: int
+
+    def meta(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
+                    num_stages=self.num_stages, num_warps=self.num_warps)
+
+
+GPU_CONFIGS = (
+    GemmConfig(128, 256, 64, 8, 3, 8),  # the best of the 2026-12-03 run on most row-parallel shapes
+    GemmConfig(128, 256, 64, 8, 4, 8),
+    GemmConfig(128, 256, 64, 16, 3, 8),
+    GemmConfig(128, 128, 64, 8, 4, 8),
+    GemmConfig(128, 128, 64, 8, 4, 4),
+    GemmConfig(128, 128, 128, 8, 3, 8),
+    GemmConfig(128, 256, 128, 8, 2, 8),
+    GemmConfig(64, 256, 64, 8, 4, 4),
+)
+"""What ``tune`` tries on a GPU (Hopper-sized tiles; a config that does not compile or fit is skipped)."""
+DEFAULT_GPU_CONFIG = GPU_CONFIGS[0]
+INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 4)
+"""Tiny tiles for ``TRITON_INTERPRET=1`` (each program runs in numpy)."""
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_config(device: torch.device) -> GemmConfig:
+    return INTERPRETER_CONFIG if interpreting() or device.type != "cuda" else DEFAULT_GPU_CONFIG
+
+
+def descriptor_unsupported_reason(*tensors: torch.Tensor) -> str | None:
+    """Why the tensor-descriptor (TMA) loads cannot serve these operands, or None."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return "this Triton has no triton.tools.tensor_descriptor (added in Triton 3.4)"
+    if not interpreting():
+        if tensors[0].device.type != "cuda":
+            return "tensor descriptors need a CUDA device (or TRITON_INTERPRET=1)"
+        if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+            return "TMA needs compute capability 9.0 or newer"
+    for t in tensors:
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(-1) != 1:
+            return "a TMA operand needs a 16-byte aligned base and row stride, and contiguous rows"
+    return None
+
+
+def owner_row_starts(num_tokens: int, world: int, counts: list[int] | None = None) -> list[int]:
+    """Row offsets ``[world + 1]`` of the owners' rows: ``counts`` if given (any, zero included), else
+    the fused op's split (``rows_per_rank``: owner ``j`` has ``[j*S, min((j+1)*S, T))``)."""
+    if counts is None:
+        per = rows_per_rank(num_tokens, world)
+        counts = [max(0, min(per, num_tokens - j * per)) for j in range(world)]
+    if len(counts) != world or min(counts) < 0 or sum(counts) != num_tokens:
+        raise ValueError(f"row counts {counts} do not split {num_tokens} tokens among {world} owners")
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return starts
+
+
+@dataclass(frozen=True)
+class ScatterLayout:
+    """Sizes of one group's staging buffers and signal pads (the same on every rank)."""
+
+    world: int
+    hidden: int  # N: columns of y
+    capacity: int  # rows per (slot, src) block: at least the largest owner's row count
+    signal_rows: int = SIGNAL_ROWS
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.capacity // self.signal_rows)
+
+    @property
+    def staging_elements(self) -> int:
+        return STAGING_SLOTS * self.world * self.capacity * self.hidden
+
+    @property
+    def pad_slots(self) -> int:
+        return HEADER_SLOTS + self.world * self.num_blocks + STAGING_SLOTS * self.world * self.num_blocks
+
+
+@dataclass(frozen=True)
+class ScatterWorkspace:
+    """One rank's view of the group's staging buffers and pads: its own, plus the address differences
+    to every rank's (in elements / int32 slots; 0 for itself), as device tables the kernels read."""
+
+    layout: ScatterLayout
+    rank: int
+    staging: torch.Tensor  # [layout.staging_elements], dtype of y
+    pad: torch.Tensor  # int32 [layout.pad_slots], zeros when new
+    deltas: torch.Tensor  # int64 [world]
+    pad_deltas: torch.Tensor  # int64 [world]
+    watch: int = 0  # peer_wait.record_address(), 0: no record
+    timeout_ns: int = 0  # 0: wait for ever
+
+    def staged(self, src: int, rows: int, slot: int) -> torch.Tensor:
+        """``staging[slot][src][:rows]`` as ``[rows, hidden]``: what ``src`` stored here."""
+        lay = self.layout
+        block = (slot * lay.world + src) * lay.capacity * lay.hidden
+        return self.staging[block: block + rows * lay.hidden].view(rows, lay.hidden)
+
+    def last_slot(self) -> int:
+        """The slot of this rank's latest GEMM call (read from the pad: a host sync)."""
+        return int(self.pad[0]) % STAGING_SLOTS
+
+
+def _operands(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, use_descriptors: bool):
+    if not use_descriptors:
+        return x, w
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [config.block_m, config.block_k]),
+            TensorDescriptor(w, list(w.shape), list(w.stride()), [config.block_n, config.block_k]))
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype or out_dtype != x.dtype:
+        raise ValueError(f"the Triton GEMM takes bf16 or fp16 (x, w and y of one dtype); got {x.dtype}, {w.dtype}")
+    if not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError("the Triton GEMM reads contiguous x and w")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(num_tiles: int, device: torch.device, max_ctas: int | None) -> tuple[int]:
+    ctas = max_ctas if max_ctas else (_sm_count(device.index or 0) if device.type == "cuda" else 4)
+    return (max(1, min(ctas, num_tiles)),)
+
+
+def _launch(x, w, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blocks, watch, timeout_ns, rank,
+            world, signal_rows, config, use_descriptors, has_signals, num_tiles, max_ctas):
+    from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
+
+    if signal_rows % config.block_m:
+        raise ValueError(f"signal rows {signal_rows} are not a multiple of block_m {config.block_m}")
+    a, b = _operands(x, w, config, use_descriptors)
+    grid = _grid(num_tiles, x.device, max_ctas)
+    persistent_gemm_kernel[grid](
+        a, b, staging, starts, deltas, pad, pad_deltas, x.shape[0], n, x.shape[1], capacity, num_blocks, watch,
+        timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows, USE_DESC=use_descriptors,
+        HAS_SIGNALS=has_signals, **config.meta())
+
+
+def _resolve(x, w, config, use_descriptors) -> tuple[GemmConfig, bool]:
+    config = config or default_config(x.device)
+    if use_descriptors is None:
+        use_descriptors = descriptor_unsupported_reason(x, w) is None
+    elif use_descriptors and (why := descriptor_unsupported_reason(x, w)):
+        raise ValueError(f"tensor descriptors asked for, but {why}")
+    return config, use_descriptors
+
+
+@functools.cache
+def _plain_tables(m: int, device: torch.device):
+    return (torch.tensor([0, m], dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None,
+           use_descriptors: bool | None = None, max_ctas: int | None = None) -> torch.Tensor:
+    """``x[M, K] @ w[N, K]^T`` into ``out`` ([M, N], new if None). ``use_descriptors`` None: TMA loads
+    where supported; ``max_ctas`` None: one CTA per SM (persistent)."""
+    _check(x, w, x.dtype)
+    config, use_descriptors = _resolve(x, w, config, use_descriptors)
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    starts, deltas, pad = _plain_tables(m, x.device)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    if m:
+        _launch(x, w, out, starts, deltas, pad, deltas, n, m, 1, 0, 0, 0, 1, config.block_m, config,
+                use_descriptors, False, tiles, max_ctas)
+    return out
+
+
+def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, starts: torch.Tensor,
+                   config: GemmConfig | None = None, use_descriptors: bool | None = None,
+                   max_ctas: int | None = None, signals: bool = True) -> None:
+    """This rank's partial ``x @ w^T`` stored into the owners' staging (``ws``): owner ``j``'s rows
+    ``starts[j]:starts[j+1]`` (``starts``: int32 [world + 1] on the device, ``owner_row_starts``).
+    ``signals=False`` stores only (slot 0, no signal, no wait): the routing cost alone, for the
+    benchmark; the owners' reduce must not run on such a call."""
+    _check(x, w, ws.staging.dtype)
+    lay = ws.layout
+    if w.shape[0] != lay.hidden:
+        raise ValueError(f"w has {w.shape[0]} rows; the staging holds {lay.hidden} columns")
+    config, use_descriptors = _resolve(x, w, config, use_descriptors)
+    if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # (a read is a host sync)
+        counts = starts.diff().tolist()
+        if len(counts) != lay.world or max(counts) > lay.capacity or min(counts) < 0:
+            raise ValueError(f"owner row counts {counts} do not fit {lay.world} owners of {lay.capacity} rows")
+    # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
+    tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
+    _launch(x, w, ws.staging, starts, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity, lay.num_blocks,
+            ws.watch, ws.timeout_ns, ws.rank, lay.world, lay.signal_rows, config, use_descriptors, signals, tiles,
+            max_ctas)
+
+
+def reduce_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:
+    """Constexprs of ``reduce_scattered_rows_kernel``: a tile of about ``SMALL_TILE_BYTES`` (the fused
+    kernel's rule), at most ``signal_rows`` rows so that no tile spans two signals."""
+    block_h = triton_next_power_of_2(hidden)
+    rows = max(1, min(signal_rows, SMALL_TILE_BYTES // element_size // block_h))
+    rows = 1 << (rows.bit_length() - 1)  # a power of two, so it divides signal_rows
+    return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, SIGNAL_ROWS=signal_rows,
+                num_warps=max(4, min(16, rows * block_h * element_size // 4096)))
+
+
+def reduce_scattered(ws: ScatterWorkspace, count: int, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, normed: torch.Tensor, residual_out: torch.Tensor, num_ctas: int) -> None:
+    """The owner's reduce of the call its GEMM made last (``scatter_matmul`` with signals): its
+    ``count`` rows (``residual``, ``normed``, ``residual_out``: ``[count, hidden]``, contiguous) on
+    ``num_ctas`` programs."""
+    from weavepass.runtime.cuda.gemm_kernels import reduce_scattered_rows_kernel
+
+    lay = ws.layout
+    if lay.signal_rows & (lay.signal_rows - 1):
+        raise ValueError(f"signal rows {lay.signal_rows} must be a power of two (reduce tiles divide it)")
+    meta = reduce_arguments(lay.hidden, ws.staging.element_size(), lay.signal_rows)
+    rows = meta["ROWS"]
+    grid = (max(1, min(num_ctas, -(-count // rows))),)
+    reduce_scattered_rows_kernel[grid](
+        ws.staging, ws.pad, residual_out if residual is None else residual, weight, normed, residual_out, count,
+        lay.capacity, lay.num_blocks, ws.watch, ws.timeout_ns, eps, RANK=ws.rank, WORLD=lay.world,
+        HAS_RESIDUAL=residual is not None, **meta)
+
+
+def tune(run, configs=GPU_CONFIGS, report=None) -> tuple[GemmConfig, dict]:
+    """The fastest of ``configs`` for ``run(config)`` (one launch of the GEMM), by
+    ``triton.testing.do_bench`` medians; a config that fails (too much shared memory, a compile error)
+    is skipped and its error kept. Returns ``(best, {config: ms or error text})``; raises if every
+    config failed. ``report(config, result)`` is called after each, if given."""
+    from triton.testing import do_bench
+
+    results: dict = {}
+    for config in configs:
+        try:
+            ms = do_bench(lambda: run(config), warmup=10, rep=40, return_mode="median")
+        except Exception as error:  # noqa: BLE001: any compile or launch failure disqualifies the config
+            ms = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        results[config] = ms
+        if report is not None:
+            report(config, ms)
+    timed = {c: ms for c, ms in results.items() if isinstance(ms, float)}
+    if not timed:
+        raise RuntimeError("no GEMM config ran: " + "; ".join(f"{c}: {e}" for c, e in results.items()))
+    return min(timed, key=timed.get), results

@@ -1,0 +1,263 @@
+"""Triton kernels of the row-parallel GEMM with a scatter epilogue (host side: ``runtime.cuda.gemm``;
+design: docs/gemm_epilogue.md).
+
+``persistent_gemm_kernel`` computes ``y = x[M, K] @ W[N, K]^T`` (fp32 accumulation, one rounding to
+the output dtype) and stores every ``[BLOCK_M, BLOCK_N]`` tile into the staging buffer of the rank
+that owns the tile's token rows. Owner ``j`` owns rows ``[starts[j], starts[j + 1])`` of ``x`` (any
+counts, zero included); its rows are tiled on their own, so no tile spans two owners. Tiles are dealt
+owner by owner, peers first (``RANK + 1, RANK + 2, ...``) and the rank's own rows last, so the remote
+stores travel while the GEMM computes its last tiles; inside one owner the tile order is grouped
+(``GROUP_M`` row tiles share the ``W`` tiles they read from L2).
+
+Staging of every rank (``dtype(y)``, symmetric)::
+
+    staging[slot in 0..1][src in 0..WORLD-1][capacity rows][N]
+
+Rank ``r`` stores owner ``j``'s rows ``starts[j] + i`` into ``staging_j[slot][r][i]``. The destination
+is ``staging_ptr + deltas[owner] + offset``: arithmetic on a table entry, never an ``if`` between two
+stores (Triton 3.6 failed to compile that shape in a flattened, warp-specialised loop;
+../shared/DEVICE-FACTS.md). The plain GEMM is the same kernel at ``WORLD == 1`` without signals.
+
+Signal pad of every rank (int32, symmetric), ``B = ceil(capacity / SIGNAL_ROWS)`` row blocks::
+
+    [0] GEMM_SEQ  [1] GEMM_DONE  [2] REDUCE_SEQ  [3] REDUCE_DONE
+    [4 ..]                 COUNT[owner][B]     tiles of (owner, row block) this GEMM has stored
+    [4 + WORLD*B ..]       FLAG[slot][src][B]  the call (seq) whose rows src stored here
+
+Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same calls) uses slot
+``seq % 2``:
+
+1. GEMM on rank ``r``: before storing, wait until every peer's REDUCE_SEQ >= ``seq - 2`` (the peer
+   has read this slot's previous rows; system-scope acquire, bounded as ``runtime.cuda.peer_wait``).
+   After each stored tile: CTA barrier, ``COUNT[owner][b] += 1`` (acq_rel, system scope); the CTA
+   that brings it to the row block's tile count resets it and writes ``FLAG[slot][r][b] = seq`` into
+   the owner's pad with release at system scope (cumulative: the other CTAs' stores were acquired
+   through the count). The last CTA to finish advances GEMM_SEQ.
+2. Reduce on owner ``j``, per tile of ``ROWS`` rows inside row block ``b``: wait until every
+   ``FLAG[slot][src][b] >= seq`` (acquire), sum ``staging[slot][src]`` in rank order in fp32, round
+   to ``dtype`` (as eager's all_reduce output), add the residual, round (``residual_out``), RMSNorm.
+   The last CTA to finish advances REDUCE_SEQ (release: its loads are done before peers overwrite).
+
+Sequence numbers only grow and are compared with ``>=``, so nothing is reset between calls, no host
+counter advances, and CUDA-graph replay is safe. Two slots plus the wait of step 1 keep a rank that
+runs ahead from overwriting rows an owner has not read yet.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from weavepass.runtime.cuda.kernels import _deadline, _give_up_after, _norm_rows
+
+GEMM_SEQ = 0
+GEMM_DONE = 1
+REDUCE_SEQ = 2
+REDUCE_DONE = 3
+HEADER_SLOTS = 4
+"""Pad slots before the COUNT table (the layout above)."""
+
+SITE_GEMM_CONSUMED = 7
+SITE_REDUCE_ROWS = 8
+"""``runtime.cuda.peer_wait.SITES`` codes of this module's two waits."""
+
+
+@triton.jit
+def _locate_tile(tile, starts_ptr, num_n_tiles, BLOCK_M: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Which owner tile ``tile`` belongs to, in the order peers first, own rows last: returns
+    ``(owner, first row of the owner in x, its row count, the tile's index among the owner's tiles,
+    the owner's row-tile count)``. Branch-free (``tl.where`` over the ``WORLD`` owners)."""
+    owner = tile * 0
+    start = tile * 0
+    count = tile * 0
+    first = tile * 0
+    m_tiles = tile * 0
+    base = tile * 0  # row tiles of the owners before this one in the order
+    for i in tl.static_range(WORLD):
+        o = (RANK + 1 + i) % WORLD
+        s = tl.load(starts_ptr + o)
+        c = tl.load(starts_ptr + o + 1) - s
+        m = tl.cdiv(c, BLOCK_M)
+        hit = (tile >= base * num_n_tiles) & (tile < (base + m) * num_n_tiles)
+        owner = tl.where(hit, o, owner)
+        start = tl.where(hit, s, start)
+        count = tl.where(hit, c, count)
+        first = tl.where(hit, base * num_n_tiles, first)
+        m_tiles = tl.where(hit, m, m_tiles)
+        base += m
+    return owner, start, count, tile - first, m_tiles
+
+
+@triton.jit
+def _total_row_tiles(starts_ptr, BLOCK_M: tl.constexpr, WORLD: tl.constexpr):
+    """Row tiles over all owners (each owner's rows tiled on their own)."""
+    total = tl.load(starts_ptr) * 0
+    for o in tl.static_range(WORLD):
+        total += tl.cdiv(tl.load(starts_ptr + o + 1) - tl.load(starts_ptr + o), BLOCK_M)
+    return total
+
+
+@triton.jit
+def _grouped(u, m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Grouped order of an owner's tiles: ``GROUP_M`` row tiles walk the column tiles together, so
+    the ``W`` tiles they read stay in L2. Returns ``(row tile, column tile)`` of local tile ``u``."""
+    in_group = GROUP_M * num_n_tiles
+    first_m = (u // in_group) * GROUP_M
+    size_m = tl.minimum(m_tiles - first_m, GROUP_M)
+    return first_m + (u % size_m), (u % in_group) // size_m
+
+
+@triton.jit
+def persistent_gemm_kernel(
+    x,  # [M, K] activations: a tensor descriptor (block [BLOCK_M, BLOCK_K]) or a pointer (USE_DESC)
+    w,  # [N, K] weight, row-major (y = x @ w^T): a descriptor (block [BLOCK_N, BLOCK_K]) or a pointer
+    staging_ptr,  # this rank's staging buffer (dtype of y); the plain GEMM: y itself
+    starts_ptr,  # int32 [WORLD + 1]: owner j owns rows [starts[j], starts[j + 1]) of x
+    deltas_ptr,  # int64 [WORLD]: owner j's staging address - this rank's, in elements
+    pad_ptr,  # int32 this rank's signal pad (unused without HAS_SIGNALS)
+    pad_deltas_ptr,  # int64 [WORLD]: owner j's pad address - this rank's, in int32 slots
+    M, N, K,
+    capacity,  # rows per (slot, src) block of a staging buffer
+    num_blocks,  # B: signal row blocks per (slot, src) block, ceil(capacity / SIGNAL_ROWS)
+    watch_addr, timeout_ns,  # the bounded wait (kernels._give_up_after), 0: no record / for ever
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SIGNAL_ROWS: tl.constexpr,  # rows per signal (a multiple of BLOCK_M)
+    USE_DESC: tl.constexpr,  # x and w are tensor descriptors (TMA loads; zero padding out of bounds)
+    HAS_SIGNALS: tl.constexpr,  # the scatter protocol (module docstring); False: plain stores only
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = _total_row_tiles(starts_ptr, BLOCK_M, WORLD) * num_n_tiles
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    seq = num_tiles * 0
+    if HAS_SIGNALS:
+        seq = tl.load(pad_ptr + GEMM_SEQ, volatile=True) + 1  # the previous call finished on this stream
+        deadline = _deadline(timeout_ns)
+        for i in tl.static_range(WORLD - 1):  # every peer has read this slot's previous rows
+            o = (RANK + 1 + i) % WORLD
+            peer_reduced = pad_ptr + tl.load(pad_deltas_ptr + o) + REDUCE_SEQ
+            while tl.atomic_add(peer_reduced, 0, sem="acquire", scope="sys") < seq - 2:
+                _give_up_after(deadline, watch_addr, timeout_ns, o, SITE_GEMM_CONSUMED, RANK, WORLD)
+        tl.debug_barrier()  # no thread stores before the acquire
+    slot = seq % 2
+    counts = pad_ptr + HEADER_SLOTS
+    flags = pad_ptr + HEADER_SLOTS + WORLD * num_blocks
+
+    for tile in range(pid, num_tiles, num_programs):
+        owner, start, count, u, m_tiles = _locate_tile(tile, starts_ptr, num_n_tiles, BLOCK_M, RANK, WORLD)
+        pid_m, pid_n = _grouped(u, m_tiles, num_n_tiles, GROUP_M)
+        row0 = start + pid_m * BLOCK_M  # first row of the tile in x
+        n0 = pid_n * BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_DESC:
+            for kt in range(k_tiles):
+                a = x.load([row0, kt * BLOCK_K])
+                b = w.load([n0, kt * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+        else:
+            # Rows past M and columns past N read row 0 instead (results never stored): no mask
+            # on the M/N axes keeps the loads vectorised.
+            a_rows = tl.where(row0 + rows < M, row0 + rows, 0).to(tl.int64)
+            b_rows = tl.where(n0 + cols < N, n0 + cols, 0).to(tl.int64)
+            for kt in range(k_tiles):
+                k = kt * BLOCK_K + offs_k
+                a = tl.load(x + a_rows[:, None] * K + k[None, :], mask=(k < K)[None, :], other=0.0)
+                b = tl.load(w + b_rows[:, None] * K + k[None, :], mask=(k < K)[None, :], other=0.0)
+                acc = tl.dot(a, b.T, acc)
+
+        # Epilogue: the tile into owner's staging[slot][RANK], rows local to the owner.
+        local = pid_m * BLOCK_M + rows
+        dst_rows = ((slot * WORLD + RANK) * capacity + local).to(tl.int64)
+        dst = staging_ptr + tl.load(deltas_ptr + owner) + dst_rows[:, None] * N + (n0 + cols)[None, :]
+        mask = (local < count)[:, None] & ((n0 + cols) < N)[None, :]
+        tl.store(dst, acc.to(staging_ptr.dtype.element_ty), mask=mask)
+
+        if HAS_SIGNALS:
+            block = (pid_m * BLOCK_M) // SIGNAL_ROWS
+            block_rows = tl.minimum(count - block * SIGNAL_ROWS, SIGNAL_ROWS)
+            target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles
+            counter = counts + owner * num_blocks + block
+            tl.debug_barrier()  # every thread's stores are issued before the release
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") == target - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block
+                tl.atomic_xchg(flag, seq, sem="release", scope="sys")
+
+    if HAS_SIGNALS:  # the last CTA to finish advances this rank's call count
+        tl.debug_barrier()
+        if tl.atomic_add(pad_ptr + GEMM_DONE, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+            tl.atomic_xchg(pad_ptr + GEMM_DONE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(pad_ptr + GEMM_SEQ, seq, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def reduce_scattered_rows_kernel(
+    staging_ptr,  # this rank's staging buffer (persistent_gemm_kernel's layout)
+    pad_ptr,  # int32 this rank's signal pad
+    residual_ptr,  # [count, HIDDEN] residual of this rank's rows (unused without HAS_RESIDUAL)
+    weight_ptr,  # [HIDDEN] RMSNorm weight
+    normed_ptr,  # [count, HIDDEN] output, out_dtype
+    residual_out_ptr,  # [count, HIDDEN] output, dtype of the staging
+    count,  # rows this rank owns
+    capacity,  # rows per (slot, src) block of the staging
+    num_blocks,  # signal row blocks per (slot, src) block
+    watch_addr, timeout_ns,  # the bounded wait (kernels._give_up_after)
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= HIDDEN
+    ROWS: tl.constexpr,  # rows per tile (divides SIGNAL_ROWS)
+    SIGNAL_ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """The owner's half: for each tile of its rows, wait for the row block's signals of every source,
+    then ``residual_out = round(round(sum_src P_src) + R)``, ``normed = RMSNorm(residual_out) * w``
+    (``runtime.reference``'s math; the sum in rank order in fp32, so every owner rounds as the
+    fused op's kernels do). Any grid: no program meets another rank's program."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    col_mask = cols < HIDDEN
+    seq = tl.load(pad_ptr + REDUCE_SEQ, volatile=True) + 1
+    slot = seq % 2
+    flags = pad_ptr + HEADER_SLOTS + WORLD * num_blocks + slot * WORLD * num_blocks
+    w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    for tile in range(pid, tl.cdiv(count, ROWS), num_programs):
+        block = (tile * ROWS) // SIGNAL_ROWS
+        deadline = _deadline(timeout_ns)
+        for src in tl.static_range(WORLD):
+            while tl.atomic_add(flags + src * num_blocks + block, 0, sem="acquire", scope="sys") < seq:
+                _give_up_after(deadline, watch_addr, timeout_ns, src, SITE_REDUCE_ROWS, RANK, WORLD)
+        tl.debug_barrier()  # no thread reads staged rows before the acquire
+        local = tile * ROWS + rows
+        mask = (local < count)[:, None] & col_mask[None, :]
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        for src in tl.static_range(WORLD):  # rank order: every owner rounds the same sum
+            staged = ((slot * WORLD + src) * capacity + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+            acc += tl.load(staging_ptr + staged, mask=mask, other=0.0).to(tl.float32)
+        offs = local.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        if HAS_RESIDUAL:  # S rounded to dtype(P) before the add (kernels._reduce_rows)
+            acc = acc.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        res = acc.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs, res, mask=mask)
+        _norm_rows(res, w, w, eps, normed_ptr, normed_ptr, offs, local, mask, HIDDEN, False, 0)
+
+    # the last program to finish tells the peers this call's slot may be written again
+    tl.debug_barrier()  # every thread's staging loads are done before the release
+    if tl.atomic_add(pad_ptr + REDUCE_DONE, 1, sem="acq_rel", scope="sys") == num_programs - 1:
+        tl.atomic_xchg(pad_ptr + REDUCE_DONE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(pad_ptr + REDUCE_SEQ, seq, sem="release", scope="sys")

@@ -1,0 +1,148 @@
+"""The scatter-epilogue GEMM and its reduce (``runtime.cuda.gemm``) for ``world`` ranks in one process.
+
+As ``kernel_sim`` does for the fused op: each simulated rank has its own staging buffer and signal
+pad (ordinary allocations), and its kernels get the address differences to the other ranks' as the
+real lowering would pass the symmetric peers'. ``run`` launches every rank's GEMM, then every
+rank's reduce; on a GPU each rank has a stream of its own, so a reduce may start while other ranks'
+GEMMs still run, and it waits for their row blocks' signals. Under ``TRITON_INTERPRET=1`` (CPU
+tensors) the launches run one after another, so every wait is already satisfied when it is reached:
+the interpreter checks indexing, routing, rounding and the signals' values, not the waits.
+
+All ranks' reduces spin while they wait, so they are given few CTAs (``reduce_ctas``), leaving the
+GPU's other SMs to the GEMMs they wait for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from weavepass.runtime.cuda import peer_wait
+from weavepass.runtime.cuda.gemm import (
+    ScatterLayout,
+    ScatterWorkspace,
+    owner_row_starts,
+    reduce_scattered,
+    scatter_matmul,
+)
+
+SIM_PEER_TIMEOUT_S = 30.0
+"""How long a simulated rank's kernel waits for the others before it gives up (peer_wait); GPU only."""
+
+
+class SimulatedScatterRanks:
+    """``world`` ranks' staging buffers and pads on ``device``, reused across calls (as a real
+    workspace is), so back-to-back calls test the slot alternation and the sequence numbers."""
+
+    def __init__(self, world: int, hidden: int, capacity: int, dtype: torch.dtype, device="cuda",
+                 signal_rows: int | None = None, peer_timeout_s: float = SIM_PEER_TIMEOUT_S):
+        self.layout = ScatterLayout(world, hidden, capacity, **({} if signal_rows is None else
+                                                                 {"signal_rows": signal_rows}))
+        self.device = torch.device(device)
+        lay = self.layout
+        self.buffers = [torch.full((lay.staging_elements,), float("nan"), dtype=dtype, device=self.device)
+                        for _ in range(world)]  # poisoned: a row read before it was stored shows
+        self.pads = [torch.zeros(lay.pad_slots, dtype=torch.int32, device=self.device) for _ in range(world)]
+        on_gpu = self.device.type == "cuda"
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(world)] if on_gpu else None
+        size = self.buffers[0].element_size()
+        watch, timeout_ns = (peer_wait.record_address(), int(peer_timeout_s * 1e9)) if on_gpu else (0, 0)
+        self.workspaces = []
+        for r in range(world):
+            deltas = [b.data_ptr() - self.buffers[r].data_ptr() for b in self.buffers]
+            pad_deltas = [p.data_ptr() - self.pads[r].data_ptr() for p in self.pads]
+            assert all(d % size == 0 for d in deltas) and all(d % 4 == 0 for d in pad_deltas)
+            self.workspaces.append(ScatterWorkspace(
+                lay, r, self.buffers[r], self.pads[r],
+                torch.tensor([d // size for d in deltas], dtype=torch.int64, device=self.device),
+                torch.tensor([d // 4 for d in pad_deltas], dtype=torch.int64, device=self.device),
+                watch, timeout_ns))
+
+    def starts(self, num_tokens: int, counts: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+        """The owners' row offsets (host list, device int32 table)."""
+        starts = owner_row_starts(num_tokens, self.layout.world, counts)
+        return starts, torch.tensor(starts, dtype=torch.int32, device=self.device)
+
+    def run(self, xs: list[torch.Tensor], ws: list[torch.Tensor], residual: torch.Tensor | None,
+            weight: torch.Tensor, eps: float, counts: list[int] | None = None, config=None,
+            use_descriptors: bool | None = None, reduce_ctas: int = 4, gemm_ctas: int | None = None,
+            timeout_s: float = 60.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank ``r`` computes ``xs[r] @ ws[r]^T`` ([T, N]: its partial of the row-parallel GEMM) and
+        scatters it; then owner ``r`` reduces its rows. Returns every rank's ``(normed,
+        residual_out)`` for its own rows ``[count_r, N]``, ready for the calling stream. ``residual``
+        [T, N] is the full residual stream (each owner reads its rows)."""
+        lay = self.layout
+        tokens = xs[0].shape[0]
+        starts, table = self.starts(tokens, counts)
+        outputs = []
+        for r in range(lay.world):
+            rows = starts[r + 1] - starts[r]
+            outputs.append((torch.empty(rows, lay.hidden, dtype=xs[0].dtype, device=self.device),
+                            torch.empty(rows, lay.hidden, dtype=xs[0].dtype, device=self.device)))
+        residuals = [None if residual is None else residual[starts[r]:starts[r + 1]].contiguous()
+                     for r in range(lay.world)]
+
+        def gemm(r):
+            scatter_matmul(xs[r], ws[r], self.workspaces[r], table, config, use_descriptors, gemm_ctas)
+
+        def reduce(r):
+            reduce_scattered(self.workspaces[r], starts[r + 1] - starts[r], residuals[r], weight, eps,
+                             *outputs[r], reduce_ctas)
+
+        if self.streams is None:
+            for r in range(lay.world):
+                gemm(r)
+            for r in range(lay.world):
+                reduce(r)
+            return outputs
+        caller = torch.cuda.current_stream(self.device)
+        for stream in self.streams:
+            stream.wait_stream(caller)
+        for r in range(lay.world):
+            with torch.cuda.stream(self.streams[r]):
+                gemm(r)
+        for r in range(lay.world):
+            with torch.cuda.stream(self.streams[r]):
+                reduce(r)
+        self.wait_all(f"{tokens} tokens, world {lay.world}", timeout_s)
+        return outputs
+
+    def warm_up(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None,
+                reduce_ctas: int = 4, gemm_ctas: int | None = None) -> None:
+        """Compile every rank's kernels and load them before any rank waits: a module loaded lazily
+        while another rank's kernel spins can wait for that kernel (``kernel_sim.SimulatedRanks.run``).
+        Runs one full call on a single stream, one rank after another, so no wait can block."""
+        saved, self.streams = self.streams, None
+        try:
+            self.run(xs, ws, residual, weight, eps, counts, config, use_descriptors, reduce_ctas, gemm_ctas)
+        finally:
+            self.streams = saved
+        torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+
+    def wait_all(self, what: str, timeout_s: float) -> None:
+        """Wait for every rank's stream; raise (naming ``what``) rather than block for ever."""
+        events = [s.record_event() for s in self.streams]
+        deadline = time.monotonic() + timeout_s
+        while not all(e.query() for e in events):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"simulated ranks did not finish in {timeout_s} s: {what}")
+            time.sleep(1e-3)
+        caller = torch.cuda.current_stream(self.device)
+        for stream in self.streams:
+            caller.wait_stream(stream)
+
+    def sequence_numbers(self) -> list[list[int]]:
+        """Every rank's ``[GEMM_SEQ, GEMM_DONE, REDUCE_SEQ, REDUCE_DONE]``."""
+        return [p[:4].tolist() for p in self.pads]
+
+    def counts_clear(self) -> bool:
+        """Whether every (owner, row block) tile counter is back to 0 (each GEMM must leave them so)."""
+        lay = self.layout
+        return all(int(p[4:4 + lay.world * lay.num_blocks].abs().sum()) == 0 for p in self.pads)
+
+    def flags(self, rank: int, slot: int) -> torch.Tensor:
+        """``FLAG[slot]`` of ``rank``'s pad as ``[src, row block]``."""
+        lay = self.layout
+        first = 4 + lay.world * lay.num_blocks + slot * lay.world * lay.num_blocks
+        return self.pads[rank][first:first + lay.world * lay.num_blocks].view(lay.world, lay.num_blocks)
