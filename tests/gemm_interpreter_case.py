@@ -12,11 +12,17 @@ there; bf16 runs on the GPU (tests/gpu/test_gemm_gpu.py).
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
 
-from weavepass.runtime.cuda.gemm import INTERPRETER_CONFIG, STAGING_SLOTS, matmul, owner_row_starts
+from weavepass.runtime.cuda.gemm import (
+    INTERPRETER_CONFIG,
+    STAGING_SLOTS,
+    matmul,
+    owner_row_starts,
+)
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.gemm_sim import SimulatedScatterRanks
 
@@ -55,7 +61,7 @@ def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int,
     and outputs, and the signals after the last."""
     gen = torch.Generator().manual_seed(world * 100 + tokens)
     starts = owner_row_starts(tokens, world, counts)
-    capacity = max(b - a for a, b in zip(starts, starts[1:])) or 1
+    capacity = max(b - a for a, b in itertools.pairwise(starts)) or 1
     sim = SimulatedScatterRanks(world, hidden, capacity, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
     for call in range(calls):

@@ -20,12 +20,15 @@ import torch
 
 from weavepass.runtime.cuda import peer_wait
 from weavepass.runtime.cuda.gemm import (
+    STAGING_ALIGNMENT,
+    OwnerRows,
     ScatterLayout,
     ScatterWorkspace,
-    owner_row_starts,
+    address_table,
     reduce_scattered,
     scatter_matmul,
 )
+from weavepass.runtime.cuda.gemm_kernels import HEADER_SLOTS
 
 SIM_PEER_TIMEOUT_S = 30.0
 """How long a simulated rank's kernel waits for the others before it gives up (peer_wait); GPU only."""
@@ -46,48 +49,35 @@ class SimulatedScatterRanks:
         self.pads = [torch.zeros(lay.pad_slots, dtype=torch.int32, device=self.device) for _ in range(world)]
         on_gpu = self.device.type == "cuda"
         self.streams = [torch.cuda.Stream(self.device) for _ in range(world)] if on_gpu else None
-        size = self.buffers[0].element_size()
         watch, timeout_ns = (peer_wait.record_address(), int(peer_timeout_s * 1e9)) if on_gpu else (0, 0)
-        self.workspaces = []
-        for r in range(world):
-            deltas = [b.data_ptr() - self.buffers[r].data_ptr() for b in self.buffers]
-            pad_deltas = [p.data_ptr() - self.pads[r].data_ptr() for p in self.pads]
-            assert all(d % size == 0 for d in deltas) and all(d % 4 == 0 for d in pad_deltas)
-            self.workspaces.append(ScatterWorkspace(
-                lay, r, self.buffers[r], self.pads[r],
-                torch.tensor([d // size for d in deltas], dtype=torch.int64, device=self.device),
-                torch.tensor([d // 4 for d in pad_deltas], dtype=torch.int64, device=self.device),
-                watch, timeout_ns))
-
-    def starts(self, num_tokens: int, counts: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
-        """The owners' row offsets (host list, device int32 table)."""
-        starts = owner_row_starts(num_tokens, self.layout.world, counts)
-        return starts, torch.tensor(starts, dtype=torch.int32, device=self.device)
+        self.workspaces = [
+            ScatterWorkspace(lay, r, self.buffers[r], self.pads[r],
+                             address_table(self.buffers, r, STAGING_ALIGNMENT), address_table(self.pads, r),
+                             watch, timeout_ns)
+            for r in range(world)]
 
     def run(self, xs: list[torch.Tensor], ws: list[torch.Tensor], residual: torch.Tensor | None,
             weight: torch.Tensor, eps: float, counts: list[int] | None = None, config=None,
             use_descriptors: bool | None = None, reduce_ctas: int = 4, gemm_ctas: int | None = None,
             timeout_s: float = 60.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rank ``r`` computes ``xs[r] @ ws[r]^T`` ([T, N]: its partial of the row-parallel GEMM) and
-        scatters it; then owner ``r`` reduces its rows. Returns every rank's ``(normed,
-        residual_out)`` for its own rows ``[count_r, N]``, ready for the calling stream. ``residual``
-        [T, N] is the full residual stream (each owner reads its rows)."""
+        scatters it; then owner ``r`` reduces its rows (``counts``: rows per owner, default the fused
+        op's split). Returns every rank's ``(normed, residual_out)`` for its own rows ``[count_r, N]``,
+        ready for the calling stream. ``residual`` [T, N] is the full residual stream (each owner
+        reads its rows)."""
         lay = self.layout
         tokens = xs[0].shape[0]
-        starts, table = self.starts(tokens, counts)
-        outputs = []
-        for r in range(lay.world):
-            rows = starts[r + 1] - starts[r]
-            outputs.append((torch.empty(rows, lay.hidden, dtype=xs[0].dtype, device=self.device),
-                            torch.empty(rows, lay.hidden, dtype=xs[0].dtype, device=self.device)))
-        residuals = [None if residual is None else residual[starts[r]:starts[r + 1]].contiguous()
-                     for r in range(lay.world)]
+        owners = OwnerRows.build(tokens, lay.world, self.device, counts)
+        outputs = [(torch.empty(owners.count(r), lay.hidden, dtype=xs[0].dtype, device=self.device),
+                    torch.empty(owners.count(r), lay.hidden, dtype=xs[0].dtype, device=self.device))
+                   for r in range(lay.world)]
+        residuals = [None if residual is None else residual[owners.rows(r)].contiguous() for r in range(lay.world)]
 
         def gemm(r):
-            scatter_matmul(xs[r], ws[r], self.workspaces[r], table, config, use_descriptors, gemm_ctas)
+            scatter_matmul(xs[r], ws[r], self.workspaces[r], owners, config, use_descriptors, gemm_ctas)
 
         def reduce(r):
-            reduce_scattered(self.workspaces[r], starts[r + 1] - starts[r], residuals[r], weight, eps,
+            reduce_scattered(self.workspaces[r], owners.count(r), residuals[r], weight, eps,
                              *outputs[r], reduce_ctas)
 
         if self.streams is None:
@@ -109,16 +99,17 @@ class SimulatedScatterRanks:
         return outputs
 
     def warm_up(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None,
-                reduce_ctas: int = 4, gemm_ctas: int | None = None) -> None:
-        """Compile every rank's kernels and load them before any rank waits: a module loaded lazily
-        while another rank's kernel spins can wait for that kernel (``kernel_sim.SimulatedRanks.run``).
-        Runs one full call on a single stream, one rank after another, so no wait can block."""
+                reduce_ctas: int = 4, gemm_ctas: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``run``'s call on the calling stream, one rank's kernel after another, so no wait can
+        block: it compiles and loads every rank's kernels before any rank waits on another (a module
+        loaded lazily while another rank's kernel spins can wait for that kernel;
+        ``kernel_sim.SimulatedRanks.run``). The kernels take row counts unspecialised, so later
+        calls with other splits reuse them."""
         saved, self.streams = self.streams, None
         try:
-            self.run(xs, ws, residual, weight, eps, counts, config, use_descriptors, reduce_ctas, gemm_ctas)
+            return self.run(xs, ws, residual, weight, eps, counts, config, use_descriptors, reduce_ctas, gemm_ctas)
         finally:
             self.streams = saved
-        torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
 
     def wait_all(self, what: str, timeout_s: float) -> None:
         """Wait for every rank's stream; raise (naming ``what``) rather than block for ever."""
@@ -139,10 +130,11 @@ class SimulatedScatterRanks:
     def counts_clear(self) -> bool:
         """Whether every (owner, row block) tile counter is back to 0 (each GEMM must leave them so)."""
         lay = self.layout
-        return all(int(p[4:4 + lay.world * lay.num_blocks].abs().sum()) == 0 for p in self.pads)
+        first = HEADER_SLOTS.value
+        return all(int(p[first:first + lay.world * lay.num_blocks].abs().sum()) == 0 for p in self.pads)
 
     def flags(self, rank: int, slot: int) -> torch.Tensor:
         """``FLAG[slot]`` of ``rank``'s pad as ``[src, row block]``."""
         lay = self.layout
-        first = 4 + lay.world * lay.num_blocks + slot * lay.world * lay.num_blocks
+        first = HEADER_SLOTS.value + lay.world * lay.num_blocks + slot * lay.world * lay.num_blocks
         return self.pads[rank][first:first + lay.world * lay.num_blocks].view(lay.world, lay.num_blocks)

@@ -2,7 +2,7 @@
 ``runtime.cuda.gemm_kernels``; design and diagram: docs/gemm_epilogue.md).
 
 * ``matmul(x, w)``: ``x[M, K] @ w[N, K]^T`` (bf16/fp16, fp32 accumulation), the plain persistent GEMM.
-* ``scatter_matmul(x, w, ws, starts)``: the same GEMM whose epilogue stores each tile into the
+* ``scatter_matmul(x, w, ws, owners)``: the same GEMM whose epilogue stores each tile into the
   staging buffer of the rank that owns its token rows (``ScatterWorkspace``), peers first, and signals
   each (owner, row block) once all its tiles are stored.
 * ``reduce_scattered(ws, ...)``: the owner's reduce + residual add + RMSNorm over its rows, waiting per
@@ -130,7 +130,7 @@ class ScatterLayout:
 
     @property
     def pad_slots(self) -> int:
-        return HEADER_SLOTS + self.world * self.num_blocks + STAGING_SLOTS * self.world * self.num_blocks
+        return HEADER_SLOTS.value + self.world * self.num_blocks + STAGING_SLOTS * self.world * self.num_blocks
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,23 @@ class ScatterWorkspace:
     def last_slot(self) -> int:
         """The slot of this rank's latest GEMM call (read from the pad: a host sync)."""
         return int(self.pad[0]) % STAGING_SLOTS
+
+
+def address_table(tensors: list[torch.Tensor], rank: int, multiple: int = 1) -> torch.Tensor:
+    """int64 [len(tensors)] on ``tensors[rank]``'s device: ``tensors[j]``'s address minus
+    ``tensors[rank]``'s, in elements of that tensor's dtype, each a multiple of ``multiple`` (the GEMM
+    declares its staging deltas multiples of 16 elements, which keeps its epilogue stores 16-byte
+    vectors)."""
+    size = tensors[rank].element_size()
+    deltas = [t.data_ptr() - tensors[rank].data_ptr() for t in tensors]
+    if any(d % (size * multiple) for d in deltas):
+        raise ValueError(f"buffer addresses {[t.data_ptr() for t in tensors]} are not {size * multiple}-byte "
+                         "apart: the kernels need that alignment")
+    return torch.tensor([d // size for d in deltas], dtype=torch.int64, device=tensors[rank].device)
+
+
+STAGING_ALIGNMENT = 16
+"""Staging deltas are multiples of this many elements (``address_table``)."""
 
 
 def _operands(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, use_descriptors: bool):
@@ -231,27 +248,46 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, co
     return out
 
 
-def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, starts: torch.Tensor,
+@dataclass(frozen=True)
+class OwnerRows:
+    """Which rows of ``x`` each owner gets: ``starts`` (host, ``owner_row_starts``) and the same
+    offsets as the int32 [world + 1] device table the GEMM reads."""
+
+    starts: tuple[int, ...]
+    table: torch.Tensor
+
+    @staticmethod
+    def build(num_tokens: int, world: int, device, counts: list[int] | None = None) -> OwnerRows:
+        starts = owner_row_starts(num_tokens, world, counts)
+        return OwnerRows(tuple(starts), torch.tensor(starts, dtype=torch.int32, device=device))
+
+    def count(self, owner: int) -> int:
+        return self.starts[owner + 1] - self.starts[owner]
+
+    def rows(self, owner: int) -> slice:
+        return slice(self.starts[owner], self.starts[owner + 1])
+
+
+def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owners: OwnerRows,
                    config: GemmConfig | None = None, use_descriptors: bool | None = None,
                    max_ctas: int | None = None, signals: bool = True) -> None:
     """This rank's partial ``x @ w^T`` stored into the owners' staging (``ws``): owner ``j``'s rows
-    ``starts[j]:starts[j+1]`` (``starts``: int32 [world + 1] on the device, ``owner_row_starts``).
-    ``signals=False`` stores only (slot 0, no signal, no wait): the routing cost alone, for the
-    benchmark; the owners' reduce must not run on such a call."""
+    ``owners.rows(j)``. ``signals=False`` stores only (slot 0, no signal, no wait): the routing cost
+    alone, for the benchmark; the owners' reduce must not run on such a call."""
     _check(x, w, ws.staging.dtype)
     lay = ws.layout
     if w.shape[0] != lay.hidden:
         raise ValueError(f"w has {w.shape[0]} rows; the staging holds {lay.hidden} columns")
+    if len(owners.starts) != lay.world + 1 or owners.starts[-1] != x.shape[0]:
+        raise ValueError(f"row offsets {owners.starts} do not split x's {x.shape[0]} rows among {lay.world} owners")
+    if max(owners.count(j) for j in range(lay.world)) > lay.capacity:
+        raise ValueError(f"row counts of {owners.starts} exceed the staging capacity of {lay.capacity} rows")
     config, use_descriptors = _resolve(x, w, config, use_descriptors)
-    if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # (a read is a host sync)
-        counts = starts.diff().tolist()
-        if len(counts) != lay.world or max(counts) > lay.capacity or min(counts) < 0:
-            raise ValueError(f"owner row counts {counts} do not fit {lay.world} owners of {lay.capacity} rows")
     # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
     tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
-    _launch(x, w, ws.staging, starts, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity, lay.num_blocks,
-            ws.watch, ws.timeout_ns, ws.rank, lay.world, lay.signal_rows, config, use_descriptors, signals, tiles,
-            max_ctas)
+    _launch(x, w, ws.staging, owners.table, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,
+            lay.num_blocks, ws.watch, ws.timeout_ns, ws.rank, lay.world, lay.signal_rows, config, use_descriptors,
+            signals, tiles, max_ctas)
 
 
 def reduce_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:
@@ -294,7 +330,7 @@ def tune(run, configs=GPU_CONFIGS, report=None) -> tuple[GemmConfig, dict]:
     for config in configs:
         try:
             ms = do_bench(lambda: run(config), warmup=10, rep=40, return_mode="median")
-        except Exception as error:  # noqa: BLE001: any compile or launch failure disqualifies the config
+        except Exception as error:  # noqa: BLE001 (any compile or launch failure disqualifies the config)
             ms = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         results[config] = ms
         if report is not None:

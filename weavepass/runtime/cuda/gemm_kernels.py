@@ -50,15 +50,17 @@ import triton.language as tl
 
 from weavepass.runtime.cuda.kernels import _deadline, _give_up_after, _norm_rows
 
-GEMM_SEQ = 0
-GEMM_DONE = 1
-REDUCE_SEQ = 2
-REDUCE_DONE = 3
-HEADER_SLOTS = 4
+# Globals a kernel reads must be tl.constexpr (Triton refuses plain Python globals); host code
+# reads ``.value``.
+GEMM_SEQ = tl.constexpr(0)
+GEMM_DONE = tl.constexpr(1)
+REDUCE_SEQ = tl.constexpr(2)
+REDUCE_DONE = tl.constexpr(3)
+HEADER_SLOTS = tl.constexpr(4)
 """Pad slots before the COUNT table (the layout above)."""
 
-SITE_GEMM_CONSUMED = 7
-SITE_REDUCE_ROWS = 8
+SITE_GEMM_CONSUMED = tl.constexpr(7)
+SITE_REDUCE_ROWS = tl.constexpr(8)
 """``runtime.cuda.peer_wait.SITES`` codes of this module's two waits."""
 
 
@@ -107,7 +109,10 @@ def _grouped(u, m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     return first_m + (u % size_m), (u % in_group) // size_m
 
 
-@triton.jit
+# Row counts change from call to call; specialising on them (value 1, multiples of 16) would compile
+# a kernel per split, and a module loaded while another rank's kernel spins can deadlock
+# (testing.kernel_sim). N, K and HIDDEN stay specialised: they keep the loads and stores vectorised.
+@triton.jit(do_not_specialize=["M", "capacity", "num_blocks"])
 def persistent_gemm_kernel(
     x,  # [M, K] activations: a tensor descriptor (block [BLOCK_M, BLOCK_K]) or a pointer (USE_DESC)
     w,  # [N, K] weight, row-major (y = x @ w^T): a descriptor (block [BLOCK_N, BLOCK_K]) or a pointer
@@ -179,7 +184,8 @@ def persistent_gemm_kernel(
         # Epilogue: the tile into owner's staging[slot][RANK], rows local to the owner.
         local = pid_m * BLOCK_M + rows
         dst_rows = ((slot * WORLD + RANK) * capacity + local).to(tl.int64)
-        dst = staging_ptr + tl.load(deltas_ptr + owner) + dst_rows[:, None] * N + (n0 + cols)[None, :]
+        delta = tl.multiple_of(tl.load(deltas_ptr + owner), 16)  # (host-checked) keeps the stores vectorised
+        dst = staging_ptr + delta + dst_rows[:, None] * N + (n0 + cols)[None, :]
         mask = (local < count)[:, None] & ((n0 + cols) < N)[None, :]
         tl.store(dst, acc.to(staging_ptr.dtype.element_ty), mask=mask)
 
@@ -201,7 +207,7 @@ def persistent_gemm_kernel(
             tl.atomic_xchg(pad_ptr + GEMM_SEQ, seq, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "capacity", "num_blocks"])
 def reduce_scattered_rows_kernel(
     staging_ptr,  # this rank's staging buffer (persistent_gemm_kernel's layout)
     pad_ptr,  # int32 this rank's signal pad

@@ -1,0 +1,118 @@
+"""The persistent Triton GEMM, its scatter epilogue and the owners' reduce (``runtime.cuda.gemm``) on one
+GPU at real sizes: the GEMM against ``torch.mm`` and the fp32 reference through both load paths
+(tensor descriptors where supported, pointers), then 2, 4 and 8 ranks simulated on the GPU
+(``testing.gemm_sim``: every rank's GEMM, then every rank's reduce, one stream per rank, so reduces
+wait on other ranks' signals for real), bf16 and fp16, ragged splits, back-to-back calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+EPS = 1e-6
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
+"""One ulp relative to the value (upper bound): the GEMM and its reference both round an fp32
+accumulation once, so they differ by at most one ulp where the fp32 sums straddle a rounding boundary."""
+GEMM_ATOL = 1e-3
+"""Values near 0: the fp32 summation orders differ by a random walk of ~sqrt(K) * 2^-24 * |partial
+sums| (~1e-5 at these sizes), far below this."""
+RESIDUAL_TOL = {torch.bfloat16: (2**-7, 1e-5), torch.float16: (2**-10, 1e-5)}
+NORMED_TOL = {torch.bfloat16: (2**-6, 2**-6), torch.float16: (2**-9, 2**-9)}
+"""As tests/gpu/test_kernel_sim_one_gpu.py: one final rounding of residual_out; normed 2 ulp."""
+
+
+@pytest.fixture(autouse=True)
+def _full_precision_cublas():
+    """cuBLAS may reduce split-K partials in bf16/fp16 by default; the comparison needs fp32 sums."""
+    saved = (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    yield
+    (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction) = saved
+
+
+def _paths():
+    from weavepass.runtime.cuda.gemm import descriptor_unsupported_reason
+
+    probe = torch.empty(16, 16, dtype=torch.bfloat16, device="cuda")
+    why = descriptor_unsupported_reason(probe, probe)
+    return [False, pytest.param(True, marks=pytest.mark.skipif(why is not None, reason=str(why)))]
+
+
+def _draw(gen, rows, cols, dtype, scale=1.0):
+    return (torch.randn(rows, cols, generator=gen, device="cuda") * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("use_descriptors", _paths(), ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("m, n, k", [(1000, 8192, 1024), (4096, 4096, 7168), (77, 7168, 8192)])
+def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype):
+    from weavepass.runtime.cuda.gemm import matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x, w = _draw(gen, m, k, dtype), _draw(gen, n, k, dtype, scale=k**-0.5)
+    got = matmul(x, w, use_descriptors=use_descriptors)
+    reference = x.float() @ w.float().T  # fp32 (TF32 is off for fp32 matmuls by default)
+    torch.testing.assert_close(got.float(), reference, rtol=ULP[dtype], atol=GEMM_ATOL)
+    torch.testing.assert_close(got, torch.mm(x, w.T), rtol=ULP[dtype], atol=GEMM_ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_scatter_and_reduce_simulated(world, dtype):
+    """An o_proj-sized GEMM (70b_tp8: N 8192, K 1024 per rank) of 4100 tokens (not a multiple of the
+    world, the tile or the signal block): a sequential warm-up call (compiles and loads every rank's
+    kernels before any rank waits), then the fused op's split and a ragged split with an owner of no
+    rows, each rank on its own stream."""
+    from weavepass.runtime.cuda.gemm import STAGING_SLOTS, matmul, owner_row_starts
+    from weavepass.testing.gemm_sim import SimulatedScatterRanks
+
+    tokens, hidden, k = 4100, 8192, 1024
+    ragged = [tokens // 2 - 3, 0] + [0] * (world - 3) + [tokens - (tokens // 2 - 3)]
+    splits = [None, None, ragged]
+    capacity = max(max(b - a for a, b in itertools.pairwise(s)) for s in (owner_row_starts(tokens, world, c) for c in splits))
+    sim = SimulatedScatterRanks(world, hidden, capacity, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(world)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+    for call, counts in enumerate(splits):
+        xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
+        ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
+        residual = _draw(gen, tokens, hidden, dtype)
+        run = sim.run if call else sim.warm_up
+        outputs = run(xs, ws, residual, weight, EPS, counts)
+        torch.cuda.synchronize()
+        starts = owner_row_starts(tokens, world, counts)
+        slot = int(sim.pads[0][0]) % STAGING_SLOTS
+        plain = [matmul(xs[s], ws[s]) for s in range(world)]
+        label = f"world {world} call {call} counts {counts}"
+        for j in range(world):
+            rows = slice(starts[j], starts[j + 1])
+            for s in range(world):
+                staged = sim.workspaces[j].staged(s, starts[j + 1] - starts[j], slot)
+                # Expected equal to the bit (the same K order); an ulp allowed. A routing error
+                # shows as another owner's rows or the NaN poison.
+                torch.testing.assert_close(staged, plain[s][rows], rtol=ULP[dtype], atol=0,
+                                           msg=lambda e: f"{label}: owner {j} src {s}: {e}")
+        want_normed, want_res = fused_allreduce_rmsnorm_reference(plain, residual, weight, EPS, dtype)
+        for j, (normed, res_out) in enumerate(outputs):
+            rows = slice(starts[j], starts[j + 1])
+            rtol, atol = RESIDUAL_TOL[dtype]
+            torch.testing.assert_close(res_out, want_res[rows], rtol=rtol, atol=atol,
+                                       msg=lambda e: f"{label}: owner {j} residual_out: {e}")
+            rtol, atol = NORMED_TOL[dtype]
+            torch.testing.assert_close(normed, want_normed[rows], rtol=rtol, atol=atol,
+                                       msg=lambda e: f"{label}: owner {j} normed: {e}")
+        assert sim.counts_clear(), label
+        assert sim.sequence_numbers() == [[call + 1, 0, call + 1, 0]] * world, (label, sim.sequence_numbers())
