@@ -47,6 +47,15 @@
 # files took ~290 s together; the kernel file did not finish in 160 s, so it gets a call of its own:
 #   SHARED=1 STEPS=tests OUT=$OUT bash benchmarks/gpu_suite.sh
 #   SHARED=1 STEPS=kernel KERNEL_TIMEOUT_S=540 OUT=$OUT bash benchmarks/gpu_suite.sh
+# Issue 34 (GEMM with a scatter epilogue; docs/gemm_epilogue.md): with the one-GPU kind,
+#   STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick      (then without --quick: 64 cells)
+# and later, on 2 GPUs, once the lowering is wired into the planner (NOT runnable yet: neither the
+# `gemm_epilogue` lowering nor its bench_overlap variants exist; the kernels of this step are its base):
+#   WORLD=2 STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#   WORLD=2 STEPS=overlap OVERLAP_VARIANTS=inductor,weave_fuse,weave_overlap,weave_gemm_epilogue,no_comm \
+#     OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+#   (target: >= 75 % of the removable communication hidden at 70b_tp8sim >= 4K tokens; moonshot: the
+#   no_comm time)
 # A session has 30 minutes of device time in all (10 per call): the four WORLD=8 calls may leave
 # no room for the three WORLD=4 ones, which then go to a later session.
 # At WORLD other than 2 the fused step measures hidden 8192 only, 1 .. 16K tokens (the issues'
@@ -66,6 +75,11 @@
 #   sim        the kernels of 2, 4 and 8 ranks simulated on one GPU
 #              (tests/gpu/test_kernel_sim_one_gpu.py, mostly compiling every rank's kernels: with the
 #              onegpu file it ran out of 420 s after 16 of 20 tests on 2026-12-01); one GPU
+#   gemm       issue 34's kernels on one GPU: tests/gpu/test_gemm_gpu.py (the persistent Triton GEMM
+#              against torch.mm, its scatter epilogue and the owners' reduce with 2, 4 and 8 ranks
+#              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
+#              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
+#              for the `nvidia-h200` kind, not yet timed on the device
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
@@ -133,7 +147,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,local,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -212,6 +226,10 @@ wanted peerwait && step pytest_peer_wait_sim "${PEERWAIT_TIMEOUT_S:-150}" python
     $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k peer_that_never
 wanted peerwait && WEAVE_GPU_SHARED=1 step pytest_peer_wait_shared "${PEERWAIT_TIMEOUT_S:-150}" python3 -m pytest \
     -m gpu -q -rA $HANG_GUARD tests/gpu/test_cuda_kernel.py -k stalled_peer
+# Issue 34: the GEMM's own tests (simulated ranks spin on signals: HANG_GUARD), then its benchmark.
+wanted gemm && step pytest_gemm "${GEMM_TEST_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA --durations=10 \
+    $HANG_GUARD tests/gpu/test_gemm_gpu.py
+wanted gemm && step bench_gemm "${GEMM_TIMEOUT_S:-420}" python3 benchmarks/bench_gemm.py --out "$OUT" $QUICK
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
     -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py

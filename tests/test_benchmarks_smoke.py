@@ -89,6 +89,19 @@ def test_fused_allreduce_rmsnorm_smoke(tmp_path):
     assert "nccl_symm skipped on the CPU" in text
 
 
+@pytest.mark.slow
+def test_gemm_smoke(tmp_path):
+    """bench_gemm through Triton's interpreter: every GEMM of the tiny preset, the scatter variants on
+    the row-parallel ones only (the script itself checks the outputs against torch.mm)."""
+    pytest.importorskip("triton")
+    _, rows = _smoke("bench_gemm.py", tmp_path, "--tokens", "24")
+    plain = {"cublas", "triton"}
+    scatter = plain | {"scatter2", "scatter2_nosig"}
+    want = {(g, v) for g in ("o", "down") for v in scatter} | {(g, v) for g in ("qkv", "gate_up") for v in plain}
+    assert {(r["gemm"], r["variant"]) for r in rows} == want
+    assert all(float(r["ms"]) > 0 and r["tokens"] == "24" for r in rows)
+
+
 def test_overlap_report_hidden_fraction(tmp_path):
     _, bench_overlap, _ = _benchmarks()
     assert bench_overlap.hidden_fraction(7.0, 10.0, 6.0) == pytest.approx(0.75)

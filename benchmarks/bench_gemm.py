@@ -1,0 +1,243 @@
+"""The persistent Triton GEMM (``weavepass.runtime.cuda.gemm``) against cuBLAS (``torch.mm``) on one GPU,
+plain and with its scatter epilogue to N = 2, 4, 8 simulated owners (issue 34).
+
+For every per-rank GEMM of the model presets (``bench_overlap.SHAPES``; ``y = x[T, K] @ W[N, K]^T``):
+
+* ``o``: K = heads * head_dim, N = hidden;  ``down``: K = mlp, N = hidden (row-parallel: these get the
+  scatter epilogue);
+* ``qkv``: K = hidden, N = (heads + 2 kv_heads) * head_dim;  ``gate_up``: K = hidden, N = 2 mlp
+  (column-parallel: their form is the gather prologue, not built yet, so plain only);
+
+at each token count, bf16, the variants:
+
+* ``cublas``: ``torch.mm(x, W.T, out=y)``, reduced-precision reductions left at torch's defaults;
+* ``triton``: the plain persistent GEMM, the fastest of ``gemm.GPU_CONFIGS`` for this cell
+  (``gemm.tune``), tensor-descriptor (TMA) loads where the GPU and Triton support them; if that path
+  fails to compile, a printed notice and the pointer loads instead (column ``path``);
+* ``scatterN``: the same GEMM, same config, as rank 0 of N simulated ranks (``testing.gemm_sim``):
+  every tile stored into its owner's staging buffer (the peers' buffers are local memory here), the
+  per-(owner, row block) signals released. No owner reduces: the owners' REDUCE_SEQ is set far ahead
+  once, so the GEMM's wait for the previous call's readers passes at once and nothing else runs in
+  the timed loop. ``scatterN_nosig``: the stores alone (routing cost without the signals).
+
+Times are ``triton.testing.do_bench`` medians (``--rep`` ms per cell), every variant of a cell in the
+same process right after the others. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster
+than cuBLAS) and ``vs_triton`` = plain Triton time / time. The issue's targets: plain >= 0.97x
+cuBLAS at >= 4K tokens and >= 0.93x at 2K; scatter >= 0.97x plain.
+
+Writes ``bench_gemm.csv`` and ``bench_gemm.png`` under ``--out``. ``--quick``: 70b_tp8 and 8b_tp2 at 2K
+and 8K tokens. ``--smoke``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the script),
+a tiny shape, fp16, 2 owners, wall-clock times that mean nothing: it checks the script, and the outputs against
+``torch.mm``.
+
+Run: ``python3 benchmarks/bench_gemm.py --quick --out $OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:  # before Triton defines the kernels: the interpreter is chosen then
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
+import torch
+from bench_overlap import SHAPES  # benchmarks/bench_overlap.py
+from report import pyplot, save_figure, write_csv  # benchmarks/report.py
+from timing import progress_bar  # benchmarks/timing.py
+
+from weavepass.runtime.cuda import gemm
+from weavepass.runtime.cuda.gemm_kernels import REDUCE_SEQ
+from weavepass.testing.gemm_sim import SimulatedScatterRanks
+
+MODELS = ("70b_tp8", "70b_tp4", "70b_tp2", "8b_tp2")
+QUICK_MODELS = ("70b_tp8", "8b_tp2")
+TOKENS = (2048, 4096, 8192, 16384)
+QUICK_TOKENS = (2048, 8192)
+GEMMS = ("o", "down", "qkv", "gate_up")
+ROW_PARALLEL = ("o", "down")
+OWNERS = (2, 4, 8)
+FAR_AHEAD = 1 << 30
+"""REDUCE_SEQ the simulated owners are given: the GEMM's wait for readers of the previous call passes."""
+
+
+def gemm_dims(model: str, name: str) -> tuple[int, int]:
+    """``(N, K)`` of GEMM ``name`` of preset ``model`` (per rank)."""
+    s = SHAPES[model]
+    return {
+        "o": (s.hidden, s.heads * s.head_dim),
+        "down": (s.hidden, s.mlp),
+        "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden),
+        "gate_up": (2 * s.mlp, s.hidden),
+    }[name]
+
+
+def _timer(rep_ms: int):
+    """Median ms of a callable: do_bench on a GPU, a few wall-clock calls in the interpreter."""
+    if torch.cuda.is_available() and not gemm.interpreting():
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+    def wall(fn):
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall
+
+
+def choose_path(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config) -> bool:
+    """Whether the tensor-descriptor loads serve this run; if not, say why (the pointer loads run)."""
+    why = gemm.descriptor_unsupported_reason(x, w)
+    if why is None:
+        try:
+            gemm.matmul(x, w, out=y, config=config, use_descriptors=True)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            return True
+        except Exception as error:  # noqa: BLE001 (a compile failure of this Triton: fall back, said below)
+            why = f"it failed: {type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+    print(f"NOTICE: the Triton GEMM runs with pointer loads, not tensor descriptors: {why}", flush=True)
+    return False
+
+
+def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, owner_counts, check) -> list[dict]:
+    n, k = gemm_dims(model, name)
+    gen = torch.Generator(device=device).manual_seed(tokens + n + k)
+    x = torch.randn(tokens, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
+    y = torch.empty(tokens, n, dtype=dtype, device=device)
+    base = dict(model=model, gemm=name, tokens=tokens, m=tokens, n=n, k=k, dtype=str(dtype).removeprefix("torch."))
+    flop = 2.0 * tokens * n * k
+    rows = []
+
+    def row(variant, ms, config=None, **extra):
+        rows.append(dict(base, variant=variant, path=("descriptors" if path else "pointers") if config else "",
+                         config=_config_text(config), ms=round(ms, 4), tflops=round(flop / ms / 1e9, 1), **extra))
+
+    cublas_ms = time_ms(lambda: torch.mm(x, w.T, out=y))
+    row("cublas", cublas_ms)
+    if len(configs) > 1:
+        best, _ = gemm.tune(lambda c: gemm.matmul(x, w, out=y, config=c, use_descriptors=path), configs)
+    else:
+        best = configs[0]
+    triton_ms = time_ms(lambda: gemm.matmul(x, w, out=y, config=best, use_descriptors=path))
+    if check:
+        torch.testing.assert_close(y, torch.mm(x, w.T), rtol=2**-7, atol=1e-2)
+    row("triton", triton_ms, best)
+    if name in ROW_PARALLEL:
+        for owners in owner_counts:
+            sim = SimulatedScatterRanks(owners, n, -(-tokens // owners), dtype, device)
+            for pad in sim.pads[1:]:
+                pad[REDUCE_SEQ.value] = FAR_AHEAD
+            table = gemm.OwnerRows.build(tokens, owners, device)
+            for signals, suffix in ((True, ""), (False, "_nosig")):
+                ms = time_ms(functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, best, path,
+                                               signals=signals))
+                row(f"scatter{owners}{suffix}", ms, best)
+            if check:  # rank 0's own rows, stored last into its own staging (slot 0 after _nosig)
+                own = sim.workspaces[0].staged(0, table.count(0), 0)
+                torch.testing.assert_close(own, torch.mm(x, w.T)[table.rows(0)], rtol=2**-7, atol=1e-2)
+            del sim
+    for r in rows:
+        r["speed_vs_cublas"] = round(cublas_ms / r["ms"], 3)
+        r["vs_triton"] = round(triton_ms / r["ms"], 3)
+    return rows
+
+
+def _config_text(config) -> str:
+    if config is None:
+        return ""
+    c = config
+    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}"
+
+
+def plot(rows: list[dict], path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    names = list(dict.fromkeys(r["gemm"] for r in rows))
+    fig, axes = plt.subplots(len(models), len(names), figsize=(3.6 * len(names), 2.8 * len(models)),
+                             squeeze=False, sharey=True)
+    for (i, model), (j, name) in itertools.product(enumerate(models), enumerate(names)):
+        ax = axes[i][j]
+        cell = [r for r in rows if r["model"] == model and r["gemm"] == name and r["variant"] != "cublas"]
+        for variant in dict.fromkeys(r["variant"] for r in cell):
+            points = sorted((r["tokens"], r["speed_vs_cublas"]) for r in cell if r["variant"] == variant)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(0.97, color="grey", lw=0.6, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model} {name}", fontsize=9)
+        if j == 0:
+            ax.set_ylabel("speed vs cuBLAS")
+        if i == len(models) - 1:
+            ax.set_xlabel("tokens")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="70b_tp8 and 8b_tp2 at 2K and 8K tokens")
+    parser.add_argument("--smoke", action="store_true", help="the interpreter on the CPU, a tiny shape")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--models", nargs="+", choices=MODELS)
+    parser.add_argument("--tokens", nargs="+", type=int)
+    parser.add_argument("--owners", nargs="+", type=int, help="simulated owners of the scatter variants "
+                        "(default 2 4 8; 2 with --smoke)")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per variant, ms")
+    args = parser.parse_args()
+    if args.smoke:
+        SHAPES["smoke"] = SHAPES["tiny"]
+        models, tokens, device = ["smoke"], args.tokens or [40], "cpu"
+        configs, dtype = [gemm.INTERPRETER_CONFIG], torch.float16  # (the interpreter's bf16 dot is wrong)
+        owner_counts = args.owners or [2]
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_gemm needs a CUDA GPU (or --smoke)")
+        models = args.models or list(QUICK_MODELS if args.quick else MODELS)
+        tokens = args.tokens or list(QUICK_TOKENS if args.quick else TOKENS)
+        device, configs, dtype = "cuda", list(gemm.GPU_CONFIGS), torch.bfloat16
+        owner_counts = args.owners or list(OWNERS)
+        print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
+    time_ms = _timer(args.rep)
+    probe = torch.zeros(256, 256, dtype=dtype, device=device)
+    path = choose_path(probe, probe, torch.empty_like(probe), configs[0])
+    cells = list(itertools.product(models, GEMMS, tokens))
+    progress = progress_bar(len(cells), "bench_gemm")
+    rows = []
+    for model, name, count in cells:
+        try:
+            cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
+                                check=True)
+        except RuntimeError as error:
+            if not path or "no GEMM config ran" not in str(error):
+                raise
+            print(f"NOTICE: no descriptor config ran for {model} {name} {count} ({error}); pointer loads from now",
+                  flush=True)
+            path = False
+            cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
+                                check=True)
+        for r in cell:
+            print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms",
+                                                         "speed_vs_cublas", "vs_triton", "config")), flush=True)
+        rows += cell
+        progress.update()
+    progress.close()
+    out = write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)
+    print(f"wrote {out}")
+    plot(rows, os.path.join(args.out, "bench_gemm.png"))
+
+
+if __name__ == "__main__":
+    main()
