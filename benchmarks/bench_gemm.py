@@ -93,12 +93,20 @@ def _timer(rep_ms: int):
     return wall
 
 
-def choose_path(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, config) -> bool:
-    """Whether the tensor-descriptor loads serve this run; if not, say why (the pointer loads run)."""
-    why = gemm.descriptor_unsupported_reason(x, w)
+def choose_path(dtype, device, config, owner_counts) -> bool:
+    """Whether the tensor-descriptor loads serve this run: the plain GEMM and the scatter GEMM of every
+    owner count (each a kernel of its own) must compile and run on a small problem; if not, say why
+    (the pointer loads run everywhere, so the variants stay comparable). Also compiles the kernels."""
+    x = torch.randn(256, 256, device=device).to(dtype)
+    why = gemm.descriptor_unsupported_reason(x, x)
     if why is None:
         try:
-            gemm.matmul(x, w, out=y, config=config, use_descriptors=True)
+            gemm.matmul(x, x, config=config, use_descriptors=True)
+            for owners in owner_counts:
+                sim = SimulatedScatterRanks(owners, 256, 256, dtype, device)
+                for signals in (True, False):
+                    gemm.scatter_matmul(x, x, sim.workspaces[0], gemm.OwnerRows.build(256, owners, device), config,
+                                        True, signals=signals)
             if x.is_cuda:
                 torch.cuda.synchronize()
             return True
@@ -120,7 +128,7 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
 
     def row(variant, ms, config=None, **extra):
         rows.append(dict(base, variant=variant, path=("descriptors" if path else "pointers") if config else "",
-                         config=_config_text(config), ms=round(ms, 4), tflops=round(flop / ms / 1e9, 1), **extra))
+                         config=_config_text(config), ms=ms, tflops=round(flop / ms / 1e9, 1), **extra))
 
     cublas_ms = time_ms(lambda: torch.mm(x, w.T, out=y))
     row("cublas", cublas_ms)
@@ -149,6 +157,7 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
     for r in rows:
         r["speed_vs_cublas"] = round(cublas_ms / r["ms"], 3)
         r["vs_triton"] = round(triton_ms / r["ms"], 3)
+        r["ms"] = round(r["ms"], 4)
     return rows
 
 
@@ -211,8 +220,7 @@ def main() -> None:
         owner_counts = args.owners or list(OWNERS)
         print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     time_ms = _timer(args.rep)
-    probe = torch.zeros(256, 256, dtype=dtype, device=device)
-    path = choose_path(probe, probe, torch.empty_like(probe), configs[0])
+    path = choose_path(dtype, device, configs[0], owner_counts)
     cells = list(itertools.product(models, GEMMS, tokens))
     progress = progress_bar(len(cells), "bench_gemm")
     rows = []

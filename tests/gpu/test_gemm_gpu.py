@@ -75,8 +75,14 @@ def test_scatter_and_reduce_simulated(world, dtype):
     """An o_proj-sized GEMM (70b_tp8: N 8192, K 1024 per rank) of 4100 tokens (not a multiple of the
     world, the tile or the signal block): a sequential warm-up call (compiles and loads every rank's
     kernels before any rank waits), then the fused op's split and a ragged split with an owner of no
-    rows, each rank on its own stream."""
-    from weavepass.runtime.cuda.gemm import STAGING_SLOTS, matmul, owner_row_starts
+    rows, each rank on its own stream. bf16 through the descriptor loads where supported, fp16
+    through the pointer loads (both paths for both dtypes: test_gemm_matches_torch_mm)."""
+    from weavepass.runtime.cuda.gemm import (
+        STAGING_SLOTS,
+        descriptor_unsupported_reason,
+        matmul,
+        owner_row_starts,
+    )
     from weavepass.testing.gemm_sim import SimulatedScatterRanks
 
     tokens, hidden, k = 4100, 8192, 1024
@@ -90,12 +96,13 @@ def test_scatter_and_reduce_simulated(world, dtype):
         xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
         ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
         residual = _draw(gen, tokens, hidden, dtype)
+        desc = dtype == torch.bfloat16 and descriptor_unsupported_reason(xs[0], ws[0]) is None
         run = sim.run if call else sim.warm_up
-        outputs = run(xs, ws, residual, weight, EPS, counts)
+        outputs = run(xs, ws, residual, weight, EPS, counts, use_descriptors=desc)
         torch.cuda.synchronize()
         starts = owner_row_starts(tokens, world, counts)
         slot = int(sim.pads[0][0]) % STAGING_SLOTS
-        plain = [matmul(xs[s], ws[s]) for s in range(world)]
+        plain = [matmul(xs[s], ws[s], use_descriptors=desc) for s in range(world)]
         label = f"world {world} call {call} counts {counts}"
         for j in range(world):
             rows = slice(starts[j], starts[j + 1])
