@@ -8,7 +8,7 @@ GEMMs still run, and it waits for their row blocks' signals. Under ``TRITON_INTE
 tensors) the launches run one after another, so every wait is already satisfied when it is reached:
 the interpreter checks indexing, routing, rounding and the signals' values, not the waits.
 
-All ranks' reduces spin while they wait, so they are given few CTAs (``reduce_ctas``), leaving the
+All ranks' reduces spin while they wait, so together they get ``REDUCE_CTAS`` CTAs, leaving the
 GPU's other SMs to the GEMMs they wait for.
 """
 
@@ -30,6 +30,9 @@ from weavepass.runtime.cuda.gemm import (
 )
 from weavepass.runtime.cuda.gemm_kernels import HEADER_SLOTS
 
+REDUCE_CTAS = 64
+"""CTAs of all simulated ranks' reduces together (they spin while they wait): about half the SMs of
+an H100/H200, so the GEMMs they wait for always find SMs."""
 SIM_PEER_TIMEOUT_S = 30.0
 """How long a simulated rank's kernel waits for the others before it gives up (peer_wait); GPU only."""
 
@@ -58,15 +61,16 @@ class SimulatedScatterRanks:
 
     def run(self, xs: list[torch.Tensor], ws: list[torch.Tensor], residual: torch.Tensor | None,
             weight: torch.Tensor, eps: float, counts: list[int] | None = None, config=None,
-            use_descriptors: bool | None = None, reduce_ctas: int = 4, gemm_ctas: int | None = None,
+            use_descriptors: bool | None = None, reduce_ctas: int | None = None, gemm_ctas: int | None = None,
             timeout_s: float = 60.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rank ``r`` computes ``xs[r] @ ws[r]^T`` ([T, N]: its partial of the row-parallel GEMM) and
         scatters it; then owner ``r`` reduces its rows (``counts``: rows per owner, default the fused
         op's split). Returns every rank's ``(normed, residual_out)`` for its own rows ``[count_r, N]``,
         ready for the calling stream. ``residual`` [T, N] is the full residual stream (each owner
-        reads its rows)."""
+        reads its rows). ``reduce_ctas``: each reduce's grid, default ``REDUCE_CTAS // world``."""
         lay = self.layout
         tokens = xs[0].shape[0]
+        reduce_ctas = reduce_ctas or max(1, REDUCE_CTAS // lay.world)
         owners = OwnerRows.build(tokens, lay.world, self.device, counts)
         outputs = [(torch.empty(owners.count(r), lay.hidden, dtype=xs[0].dtype, device=self.device),
                     torch.empty(owners.count(r), lay.hidden, dtype=xs[0].dtype, device=self.device))
@@ -99,7 +103,7 @@ class SimulatedScatterRanks:
         return outputs
 
     def warm_up(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None,
-                reduce_ctas: int = 4, gemm_ctas: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                reduce_ctas: int | None = None, gemm_ctas: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``run``'s call on the calling stream, one rank's kernel after another, so no wait can
         block: it compiles and loads every rank's kernels before any rank waits on another (a module
         loaded lazily while another rank's kernel spins can wait for that kernel;

@@ -296,7 +296,8 @@ def reduce_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:
     block_h = triton_next_power_of_2(hidden)
     rows = max(1, min(signal_rows, SMALL_TILE_BYTES // element_size // block_h))
     rows = 1 << (rows.bit_length() - 1)  # a power of two, so it divides signal_rows
-    return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, SIGNAL_ROWS=signal_rows,
+    # num_stages=1: no software pipelining may hoist a tile's staging loads above its wait.
+    return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, SIGNAL_ROWS=signal_rows, num_stages=1,
                 num_warps=max(4, min(16, rows * block_h * element_size // 4096)))
 
 
