@@ -14,11 +14,14 @@ at each token count, bf16, the variants:
 * ``triton``: the plain persistent GEMM, the fastest of ``gemm.GPU_CONFIGS`` for this cell
   (``gemm.tune``), tensor-descriptor (TMA) loads where the GPU and Triton support them; if that path
   fails to compile, a printed notice and the pointer loads instead (column ``path``);
-* ``scatterN``: the same GEMM, same config, as rank 0 of N simulated ranks (``testing.gemm_sim``):
+* ``triton_unflattened``: the fastest config whose tile loop is not flattened, where the fastest
+  overall is flattened: the signals variant cannot flatten (``gemm.GPU_CONFIGS`` says why);
+* ``scatterN``: the same GEMM (the unflattened config) as rank 0 of N simulated ranks (``testing.gemm_sim``):
   every tile stored into its owner's staging buffer (the peers' buffers are local memory here), the
   per-(owner, row block) signals released. No owner reduces: the owners' REDUCE_SEQ is set far ahead
   once, so the GEMM's wait for the previous call's readers passes at once and nothing else runs in
-  the timed loop. ``scatterN_nosig``: the stores alone (routing cost without the signals).
+  the timed loop. ``scatterN_nosig``: the stores alone, the fastest config (routing cost without the
+  signals).
 
 Times are ``triton.testing.do_bench`` medians (``--rep`` ms per cell), every variant of a cell in the
 same process right after the others. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster
@@ -132,24 +135,28 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
 
     cublas_ms = time_ms(lambda: torch.mm(x, w.T, out=y))
     row("cublas", cublas_ms)
+    best = unflattened = configs[0]
     if len(configs) > 1:
-        best, _ = gemm.tune(lambda c: gemm.matmul(x, w, out=y, config=c, use_descriptors=path), configs)
-    else:
-        best = configs[0]
+        best, results = gemm.tune(lambda c: gemm.matmul(x, w, out=y, config=c, use_descriptors=path), configs)
+        timed = {c: ms for c, ms in results.items() if isinstance(ms, float) and not c.flatten}
+        unflattened = min(timed, key=timed.get)
     triton_ms = time_ms(lambda: gemm.matmul(x, w, out=y, config=best, use_descriptors=path))
     if check:
         torch.testing.assert_close(y, torch.mm(x, w.T), rtol=2**-7, atol=1e-2)
     row("triton", triton_ms, best)
+    if unflattened != best:
+        row("triton_unflattened", time_ms(lambda: gemm.matmul(x, w, out=y, config=unflattened,
+                                                              use_descriptors=path)), unflattened)
     if name in ROW_PARALLEL:
         for owners in owner_counts:
             sim = SimulatedScatterRanks(owners, n, -(-tokens // owners), dtype, device)
             for pad in sim.pads[1:]:
                 pad[REDUCE_SEQ.value] = FAR_AHEAD
             table = gemm.OwnerRows.build(tokens, owners, device)
-            for signals, suffix in ((True, ""), (False, "_nosig")):
-                ms = time_ms(functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, best, path,
+            for signals, suffix, config in ((True, "", unflattened), (False, "_nosig", best)):
+                ms = time_ms(functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
                                                signals=signals))
-                row(f"scatter{owners}{suffix}", ms, best)
+                row(f"scatter{owners}{suffix}", ms, config)
             if check:  # rank 0's own rows, stored last into its own staging (slot 0 after _nosig)
                 own = sim.workspaces[0].staged(0, table.count(0), 0)
                 torch.testing.assert_close(own, torch.mm(x, w.T)[table.rows(0)], rtol=2**-7, atol=1e-2)
@@ -165,7 +172,8 @@ def _config_text(config) -> str:
     if config is None:
         return ""
     c = config
-    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}"
+    loop = (" flat" if c.flatten else "") + (" ws" if c.warp_specialize else "")
+    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}{loop}"
 
 
 def plot(rows: list[dict], path) -> None:

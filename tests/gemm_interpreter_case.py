@@ -12,6 +12,7 @@ there; bf16 runs on the GPU (tests/gpu/test_gemm_gpu.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 
@@ -38,6 +39,7 @@ GEMM_TOL = dict(rtol=2**-10, atol=1e-4)
 RESIDUAL_TOL = dict(rtol=2**-10, atol=1e-5)
 NORMED_TOL = dict(rtol=2**-9, atol=2**-9)
 SIGNAL_ROWS = 16  # = INTERPRETER_CONFIG.block_m: several signals per owner at these sizes
+FLATTENED = dataclasses.replace(INTERPRETER_CONFIG, flatten=True, warp_specialize=True)
 
 
 def _draw(gen, *shape):
@@ -45,14 +47,15 @@ def _draw(gen, *shape):
 
 
 def case_gemm() -> None:
-    """Plain GEMM, both load paths, odd sizes (rows, columns and K not multiples of the tiles)."""
+    """Plain GEMM, both load paths, odd sizes (rows, columns and K not multiples of the tiles), and
+    the flattened, warp-specialised loop (the interpreter runs it as the plain loop: the flags' syntax)."""
     gen = torch.Generator().manual_seed(0)
     for m, n, k in ((37, 40, 48), (1, 16, 16), (50, 24, 72)):
         x, w = _draw(gen, m, k), _draw(gen, n, k)
         want = torch.mm(x, w.T)
-        for desc in (False, True):
-            got = matmul(x, w, use_descriptors=desc, max_ctas=3)
-            torch.testing.assert_close(got, want, **GEMM_TOL, msg=lambda e: f"{m}x{n}x{k} desc={desc}: {e}")
+        for desc, config in ((False, INTERPRETER_CONFIG), (True, INTERPRETER_CONFIG), (True, FLATTENED)):
+            got = matmul(x, w, config=config, use_descriptors=desc, max_ctas=3)
+            torch.testing.assert_close(got, want, **GEMM_TOL, msg=lambda e: f"{m}x{n}x{k} {config} desc={desc}: {e}")
     print("gemm: OK")
 
 

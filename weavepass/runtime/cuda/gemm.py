@@ -50,10 +50,13 @@ class GemmConfig:
     group_m: int
     num_stages: int
     num_warps: int
+    flatten: bool = False  # one pipelined loop over tiles and K steps: plain GEMM and stores-only scatter
+    warp_specialize: bool = False
 
     def meta(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                    num_stages=self.num_stages, num_warps=self.num_warps)
+                    FLATTEN=self.flatten, WARP_SPECIALIZE=self.warp_specialize, num_stages=self.num_stages,
+                    num_warps=self.num_warps)
 
 
 GPU_CONFIGS = (
@@ -65,8 +68,14 @@ GPU_CONFIGS = (
     GemmConfig(128, 128, 128, 8, 3, 8),
     GemmConfig(128, 256, 128, 8, 2, 8),
     GemmConfig(64, 256, 64, 8, 4, 4),
+    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True),
+    GemmConfig(128, 128, 64, 8, 4, 8, flatten=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, warp_specialize=True),
 )
-"""What ``tune`` tries on a GPU (Hopper-sized tiles; a config that does not compile or fit is skipped)."""
+"""What ``tune`` tries on a GPU (Hopper-sized tiles; a config that does not compile or fit is skipped).
+The flattened ones serve the plain GEMM and stores-only scatter: with signals the loop holds a CTA
+barrier, and Triton 3.6 then pipelines a flattened loop with one stage (checked by compiling for
+sm_90), so ``scatter_matmul`` refuses them there."""
 DEFAULT_GPU_CONFIG = GPU_CONFIGS[0]
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 4)
 """Tiny tiles for ``TRITON_INTERPRET=1`` (each program runs in numpy)."""
@@ -283,6 +292,9 @@ def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owner
     if max(owners.count(j) for j in range(lay.world)) > lay.capacity:
         raise ValueError(f"row counts of {owners.starts} exceed the staging capacity of {lay.capacity} rows")
     config, use_descriptors = _resolve(x, w, config, use_descriptors)
+    if signals and config.flatten:
+        raise ValueError(f"{config} flattens the tile loop, which Triton does not pipeline with the signals' "
+                         "barrier: take a config with flatten=False")
     # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
     tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
     _launch(x, w, ws.staging, owners.table, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,

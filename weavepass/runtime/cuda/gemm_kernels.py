@@ -134,6 +134,8 @@ def persistent_gemm_kernel(
     SIGNAL_ROWS: tl.constexpr,  # rows per signal (a multiple of BLOCK_M)
     USE_DESC: tl.constexpr,  # x and w are tensor descriptors (TMA loads; zero padding out of bounds)
     HAS_SIGNALS: tl.constexpr,  # the scatter protocol (module docstring); False: plain stores only
+    FLATTEN: tl.constexpr = False,  # one pipelined loop over tiles and K steps (not with HAS_SIGNALS)
+    WARP_SPECIALIZE: tl.constexpr = False,  # producer / consumer warps (Triton's warp specialisation)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -158,7 +160,7 @@ def persistent_gemm_kernel(
     counts = pad_ptr + HEADER_SLOTS
     flags = pad_ptr + HEADER_SLOTS + WORLD * num_blocks
 
-    for tile in range(pid, num_tiles, num_programs):
+    for tile in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         owner, start, count, u, m_tiles = _locate_tile(tile, starts_ptr, num_n_tiles, BLOCK_M, RANK, WORLD)
         pid_m, pid_n = _grouped(u, m_tiles, num_n_tiles, GROUP_M)
         row0 = start + pid_m * BLOCK_M  # first row of the tile in x
@@ -194,11 +196,14 @@ def persistent_gemm_kernel(
             block_rows = tl.minimum(count - block * SIGNAL_ROWS, SIGNAL_ROWS)
             target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles
             counter = counts + owner * num_blocks + block
-            tl.debug_barrier()  # every thread's stores are issued before the release
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") == target - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block
-                tl.atomic_xchg(flag, seq, sem="release", scope="sys")
+            flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block
+            # The barrier orders every thread's stores before the release; Triton 3.6 then does not
+            # pipeline a flattened loop (one stage), so the host refuses FLATTEN with signals. The
+            # masked atomics instead of an `if` keep the loop flattenable (3.6 fails on an scf.if).
+            tl.debug_barrier()
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") == target - 1
+            tl.atomic_xchg(counter, 0, mask=done, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(flag, seq, mask=done, sem="release", scope="sys")
 
     if HAS_SIGNALS:  # the last CTA to finish advances this rank's call count
         tl.debug_barrier()
