@@ -74,8 +74,8 @@ def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype):
 def test_scatter_and_reduce_simulated(world, dtype):
     """An o_proj-sized GEMM (70b_tp8: N 8192, K 1024 per rank) of 4100 tokens (not a multiple of the
     world, the tile or the signal block): a sequential warm-up call (compiles and loads every rank's
-    kernels before any rank waits), then the fused op's split and a ragged split with an owner of no
-    rows, each rank on its own stream. bf16 through the descriptor loads where supported, fp16
+    kernels before any rank waits), then the fused op's split and a ragged split (owners of no rows
+    at world 4 and 8), each rank on its own stream. bf16 through the descriptor loads where supported, fp16
     through the pointer loads (both paths for both dtypes: test_gemm_matches_torch_mm)."""
     from weavepass.runtime.cuda.gemm import (
         STAGING_SLOTS,
@@ -86,9 +86,9 @@ def test_scatter_and_reduce_simulated(world, dtype):
     from weavepass.testing.gemm_sim import SimulatedScatterRanks
 
     tokens, hidden, k = 4100, 8192, 1024
-    ragged = [tokens // 2 - 3, 0] + [0] * (world - 3) + [tokens - (tokens // 2 - 3)]
+    ragged = [tokens // 2 - 3] + [0] * (world - 2) + [tokens - (tokens // 2 - 3)]  # zeros from world 3 on
     splits = [None, None, ragged]
-    capacity = max(max(b - a for a, b in itertools.pairwise(s)) for s in (owner_row_starts(tokens, world, c) for c in splits))
+    capacity = max(b - a for c in splits for a, b in itertools.pairwise(owner_row_starts(tokens, world, c)))
     sim = SimulatedScatterRanks(world, hidden, capacity, dtype)
     gen = torch.Generator(device="cuda").manual_seed(world)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
