@@ -49,9 +49,9 @@
 #   SHARED=1 STEPS=kernel KERNEL_TIMEOUT_S=540 OUT=$OUT bash benchmarks/gpu_suite.sh
 # Issue 34 (GEMM with a scatter epilogue; docs/gemm_epilogue.md): with the one-GPU kind,
 #   STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick      (then without --quick: 64 cells)
-# and later, on 2 GPUs, once the lowering is wired into the planner (NOT runnable yet: neither the
-# `gemm_epilogue` lowering nor its bench_overlap variants exist; the kernels of this step are its base):
-#   WORLD=2 STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick
+# and later, on 2 GPUs (kind nvidia-h200-x2), once the lowering is wired into the planner (NOT
+# runnable yet: neither the lowering nor its bench_overlap variant `weave_gemm_epilogue` exists; the
+# gemm step's kernels are its base; its tests across GPUs would join the kernel step):
 #   WORLD=2 STEPS=overlap OVERLAP_VARIANTS=inductor,weave_fuse,weave_overlap,weave_gemm_epilogue,no_comm \
 #     OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   (target: >= 75 % of the removable communication hidden at 70b_tp8sim >= 4K tokens; moonshot: the
