@@ -103,7 +103,8 @@ class SimulatedScatterRanks:
         return outputs
 
     def warm_up(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None,
-                reduce_ctas: int | None = None, gemm_ctas: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                reduce_ctas: int | None = None,
+                gemm_ctas: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``run``'s call on the calling stream, one rank's kernel after another, so no wait can
         block: it compiles and loads every rank's kernels before any rank waits on another (a module
         loaded lazily while another rank's kernel spins can wait for that kernel;
