@@ -2,7 +2,8 @@
 GPU at real sizes: the GEMM against ``torch.mm`` and the fp32 reference through both load paths
 (tensor descriptors where supported, pointers), then 2, 4 and 8 ranks simulated on the GPU
 (``testing.gemm_sim``: every rank's GEMM, then every rank's reduce, one stream per rank, so reduces
-wait on other ranks' signals for real), bf16 and fp16, ragged splits, back-to-back calls.
+wait on other ranks' signals for real), bf16 and fp16, ragged splits, back-to-back calls; and one
+call captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,44 @@ def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype):
     reference = x.float() @ w.float().T  # fp32 (TF32 is off for fp32 matmuls by default)
     torch.testing.assert_close(got.float(), reference, rtol=ULP[dtype], atol=GEMM_ATOL)
     torch.testing.assert_close(got, torch.mm(x, w.T), rtol=ULP[dtype], atol=GEMM_ATOL)
+
+
+def test_scatter_and_reduce_replay_in_a_cuda_graph():
+    """The call captured once (4 ranks, bf16, one stream: every GEMM, then every reduce) and replayed
+    with new inputs: each replay must give that replay's answer, with the pads' call numbers (read by
+    the kernels, never by the host) advancing by one per replay and the tile counters back to 0."""
+    from weavepass.runtime.cuda.gemm import descriptor_unsupported_reason, matmul, owner_row_starts
+    from weavepass.testing.gemm_sim import SimulatedScatterRanks
+
+    world, tokens, hidden, k, dtype = 4, 1030, 4096, 512, torch.bfloat16
+    starts = owner_row_starts(tokens, world)
+    sim = SimulatedScatterRanks(world, hidden, starts[1], dtype)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
+    ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
+    residual = _draw(gen, tokens, hidden, dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+    desc = descriptor_unsupported_reason(xs[0], ws[0]) is None
+    graph, outputs = sim.graph_call(xs, ws, residual, weight, EPS, use_descriptors=desc)
+    for replay in range(1, 4):
+        for t in (*xs, residual):
+            t.copy_(_draw(gen, *t.shape, dtype))
+        for t in ws:
+            t.copy_(_draw(gen, *t.shape, dtype, scale=k**-0.5))
+        graph.replay()
+        torch.cuda.synchronize()
+        plain = [matmul(xs[s], ws[s], use_descriptors=desc) for s in range(world)]
+        want_normed, want_res = fused_allreduce_rmsnorm_reference(plain, residual, weight, EPS, dtype)
+        for j, (normed, res_out) in enumerate(outputs):
+            rows = slice(starts[j], starts[j + 1])
+            rtol, atol = RESIDUAL_TOL[dtype]
+            torch.testing.assert_close(res_out, want_res[rows], rtol=rtol, atol=atol,
+                                       msg=lambda e: f"replay {replay} owner {j} residual_out: {e}")
+            rtol, atol = NORMED_TOL[dtype]
+            torch.testing.assert_close(normed, want_normed[rows], rtol=rtol, atol=atol,
+                                       msg=lambda e: f"replay {replay} owner {j} normed: {e}")
+        assert sim.sequence_numbers() == [[1 + replay, 0, 1 + replay, 0]] * world, sim.sequence_numbers()
+        assert sim.counts_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -62,16 +62,17 @@ class SimulatedScatterRanks:
     def run(self, xs: list[torch.Tensor], ws: list[torch.Tensor], residual: torch.Tensor | None,
             weight: torch.Tensor, eps: float, counts: list[int] | None = None, config=None,
             use_descriptors: bool | None = None, reduce_ctas: int | None = None, gemm_ctas: int | None = None,
-            timeout_s: float = 60.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            timeout_s: float = 60.0, owners: OwnerRows | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rank ``r`` computes ``xs[r] @ ws[r]^T`` ([T, N]: its partial of the row-parallel GEMM) and
         scatters it; then owner ``r`` reduces its rows (``counts``: rows per owner, default the fused
         op's split). Returns every rank's ``(normed, residual_out)`` for its own rows ``[count_r, N]``,
         ready for the calling stream. ``residual`` [T, N] is the full residual stream (each owner
-        reads its rows). ``reduce_ctas``: each reduce's grid, default ``REDUCE_CTAS // world``."""
+        reads its rows). ``reduce_ctas``: each reduce's grid, default ``REDUCE_CTAS // world``;
+        ``owners``: the split already on the device (``counts`` is then ignored)."""
         lay = self.layout
         tokens = xs[0].shape[0]
         reduce_ctas = reduce_ctas or max(1, REDUCE_CTAS // lay.world)
-        owners = OwnerRows.build(tokens, lay.world, self.device, counts)
+        owners = owners or OwnerRows.build(tokens, lay.world, self.device, counts)
         outputs = [(torch.empty(owners.count(r), lay.hidden, dtype=xs[0].dtype, device=self.device),
                     torch.empty(owners.count(r), lay.hidden, dtype=xs[0].dtype, device=self.device))
                    for r in range(lay.world)]
@@ -103,8 +104,8 @@ class SimulatedScatterRanks:
         return outputs
 
     def warm_up(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None,
-                reduce_ctas: int | None = None,
-                gemm_ctas: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                reduce_ctas: int | None = None, gemm_ctas: int | None = None,
+                owners: OwnerRows | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``run``'s call on the calling stream, one rank's kernel after another, so no wait can
         block: it compiles and loads every rank's kernels before any rank waits on another (a module
         loaded lazily while another rank's kernel spins can wait for that kernel;
@@ -112,9 +113,29 @@ class SimulatedScatterRanks:
         calls with other splits reuse them."""
         saved, self.streams = self.streams, None
         try:
-            return self.run(xs, ws, residual, weight, eps, counts, config, use_descriptors, reduce_ctas, gemm_ctas)
+            return self.run(xs, ws, residual, weight, eps, counts, config, use_descriptors, reduce_ctas, gemm_ctas,
+                            owners=owners)
         finally:
             self.streams = saved
+
+    def graph_call(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None):
+        """A CUDA graph of one call and the outputs it writes: a warm-up call first (compiles and loads
+        the kernels; it is a call, so the pads advance), then the capture of ``warm_up``'s single-stream
+        order. Each replay is a new call of the inputs' current values: the kernels read their call
+        number from the pads, so no host state changes between replays."""
+        owners = OwnerRows.build(xs[0].shape[0], self.layout.world, self.device, counts)
+        self.warm_up(xs, ws, residual, weight, eps, config=config, use_descriptors=use_descriptors,
+                     owners=owners)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        saved, self.streams = self.streams, None
+        try:
+            with torch.cuda.graph(graph):
+                outputs = self.run(xs, ws, residual, weight, eps, config=config, use_descriptors=use_descriptors,
+                                   owners=owners)
+        finally:
+            self.streams = saved
+        return graph, outputs
 
     def wait_all(self, what: str, timeout_s: float) -> None:
         """Wait for every rank's stream; raise (naming ``what``) rather than block for ever."""
