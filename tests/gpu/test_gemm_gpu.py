@@ -74,7 +74,11 @@ def test_scatter_and_reduce_replay_in_a_cuda_graph():
     """The call captured once (4 ranks, bf16, one stream: every GEMM, then every reduce) and replayed
     with new inputs: each replay must give that replay's answer, with the pads' call numbers (read by
     the kernels, never by the host) advancing by one per replay and the tile counters back to 0."""
-    from weavepass.runtime.cuda.gemm import descriptor_unsupported_reason, matmul, owner_row_starts
+    from weavepass.runtime.cuda.gemm import (
+        descriptor_unsupported_reason,
+        matmul,
+        owner_row_starts,
+    )
     from weavepass.testing.gemm_sim import SimulatedScatterRanks
 
     world, tokens, hidden, k, dtype = 4, 1030, 4096, 512, torch.bfloat16
