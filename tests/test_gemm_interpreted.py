@@ -30,14 +30,6 @@ def test_gemm_kernels_interpreted(case):
     assert f"{case}: OK" in result.stdout
 
 
-def test_wait_sites_are_described():
-    """A wait that gives up names this module's wait in the record's message (peer_wait.SITES)."""
-    from weavepass.runtime.cuda import gemm_kernels, peer_wait
-
-    assert "scatter GEMM" in peer_wait.SITES[gemm_kernels.SITE_GEMM_CONSUMED.value]
-    assert "reduce" in peer_wait.SITES[gemm_kernels.SITE_REDUCE_ROWS.value]
-
-
 def test_owner_row_starts():
     from weavepass.runtime.cuda.gemm import owner_row_starts
 

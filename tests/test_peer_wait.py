@@ -21,11 +21,12 @@ from weavepass.runtime.cuda import peer_wait
 from weavepass.runtime.portable import DEFAULT_GROUP_TIMEOUT_S
 
 KERNELS = Path(peer_wait.__file__).with_name("kernels.py")
+WAITING_MODULES = (KERNELS, KERNELS.with_name("gemm_kernels.py"))  # every module of kernels that wait
 
 
-def _functions():
-    tree = ast.parse(KERNELS.read_text())
-    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+def _functions(paths=(KERNELS,)):
+    trees = [ast.parse(path.read_text()) for path in paths]
+    return {node.name: node for tree in trees for node in tree.body if isinstance(node, ast.FunctionDef)}
 
 
 def _calls(node, name):
@@ -33,11 +34,13 @@ def _calls(node, name):
 
 
 def test_every_spin_loop_of_the_kernels_gives_up_after_its_deadline():
-    """Each ``while`` of kernels.py is a wait for a peer; each must call ``_give_up_after`` in its
-    body with a deadline from ``_deadline``, and a site code that ``peer_wait.SITES`` explains."""
-    functions = _functions()
+    """Each ``while`` of kernels.py and gemm_kernels.py is a wait for a peer; each must call
+    ``_give_up_after`` in its body with a deadline from ``_deadline``, and a site code that
+    ``peer_wait.SITES`` explains."""
+    functions = _functions(WAITING_MODULES)
     loops = [(name, loop) for name, fn in functions.items() for loop in ast.walk(fn) if isinstance(loop, ast.While)]
-    assert len(loops) == 6, [name for name, _ in loops]  # barrier x2, counters, Lamport, push x2: a new one joins here
+    # barrier x2, counters, Lamport, push x2; the scatter GEMM and its reduce: a new one joins here
+    assert len(loops) == 8, [name for name, _ in loops]
     sites = set()
     for name, loop in loops:
         calls = [c for stmt in loop.body for c in _calls(stmt, "_give_up_after")]
@@ -52,9 +55,10 @@ def test_every_spin_loop_of_the_kernels_gives_up_after_its_deadline():
 def test_every_waiting_kernel_takes_the_record_and_the_limit():
     """The kernels with a wait take ``watch_addr`` and ``timeout_ns`` (the host's tail passes the
     workspace's ``watch`` and ``timeout_ns``: ``test_launch_plan.py`` checks the push tail)."""
-    functions = _functions()
+    functions = _functions(WAITING_MODULES)
     waiting = {"fused_allreduce_rmsnorm_kernel", "fused_allreduce_rmsnorm_pipelined_kernel",
-               "fused_allreduce_rmsnorm_lamport_kernel", "push_partial_rows_kernel"}
+               "fused_allreduce_rmsnorm_lamport_kernel", "push_partial_rows_kernel", "persistent_gemm_kernel",
+               "reduce_scattered_rows_kernel"}
     for name in waiting:
         params = [a.arg for a in functions[name].args.args]
         assert params.index("watch_addr") + 1 == params.index("timeout_ns"), (name, params)

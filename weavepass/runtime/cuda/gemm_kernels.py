@@ -59,9 +59,6 @@ REDUCE_DONE = tl.constexpr(3)
 HEADER_SLOTS = tl.constexpr(4)
 """Pad slots before the COUNT table (the layout above)."""
 
-SITE_GEMM_CONSUMED = tl.constexpr(7)
-SITE_REDUCE_ROWS = tl.constexpr(8)
-"""``runtime.cuda.peer_wait.SITES`` codes of this module's two waits."""
 
 
 @triton.jit
@@ -154,7 +151,7 @@ def persistent_gemm_kernel(
             o = (RANK + 1 + i) % WORLD
             peer_reduced = pad_ptr + tl.load(pad_deltas_ptr + o) + REDUCE_SEQ
             while tl.atomic_add(peer_reduced, 0, sem="acquire", scope="sys") < seq - 2:
-                _give_up_after(deadline, watch_addr, timeout_ns, o, SITE_GEMM_CONSUMED, RANK, WORLD)
+                _give_up_after(deadline, watch_addr, timeout_ns, o, 7, RANK, WORLD)  # site: peer_wait.SITES
         tl.debug_barrier()  # no thread stores before the acquire
     slot = seq % 2
     counts = pad_ptr + HEADER_SLOTS
@@ -251,7 +248,7 @@ def reduce_scattered_rows_kernel(
         deadline = _deadline(timeout_ns)
         for src in tl.static_range(WORLD):
             while tl.atomic_add(flags + src * num_blocks + block, 0, sem="acquire", scope="sys") < seq:
-                _give_up_after(deadline, watch_addr, timeout_ns, src, SITE_REDUCE_ROWS, RANK, WORLD)
+                _give_up_after(deadline, watch_addr, timeout_ns, src, 8, RANK, WORLD)  # site: peer_wait.SITES
         tl.debug_barrier()  # no thread reads staged rows before the acquire
         local = tile * ROWS + rows
         mask = (local < count)[:, None] & col_mask[None, :]
