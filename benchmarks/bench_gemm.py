@@ -1,7 +1,7 @@
 """The persistent Triton GEMM (``weavepass.runtime.cuda.gemm``) against cuBLAS (``torch.mm``) on one GPU,
 plain and with its scatter epilogue to N = 2, 4, 8 simulated owners (issue 34).
 
-For every per-rank GEMM of the model presets (``bench_overlap.SHAPES``; ``y = x[T, K] @ W[N, K]^T``):
+For every per-rank GEMM of the model presets (``weavepass.tune.shapes.SHAPES``; ``y = x[T, K] @ W[N, K]^T``):
 
 * ``o``: K = heads * head_dim, N = hidden;  ``down``: K = mlp, N = hidden (row-parallel: these get the
   scatter epilogue);
@@ -51,13 +51,13 @@ if "--smoke" in sys.argv:  # before Triton defines the kernels: the interpreter 
 
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
-from bench_overlap import SHAPES  # benchmarks/bench_overlap.py
 from report import pyplot, save_figure, write_csv  # benchmarks/report.py
 from timing import progress_bar  # benchmarks/timing.py
 
 from weavepass.runtime.cuda import gemm
 from weavepass.runtime.cuda.gemm_kernels import REDUCE_SEQ
 from weavepass.testing.gemm_sim import SimulatedScatterRanks
+from weavepass.tune.shapes import SHAPES  # shared with bench_overlap and python -m weavepass.tune
 
 MODELS = ("70b_tp8", "70b_tp4", "70b_tp2", "8b_tp2")
 QUICK_MODELS = ("70b_tp8", "8b_tp2")
