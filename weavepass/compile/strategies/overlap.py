@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from weavepass.config import WeaveConfig
-from weavepass.compile.reasons import ReasonCode
-from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
+from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 
 log = logging.getLogger("weavepass")
 
@@ -28,9 +28,9 @@ class SplitStrategy(Strategy):
         # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not
         # split (also when nothing was fused).
         if rewrite.config.overlap == "off" or not rewrite.report.records:
-            return Decision(False, ReasonCode.NOT_ASKED)
+            return Decision(False, Reason(ReasonCode.NOT_ASKED))
         if rewrite.fused and rewrite.training:
-            return Decision(False, ReasonCode.TRAINING, TRAINING_NOTE)
+            return Decision(False, TRAINING)
         return Decision(True)
 
     def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
@@ -42,6 +42,6 @@ class SplitStrategy(Strategy):
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
         from weavepass.compile.strategies.split import split_skip_level
 
-        rewrite.report.add_note(f"fuse-only: {decision.reason}")
+        rewrite.report.decline("fuse-only", decision.reason)
         log.log(split_skip_level(rewrite.config), "weavepass: graph %d: %s", rewrite.report.graph_index,
                 rewrite.report.notes[-1])
