@@ -23,7 +23,7 @@ from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass, op_counts
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import plan_sites
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies import GraphRewrite, inductor_patches
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm, force_device_kind
@@ -87,16 +87,19 @@ def _rewrite(graph: torch.fx.Graph, config: WeaveConfig) -> GraphRewrite:
     sites, _ = find_allreduce_rmsnorm_sites(graph)
     plans = plan_sites(sites, config)
     report = GraphReport(0, ops_before=op_counts(graph))
-    report.records = [AllReduceRecord(p.site.all_reduce.name, True, p.reason, p.site.kind) for p in plans]
+    report.records = [AllReduceRecord(p.site.all_reduce.name, True, [p.reason] if p.code is not ReasonCode.NONE else [],
+                                      p.site.kind) for p in plans]
     return GraphRewrite(graph, plans, config, report)
 
 
-def _as_training(site) -> None:
-    """Mark ``site`` as a training graph's: its norm's rsqrt saved for backward (the finder sets
-    this from a forward graph's outputs; the strategies read only the flag)."""
-    rsqrt = next(n for n in site.norm.nodes if n.target is torch.ops.aten.rsqrt.default)
-    site.norm = dataclasses.replace(site.norm, saved_inv_rms=rsqrt)
-    assert site.training
+def _as_training(rewrite) -> None:
+    """Mark the first site of ``rewrite`` as a training graph's: its norm's rsqrt saved for backward
+    (the finder sets this from a forward graph's outputs; the strategies read only the flag)."""
+    plan = rewrite.plans[0]
+    rsqrt = next(n for n in plan.site.norm.nodes if n.target is torch.ops.aten.rsqrt.default)
+    site = dataclasses.replace(plan.site, norm=dataclasses.replace(plan.site.norm, saved_inv_rms=rsqrt))
+    rewrite.plans[0] = dataclasses.replace(plan, site=site)
+    assert site.training and rewrite.training
 
 
 @pytest.fixture
@@ -167,13 +170,13 @@ def test_finder_layer_norm_forms(world2, norm, form, weight, bias):
 @pytest.mark.parametrize("norm, reason", [
     # torch.var_mean without correction: unbiased.
     (_centred_norm(lambda h, d: torch.var_mean(h, -1, keepdim=True)[0]),
-     "the variance has correction=1; LayerNorm's is biased (0)"),
+     Reason.of(ReasonCode.UNBIASED_VARIANCE, correction=1)),
     # Mean-subtracted, then scaled by the input's inverse RMS, not the deviation's: neither norm.
-    (_centred_norm(lambda h, d: h.pow(2).mean(-1, keepdim=True)), "the inverse RMS does not scale the norm's own input"),
+    (_centred_norm(lambda h, d: h.pow(2).mean(-1, keepdim=True)), Reason(ReasonCode.INV_RMS_NOT_SCALING_INPUT)),
 ])
 def test_finder_rejects_what_is_not_a_layer_norm(world2, norm, reason):
     sites, (rejected,) = find_allreduce_rmsnorm_sites(_trace(_site_with(norm), *_args(8)))
-    assert sites == [] and reason in rejected.reason, rejected.reason
+    assert sites == [] and rejected.reason.find(reason.code) == reason, rejected.reason
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
@@ -202,7 +205,8 @@ def test_finder_rejects_all_reduce_without_norm(world2):
     graph = _trace(no_norm, torch.randn(8, 32), torch.randn(32, H))
     sites, rejected = find_allreduce_rmsnorm_sites(graph)
     assert sites == [] and [r.all_reduce.name for r in rejected] == ["all_reduce"]
-    assert rejected[0].reason  # a reason a user can read
+    assert rejected[0].reason == Reason.of(ReasonCode.NO_NORM, first_user="output")
+    assert rejected[0].reason.render() == "no RMSNorm or LayerNorm consumes the value (first user: output)"
 
 
 # --- the token count -----------------------------------------------------------------------------
@@ -231,10 +235,11 @@ def test_token_count_symbolic(world2):
 def test_plan_sites_codes(world2, monkeypatch):
     sites, _ = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40)))
     plans = plan_sites(sites, WeaveConfig())
-    assert [(p.lowering, p.code, p.reason) for p in plans] == [("portable", ReasonCode.NONE, "")] * 2
+    assert [(p.lowering, p.code) for p in plans] == [("portable", ReasonCode.NONE)] * 2
     small = plan_sites(sites, WeaveConfig(min_world_size=4))
     assert [(p.lowering, p.code) for p in small] == [(None, ReasonCode.GROUP_TOO_SMALL)] * 2
-    assert small[0].reason == "group of 2 rank(s) < min_world_size=4"
+    assert small[0].reason == Reason.of(ReasonCode.GROUP_TOO_SMALL, size=2, min_world_size=4)
+    assert small[0].reason.render() == "group of 2 rank(s) < min_world_size=4"
     monkeypatch.setattr("weavepass.compile.planner._cuda_unsupported_reason", lambda site: "no kernel")
     fallback = plan_sites(sites, WeaveConfig(lowering="cuda_symm"))
     assert [(p.lowering, p.code) for p in fallback] == [("portable", ReasonCode.PORTABLE_FALLBACK)] * 2
@@ -266,28 +271,31 @@ def test_flashcomm_decision_fields(world2):
     assert (decision.padded_tokens, decision.rows_per_rank) == (64, 32)
 
 
-@pytest.mark.parametrize("fn, mode, config, code, stopped_at, text", [
-    (two_sites, "fake", dict(enable_flashcomm=False), ReasonCode.NOT_ASKED, "", "enable_flashcomm is False"),
+@pytest.mark.parametrize("fn, mode, config, code, stopped_at, fields", [
+    (two_sites, "fake", dict(enable_flashcomm=False), ReasonCode.NOT_ASKED, "", {}),
     (two_sites, "fake", dict(FLASHCOMM, flashcomm_min_prefill_tokens=41), ReasonCode.TOO_FEW_TOKENS, "",
-     "40 tokens < flashcomm_min_prefill_tokens=41"),
-    (two_sites, "fake", dict(FLASHCOMM, min_world_size=4), ReasonCode.GROUP_TOO_SMALL, "", "group of 2"),
-    (two_sites, "symbolic", FLASHCOMM, ReasonCode.SYMBOLIC_TOKENS, "all_reduce", "token count is symbolic"),
-    (broken_stream, "fake", FLASHCOMM, ReasonCode.STREAM_BROKEN, "all_reduce_1", "cannot stay sharded"),
+     dict(tokens=40, min_tokens=41)),
+    (two_sites, "fake", dict(FLASHCOMM, min_world_size=4), ReasonCode.GROUP_TOO_SMALL, "",
+     dict(size=2, min_world_size=4)),
+    (two_sites, "symbolic", FLASHCOMM, ReasonCode.SYMBOLIC_TOKENS, "all_reduce", dict(site="all_reduce")),
+    (broken_stream, "fake", FLASHCOMM, ReasonCode.STREAM_BROKEN, "all_reduce_1",
+     dict(previous="all_reduce", site="all_reduce_1", residual="r_1", stream="add")),
 ])
-def test_flashcomm_decision_reasons(world2, fn, mode, config, code, stopped_at, text):
+def test_flashcomm_decision_reasons(world2, fn, mode, config, code, stopped_at, fields):
     rewrite = _rewrite(_trace(fn, *_args(40), mode=mode), WeaveConfig(**config))
     decision = decide_flashcomm(rewrite.plans, rewrite.config)
-    assert (decision.use, decision.code, decision.stopped_at) == (False, code, stopped_at)
-    assert text in decision.reason
+    assert (decision.use, decision.stopped_at) == (False, stopped_at)
+    assert decision.reason == Reason.of(code, **fields), decision.reason
 
 
 def test_flashcomm_strategy_refuses_training_and_not_asked_is_silent(world2):
     rewrite = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig(**FLASHCOMM))
-    _as_training(rewrite.plans[0].site)
+    _as_training(rewrite)
     decision = FlashCommStrategy().decide(rewrite)
     assert (decision.use, decision.code) == (False, ReasonCode.TRAINING)
     FlashCommStrategy().decline(rewrite, decision)
-    assert rewrite.report.notes == [f"FlashComm not used: {decision.reason}"]
+    assert rewrite.report.codes == [ReasonCode.TRAINING]
+    assert rewrite.report.notes == [f"FlashComm not used: {decision.reason.render()}"]
     off = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig())
     assert FlashCommStrategy().decide(off).code is ReasonCode.NOT_ASKED
 
@@ -367,9 +375,10 @@ def test_split_note_when_no_site_was_fused(world2):
     rewrite = _split(WeaveConfig(overlap="force", min_world_size=4))
     assert not rewrite.fused
     assert "_c10d_functional.all_reduce.default" in op_counts(rewrite.graph)
+    assert rewrite.report.codes == [ReasonCode.SPLIT_NOTHING_FUSED]
     assert rewrite.report.notes == ["fuse-only: no site was fused, so there is no communication to "
                                     "overlap (each site's line says why it was kept)"]
-    assert all("min_world_size=4" in r.reason for r in rewrite.report.records), rewrite.report.records
+    assert all(r.codes == [ReasonCode.GROUP_TOO_SMALL] for r in rewrite.report.records), rewrite.report.records
 
 
 def gemma_norm_sites(x, r, w1, g1, w2, g2):
@@ -487,7 +496,7 @@ def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mo
 def test_split_refuses_training_after_fuse(world2):
     rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(overlap="force"))
     FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
-    _as_training(rewrite.plans[0].site)
+    _as_training(rewrite)
     decision = SplitStrategy().decide(rewrite)
     assert (decision.use, decision.code) == (False, ReasonCode.TRAINING)
 
@@ -788,4 +797,4 @@ def test_a_fallback_shared_by_many_sites_is_one_warning(world2, caplog):
     warnings = [r.getMessage() for r in caplog.records if "instead of cuda_symm" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "all_reduce, all_reduce_1" in warnings[0] and "2 site(s)" in warnings[0], warnings
-    assert all(r.reason.startswith("portable instead of cuda_symm:") for r in report.records)
+    assert all(r.codes == [ReasonCode.PORTABLE_FALLBACK] for r in report.records)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weavepass import WeaveConfig, make_backend
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.flashcomm import force_device_kind
 from weavepass.compile.tokens import TokenCount
 from weavepass.runtime import npu
@@ -323,7 +324,7 @@ def test_graph_over_threshold_has_no_all_reduce():
 
 def test_graph_under_threshold_is_left_to_the_fuse_path():
     graph = _dense_graph(8192)
-    assert "10 tokens < flashcomm_min_prefill_tokens=8192" in graph.note
+    assert graph.reasons == [Reason.of(ReasonCode.TOO_FEW_TOKENS, tokens=10, min_tokens=8192)], graph.note
     assert not any(r.lowering.startswith("flashcomm") for r in graph.records)
     assert "_c10d_functional.all_gather_into_tensor.default" not in graph.ops_after
     assert graph.ops_after["weave.fused_allreduce_rmsnorm.default"] == 2 * DENSE.n_layers + 1
@@ -336,7 +337,7 @@ def test_graph_stopped_under_inductor_cuda_graphs_stays_unchanged(monkeypatch):
     from weavepass.compile import planner as scheduler
 
     monkeypatch.setattr(scheduler, "inductor_cudagraphs_reason",
-                        lambda sites, config: scheduler.INDUCTOR_CUDAGRAPHS_NOTE)
+                        lambda sites, config: scheduler.INDUCTOR_CUDAGRAPHS)
     with fake_process_group(2):
         model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
         backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8, "overlap": "force"}))
@@ -345,8 +346,9 @@ def test_graph_stopped_under_inductor_cuda_graphs_stays_unchanged(monkeypatch):
     graph = backend.report.graphs[0]
     assert graph.ops_after == graph.ops_before
     assert not any(op.startswith("weave.") for op in graph.ops_after)
-    assert graph.note == f"not rewritten: {scheduler.INDUCTOR_CUDAGRAPHS_NOTE}"
-    assert [r.reason for r in graph.records] == [scheduler.INDUCTOR_CUDAGRAPHS_NOTE] * (2 * DENSE.n_layers + 1)
+    assert graph.codes == [ReasonCode.INDUCTOR_CUDAGRAPHS]
+    assert graph.note == f"not rewritten: {scheduler.INDUCTOR_CUDAGRAPHS.render()}"
+    assert [r.codes for r in graph.records] == [[ReasonCode.INDUCTOR_CUDAGRAPHS]] * (2 * DENSE.n_layers + 1)
 
 
 def test_broken_residual_stream_names_the_boundary():
@@ -355,8 +357,11 @@ def test_broken_residual_stream_names_the_boundary():
         with torch.no_grad():
             compile_fn(BrokenStream())(torch.randn(8, 64))
     graph = backend.report.graphs[0]
-    assert "boundary all_reduce -> all_reduce_1" in graph.note, graph.note
-    assert "stream cannot stay sharded" in graph.records[1].reason
+    (reason,) = graph.reasons
+    assert reason.code is ReasonCode.STREAM_BROKEN, graph.note
+    assert (reason.field("previous"), reason.field("site")) == ("all_reduce", "all_reduce_1"), reason
+    assert graph.records[1].codes == [ReasonCode.FLASHCOMM_DECLINED] and graph.records[1].reasons[0].field(
+        "cause") == reason, graph.records[1]
     assert not any(r.lowering.startswith("flashcomm") for r in graph.records)
 
 
@@ -391,8 +396,9 @@ def test_shared_expert_site_off_the_stream_names_the_residual_not_the_shared_out
         with torch.no_grad():
             compile_fn(f)(torch.randn(8, 64), torch.randn(64, 64) / 8, torch.ones(64))
     graph = backend.report.graphs[0]
-    assert "stream cannot stay sharded" in graph.note, graph.note
-    residual = graph.note.split("the residual of all_reduce_1 is ")[1].split(",")[0]
+    (reason,) = graph.reasons
+    assert reason.code is ReasonCode.STREAM_BROKEN and reason.field("site") == "all_reduce_1", graph.note
+    residual = reason.field("residual")
     kind = graph.records[1].kind
     shared = kind.split(" added to the sum before the residual add")[0].split(", ")[-1]
     assert residual.startswith("mul") and shared.startswith("mul") and residual != shared, (residual, kind)

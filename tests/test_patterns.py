@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import weavepass
 from weavepass import WeaveConfig
+from weavepass.compile.reasons import Reason, ReasonCode
 
 AR = "_c10d_functional.all_reduce.default"
 WAIT = "_c10d_functional.wait_tensor.default"
@@ -64,13 +65,16 @@ def assert_fused(graph, n_fused, n_kept=0):
     assert graph.matched == n_fused
 
 
-def assert_unchanged(graph, reason_part):
-    """The pass left the graph exactly as it was and said why."""
+def assert_unchanged(graph, code, **fields):
+    """The pass left the graph exactly as it was and said why: a reason with ``code`` (the record's
+    own or one it carries: where the reading stopped) and (at least) ``fields``."""
     assert graph.ops_after == graph.ops_before
     assert graph.ops_after[FUSED] == 0
     (record,) = graph.records
     assert not record.matched
-    assert reason_part in record.reason, record.reason
+    (reason,) = record.reasons
+    found = reason.find(code)
+    assert found is not None and all(found.field(k) == v for k, v in fields.items()), reason
 
 
 def inputs(tokens=6, dtype=torch.bfloat16, hidden=H):
@@ -158,7 +162,7 @@ def test_scale_by_a_token_tensor_is_not_a_site():
         gate = torch.sigmoid(x[:, :1])  # one value per token, not a scalar: not linear in the sum
         return llama_norm(r + ar(x @ w) * gate, weight)
 
-    assert_unchanged(compile_report(f, *inputs()), "no RMSNorm or LayerNorm consumes the value (first user: aten.mul")
+    assert_unchanged(compile_report(f, *inputs()), ReasonCode.NO_NORM, first_user="aten.mul.Tensor")
 
 
 @pytest.mark.parametrize(
@@ -276,7 +280,7 @@ def test_scratch_buffer_holding_the_sum_read_elsewhere_is_kept():
     graph = compile_report(functools.partial(scratch_buffer, keep=True), *inputs())
     assert graph.ops_after[FUSED] == 0 and graph.ops_after[AR] == 1
     (record,) = graph.records
-    assert "other user(s) besides the residual add" in record.reason, record.reason
+    assert record.codes == [ReasonCode.SUM_OTHER_READERS], record.reason
 
 
 def _scratch_buffer_rank(rank: int, world: int) -> dict:
@@ -331,7 +335,7 @@ def test_reject_non_sum_all_reduce(op):
     def f(x, w, r, weight):
         return llama_norm(ar(x @ w, op) + r, weight)
 
-    assert_unchanged(compile_report(f, *inputs()), f"all_reduce op is '{op}'")
+    assert_unchanged(compile_report(f, *inputs()), ReasonCode.REDUCE_OP_NOT_SUM, op=op)
 
 
 def test_reject_all_reduce_result_with_other_users():
@@ -339,7 +343,7 @@ def test_reject_all_reduce_result_with_other_users():
         y = ar(x @ w)
         return llama_norm(y + r, weight), y
 
-    assert_unchanged(compile_report(f, *inputs()), "other user")
+    assert_unchanged(compile_report(f, *inputs()), ReasonCode.SUM_OTHER_READERS)
 
 
 @pytest.mark.parametrize("form", ["in-place all_reduce", "copy_ into a buffer"])
@@ -360,8 +364,13 @@ def test_sum_written_back_into_an_input_is_named_in_the_reason(form):
     graph = compile_report(f, x, x @ w, r, weight, torch.zeros_like(r))
     (record,) = graph.records
     assert not record.matched
+    (reason,) = record.reasons
+    assert reason.code is ReasonCode.SUM_OTHER_READERS, reason
+    readers = dict(reason.field("readers"))
+    assert len(readers) == 2 and len([written for written in readers.values() if written]) == 1, readers
+    assert any(name.startswith("mul") for name in readers) and any(name.startswith("copy_") for name in readers)
+    # the rendered reason says what a write-back into an input is
     assert "2 other user(s) besides the residual add" in record.reason, record.reason
-    assert "mul" in record.reason and "copy_" in record.reason, record.reason
     assert "written back into the graph input" in record.reason, record.reason
 
 
@@ -371,7 +380,7 @@ def test_reject_norm_over_another_dim():
         hf = h.float()
         return (hf * torch.rsqrt(hf.pow(2).mean(0, keepdim=True) + 1e-6)).to(h.dtype) * weight
 
-    assert_unchanged(compile_report(f, *inputs()), "not the last dim")
+    assert_unchanged(compile_report(f, *inputs()), ReasonCode.NORM_NOT_LAST_DIM, dims=[0])
 
 
 def test_reject_norm_intermediate_used_elsewhere():
@@ -381,7 +390,7 @@ def test_reject_norm_intermediate_used_elsewhere():
         inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
         return (hf * inv).to(h.dtype) * weight, inv
 
-    assert_unchanged(compile_report(f, *inputs()), "also used by")
+    assert_unchanged(compile_report(f, *inputs()), ReasonCode.READ_BY_OUTPUT)
 
 
 def test_reject_all_reduce_without_norm():
@@ -389,10 +398,10 @@ def test_reject_all_reduce_without_norm():
         return (ar(x @ w) + r) @ w.t()
 
     graph = compile_report(f, *inputs())
-    assert_unchanged(graph, "no RMSNorm")
+    assert_unchanged(graph, ReasonCode.NO_NORM)
     # The add may not be a residual add (a shared expert, another all_reduce): the reason names
     # what was added and does not call it a residual.
-    assert graph.records[0].reason.startswith("after adding "), graph.records[0].reason
+    assert ReasonCode.AFTER_ADD in graph.records[0].reasons[0].codes(), graph.records[0].reason
     assert "residual" not in graph.records[0].reason
 
 
@@ -444,18 +453,19 @@ def test_layer_norm_is_a_site(norm, residual, dtype, form):
 @pytest.mark.parametrize("norm, reason", [
     # torch.var_mean's default variance is unbiased: not LayerNorm's.
     (lambda h: (h - h.mean(-1, keepdim=True)) * torch.rsqrt(torch.var_mean(h, -1, keepdim=True)[0] + 1e-5),
-     "the variance has correction=1; LayerNorm's is biased (0)"),
+     (ReasonCode.UNBIASED_VARIANCE, {"correction": 1})),
     # The inverse deviation scales the input, not the mean-subtracted input.
     (lambda h: h * torch.rsqrt((h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-5),
-     "the inverse standard deviation does not scale the mean-subtracted input"),
+     (ReasonCode.INV_STD_NOT_SCALING_CENTRED, {})),
     # Mean-subtracted over the tokens, not the hidden dim: no norm at all.
-    (lambda h: h - h.mean(0, keepdim=True), "no RMSNorm or LayerNorm consumes the value"),
+    (lambda h: h - h.mean(0, keepdim=True), (ReasonCode.NO_NORM, {})),
 ])
 def test_not_a_layer_norm_is_rejected_with_its_reason(norm, reason):
     def f(x, w, r, weight):
         return norm((ar(x @ w) + r).float())
 
-    assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), reason)
+    code, fields = reason
+    assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), code, **fields)
 
 
 def test_layer_norm_mean_used_elsewhere_is_rejected():
@@ -465,7 +475,8 @@ def test_layer_norm_mean_used_elsewhere_is_rejected():
         d = h - mean
         return d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5) * weight, mean
 
-    assert_unchanged(compile_report(f, *inputs(dtype=torch.float32)), "is also used by output")
+    graph = compile_report(f, *inputs(dtype=torch.float32))
+    assert_unchanged(graph, ReasonCode.READ_BY_OUTPUT, node="mean")
 
 
 
@@ -484,7 +495,7 @@ def test_mean_subtracted_with_alpha_is_not_a_layer_norm(stats):
             var = d.pow(2).mean(-1, keepdim=True)
         return (d * torch.rsqrt(var + 1e-5)).to(h.dtype), h
 
-    assert_unchanged(compile_report(f, *inputs()), "subtracts the mean with alpha=2")
+    assert_unchanged(compile_report(f, *inputs()), ReasonCode.MEAN_SUB_ALPHA, alpha=2)
 
 
 @pytest.mark.parametrize("norm", [llama_norm, cohere_layer_norm])
@@ -495,7 +506,8 @@ def test_fp32_norm_of_an_fp64_sum_is_left_alone(norm):
         h = ar(x @ w) + r
         return norm(h, weight), h
 
-    assert_unchanged(compile_report(f, *inputs(dtype=torch.float64)), "computes the norm in torch.float32")
+    assert_unchanged(compile_report(f, *inputs(dtype=torch.float64)), ReasonCode.NARROWING_CAST,
+                     dtype=torch.float64, acc_dtype=torch.float64)
 
 
 @pytest.mark.parametrize("form", ["residual", "shared", "weight", "bias", "scale"])
@@ -523,7 +535,7 @@ def test_input_computed_from_the_partial_sum_is_left_alone(form):
         return llama_norm(h, weight), h
 
     options = {"reorder_for_locality": False} if form == "scale" else None
-    assert_unchanged(compile_report(f, *inputs(), options=options), "from the all_reduce's own partial sum")
+    assert_unchanged(compile_report(f, *inputs(), options=options), ReasonCode.RANK_LOCAL_INPUT)
 
 
 def parallel_branches(norm):
@@ -582,7 +594,8 @@ def test_reject_group_below_min_world_size():
     assert graph.ops_after == graph.ops_before
     (record,) = graph.records
     assert record.matched and not record.lowering
-    assert "group of 2 rank(s) < min_world_size=4" in record.reason
+    assert record.codes == [ReasonCode.GROUP_TOO_SMALL]
+    assert record.reason == "group of 2 rank(s) < min_world_size=4"  # the rendered sentence
 
 
 def test_disabled_config_leaves_graph_alone():
@@ -604,7 +617,7 @@ def test_mixed_graph_rewrites_only_valid_sites():
     graph = compile_report(f, *inputs())
     assert_fused(graph, 1, n_kept=1)
     kept = [r for r in graph.records if not r.matched]
-    assert len(kept) == 1 and "'max'" in kept[0].reason
+    assert len(kept) == 1 and kept[0].codes == [ReasonCode.REDUCE_OP_NOT_SUM], kept
 
 
 # ----- config, report and uuid -----------------------------------------------------------------
@@ -651,7 +664,8 @@ def test_cuda_lowering_requested_on_cpu_falls_back_with_reason():
     assert_fused(graph, 1)
     (record,) = graph.records
     assert record.lowering == "portable"
-    assert record.reason.startswith("portable instead of cuda_symm:")
+    assert record.codes == [ReasonCode.PORTABLE_FALLBACK]
+    assert record.reason.startswith("portable instead of cuda_symm:")  # the rendered sentence
 
 
 def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
@@ -675,7 +689,8 @@ def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
 
     lifted = run(specialize_float=False)
     assert lifted.ops_after == lifted.ops_before
-    assert "specialize_float" in lifted.records[0].reason
+    assert ReasonCode.EPS_NOT_CONSTANT in lifted.records[0].reasons[0].codes()
+    assert "specialize_float" in lifted.records[0].reason  # the sentence says what to do
     assert_fused(run(specialize_float=True), 1)
 
 
@@ -838,7 +853,7 @@ def test_shared_add_read_elsewhere_is_not_folded():
         return llama_norm(moe + r, weight), moe  # the MoE output itself is returned too
 
     graph = compile_report(f, *inputs())
-    assert_unchanged(graph, "other user(s) besides the residual add")
+    assert_unchanged(graph, ReasonCode.SUM_OTHER_READERS)
 
 
 @pytest.mark.parametrize("residual", [True, False])
@@ -869,7 +884,8 @@ def test_two_sums_on_different_groups_are_not_merged():
     assert graph.ops_after == graph.ops_before
     assert len(graph.records) == 2 and not any(rec.matched for rec in graph.records)
     for rec in graph.records:
-        assert "cannot share its collective" in rec.reason and "reduces over group" in rec.reason, rec.reason
+        assert rec.codes == [ReasonCode.PARTNER_UNFIT], rec.reason
+        assert rec.reasons[0].field("cause").code is ReasonCode.PARTNER_OTHER_GROUP, rec.reason
 
 
 def test_two_sums_on_different_groups_normed_directly_claim_the_add_once():
@@ -885,7 +901,9 @@ def test_two_sums_on_different_groups_normed_directly_claim_the_add_once():
     assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 1
     first, second = graph.records
     assert first.lowering == "portable" and first.kind.startswith("residual,"), first
-    assert not second.matched and second.reason == f"add is already part of the site of {first.node}", second
+    assert not second.matched and second.reasons == [
+        Reason.of(ReasonCode.ALREADY_CLAIMED, node="add", site=first.node)], second
+    assert second.reason == f"add is already part of the site of {first.node}"  # the rendered sentence
 
 
 def moe_sums(x, w, r, weight):
@@ -966,6 +984,7 @@ def test_dynamic_true_eps_input_is_given_once_per_site():
     (graph,) = backend.report.graphs
     assert len(graph.records) == 3 and graph.rewritten == 0
     for record in graph.records:
-        assert record.reason.count("the norm's eps is not a constant") == 1, record.reason
+        assert ReasonCode.EPS_NOT_CONSTANT in record.reasons[0].codes(), record.reason
+        assert record.reason.count("the norm's eps is not a constant") == 1, record.reason  # rendered once
     # every sum does feed an RMSNorm here: the graph's note must not say that none does
     assert "feeds an" not in graph.note and "each one's reason is listed" in graph.note, graph.note

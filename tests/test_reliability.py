@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 import weavepass
 from weavepass import WeaveConfig
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.testing.distributed import fake_process_group, spawn
 
 H = 16
@@ -278,7 +279,8 @@ def test_symbolic_token_split_compiles_once_per_size_class():
     notes = [g.note for g in backend.report.graphs]
     assert len(notes) == 2, notes
     assert notes[0].startswith("token split (sequence): computed at run time"), notes
-    assert notes[1].startswith("fuse-only: 2 sequence unit(s) on a symbolic count"), notes
+    assert [g.reasons for g in backend.report.graphs] == [
+        [], [Reason.of(ReasonCode.SPLIT_FEW_SYMBOLIC_UNITS, units=2, mode="sequence", min_units=4)]], notes
 
 
 

@@ -13,6 +13,7 @@ import torch.distributed._functional_collectives as funcol
 
 import weavepass
 from weavepass import WeaveConfig
+from weavepass.compile.reasons import ReasonCode
 from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as WORKSPACE  # portable ignores it
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing import check_against_eager, fake_process_group, spawn
@@ -57,10 +58,13 @@ def graph_report(fn, *args, config=FUSE_ONLY, grad=False):
     return graph
 
 
-def assert_left_alone(graph, reason_part):
+def assert_left_alone(graph, code, **fields):
+    """One all_reduce, left alone for a reason with ``code`` (or carrying one) and ``fields``."""
     assert graph.ops_after[FUSED] == 0 and graph.ops_after[AR] == graph.ops_before[AR] == 1
     (record,) = graph.records
-    assert not record.matched and reason_part in record.reason, record.reason
+    assert not record.matched, record
+    found = record.reasons[0].find(code)
+    assert found is not None and all(found.field(k) == v for k, v in fields.items()), record.reason
 
 
 # ----- item 1: every add the matcher accepts computes exactly S + R -----------------------------
@@ -75,7 +79,7 @@ def test_residual_add_with_alpha_is_left_alone(config, residual_first):
         return norm(h, weight), h
 
     scaled = "the reduced sum" if residual_first else "the residual"
-    assert_left_alone(graph_report(f, *inputs(), config=config), f"alpha=2.0 scales {scaled}")
+    assert_left_alone(graph_report(f, *inputs(), config=config), ReasonCode.ADD_ALPHA, alpha=2.0, operand=scaled)
 
 
 def test_plain_add_in_either_order_is_fused():
@@ -95,14 +99,14 @@ def test_reduced_sum_added_to_itself_is_left_alone():
         s = ar(x @ w)
         return norm(s + s, weight)
 
-    assert_left_alone(graph_report(f, *inputs()), "adds the reduced sum to itself")
+    assert_left_alone(graph_report(f, *inputs()), ReasonCode.ADDS_SUM_TO_ITSELF)
 
 
 def test_broadcast_residual_is_left_alone():
     def f(x, w, r, weight):
         return norm(ar(x @ w) + r[0], weight)
 
-    assert_left_alone(graph_report(f, *inputs()), "broadcasting is not fused")
+    assert_left_alone(graph_report(f, *inputs()), ReasonCode.RESIDUAL_BROADCAST)
 
 
 def test_promoting_residual_add_is_left_alone():
@@ -111,7 +115,7 @@ def test_promoting_residual_add_is_left_alone():
         return norm(h, weight)
 
     graph = graph_report(f, *inputs(torch.bfloat16))
-    assert_left_alone(graph, "no type promotion")
+    assert_left_alone(graph, ReasonCode.RESIDUAL_DTYPE)
 
 
 def test_eps_add_with_alpha_is_left_alone():
@@ -119,7 +123,7 @@ def test_eps_add_with_alpha_is_left_alone():
         h = (ar(x @ w) + r).float()
         return h * torch.rsqrt(torch.add(h.pow(2).mean(-1, keepdim=True), EPS, alpha=3.0)) * weight
 
-    assert_left_alone(graph_report(f, *inputs()), "scales eps by alpha=3.0")
+    assert_left_alone(graph_report(f, *inputs()), ReasonCode.EPS_ALPHA, alpha=3.0)
 
 
 def _alpha_chain(x, w1, w2, r, weight, alphas):
@@ -134,10 +138,10 @@ def _alpha_chain(x, w1, w2, r, weight, alphas):
 # all_reduce (it falls back to fuse-only, as the note says); FlashComm shards the stream around the
 # kept site at either end of the chain.
 ALPHA_CASES = [
-    ("fuse-only", (1, 2.0, 1), ""),
-    ("split", (1, 2.0, 1), "fuse-only: token split not possible"),
-    ("flashcomm", (2.0, 1, 1), "FlashComm (portable)"),
-    ("flashcomm", (1, 1, 2.0), "FlashComm (portable)"),
+    ("fuse-only", (1, 2.0, 1), [], ""),
+    ("split", (1, 2.0, 1), [ReasonCode.SPLIT_NOT_POSSIBLE], "fuse-only: token split not possible"),
+    ("flashcomm", (2.0, 1, 1), [], "FlashComm (portable)"),
+    ("flashcomm", (1, 1, 2.0), [], "FlashComm (portable)"),
 ]
 
 
@@ -146,7 +150,7 @@ def _alpha_chain_rank(rank: int, world: int) -> int:
     r, weight = torch.randn(T, H), 1 + 0.1 * torch.randn(H)
     torch.manual_seed(1 + rank)  # row-parallel shards differ per rank
     x, w1, w2 = torch.randn(T, K), torch.randn(K, H), torch.randn(H, H) / H**0.5
-    for name, alphas, note in ALPHA_CASES:
+    for name, alphas, codes, note in ALPHA_CASES:
         with torch.no_grad():
             eager = _alpha_chain(x, w1, w2, r, weight, alphas)
         backend = weavepass.make_backend(STRATEGIES[name])
@@ -159,7 +163,7 @@ def _alpha_chain_rank(rank: int, world: int) -> int:
                                        msg=lambda m: f"{name} {alphas}: {m}")
         (graph,) = backend.report.graphs
         assert [rec.matched for rec in graph.records] == [a == 1 for a in alphas], str(graph.records)
-        assert graph.note.startswith(note), graph.note
+        assert graph.codes == codes and graph.note.startswith(note), graph.note
     return len(ALPHA_CASES)
 
 
@@ -296,7 +300,9 @@ def test_reused_mean_of_squares_names_the_other_user():
         ms = h.pow(2).mean(-1, keepdim=True)
         return h * torch.rsqrt(ms + EPS) * weight, ms * 2
 
-    assert_left_alone(graph_report(f, *inputs()), "the mean of squares: mean is also used by")
+    graph = graph_report(f, *inputs())
+    assert_left_alone(graph, ReasonCode.NORM_VALUE_SHARED, what="the mean of squares")
+    assert_left_alone(graph, ReasonCode.READ_BY, node="mean")
 
 
 def test_training_rejection_says_saved_for_backward():
@@ -317,8 +323,8 @@ def test_training_rejection_says_saved_for_backward():
         return weight * (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS))
 
     graph = graph_report(sqrt_form, x, w, r, weight, grad=True)
-    assert_left_alone(graph, "training: sqrt is saved for backward")
-    assert "torch.no_grad()" in graph.records[0].reason
+    assert_left_alone(graph, ReasonCode.SAVED_FOR_BACKWARD, node="sqrt")
+    assert "torch.no_grad()" in graph.records[0].reason  # the sentence says what to do
 
     def returns_rsqrt(x, w, r, weight):  # inference: the same output is the model's own
         h = (ar(x @ w) + r).float()
@@ -326,8 +332,8 @@ def test_training_rejection_says_saved_for_backward():
         return h * inv * weight, inv
 
     inference = graph_report(returns_rsqrt, x, w, r, weight)
-    assert_left_alone(inference, "rsqrt is also used by output (the graph returns it)")
-    assert "backward" not in inference.records[0].reason
+    assert_left_alone(inference, ReasonCode.READ_BY_OUTPUT, node="rsqrt")
+    assert ReasonCode.SAVED_FOR_BACKWARD not in inference.records[0].reasons[0].codes()
 
 
 def test_graph_without_sites_says_nothing_to_rewrite():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weavepass import WeaveConfig
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import (
     GemmShape,
     WaveModel,
@@ -122,8 +122,8 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: None)
     partial = types.SimpleNamespace(meta={"val": torch.empty(2, 1024, 8)})  # 2048 tokens
     site = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=False)
-    lowering, code, note = scheduler.choose_lowering(site, WeaveConfig())
-    assert lowering == "cuda_symm" and code is ReasonCode.CUDA_COPY and "copies the partial sums" in note
+    lowering, reason = scheduler.choose_lowering(site, WeaveConfig())
+    assert lowering == "cuda_symm" and reason == Reason(ReasonCode.CUDA_COPY)
     # A training site needs the inverse RMS: the CUDA kernel writes it too (return_inv_rms), so
     # training sites take the same lowering as inference ones.
     training = types.SimpleNamespace(device=torch.device("cuda", 0), partial=partial, training=True)
@@ -132,7 +132,7 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
     assert scheduler.choose_lowering(training, WeaveConfig(lowering="portable"))[0] == "portable"
     monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: "hidden 12 is odd")
     assert scheduler.choose_lowering(site, WeaveConfig()) == (
-        None, ReasonCode.CUDA_UNSUPPORTED, "left as all_reduce: the CUDA kernel cannot run it (hidden 12 is odd)")
+        None, Reason.of(ReasonCode.CUDA_UNSUPPORTED, cause="hidden 12 is odd"))
 
 
 def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
@@ -151,14 +151,13 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
                                      partial=types.SimpleNamespace(meta={"val": torch.empty(4096, 8)}))
 
     mixed = [site("cuda:0"), site("cuda:0")]
-    note = scheduler.INDUCTOR_CUDAGRAPHS_NOTE
-    assert "reduce-overhead" in note
+    note = scheduler.INDUCTOR_CUDAGRAPHS
+    assert "reduce-overhead" in note.render()
     with inductor_config.patch({"triton.cudagraphs": True}):
         for fields in ({}, {"lowering": "portable"}, {"overlap": "force"}, {"enable_flashcomm": True}):
             config = WeaveConfig(allow_inductor_cudagraphs=False, **fields)
             assert scheduler.inductor_cudagraphs_reason(mixed, config) == note
-            assert [(p.lowering, p.code, p.reason) for p in scheduler.plan_sites(mixed, config)] == [
-                (None, ReasonCode.INDUCTOR_CUDAGRAPHS, note)] * 2
+            assert [(p.lowering, p.reason) for p in scheduler.plan_sites(mixed, config)] == [(None, note)] * 2
         forbidden = WeaveConfig(allow_inductor_cudagraphs=False)
         assert scheduler.inductor_cudagraphs_reason([site("cpu")], forbidden) is None
         assert scheduler.inductor_cudagraphs_reason(mixed, WeaveConfig()) is None  # the default allows
@@ -184,8 +183,9 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
 
     assert scheduler.choose_lowering(site(1, 8), WeaveConfig())[0] == "cuda_symm"  # the default fuses every size
     gated = WeaveConfig(cuda_min_tokens=1024)
-    lowering, code, reason = scheduler.choose_lowering(site(512, 8), gated)
-    assert lowering is None and code is ReasonCode.CUDA_MIN_TOKENS and "512 tokens < cuda_min_tokens=1024" in reason and "torch.cuda.graph" in reason
+    lowering, reason = scheduler.choose_lowering(site(512, 8), gated)
+    assert lowering is None and reason == Reason.of(ReasonCode.CUDA_MIN_TOKENS, tokens=512, min_tokens=1024)
+    assert "512 tokens < cuda_min_tokens=1024" in reason.render() and "torch.cuda.graph" in reason.render()
     assert scheduler.choose_lowering(site(1, 1024, 8), gated)[0] == "cuda_symm"  # at the bound
     assert scheduler.choose_lowering(site(512, 8), gated.replace(lowering="cuda_symm"))[0] == "cuda_symm"
     with inductor_config.patch({"triton.cudagraphs": True}):

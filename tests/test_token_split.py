@@ -17,6 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import weavepass.compile.strategies.split as token_split
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
+from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.wave_model import TokenSplitPlan
 from weavepass.testing import ATOL, TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 from weavepass.testing.distributed import fake_process_group
@@ -497,8 +498,9 @@ def test_a_where_mask_that_cannot_hide_a_key_is_refused():
         torch._dynamo.reset()
         torch.compile(_zero_filled_attention_model, backend=backend, fullgraph=True)(*args)
     (graph,) = backend.report.graphs
-    assert not graph.note.startswith("token split"), graph.note
-    assert "where()'s condition choosing between the scores and the dtype's lowest value" in graph.note
+    (reason,) = graph.reasons
+    assert reason.code is ReasonCode.SPLIT_NOT_POSSIBLE, graph.note
+    assert reason.field("cause").code is ReasonCode.SPLIT_KEYS_NOT_MASK, graph.note
 
 
 def _routed_model(x, w_in, router, w_up, w_down):
@@ -556,7 +558,7 @@ def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
     weights = [torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g) / 4,
                torch.randn(16, 16, generator=g) / 4]
     auto = WeaveConfig(overlap="auto", overlap_min_tokens=2, overlap_min_tokens_moe=2, overlap_max_tokens=64)
-    for batch, seq, expect in ((1, 7, "fuse-only: the attention mask"), (4, 5, "token split (batch)")):
+    for batch, seq, codes in ((1, 7, [ReasonCode.SPLIT_RUN_TIME_MASK]), (4, 5, [])):
         mask = torch.ones(seq, seq, dtype=torch.bool).tril()
         if form == "additive":
             mask = torch.zeros(seq, seq).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -566,11 +568,12 @@ def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
             torch._dynamo.reset()
             fn(torch.randn(batch, seq, 16, generator=g), *weights, mask, form)
         (graph,) = backend.report.graphs
-        assert graph.note.startswith(expect), graph.note
+        assert graph.codes == codes, graph.note
         if batch == 1:
-            assert "is an input" in graph.note and "overlap='force'" in graph.note, graph.note
+            assert "overlap='force'" in graph.note, graph.note  # the sentence says what to do
             assert graph.ops_after.get(ASYNC, 0) == 0 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
         else:
+            assert graph.note.startswith("token split (batch)"), graph.note
             assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
 
 

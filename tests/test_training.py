@@ -17,6 +17,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import weavepass
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_TRAIN
 from weavepass.testing.distributed import fake_process_group, spawn
 from weavepass.testing.harness import check_against_eager
@@ -148,10 +149,9 @@ def test_training_norm_in_bf16_is_refused_with_a_training_reason():
     backend, _ = _train_compile(weavepass.WeaveConfig(), torch.bfloat16, upcast=False)
     forward_report = backend.report.graphs[0]
     assert TRAIN_OP not in forward_report.ops_after
-    reasons = [r.reason for r in forward_report.records]
-    assert len(reasons) == 2
-    for reason in reasons:
-        assert "training: " in reason and "saved for backward" in reason, reason
+    assert len(forward_report.records) == 2
+    for record in forward_report.records:
+        assert ReasonCode.SAVED_FOR_BACKWARD in record.reasons[0].codes(), record.reason
 
 
 def test_training_layer_norm_fuses_where_backward_saves_only_its_outputs():
@@ -162,8 +162,11 @@ def test_training_layer_norm_fuses_where_backward_saves_only_its_outputs():
     forward_report = backend.report.graphs[0]
     assert forward_report.ops_after["weave.fused_allreduce_layernorm.default"] == 1
     first, second = forward_report.records
-    assert not first.lowering and "training: rsqrt is saved for backward (as div_1), and the fused op " \
-        "for a LayerNorm returns only its outputs" in first.reason, first.reason
+    saved = first.reasons[0].find(ReasonCode.SAVED_FOR_BACKWARD)
+    assert not first.lowering and saved == Reason.of(ReasonCode.SAVED_FOR_BACKWARD, node="rsqrt", user="div_1",
+                                                     norm_kind="LayerNorm"), first.reason
+    assert ("training: rsqrt is saved for backward (as div_1), and the fused op for a LayerNorm returns only "
+            "its outputs") in first.reason  # the rendered sentence
     assert second.lowering == "portable" and "LayerNorm (var_mean)" in second.kind
 
 
@@ -175,8 +178,8 @@ def test_training_graphs_skip_the_split_and_flashcomm_with_a_note(config, note):
     backend, _ = _train_compile(config, torch.float32)
     forward_report = backend.report.graphs[0]
     assert forward_report.ops_after[TRAIN_OP] == 2
-    assert any(n.startswith(note) and "saved for backward" in n for n in forward_report.notes), \
-        forward_report.notes
+    assert forward_report.codes == [ReasonCode.TRAINING], forward_report.notes
+    assert any(n.startswith(note) for n in forward_report.notes), forward_report.notes
 
 
 def _rank(rank: int, world: int) -> dict:

@@ -91,7 +91,8 @@ def _compile(config: WeaveConfig, tokens: int = 640, mode: str = "fake", dtype=t
     sites, _ = find_allreduce_rmsnorm_sites(graph)
     plans = plan_sites(sites, config)
     report = GraphReport(0, ops_before=op_counts(graph))
-    report.records = [AllReduceRecord(p.site.all_reduce.name, True, p.reason, p.site.kind) for p in plans]
+    report.records = [AllReduceRecord(p.site.all_reduce.name, True, [p.reason] if p.code is not ReasonCode.NONE else [], p.site.kind)
+                      for p in plans]
     rewrite = GraphRewrite(graph, plans, config, report)
     rewrite.decisions = []
     for strategy in (FuseStrategy(), SplitStrategy()):
@@ -270,7 +271,8 @@ def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, sp
     assert note.startswith("auto: ") and text in note and path in note, note
     if code is ReasonCode.TUNED_NO_REWRITE:
         assert [(p.lowering, p.code) for p in rewrite.plans] == [(None, code)] * 2
-        assert all(r.reason.startswith("left as all_reduce: auto: no rewrite") for r in rewrite.report.records)
+        assert all(r.codes == [code] for r in rewrite.report.records)
+        assert all(r.reason.startswith("auto: no rewrite") for r in rewrite.report.records)  # the rendering
         assert rewrite.decisions[-1].code is code
     elif code is ReasonCode.TUNED_FUSE_ONLY:
         assert (rewrite.decisions[-1].use, rewrite.decisions[-1].code) == (False, code)

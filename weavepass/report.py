@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weavepass.compile.reasons import Reason, ReasonCode
 
 
 REPLICATED_ASSUMPTION = (
@@ -20,10 +24,22 @@ class AllReduceRecord:
 
     node: str
     matched: bool
-    reason: str = ""
+    reasons: list[Reason] = field(default_factory=list)
+    """Why it is not rewritten, or not the first way it could be (codes for code and tests)."""
     kind: str = ""
     lowering: str = ""
     matmul: str = ""
+    notes: list[str] = field(default_factory=list)
+    """How it was rewritten, where there was a choice (FlashComm's per-site notes)."""
+
+    @property
+    def codes(self) -> list[ReasonCode]:
+        return [r.code for r in self.reasons]
+
+    @property
+    def reason(self) -> str:
+        """The reasons and notes, as users read them."""
+        return "; ".join([r.render() for r in self.reasons] + self.notes)
 
 
 @dataclass
@@ -35,13 +51,25 @@ class GraphReport:
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
+    reasons: list[Reason] = field(default_factory=list)
+    """The graph-wide reasons behind the declines among ``notes`` (``decline``), in order."""
     logged_as: int | None = None
     """In a report that numbers its graphs itself (``explain``, ``weave``): the number the backend
     gave this graph, which its log lines and errors use; None where the two are the same."""
 
     def add_note(self, text: str) -> None:
-        """A graph-wide decision (a strategy used or declined, and why); notes accumulate."""
+        """A graph-wide decision (a strategy used, or what it did); notes accumulate."""
         self.notes.append(text)
+
+    def decline(self, prefix: str, reason: Reason) -> None:
+        """A strategy not used on this graph: the note ``prefix: <reason>``, and the reason."""
+        self.reasons.append(reason)
+        self.add_note(f"{prefix}: {reason.render()}")
+
+    @property
+    def codes(self) -> list[ReasonCode]:
+        """The codes of the graph-wide declines, in order."""
+        return [r.code for r in self.reasons]
 
     @property
     def note(self) -> str:

@@ -18,7 +18,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from weavepass.config import WeaveConfig
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_read_back
-from weavepass.compile.planner import INDUCTOR_CUDAGRAPHS_NOTE, plan_sites
+from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import STRATEGIES, GraphRewrite
 from weavepass.plan_check import check_plan_across_ranks
@@ -121,14 +121,15 @@ class WeavePass(CustomGraphPass):
         records: dict[int, AllReduceRecord] = {}
         for rejection in rejected:
             name = rejection.all_reduce.name
-            records[position[rejection.all_reduce]] = AllReduceRecord(name, False, rejection.reason)
+            records[position[rejection.all_reduce]] = AllReduceRecord(name, False, [rejection.reason])
             log.info("weavepass: %s left alone: %s", name, rejection.reason)
         plans = plan_sites(sites, self.config)
         for plan in plans:
             site = plan.site
             matmul = site.matmul.name if site.matmul is not None else ""
+            reasons = [plan.reason] if plan.code is not ReasonCode.NONE else []
             records[position[site.all_reduce]] = AllReduceRecord(
-                site.all_reduce.name, True, plan.reason, site.kind, "", matmul
+                site.all_reduce.name, True, reasons, site.kind, "", matmul
             )
         report.records = [records[i] for i in sorted(records)]
         for plan in plans:  # a merged all_reduce has no record of its own: the graph says where it went
@@ -141,7 +142,7 @@ class WeavePass(CustomGraphPass):
             report.add_note(nothing_to_rewrite_note(len(rejected)))
             log.info("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
         if plans and plans[0].code is ReasonCode.INDUCTOR_CUDAGRAPHS:  # graph-wide: no strategy runs
-            report.add_note(f"not rewritten: {INDUCTOR_CUDAGRAPHS_NOTE}")
+            report.decline("not rewritten", plans[0].reason)
             log.warning("weavepass: graph %d %s", report.graph_index, report.notes[-1])
             return
 

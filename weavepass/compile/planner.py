@@ -14,21 +14,26 @@ import torch.distributed as dist
 
 from weavepass.config import WeaveConfig
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.tuned import TunedDecision, tuned_decision
 
 
-@dataclass
+NO_REASON = Reason(ReasonCode.NONE)
+
+
+@dataclass(frozen=True)
 class SitePlan:
-    """What to do with one site: rewrite it on ``lowering`` or skip it for ``reason``."""
+    """What to do with one site (the finder's match): rewrite it on ``lowering`` or skip it (None),
+    and why not the first choice (``reason``; ``ReasonCode.NONE``: nothing to say)."""
 
     site: FusedAllReduceRMSNormSite
     lowering: str | None
-    reason: str = ""
-    """Why not the first choice, for users (empty: nothing to say)."""
-    code: ReasonCode = ReasonCode.NONE
-    """What ``reason`` says, for code and tests."""
+    reason: Reason = NO_REASON
+
+    @property
+    def code(self) -> ReasonCode:
+        return self.reason.code
     tuned: TunedDecision | None = None
     """The tuning table's call for the whole graph (``overlap="auto"``), the same on every plan of
     it; None where no table was asked (no site to rewrite, another overlap mode, no table)."""
@@ -54,15 +59,10 @@ def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
     return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
 
 
-CUDA_COPY_NOTE = ("the kernel copies the partial sums into the symmetric workspace (the producing "
-                  "matmul does not write there directly)")
+CUDA_COPY = Reason(ReasonCode.CUDA_COPY)
 """Said on every ``cuda_symm`` site: one extra read of the partial per site (docs/cuda_kernel.md)."""
 
-
-INDUCTOR_CUDAGRAPHS_NOTE = (
-    "left as all_reduce: Inductor CUDA graphs (mode='reduce-overhead') are on and "
-    "WeaveConfig.allow_inductor_cudagraphs is False"
-)
+INDUCTOR_CUDAGRAPHS = Reason(ReasonCode.INDUCTOR_CUDAGRAPHS)
 """Said on every CUDA site of a graph Inductor wraps in CUDA-graph trees when the config forbids it."""
 
 
@@ -75,8 +75,8 @@ def inductor_cudagraphs_on() -> bool:
 
 def choose_lowering(
     site: FusedAllReduceRMSNormSite, config: WeaveConfig
-) -> tuple[str | None, ReasonCode, str]:
-    """``(lowering, code, note)``: the lowering for ``site`` (None: leave it alone) and, if not the
+) -> tuple[str | None, Reason]:
+    """``(lowering, reason)``: the lowering for ``site`` (None: leave it alone) and, if not the
     first choice, why.
 
     On CUDA, ``auto`` rewrites a site only when the fused kernel can run it: the portable path
@@ -86,29 +86,25 @@ def choose_lowering(
     auto = config.lowering == "auto"
     wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
     if wanted != "cuda_symm":
-        return wanted, ReasonCode.NONE, ""
-    reason = _cuda_unsupported_reason(site)
-    if reason is None:
+        return wanted, NO_REASON
+    cause = _cuda_unsupported_reason(site)
+    if cause is None:
         tokens = TokenCount.of(site.partial).static
         if auto and tokens is not None and tokens < config.cuda_min_tokens and not inductor_cudagraphs_on():
-            return None, ReasonCode.CUDA_MIN_TOKENS, (
-                f"left as all_reduce: {tokens} tokens < cuda_min_tokens={config.cuda_min_tokens} "
-                "without CUDA graphs (host-bound: the fused op's launch costs more than it saves); "
-                "set cuda_min_tokens=1 if you capture CUDA graphs yourself (torch.cuda.graph)"
-            )
-        return wanted, ReasonCode.CUDA_COPY, CUDA_COPY_NOTE
+            return None, Reason.of(ReasonCode.CUDA_MIN_TOKENS, tokens=tokens, min_tokens=config.cuda_min_tokens)
+        return wanted, CUDA_COPY
     if auto:
-        return None, ReasonCode.CUDA_UNSUPPORTED, f"left as all_reduce: the CUDA kernel cannot run it ({reason})"
-    return "portable", ReasonCode.PORTABLE_FALLBACK, f"portable instead of cuda_symm: {reason}"
+        return None, Reason.of(ReasonCode.CUDA_UNSUPPORTED, cause=cause)
+    return "portable", Reason.of(ReasonCode.PORTABLE_FALLBACK, cause=cause)
 
 
-def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> str | None:
-    """``INDUCTOR_CUDAGRAPHS_NOTE`` when Inductor wraps this graph in CUDA-graph trees, the graph has
+def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> Reason | None:
+    """``INDUCTOR_CUDAGRAPHS`` when Inductor wraps this graph in CUDA-graph trees, the graph has
     CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops
     every strategy (fused sites, the token split and FlashComm), not one lowering."""
     if config.allow_inductor_cudagraphs or not inductor_cudagraphs_on():
         return None
-    return INDUCTOR_CUDAGRAPHS_NOTE if any(site.device.type == "cuda" for site in sites) else None
+    return INDUCTOR_CUDAGRAPHS if any(site.device.type == "cuda" for site in sites) else None
 
 
 def graph_tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> TunedDecision | None:
@@ -124,23 +120,20 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
     lowerings this process has; never the rank."""
     blocked = inductor_cudagraphs_reason(sites, config)
     if blocked is not None:
-        return [SitePlan(site, None, blocked, ReasonCode.INDUCTOR_CUDAGRAPHS) for site in sites]
+        return [SitePlan(site, None, blocked) for site in sites]
     tuned = functools.cache(lambda: graph_tuned_decision(sites, config))  # asked once, where a site is rewritten
     plans = []
     for site in sites:
         size = group_size(site.group_name)
         if size is None:
-            plans.append(SitePlan(site, None, f"process group {site.group_name!r} is not known here",
-                                  ReasonCode.GROUP_UNKNOWN))
+            plans.append(SitePlan(site, None, Reason.of(ReasonCode.GROUP_UNKNOWN, group=site.group_name)))
         elif size < config.min_world_size:
-            plans.append(SitePlan(
-                site, None, f"group of {size} rank(s) < min_world_size={config.min_world_size}",
-                ReasonCode.GROUP_TOO_SMALL,
-            ))
+            plans.append(SitePlan(site, None, Reason.of(ReasonCode.GROUP_TOO_SMALL, size=size,
+                                                        min_world_size=config.min_world_size)))
         else:
-            lowering, code, note = choose_lowering(site, config)
+            lowering, reason = choose_lowering(site, config)
             decision = tuned() if lowering is not None else None
             if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
-                lowering, code, note = None, decision.code, f"left as all_reduce: {decision.text}"
-            plans.append(SitePlan(site, lowering, note, code, decision))
+                lowering, reason = None, decision.reason
+            plans.append(SitePlan(site, lowering, reason, decision))
     return plans

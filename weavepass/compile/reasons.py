@@ -1,12 +1,17 @@
-"""Reason codes: why a site or a graph is (not) rewritten the way it could be.
+"""Reasons: why a site or a graph is (not) rewritten the way it could be.
 
-Every plan and strategy decision carries a ``ReasonCode`` and a text. Code branches and tests on the
-code; the text is what users read (explain report, logger ``weavepass``) and may change freely.
+A reason is a ``ReasonCode`` and the detail as named fields (``Reason``); its sentence is rendered
+from them (``Reason.render``, the table ``MESSAGES``), by the explain report and the ``weavepass``
+logger. Code and tests branch on the code and read the fields, never the text, which may change
+freely. A reason may carry another as a field (``cause``): where a reading stopped, inside the step
+that gave up (``Reason.codes()`` lists the chain, outermost first).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 
 class ReasonCode(enum.Enum):
@@ -15,7 +20,64 @@ class ReasonCode(enum.Enum):
     NOT_ASKED = "not_asked"
     """The config does not ask for this strategy (nothing is reported)."""
 
-    # Per site (``planner.SitePlan``)
+    # -- The finder (``patterns/``): why an all_reduce is not a site
+    REDUCE_OP_NOT_SUM = "reduce_op_not_sum"
+    INPUT_NO_METADATA = "input_no_metadata"
+    """A value the match needs has no fake tensor (``node``)."""
+    IN_PLACE_INPUT_READ = "in_place_input_read"
+    NOT_ONE_WAIT = "not_one_wait"
+    SUM_OTHER_READERS = "sum_other_readers"
+    """The sum has readers besides the residual add that feeds the norm (``readers``)."""
+    RESIDUAL_ADD_UNFIT = "residual_add_unfit"
+    """The add after the sum is not ``S + R`` as the fused op computes it (``cause``)."""
+    ADDS_SUM_TO_ITSELF = "adds_sum_to_itself"
+    ADD_ALPHA = "add_alpha"
+    RESIDUAL_NOT_TENSOR = "residual_not_tensor"
+    RESIDUAL_BROADCAST = "residual_broadcast"
+    RESIDUAL_DTYPE = "residual_dtype"
+    AFTER_ADD = "after_add"
+    """Read on past an add of ``added`` (a residual, a shared expert, another sum): ``cause``."""
+    AFTER_PARTNER_ADD = "after_partner_add"
+    """Read on past the add of another all_reduce's sum (``partner``): ``cause``."""
+    BOTH_READINGS_FAIL = "both_readings_fail"
+    """``sum + x``: neither ``x`` as the residual (``plain``) nor as added to the sum (``folded``)."""
+    PARTNER_UNFIT = "partner_unfit"
+    """Added to another all_reduce's sum that cannot share the collective (``cause``)."""
+    PARTNER_NOT_A_SUM = "partner_not_a_sum"
+    PARTNER_OTHER_GROUP = "partner_other_group"
+    PARTNER_OTHER_DTYPE = "partner_other_dtype"
+    RANK_LOCAL_INPUT = "rank_local_input"
+    """A value the op needs the same on every rank is computed from the site's own partial."""
+    LATE_INPUT = "late_input"
+    SAVED_INV_RMS_SHAPE = "saved_inv_rms_shape"
+    ALREADY_CLAIMED = "already_claimed"
+    # The norm (``patterns/rmsnorm.py``)
+    NO_NORM = "no_norm"
+    NORM_OVER_SEVERAL_DIMS = "norm_over_several_dims"
+    NORM_STATS_SAVED = "norm_stats_saved"
+    NORM_STATS_READ = "norm_stats_read"
+    NORM_OUTPUT_GETITEMS = "norm_output_getitems"
+    EPS_NOT_CONSTANT = "eps_not_constant"
+    EPS_ALPHA = "eps_alpha"
+    NORM_VALUE_SHARED = "norm_value_shared"
+    """A value inside the norm (``what``) is read elsewhere too (``cause``)."""
+    SAVED_FOR_BACKWARD = "saved_for_backward"
+    """A training graph saves ``node`` for backward, which the fused op does not return."""
+    READ_BY_OUTPUT = "read_by_output"
+    READ_BY = "read_by"
+    NOT_FOLLOWED_BY = "not_followed_by"
+    NORM_NOT_LAST_DIM = "norm_not_last_dim"
+    MEAN_DROPS_DIM = "mean_drops_dim"
+    NO_ROOT_AFTER_EPS = "no_root_after_eps"
+    INV_RMS_NOT_SCALING_INPUT = "inv_rms_not_scaling_input"
+    INV_STD_NOT_SCALING_CENTRED = "inv_std_not_scaling_centred"
+    NARROWING_CAST = "narrowing_cast"
+    VAR_MEAN_NOT_LAST_DIM = "var_mean_not_last_dim"
+    UNBIASED_VARIANCE = "unbiased_variance"
+    VAR_MEAN_OUTPUTS = "var_mean_outputs"
+    MEAN_SUB_ALPHA = "mean_sub_alpha"
+
+    # -- Per site (``planner.SitePlan``)
     GROUP_UNKNOWN = "group_unknown"
     """The process group is not known in this process."""
     GROUP_TOO_SMALL = "group_too_small"
@@ -34,7 +96,7 @@ class ReasonCode(enum.Enum):
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
 
-    # Per graph (strategy decisions)
+    # -- Per graph (strategy decisions)
     NO_SITES = "no_sites"
     MIXED_GROUPS = "mixed_groups"
     SYMBOLIC_TOKENS = "symbolic_tokens"
@@ -43,13 +105,104 @@ class ReasonCode(enum.Enum):
     TOO_FEW_TOKENS = "too_few_tokens"
     STREAM_BROKEN = "stream_broken"
     """The residual stream does not run from one site to the next."""
+    NO_RESIDUAL_ADD = "no_residual_add"
+    """FlashComm: a site after the first has no residual add, so the stream does not continue."""
     NO_TOKEN_DIM = "no_token_dim"
     """A site's norm reads a 1-D ``[H]`` value: its ops name dims of a tensor without a token dim."""
+    FLASHCOMM_DECLINED = "flashcomm_declined"
+    """On the record of the site that stopped FlashComm: why (``cause``)."""
+
+    # -- The token split (``strategies/split``): why a graph stays fuse-only
+    SPLIT_NOT_POSSIBLE = "split_not_possible"
+    """The split has no way to cut a node of the region (``cause``, one of the ``SPLIT_*`` below)."""
+    SPLIT_NOTHING_FUSED = "split_nothing_fused"
+    SPLIT_ONE_SITE = "split_one_site"
+    SPLIT_PLAN = "split_plan"
+    """The split planner (``wave_model``) does not cut this graph (its words: ``cause``)."""
+    SPLIT_FEW_SYMBOLIC_UNITS = "split_few_symbolic_units"
+    SPLIT_RUN_TIME_MASK = "split_run_time_mask"
+    SPLIT_TOKEN_ARGUMENT_POSITION = 'split_token_argument_position'
+    SPLIT_NO_RULE = 'split_no_rule'
+    SPLIT_IN_PLACE_WRITE = 'split_in_place_write'
+    SPLIT_VIEW_MOVES_CUT = 'split_view_moves_cut'
+    SPLIT_BMM_RIGHT_SEQUENCES = 'split_bmm_right_sequences'
+    SPLIT_RESIDUAL_PARTIAL_DIMS = 'split_residual_partial_dims'
+    SPLIT_OUTPUT_NOT_SPLIT = 'split_output_not_split'
+    SPLIT_READS_TOKEN_SIZE = 'split_reads_token_size'
+    SPLIT_INPUT_DIMS_DIFFER = 'split_input_dims_differ'
+    SPLIT_CAT_TOKEN_DIM = 'split_cat_token_dim'
+    SPLIT_NO_BROADCAST = 'split_no_broadcast'
+    SPLIT_INDEX_FROM_TOKENS = 'split_index_from_tokens'
+    SPLIT_INDEX_SELECT_TOKEN_DIM = 'split_index_select_token_dim'
+    SPLIT_INDEXES_TOKEN_DIM = 'split_indexes_token_dim'
+    SPLIT_SQUEEZES_TOKEN_DIM = 'split_squeezes_token_dim'
+    SPLIT_SLICES_TOKEN_DIM = 'split_slices_token_dim'
+    SPLIT_REDUCES_TOKEN_DIM = 'split_reduces_token_dim'
+    SPLIT_ALONG_TOKEN_DIM = 'split_along_token_dim'
+    SPLIT_ALL_GATHER_TOKEN_DIM = 'split_all_gather_token_dim'
+    SPLIT_TOKENS_NOT_ROWS = 'split_tokens_not_rows'
+    SPLIT_CONTRACTS_TOKEN_DIM = 'split_contracts_token_dim'
+    SPLIT_PARTIAL_NOT_FROM_TOKENS = 'split_partial_not_from_tokens'
+    SPLIT_RESIDUAL_NOT_FROM_SITE = 'split_residual_not_from_site'
+    SPLIT_NOT_LINED_UP = 'split_not_lined_up'
+    SPLIT_OP_INPUT_DIMS_DIFFER = 'split_op_input_dims_differ'
+    SPLIT_TOKEN_FREE_INDEX = 'split_token_free_index'
+    SPLIT_VIEW_SYMBOLIC_SIZE = 'split_view_symbolic_size'
+    SPLIT_COUNTS_AS_ROWS = 'split_counts_as_rows'
+    SPLIT_READS_EXPERT_COUNTS = 'split_reads_expert_counts'
+    SPLIT_SORT_TOKEN_DIM = 'split_sort_token_dim'
+    SPLIT_SORT_DESCENDING = 'split_sort_descending'
+    SPLIT_READS_EXPERT_ROWS = 'split_reads_expert_rows'
+    SPLIT_MIXES_ROW_ORDERS = 'split_mixes_row_orders'
+    SPLIT_TOKEN_FREE_EXPERT_ROWS = 'split_token_free_expert_rows'
+    SPLIT_ROW_POSITIONS_ARITHMETIC = 'split_row_positions_arithmetic'
+    SPLIT_COUNTS_DTYPE = 'split_counts_dtype'
+    SPLIT_HISTC_BINS = 'split_histc_bins'
+    SPLIT_GROUPED_MM_OPERANDS = 'split_grouped_mm_operands'
+    SPLIT_INDEX_SEVERAL_DIMS = 'split_index_several_dims'
+    SPLIT_SCATTER_NOT_BY_POSITIONS = 'split_scatter_not_by_positions'
+    SPLIT_SCATTER_NOT_PERMUTATION = 'split_scatter_not_permutation'
+    SPLIT_SCATTER_ADDS_POSITIONS = 'split_scatter_adds_positions'
+    SPLIT_ROUTING_SYMBOLIC = 'split_routing_symbolic'
+    SPLIT_VIEW_REGROUPS_EXPERT_ROWS = 'split_view_regroups_expert_rows'
+    SPLIT_GATHER_OTHER_ROWS = 'split_gather_other_rows'
+    SPLIT_INDEX_TOKEN_DIM_BY_TOKENS = 'split_index_token_dim_by_tokens'
+    SPLIT_INDEX_ADD_DIM = 'split_index_add_dim'
+    SPLIT_SCATTER_VALUES_ORDER = 'split_scatter_values_order'
+    SPLIT_SCATTER_TARGET = 'split_scatter_target'
+    SPLIT_ROUTING_READ_OUTSIDE = 'split_routing_read_outside'
+    SPLIT_ROUTING_CONSTANT_EARLY = 'split_routing_constant_early'
+    SPLIT_ROUTING_CONSTANT_SHARED = 'split_routing_constant_shared'
+    SPLIT_NO_SCORES_RULE = 'split_no_scores_rule'
+    SPLIT_BMM_CUT_SEQUENCE = 'split_bmm_cut_sequence'
+    SPLIT_READS_SCORES = 'split_reads_scores'
+    SPLIT_SCORES_ARGUMENT_POSITION = 'split_scores_argument_position'
+    SPLIT_PROBABILITIES_TIMES_NOT_VALUES = 'split_probabilities_times_not_values'
+    SPLIT_PROBABILITIES_NOT_MASKED_SOFTMAX = 'split_probabilities_not_masked_softmax'
+    SPLIT_SCORES_VIEW = 'split_scores_view'
+    SPLIT_SCORES_KEY_DIMS = 'split_scores_key_dims'
+    SPLIT_SCORES_REDUCED_OTHER_DIMS = 'split_scores_reduced_other_dims'
+    SPLIT_SCORES_REDUCED_OVER_KEYS = 'split_scores_reduced_over_keys'
+    SPLIT_SCORES_OTHER_DIM = 'split_scores_other_dim'
+    SPLIT_LINED_UP_WITH_KEYS = 'split_lined_up_with_keys'
+    SPLIT_KEYS_NOT_MASK = 'split_keys_not_mask'
+    SPLIT_ATTENTION_DROPOUT = 'split_attention_dropout'
+    SPLIT_MASK_FROM_TOKENS = 'split_mask_from_tokens'
+    SPLIT_ATTENTION_OUTPUTS = 'split_attention_outputs'
+    SPLIT_QKV_DIMS = 'split_qkv_dims'
+    SPLIT_BIDIRECTIONAL_CUT = 'split_bidirectional_cut'
+    SPLIT_CAUSAL_OFFSET = 'split_causal_offset'
+    SPLIT_MASK_SHAPE = 'split_mask_shape'
+    SPLIT_READS_TOKENS = 'split_reads_tokens'
+    SPLIT_SCORES_AFTER_LAST_SITE = 'split_scores_after_last_site'
+    SPLIT_EXPERT_ROWS_INPUT = 'split_expert_rows_input'
+    SPLIT_UNITS_DO_NOT_DIVIDE = 'split_units_do_not_divide'
+    SPLIT_INPUT_SHAPE = 'split_input_shape'
 
     # ``overlap="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
     TUNED_NO_REWRITE = "tuned_no_rewrite"
     """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
-    neighbouring cells: the sites stay all_reduce."""
+    neighbouring cells: the sites stay all_reduce (``text``: the table's words)."""
     TUNED_FUSE_ONLY = "tuned_fuse_only"
     """The table chose fuse-only: the split was not measured faster at the neighbouring cells."""
     TUNED_SPLIT = "tuned_split"
@@ -57,3 +210,290 @@ class ReasonCode(enum.Enum):
     TUNING_TABLE_NOT_APPLICABLE = "tuning_table_not_applicable"
     """The table has no entry for this graph (another world size, device, dtype, compile mode or layer
     widths): the overlap window (``overlap_min_tokens``..``overlap_max_tokens``) decides."""
+
+
+Fields = tuple[tuple[str, object], ...]
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why: a ``code`` and its detail as named ``fields`` (node names, sizes, dtypes, a ``cause``)."""
+
+    code: ReasonCode
+    fields: Fields = ()
+
+    @classmethod
+    def of(cls, code: ReasonCode, **fields: object) -> Reason:
+        return cls(code, tuple(fields.items()))
+
+    def field(self, name: str) -> object:
+        for key, value in self.fields:
+            if key == name:
+                return value
+        raise KeyError(f"{self.code.name} has no field {name!r}")
+
+    def codes(self) -> Iterator[ReasonCode]:
+        """This reason's code and those of the reasons it carries (depth first, outermost first)."""
+        yield self.code
+        for _, value in self.fields:
+            if isinstance(value, Reason):
+                yield from value.codes()
+
+    def find(self, code: ReasonCode) -> Reason | None:
+        """The first reason with ``code`` in this one's chain (itself included, depth first), or None."""
+        if self.code is code:
+            return self
+        for _, value in self.fields:
+            found = value.find(code) if isinstance(value, Reason) else None
+            if found is not None:
+                return found
+        return None
+
+    def render(self) -> str:
+        """The sentence users read."""
+        message = MESSAGES[self.code]
+        fields = dict(self.fields)
+        return message(fields) if callable(message) else message.format(**fields)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _readers(fields: dict[str, object]) -> str:
+    readers = fields["readers"]
+    assert isinstance(readers, tuple)
+    parts = []
+    for name, written_into in readers:
+        parts.append(name if not written_into else (
+            f"{name} (the sum is written back into the graph input {written_into}: an in-place "
+            "all_reduce of, or a copy_ into, a tensor the compiled code was given)"))
+    return (f"the all_reduce result has {len(readers)} other user(s) besides the residual add that "
+            f"feeds the norm: {', '.join(parts)}")
+
+
+def _saved_for_backward(fields: dict[str, object]) -> str:
+    returns = ("can return only the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs"
+               if fields["norm_kind"] == "RMSNorm" else "for a LayerNorm returns only its outputs")
+    saved_as = f" (as {fields['user']})" if fields["user"] else ""
+    return (f"training: {fields['node']} is saved for backward{saved_as}, and the fused op {returns} "
+            "(run the model under torch.no_grad() or torch.inference_mode() to fuse it)")
+
+
+def _both_readings(fields: dict[str, object]) -> str:
+    plain, folded = fields["plain"], fields["folded"]
+    assert isinstance(plain, Reason) and isinstance(folded, Reason)
+    # Said once where the second reading stopped where the first did, or for the same cause one
+    # add further on (a lifted eps stops every norm alike).
+    if _past_add(plain) in (folded, _past_add(folded)):
+        return plain.render()
+    return f"{plain.render()}; after that: {folded.render()}"
+
+
+def _past_add(reason: Reason) -> Reason:
+    """``reason`` without the add it read past (``AFTER_ADD``): where the reading stopped."""
+    if reason.code in (ReasonCode.AFTER_ADD, ReasonCode.AFTER_PARTNER_ADD):
+        cause = reason.field("cause")
+        assert isinstance(cause, Reason)
+        return cause
+    return reason
+
+
+EPS_NOT_CONSTANT_TEXT = (
+    "the norm's eps is not a constant but a graph input (torch.compile(dynamic=True) lifts Python "
+    "floats into inputs): set torch._dynamo.config.specialize_float = True, or mark only the token "
+    "dim dynamic with torch._dynamo.mark_dynamic"
+)
+
+INDUCTOR_CUDAGRAPHS_TEXT = (
+    "left as all_reduce: Inductor CUDA graphs (mode='reduce-overhead') are on and "
+    "WeaveConfig.allow_inductor_cudagraphs is False"
+)
+
+CUDA_COPY_TEXT = ("the kernel copies the partial sums into the symmetric workspace (the producing "
+                  "matmul does not write there directly)")
+
+TRAINING_TEXT = (
+    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
+    "rewrite inference graphs only (the graph's sites are fused without them)"
+)
+
+Message = str | Callable[[dict[str, object]], str]
+
+MESSAGES: dict[ReasonCode, Message] = {
+    ReasonCode.NONE: "",
+    ReasonCode.NOT_ASKED: "not asked for",
+    ReasonCode.REDUCE_OP_NOT_SUM: "all_reduce op is {op!r}; only 'sum' is a row-parallel reduction",
+    ReasonCode.INPUT_NO_METADATA: "{node} has no tensor metadata",
+    ReasonCode.IN_PLACE_INPUT_READ: "in-place all_reduce whose input is read elsewhere",
+    ReasonCode.NOT_ONE_WAIT: "the all_reduce result is not consumed through exactly one wait_tensor",
+    ReasonCode.SUM_OTHER_READERS: _readers,
+    ReasonCode.RESIDUAL_ADD_UNFIT: "the residual add ({add}): {cause}",
+    ReasonCode.ADDS_SUM_TO_ITSELF: "it adds the reduced sum to itself, so there is no residual",
+    ReasonCode.ADD_ALPHA: "alpha={alpha} scales {operand}; only a plain add (alpha=1) is fused",
+    ReasonCode.RESIDUAL_NOT_TENSOR: "the residual {residual} is not a tensor",
+    ReasonCode.RESIDUAL_BROADCAST: ("the residual's shape {shape} is not the reduced sum's {sum_shape} "
+                                    "(broadcasting is not fused)"),
+    ReasonCode.RESIDUAL_DTYPE: ("it adds {sum_dtype} and a {dtype} residual into {out_dtype}; the fused op "
+                                "needs one dtype (no type promotion)"),
+    ReasonCode.AFTER_ADD: "after adding {added}: {cause}",
+    ReasonCode.AFTER_PARTNER_ADD: "after adding {added} ({partner}'s sum): {cause}",
+    ReasonCode.BOTH_READINGS_FAIL: _both_readings,
+    ReasonCode.PARTNER_UNFIT: ("the sum is added to another all_reduce's sum, which cannot share its "
+                               "collective: {cause}"),
+    ReasonCode.PARTNER_NOT_A_SUM: "{partner}: {cause}",
+    ReasonCode.PARTNER_OTHER_GROUP: "{partner} reduces over group {group!r}, not {expected!r}",
+    ReasonCode.PARTNER_OTHER_DTYPE: "{partner} sums {dtype}, not {expected}",
+    ReasonCode.RANK_LOCAL_INPUT: ("{input} is computed from the all_reduce's own partial sum ({partial}), "
+                                  "which differs between ranks; the fused op needs it the same on every rank"),
+    ReasonCode.LATE_INPUT: ("{node} is computed after {point}, where the fused op goes, and depends on it; "
+                            "cannot fuse"),
+    ReasonCode.SAVED_INV_RMS_SHAPE: ("training: the inverse RMS {node} saved for backward has shape {shape}, "
+                                     "not the fused op's {expected} (a view between the residual add and the norm)"),
+    ReasonCode.ALREADY_CLAIMED: "{node} is already part of the site of {site}",
+    ReasonCode.NO_NORM: "no RMSNorm or LayerNorm consumes the value (first user: {first_user})",
+    ReasonCode.NORM_OVER_SEVERAL_DIMS: "{op} normalises over {ndims} dims, not only the last",
+    ReasonCode.NORM_STATS_SAVED: ("training: the norm's statistics output {node} is saved for backward "
+                                  "({op} is not fused in training graphs)"),
+    ReasonCode.NORM_STATS_READ: "the norm's statistics outputs are used elsewhere",
+    ReasonCode.NORM_OUTPUT_GETITEMS: "the norm output is read through several getitems",
+    ReasonCode.EPS_NOT_CONSTANT: EPS_NOT_CONSTANT_TEXT,
+    ReasonCode.EPS_ALPHA: "the eps add scales eps by alpha={alpha}; only mean + eps is matched",
+    ReasonCode.NORM_VALUE_SHARED: "{what}: {cause}",
+    ReasonCode.SAVED_FOR_BACKWARD: _saved_for_backward,
+    ReasonCode.READ_BY_OUTPUT: "{node} is also used by output (the graph returns it)",
+    ReasonCode.READ_BY: "{node} is also used by {user}",
+    ReasonCode.NOT_FOLLOWED_BY: "{what} is not followed by {wanted}",
+    ReasonCode.NORM_NOT_LAST_DIM: "the norm reduces over dims {dims}, not the last dim",
+    ReasonCode.MEAN_DROPS_DIM: "{what} drops its dim",
+    ReasonCode.NO_ROOT_AFTER_EPS: "{what} plus eps is not followed by rsqrt or sqrt",
+    ReasonCode.INV_RMS_NOT_SCALING_INPUT: "the inverse RMS does not scale the norm's own input",
+    ReasonCode.INV_STD_NOT_SCALING_CENTRED: ("the inverse standard deviation does not scale the "
+                                             "mean-subtracted input"),
+    ReasonCode.NARROWING_CAST: ("the norm casts its {dtype} input to float32 and computes the norm in "
+                                "torch.float32; the fused op would compute it in {acc_dtype}"),
+    ReasonCode.VAR_MEAN_NOT_LAST_DIM: "the norm's var_mean is not over the last dim with keepdim",
+    ReasonCode.UNBIASED_VARIANCE: "the variance has correction={correction}; LayerNorm's is biased (0)",
+    ReasonCode.VAR_MEAN_OUTPUTS: "the norm's var_mean outputs are not each read once",
+    ReasonCode.MEAN_SUB_ALPHA: "{node} subtracts the mean with alpha={alpha}; only x - mean is matched",
+    ReasonCode.GROUP_UNKNOWN: "process group {group!r} is not known here",
+    ReasonCode.GROUP_TOO_SMALL: "group of {size} rank(s) < min_world_size={min_world_size}",
+    ReasonCode.TRAINING: TRAINING_TEXT,
+    ReasonCode.CUDA_UNSUPPORTED: "left as all_reduce: the CUDA kernel cannot run it ({cause})",
+    ReasonCode.CUDA_MIN_TOKENS: (
+        "left as all_reduce: {tokens} tokens < cuda_min_tokens={min_tokens} without CUDA graphs "
+        "(host-bound: the fused op's launch costs more than it saves); set cuda_min_tokens=1 if you "
+        "capture CUDA graphs yourself (torch.cuda.graph)"),
+    ReasonCode.PORTABLE_FALLBACK: "portable instead of cuda_symm: {cause}",
+    ReasonCode.CUDA_COPY: CUDA_COPY_TEXT,
+    ReasonCode.INDUCTOR_CUDAGRAPHS: INDUCTOR_CUDAGRAPHS_TEXT,
+    ReasonCode.NO_SITES: "no all_reduce -> RMSNorm site in the graph",
+    ReasonCode.MIXED_GROUPS: "site {site} is on group {group!r}, not {expected!r}",
+    ReasonCode.SYMBOLIC_TOKENS: ("site {site}: the token count is symbolic (dynamic shapes); FlashComm "
+                                 "decides guard-free, on static token counts only"),
+    ReasonCode.UNEQUAL_SITES: ("site {site} has {tokens} tokens x {hidden}, not {first_tokens} x "
+                               "{first_hidden} like the first site"),
+    ReasonCode.TOO_FEW_TOKENS: "{tokens} tokens < flashcomm_min_prefill_tokens={min_tokens}",
+    ReasonCode.STREAM_BROKEN: ("boundary {previous} -> {site}: the residual of {site} is {residual}, not "
+                               "the stream value {stream} of {previous}; the stream cannot stay sharded "
+                               "across it"),
+    ReasonCode.NO_RESIDUAL_ADD: ("boundary {previous} -> {site}: {site} has no residual add, so the "
+                                 "residual stream does not continue through it"),
+    ReasonCode.TUNED_NO_REWRITE: "{text}",
+    ReasonCode.TUNED_FUSE_ONLY: "{text}",
+    ReasonCode.TUNED_SPLIT: "{text}",
+    ReasonCode.TUNING_TABLE_NOT_APPLICABLE: "{text}",
+    ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
+                              "be replayed on [rows, hidden] shard rows"),
+    ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
+    ReasonCode.SPLIT_NOT_POSSIBLE: "token split not possible: {cause}",
+    ReasonCode.SPLIT_NOTHING_FUSED: ("no site was fused, so there is no communication to overlap (each "
+                                     "site's line says why it was kept)"),
+    ReasonCode.SPLIT_ONE_SITE: "1 fused site: no compute between sites to overlap with",
+    ReasonCode.SPLIT_PLAN: "{cause}",
+    ReasonCode.SPLIT_FEW_SYMBOLIC_UNITS: (
+        "{units} {mode} unit(s) on a symbolic count: a half of one unit would specialise the graph; "
+        "split from {min_units} units on"),
+    ReasonCode.SPLIT_RUN_TIME_MASK: (
+        "the attention mask {masks} is an input: whether it hides every key after the cut from every "
+        "query before it is known only at run time, so overlap='auto' does not cut the sequence "
+        "(overlap='force' does, with a run-time check that stops a mask that does not)"),
+    ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION: '{node} ({op}): token tensor in an unsupported argument position',
+    ReasonCode.SPLIT_NO_RULE: '{node}: the token split has no rule for {op}',
+    ReasonCode.SPLIT_IN_PLACE_WRITE: '{node} (copy_) writes into {target} in place: the halves would each write a part of one tensor that lives outside them',
+    ReasonCode.SPLIT_VIEW_MOVES_CUT: '{node}: view {src} -> {dst} does not keep the token cut in one dim',
+    ReasonCode.SPLIT_BMM_RIGHT_SEQUENCES: '{node} (bmm): the right operand does not carry the same sequences in dim 0',
+    ReasonCode.SPLIT_RESIDUAL_PARTIAL_DIMS: '{node}: residual and partial carry tokens in different dims',
+    ReasonCode.SPLIT_OUTPUT_NOT_SPLIT: '{node}: output {index} of {source} is not split along tokens',
+    ReasonCode.SPLIT_READS_TOKEN_SIZE: '{node} reads the size of the token dim',
+    ReasonCode.SPLIT_INPUT_DIMS_DIFFER: '{node}: inputs carry tokens in different dims {dims}',
+    ReasonCode.SPLIT_CAT_TOKEN_DIM: '{node} concatenates along the token dim',
+    ReasonCode.SPLIT_NO_BROADCAST: '{node} ({op}) does not broadcast, and its tensors differ in the token dim: {sizes}',
+    ReasonCode.SPLIT_INDEX_FROM_TOKENS: '{node} (index_select): its index {index} is computed from tokens',
+    ReasonCode.SPLIT_INDEX_SELECT_TOKEN_DIM: '{node} (index_select) indexes along the token dim',
+    ReasonCode.SPLIT_INDEXES_TOKEN_DIM: '{node} ({op}) indexes along the token dim',
+    ReasonCode.SPLIT_SQUEEZES_TOKEN_DIM: '{node} squeezes the token dim',
+    ReasonCode.SPLIT_SLICES_TOKEN_DIM: '{node} ({op}) slices the token dim',
+    ReasonCode.SPLIT_REDUCES_TOKEN_DIM: '{node} ({op}) reduces over the token dim',
+    ReasonCode.SPLIT_ALONG_TOKEN_DIM: '{node} ({op}) works along the token dim',
+    ReasonCode.SPLIT_ALL_GATHER_TOKEN_DIM: "{node} (all_gather_into_tensor) gathers along the token dim: each half's gather would interleave the ranks' blocks differently from the whole",
+    ReasonCode.SPLIT_TOKENS_NOT_ROWS: '{node} ({op}): tokens are not the rows of the left operand',
+    ReasonCode.SPLIT_CONTRACTS_TOKEN_DIM: '{node} ({op}) contracts or indexes over the token dim',
+    ReasonCode.SPLIT_PARTIAL_NOT_FROM_TOKENS: '{node}: its input {partial} is not computed from the tokens of the first site',
+    ReasonCode.SPLIT_RESIDUAL_NOT_FROM_SITE: '{node}: residual {residual} does not come from an earlier site',
+    ReasonCode.SPLIT_NOT_LINED_UP: '{node}: {t} does not line up with the tokens',
+    ReasonCode.SPLIT_OP_INPUT_DIMS_DIFFER: '{node} ({op}): inputs carry tokens in different dims',
+    ReasonCode.SPLIT_TOKEN_FREE_INDEX: '{node} ({op}): token-free index or source',
+    ReasonCode.SPLIT_VIEW_SYMBOLIC_SIZE: '{node}: view infers a symbolic size ({size}) besides the token dim',
+    ReasonCode.SPLIT_COUNTS_AS_ROWS: '{node}: expert counts of an MoE routing block read as rows',
+    ReasonCode.SPLIT_READS_EXPERT_COUNTS: "{node} ({op}) reads the expert counts of an MoE routing block, computed across the tokens (a capacity or a load-balancing term): only their cumsum and a grouped matmul's offsets may",
+    ReasonCode.SPLIT_SORT_TOKEN_DIM: "{node} ({op}) sorts along the token dim, and its keys are not the flattened experts of a topk (MoE routing that groups the token-expert pairs by expert): a half's order is not its part of the whole's",
+    ReasonCode.SPLIT_SORT_DESCENDING: "{node} ({op}) sorts the experts in descending order: the grouped matmul's offsets would give rows other experts than their own",
+    ReasonCode.SPLIT_READS_EXPERT_ROWS: '{node} ({op}) reads rows of an MoE routing block in expert order: only per-row ops, gathers and scatters of rows may',
+    ReasonCode.SPLIT_MIXES_ROW_ORDERS: '{node} ({op}) combines rows in token order with rows an MoE routing block sorted by expert: the halves would pair other rows than the whole',
+    ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS: '{node} ({op}): token-free {lined_up} is lined up with rows an MoE routing block sorted by expert, which a half cannot slice',
+    ReasonCode.SPLIT_ROW_POSITIONS_ARITHMETIC: "{node} ({op}) computes with the row positions of an MoE routing block (a half's positions are its own, not the whole's): only gathers, scatters and a floor division from pairs to tokens may read them",
+    ReasonCode.SPLIT_COUNTS_DTYPE: "{node} ({op}) holds the expert counts of an MoE routing block in {dtype}, which does not hold every row count exactly: the whole's offsets would round or wrap where a half's do not",
+    ReasonCode.SPLIT_HISTC_BINS: "{node} (histc) counts rows other than one bin per expert of an MoE routing block's sorted keys",
+    ReasonCode.SPLIT_GROUPED_MM_OPERANDS: '{node} ({op}): not rows sorted by expert times token-free expert weights, grouped by the offsets of the same sort',
+    ReasonCode.SPLIT_INDEX_SEVERAL_DIMS: '{node} (index.Tensor) indexes more than one dim',
+    ReasonCode.SPLIT_SCATTER_NOT_BY_POSITIONS: "{what} scatters along the token dim by values that are not an MoE routing block's positions",
+    ReasonCode.SPLIT_SCATTER_NOT_PERMUTATION: "{what} writes by positions that are not a permutation of the rows: some rows would keep the target's contents",
+    ReasonCode.SPLIT_SCATTER_ADDS_POSITIONS: '{what} adds up positions of an MoE routing block',
+    ReasonCode.SPLIT_ROUTING_SYMBOLIC: 'MoE routing block on a symbolic token count: its constants have no per-half size',
+    ReasonCode.SPLIT_VIEW_REGROUPS_EXPERT_ROWS: '{node}: view regroups rows an MoE routing block sorted by expert',
+    ReasonCode.SPLIT_GATHER_OTHER_ROWS: "{node} (index.Tensor) gathers by an MoE routing block's positions from {x}, which is not the rows they index",
+    ReasonCode.SPLIT_INDEX_TOKEN_DIM_BY_TOKENS: '{node} (index.Tensor) indexes along the token dim by values computed from the tokens',
+    ReasonCode.SPLIT_INDEX_ADD_DIM: '{node} (index_add) adds along another dim than the rows',
+    ReasonCode.SPLIT_SCATTER_VALUES_ORDER: '{what}: the values are not rows in the order of the positions',
+    ReasonCode.SPLIT_SCATTER_TARGET: '{what}: the target is neither a new tensor as long as the rows nor the rows the positions index',
+    ReasonCode.SPLIT_ROUTING_READ_OUTSIDE: '{node}: rows, positions or counts of an MoE routing block are read outside it ({readers}) before they are back in token order',
+    ReasonCode.SPLIT_ROUTING_CONSTANT_EARLY: '{node}: a constant of an MoE routing block is made before the first site',
+    ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED: "{node}: a constant of an MoE routing block is also read by {readers}, not by the block's scatters: each half rebuilds it with its own rows",
+    ReasonCode.SPLIT_NO_SCORES_RULE: '{node}: the token split has no rule for {op} on attention scores',
+    ReasonCode.SPLIT_BMM_CUT_SEQUENCE: '{node} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q and dim 2 of k^T) nor probabilities @ v',
+    ReasonCode.SPLIT_READS_SCORES: '{node} ({node_kind}) reads attention scores',
+    ReasonCode.SPLIT_SCORES_ARGUMENT_POSITION: '{node} ({op}): attention scores in an unsupported argument position',
+    ReasonCode.SPLIT_PROBABILITIES_TIMES_NOT_VALUES: '{node} (bmm): attention probabilities times something other than the values (tokens in dim 1)',
+    ReasonCode.SPLIT_PROBABILITIES_NOT_MASKED_SOFTMAX: "{node} (bmm): attention probabilities over a cut sequence that are not a mask lined up with the keys followed by a softmax on every path from the scores: half A's queries would miss half B's keys",
+    ReasonCode.SPLIT_SCORES_VIEW: '{node}: view of attention scores that does not keep the keys in the last dim',
+    ReasonCode.SPLIT_SCORES_KEY_DIMS: '{node}: attention scores with keys in different dims {keys}',
+    ReasonCode.SPLIT_SCORES_REDUCED_OTHER_DIMS: '{node} ({op}) reduces attention scores over other dims than the keys',
+    ReasonCode.SPLIT_SCORES_REDUCED_OVER_KEYS: "{node} ({op}) reduces attention scores over the keys where the keys a mask hides change the result (half A leaves out half B's keys): only the amax of masked scores and the sum of the softmax's exp are taken",
+    ReasonCode.SPLIT_SCORES_OTHER_DIM: '{node} ({op}) works along another dim than the keys',
+    ReasonCode.SPLIT_LINED_UP_WITH_KEYS: '{node}: {t} is lined up with the keys of attention scores',
+    ReasonCode.SPLIT_KEYS_NOT_MASK: "{node} ({op}): {t} is lined up with the keys but is neither a mask added to the scores nor where()'s condition choosing between the scores and the dtype's lowest value, so the split cannot check that no query before the cut sees a key after it",
+    ReasonCode.SPLIT_ATTENTION_DROPOUT: '{node}: attention with dropout',
+    ReasonCode.SPLIT_MASK_FROM_TOKENS: '{node}: the attention mask is computed from token tensors',
+    ReasonCode.SPLIT_ATTENTION_OUTPUTS: '{node}: attention outputs other than the result are used',
+    ReasonCode.SPLIT_QKV_DIMS: '{node}: q/k/v carry tokens in dims {dims}, expected {expected}',
+    ReasonCode.SPLIT_BIDIRECTIONAL_CUT: "{node}: bidirectional attention (no mask, not causal) over a cut sequence: half A's queries would miss half B's keys",
+    ReasonCode.SPLIT_CAUSAL_OFFSET: "{node}: causal attention with {queries} queries over {keys} keys over a cut sequence: half B's queries would see half A's keys past their own position",
+    ReasonCode.SPLIT_MASK_SHAPE: '{node}: attention mask of shape {mshape}',
+    ReasonCode.SPLIT_READS_TOKENS: '{node} ({node_kind}) reads token tensors',
+    ReasonCode.SPLIT_SCORES_AFTER_LAST_SITE: '{node}: attention scores are read after the last site',
+    ReasonCode.SPLIT_EXPERT_ROWS_INPUT: '{node}: its input is rows of an MoE routing block not back in token order',
+    ReasonCode.SPLIT_UNITS_DO_NOT_DIVIDE: 'a token dim of size {size} is not a multiple of {units} {mode} units',
+    ReasonCode.SPLIT_INPUT_SHAPE: "first site's input has shape {shape}, not [B, S, H] or [T, H]",
+}
+"""Each code's sentence: a ``str.format`` template over the reason's fields, or a function of them."""
+

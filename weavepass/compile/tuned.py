@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
 from weavepass.tune.table import Choice, TuningTable, choose, load_table, region_of
@@ -48,6 +48,11 @@ class TunedDecision:
     window: tuple[int, int] | None = None
     """For ``"split"``: the token range ``[low, high]`` decided alike, the split's overlap window
     (for a symbolic count, the range its guards keep the graph to)."""
+
+    @property
+    def reason(self) -> Reason:
+        """The call as a reason: its code, and the table's sentence as the ``text`` field."""
+        return Reason.of(self.code, text=self.text)
 
 
 def inner_width(matmul: Node) -> int | None:

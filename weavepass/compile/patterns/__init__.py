@@ -5,6 +5,7 @@ from weavepass.compile.patterns.allreduce_rmsnorm import (
     RejectedAllReduce,
     find_allreduce_rmsnorm_sites,
     fold_sums_read_back,
+    prepare,
 )
 from weavepass.compile.patterns.rmsnorm import RMSNormMatch, match_rmsnorm
 
@@ -15,4 +16,5 @@ __all__ = [
     "find_allreduce_rmsnorm_sites",
     "fold_sums_read_back",
     "match_rmsnorm",
+    "prepare",
 ]

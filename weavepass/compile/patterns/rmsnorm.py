@@ -27,17 +27,21 @@ LayerNorm (``kind == LAYER_NORM``) reaches it as::
 
 or as ``aten.native_layer_norm`` / ``aten.layer_norm`` when a backend keeps them undecomposed.
 
-``match_rmsnorm(x)`` returns an ``RMSNormMatch`` (either kind) or a reason string saying why ``x``
+``match_rmsnorm(x)`` returns an ``RMSNormMatch`` (either kind) or a ``Reason`` saying why ``x``
 does not feed a norm over its last dim. eps is read from the graph, never assumed.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.fx import Node
+
+from weavepass.compile.reasons import Reason, ReasonCode
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -49,39 +53,43 @@ MULS = {aten.mul.Tensor}
 FUSED_RMS_NORMS = {aten.rms_norm.default}
 FUSED_LAYER_NORMS = {aten.native_layer_norm.default, aten.layer_norm.default}
 VAR_MEAN = aten.var_mean.correction
-RMS_NORM, LAYER_NORM = "RMSNorm", "LayerNorm"
+NormKind = Literal["RMSNorm", "LayerNorm"]
+RMS_NORM: NormKind = "RMSNorm"
+LAYER_NORM: NormKind = "LayerNorm"
 """``RMSNormMatch.kind``: ``x * rsqrt(mean(x^2) + eps) * w``, or ``(x - mean(x)) * rsqrt(var(x) + eps) * w + b``."""
 if hasattr(aten, "_fused_rms_norm"):
     FUSED_RMS_NORMS.add(aten._fused_rms_norm.default)
 
 
-def val(node) -> torch.Tensor | None:
+def val(node: object) -> torch.Tensor | None:
     """The fake tensor recorded for ``node`` (None for non-tensor values)."""
     v = node.meta.get("val") if isinstance(node, Node) else None
     return v if isinstance(v, torch.Tensor) else None
 
 
-def is_target(node, targets) -> bool:
+def is_target(node: object, targets: Collection[object]) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
 def _convert_dtype(node: Node) -> torch.dtype | None:
     """The dtype a convert node casts to, or None when ``node`` is not a pure cast."""
     if node.target is prims.convert_element_type.default:
-        return node.args[1]
-    if node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
-        return node.kwargs.get("dtype")
-    return None
+        dtype = node.args[1]
+    elif node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
+        dtype = node.kwargs.get("dtype")
+    else:
+        return None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _only_user(node: Node, targets) -> Node | None:
+def _only_user(node: Node, targets: Collection[object]) -> Node | None:
     users = list(node.users)
     if len(users) == 1 and is_target(users[0], targets):
         return users[0]
     return None
 
 
-def add_alpha(node: Node):
+def add_alpha(node: Node) -> object:
     """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``
     (and of ``sub.Tensor``: ``a - alpha * b``)."""
     if len(node.args) > 2:
@@ -104,21 +112,23 @@ def _saved_for_backward(node: Node, output: Node) -> bool:
     return num_forward is not None and bool(positions) and min(positions) >= num_forward
 
 
-def used_also_by(node: Node, user: Node, kind: str = RMS_NORM) -> str:
+def used_also_by(node: Node, user: Node, kind: NormKind = RMS_NORM) -> Reason:
     """Why ``node`` cannot be folded into a fused op: ``user`` reads it too (``kind``: the norm's)."""
-    saved_as = "" if user.op == "output" else f" (as {user.name})"  # one step, e.g. rsqrt / H
     if (user.op == "output" and _saved_for_backward(node, user)) or (
             user.users and all(u.op == "output" and _saved_for_backward(user, u) for u in user.users)):
-        returns = ("can return only the norm's inverse RMS (rsqrt, in fp32 or fp64) besides its outputs"
-                   if kind == RMS_NORM else "for a LayerNorm returns only its outputs")
-        return (f"training: {node.name} is saved for backward{saved_as}, and the fused op {returns} (run the "
-                "model under torch.no_grad() or torch.inference_mode() to fuse it)")
+        saved_as = "" if user.op == "output" else user.name  # one step, e.g. rsqrt / H
+        return Reason.of(ReasonCode.SAVED_FOR_BACKWARD, node=node.name, user=saved_as, norm_kind=kind)
     if user.op == "output":
-        return f"{node.name} is also used by output (the graph returns it)"
-    return f"{node.name} is also used by {user.name}"
+        return Reason.of(ReasonCode.READ_BY_OUTPUT, node=node.name)
+    return Reason.of(ReasonCode.READ_BY, node=node.name, user=user.name)
 
 
-def _sole_user_reason(node: Node, what: str, targets, wanted: str) -> Node | str:
+def _shared(what: str, node: Node, user: Node, kind: NormKind = RMS_NORM) -> Reason:
+    """``what`` (``node``, a value inside the norm) is read by ``user`` too."""
+    return Reason.of(ReasonCode.NORM_VALUE_SHARED, what=what, cause=used_also_by(node, user, kind))
+
+
+def _sole_user_reason(node: Node, what: str, targets: Collection[object], wanted: str) -> Node | Reason:
     """The single user of ``node`` in ``targets``, or why there is none (``what`` names ``node``)."""
     found = _only_user(node, targets)
     if found is not None:
@@ -126,11 +136,11 @@ def _sole_user_reason(node: Node, what: str, targets, wanted: str) -> Node | str
     users = list(node.users)
     if len(users) > 1 and any(is_target(u, targets) for u in users):
         other = next(u for u in users if not is_target(u, targets))
-        return f"{what}: {used_also_by(node, other)}"
-    return f"{what} is not followed by {wanted}"
+        return _shared(what, node, other)
+    return Reason.of(ReasonCode.NOT_FOLLOWED_BY, what=what, wanted=wanted)
 
 
-def _other_operand(node: Node, operand: Node):
+def _other_operand(node: Node, operand: Node) -> object:
     """For a binary op with ``operand`` as one argument, the other argument."""
     a, b = node.args[0], node.args[1]
     if a is operand:
@@ -140,7 +150,7 @@ def _other_operand(node: Node, operand: Node):
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RMSNormMatch:
     """One norm over the last dim: ``output = rmsnorm(input) * weight`` (``kind == RMS_NORM``) or
     ``output = layernorm(input) * weight + bias`` (``kind == LAYER_NORM``; biased variance)."""
@@ -150,38 +160,42 @@ class RMSNormMatch:
     weight: Node | None
     eps: float
     form: str
-    # Every node of the norm except ``input``; all are dead once ``output`` is replaced.
-    nodes: list[Node] = field(default_factory=list)
-    # Training: the rsqrt node the graph also returns as saved for backward; the fused op then
-    # returns the inverse RMS, and the saved node is replaced by that output.
+    nodes: tuple[Node, ...] = ()
+    """Every node of the norm except ``input``; all are dead once ``output`` is replaced."""
     saved_inv_rms: Node | None = None
-    kind: str = RMS_NORM
+    """Training: the rsqrt node the graph also returns as saved for backward; the fused op then
+    returns the inverse RMS, and the saved node is replaced by that output."""
+    kind: NormKind = RMS_NORM
     bias: Node | None = None
     """LayerNorm only: the bias added after the weight, ``[H]``, or None."""
 
     @property
     def out_dtype(self) -> torch.dtype:
-        return val(self.output).dtype
+        return _val(self.output).dtype
 
 
-EPS_NOT_CONSTANT = (
-    "the norm's eps is not a constant but a graph input (torch.compile(dynamic=True) lifts Python "
-    "floats into inputs): set torch._dynamo.config.specialize_float = True, or mark only the token "
-    "dim dynamic with torch._dynamo.mark_dynamic"
-)
+def _val(node: object) -> torch.Tensor:
+    """``val(node)`` where the match already checked it is a tensor."""
+    value = val(node)
+    assert value is not None, node
+    return value
 
 
-def _is_last_dim(dims, ndim: int) -> bool:
-    return list(dims) in ([-1], [ndim - 1])
+EPS_NOT_CONSTANT = Reason(ReasonCode.EPS_NOT_CONSTANT)
 
 
-def _match_fused(x: Node) -> RMSNormMatch | str | None:
+def _is_last_dim(dims: object, ndim: int) -> bool:
+    return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [ndim - 1])
+
+
+def _match_fused(x: Node) -> RMSNormMatch | Reason | None:
     for user in x.users:
         if not is_target(user, FUSED_RMS_NORMS | FUSED_LAYER_NORMS) or user.args[0] is not x:
             continue
         shape = user.args[1]
+        assert isinstance(shape, (list, tuple))
         if len(shape) != 1:
-            return f"{user.target} normalises over {len(shape)} dims, not only the last"
+            return Reason.of(ReasonCode.NORM_OVER_SEVERAL_DIMS, op=str(user.target), ndims=len(shape))
         layer = user.target in FUSED_LAYER_NORMS
         # rms_norm(x, shape, weight, eps); layer_norm(x, shape, weight, bias, eps, ...)
         names = ("weight", "bias", "eps") if layer else ("weight", "eps")
@@ -190,7 +204,7 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
         if eps is None:  # rms_norm's default: the eps of the dtype it computes in (fp32 for bf16, fp16)
             from weavepass.runtime.reference import accumulation_dtype
 
-            eps = 1e-5 if layer else torch.finfo(accumulation_dtype(val(x).dtype)).eps
+            eps = 1e-5 if layer else torch.finfo(accumulation_dtype(_val(x).dtype)).eps
         output, nodes = user, [user]
         if user.target not in (aten.rms_norm.default, aten.layer_norm.default):
             # _fused_rms_norm returns (out, rstd), native_layer_norm (out, mean, rstd); only
@@ -200,62 +214,67 @@ def _match_fused(x: Node) -> RMSNormMatch | str | None:
                 saved = [g for g in getters if g.target is operator.getitem and g.args[1] != 0
                          and any(u.op == "output" and _saved_for_backward(g, u) for u in g.users)]
                 if saved:
-                    return (f"training: the norm's statistics output {saved[0].name} is saved for "
-                            f"backward ({user.target} is not fused in training graphs)")
-                return "the norm's statistics outputs are used elsewhere"
+                    return Reason.of(ReasonCode.NORM_STATS_SAVED, node=saved[0].name, op=str(user.target))
+                return Reason(ReasonCode.NORM_STATS_READ)
             if len(getters) != 1:
-                return "the norm output is read through several getitems"
+                return Reason(ReasonCode.NORM_OUTPUT_GETITEMS)
             output = getters[0]
             nodes = [user, *(g for g in user.users if g is not output), output]
         if not isinstance(eps, (int, float)):
             return EPS_NOT_CONSTANT
-        return RMSNormMatch(x, output, weight, float(eps), f"{user.target}", nodes,
+        assert isinstance(weight, (Node, type(None))) and isinstance(bias, (Node, type(None)))
+        return RMSNormMatch(x, output, weight, float(eps), f"{user.target}", tuple(nodes),
                             kind=LAYER_NORM if layer else RMS_NORM, bias=bias)
     return None
 
 
-def _match_inv_rms(square: Node, xf: Node, ndim: int) -> tuple[Node, list[Node], float, bool] | str:
+def _match_inv_rms(square: Node, xf: Node, ndim: int) -> tuple[Node, list[Node], float, bool] | Reason:
     """From ``square`` (= xf^2) to the node that scales xf: ``(scale, nodes, eps, is_rsqrt)``."""
     mean = _sole_user_reason(square, "the squared input", MEAN, "a mean")
-    if isinstance(mean, str):
+    if isinstance(mean, Reason):
         return mean
     unfit = _unfit_last_dim_mean(mean, ndim, "the mean of squares")
     if unfit is not None:
         return unfit
     found = _eps_rsqrt(mean, "the mean of squares")
-    return found if isinstance(found, str) else (found[0], [square, mean, *found[1]], *found[2:])
+    if isinstance(found, Reason):
+        return found
+    root, nodes, eps, is_rsqrt = found
+    return root, [square, mean, *nodes], eps, is_rsqrt
 
 
-def _unfit_last_dim_mean(mean: Node, ndim: int, what: str) -> str | None:
+def _unfit_last_dim_mean(mean: Node, ndim: int, what: str) -> Reason | None:
     """Why ``mean`` (``aten.mean.dim``) is not a mean over the last dim that keeps it, or None."""
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if not _is_last_dim(mean.args[1], ndim):
-        return f"the norm reduces over dims {list(mean.args[1])}, not the last dim"
+    dims = mean.args[1]
+    if not _is_last_dim(dims, ndim):
+        return Reason.of(ReasonCode.NORM_NOT_LAST_DIM,
+                         dims=list(dims) if isinstance(dims, (list, tuple)) else dims)
     if not keepdim:
-        return f"{what} drops its dim"
+        return Reason.of(ReasonCode.MEAN_DROPS_DIM, what=what)
     return None
 
 
-def _eps_rsqrt(var: Node, what: str) -> tuple[Node, list[Node], float, bool] | str:
+def _eps_rsqrt(var: Node, what: str) -> tuple[Node, list[Node], float, bool] | Reason:
     """``rsqrt(var + eps)`` or ``sqrt(var + eps)`` after ``var`` (``what`` names it):
     ``(rsqrt or sqrt, [add, rsqrt or sqrt], eps, is_rsqrt)``."""
     add_eps = _sole_user_reason(var, what, ADDS, "an eps add")
-    if isinstance(add_eps, str):
+    if isinstance(add_eps, Reason):
         return add_eps
     eps = _other_operand(add_eps, var)
     if not isinstance(eps, (int, float)):
         return EPS_NOT_CONSTANT
     if add_alpha(add_eps) != 1:  # var + alpha * eps: refuse rather than guess which eps is meant
-        return f"the eps add scales eps by alpha={add_alpha(add_eps)}; only mean + eps is matched"
+        return Reason.of(ReasonCode.EPS_ALPHA, alpha=add_alpha(add_eps))
     for target, is_rsqrt in ((aten.rsqrt.default, True), (aten.sqrt.default, False)):
         root = _only_user(add_eps, {target})
         if root is not None:
             return root, [add_eps, root], float(eps), is_rsqrt
-    return f"{what} plus eps is not followed by rsqrt or sqrt"
+    return Reason.of(ReasonCode.NO_ROOT_AFTER_EPS, what=what)
 
 
-def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
-    xv = val(x)
+def _match_decomposed(x: Node) -> RMSNormMatch | Reason | None:
+    xv = _val(x)
     hidden, ndim = xv.shape[-1], xv.dim()
     xf = _upcast(x)
     nodes = [xf] if xf is not x else []
@@ -268,7 +287,7 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     if not squares:
         return None
     inv = _match_inv_rms(squares[0], xf, ndim)
-    if isinstance(inv, str):
+    if isinstance(inv, Reason):
         return inv
     scale_src, inv_nodes, eps, is_rsqrt = inv
     nodes += inv_nodes
@@ -278,7 +297,7 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
         and _other_operand(u, scale_src) is xf and (is_rsqrt or u.args[0] is xf)
     ]
     if not scales:
-        return "the inverse RMS does not scale the norm's own input"
+        return Reason(ReasonCode.INV_RMS_NOT_SCALING_INPUT)
     narrowed = _narrowing_cast_reason(x, xf)
     if narrowed is not None:
         return narrowed
@@ -291,57 +310,59 @@ def _match_decomposed(x: Node) -> RMSNormMatch | str | None:
     inner = set(nodes[:-1])
     others = [u for u in xf.users if u not in (squares[0], scale)] if xf is not x else []
     if others:
-        return f"the upcast norm input {used_also_by(xf, others[0])}"
+        return _shared("the upcast norm input", xf, others[0])
     saved = None
     for n in nodes[:-1]:
         extra = [u for u in n.users if u not in inner and u is not out]
         if extra and n is scale_src and is_rsqrt and _saved_inv_rms_only(n, extra, xv.dtype):
             saved = n
         elif extra:
-            return f"the norm's intermediate {used_also_by(n, extra[0])}"
+            return _shared("the norm's intermediate", n, extra[0])
     form = "decomposed" + ("+fp32-upcast" if xf is not x else "")
-    return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out], saved)
+    return RMSNormMatch(x, out, weight, eps, form, (*[n for n in nodes if n is not out], out), saved)
 
 
 def _upcast(x: Node) -> Node:
     """``x``'s fp32 upcast when it has one and is not fp32 already, else ``x``."""
     upcasts = [u for u in x.users if is_target(u, CONVERTS) and _convert_dtype(u) == torch.float32]
-    return upcasts[0] if val(x).dtype != torch.float32 and upcasts else x
+    return upcasts[0] if _val(x).dtype != torch.float32 and upcasts else x
 
 
-def _narrowing_cast_reason(x: Node, xf: Node) -> str | None:
+def _narrowing_cast_reason(x: Node, xf: Node) -> Reason | None:
     """Why a norm computed on ``xf`` (``_upcast(x)``) cannot be fused, or None: the fused op
     computes in ``accumulation_dtype`` of ``x``'s dtype, so a cast to fp32 must widen ``x``."""
     from weavepass.runtime.reference import accumulation_dtype
 
-    dtype = val(x).dtype
+    dtype = _val(x).dtype
     if xf is x or accumulation_dtype(dtype) == torch.float32:
         return None
-    return (f"the norm casts its {dtype} input to float32 and computes the norm in torch.float32; "
-            f"the fused op would compute it in {accumulation_dtype(dtype)}")
+    return Reason.of(ReasonCode.NARROWING_CAST, dtype=dtype, acc_dtype=accumulation_dtype(dtype))
 
 
-def _hidden_vector(node, hidden: int) -> bool:
+def _hidden_vector(node: object, hidden: int) -> bool:
     v = val(node)
     return v is not None and list(v.shape) == [hidden]
 
 
-def _affine(out: Node, hidden: int, nodes: list[Node], kind: str) -> tuple[Node, Node | None, Node | None]:
+def _affine(out: Node, hidden: int, nodes: list[Node], kind: NormKind) -> tuple[Node, Node | None, Node | None]:
     """After the normalised ``out``: ``convert? -> (* w)? -> (+ b)? -> convert?`` (a bias only for
     LayerNorm), each step the previous one's only user; appends the steps to ``nodes``. Returns
     ``(output, weight, bias)``."""
-    weight = bias = None
+    weight: Node | None = None
+    bias: Node | None = None
     down = _only_user(out, CONVERTS)
     if down is not None:
         nodes.append(down)
         out = down
     mul_w = _only_user(out, MULS)
-    if mul_w is not None and _hidden_vector(_other_operand(mul_w, out), hidden):
-        weight, out = _other_operand(mul_w, out), mul_w
+    w = _other_operand(mul_w, out) if mul_w is not None else None
+    if mul_w is not None and isinstance(w, Node) and _hidden_vector(w, hidden):
+        weight, out = w, mul_w
         nodes.append(mul_w)
     add_b = _only_user(out, {aten.add.Tensor}) if kind == LAYER_NORM else None
-    if add_b is not None and add_alpha(add_b) == 1 and _hidden_vector(_other_operand(add_b, out), hidden):
-        bias, out = _other_operand(add_b, out), add_b
+    b = _other_operand(add_b, out) if add_b is not None else None
+    if add_b is not None and add_alpha(add_b) == 1 and isinstance(b, Node) and _hidden_vector(b, hidden):
+        bias, out = b, add_b
         nodes.append(add_b)
     cast = _only_user(out, CONVERTS) if weight is not None or bias is not None else None
     if cast is not None:
@@ -350,28 +371,28 @@ def _affine(out: Node, hidden: int, nodes: list[Node], kind: str) -> tuple[Node,
     return out, weight, bias
 
 
-def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
+def _match_layer_norm(x: Node) -> RMSNormMatch | Reason | None:
     """The decomposed LayerNorm over the last dim that ``x`` (or its fp32 upcast) feeds, a reason,
     or None when no mean or ``var_mean`` over the last dim reads it."""
-    xv = val(x)
+    xv = _val(x)
     hidden, ndim = xv.shape[-1], xv.dim()
     xf = _upcast(x)
     nodes = [xf] if xf is not x else []
     stats = _layer_norm_stats(xf, ndim)
     if stats is None:
         return None
-    if isinstance(stats, str):
+    if isinstance(stats, Reason):
         return stats
     var, centred, stat_nodes, form = stats
     inv = _eps_rsqrt(var, "the variance")
-    if isinstance(inv, str):
+    if isinstance(inv, Reason):
         return inv
     root, inv_nodes, eps, is_rsqrt = inv
     scales = [u for u in root.users
               if is_target(u, MULS if is_rsqrt else {aten.div.Tensor})
               and _other_operand(u, root) in centred and (is_rsqrt or u.args[1] is root)]
     if not scales:
-        return "the inverse standard deviation does not scale the mean-subtracted input"
+        return Reason(ReasonCode.INV_STD_NOT_SCALING_CENTRED)
     narrowed = _narrowing_cast_reason(x, xf)
     if narrowed is not None:
         return narrowed
@@ -383,13 +404,13 @@ def _match_layer_norm(x: Node) -> RMSNormMatch | str | None:
         extra = [u for u in n.users if u not in inner and u is not out]
         if extra:
             what = "the upcast norm input" if n is xf else "the norm's intermediate"
-            return f"{what} {used_also_by(n, extra[0], LAYER_NORM)}"
+            return _shared(what, n, extra[0], LAYER_NORM)
     form = f"LayerNorm ({form}{'+fp32-upcast' if xf is not x else ''})"
-    return RMSNormMatch(x, out, weight, eps, form, [n for n in nodes if n is not out] + [out],
+    return RMSNormMatch(x, out, weight, eps, form, (*[n for n in nodes if n is not out], out),
                         kind=LAYER_NORM, bias=bias)
 
 
-def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node], str] | str | None:
+def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node], str] | Reason | None:
     """``(var, centred, nodes, form)``: the biased variance of ``xf`` over the last dim, the
     ``xf - mean`` nodes (one or two), and the nodes computing them; a reason; or None when nothing
     takes ``xf``'s mean over the last dim."""
@@ -399,24 +420,24 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
             correction = 1 if correction is None else correction  # var_mean's default: unbiased
             dims = user.args[1] if len(user.args) > 1 else None
             if dims is None or not _is_last_dim(dims, ndim) or not user.kwargs.get("keepdim", False):
-                return "the norm's var_mean is not over the last dim with keepdim"
+                return Reason(ReasonCode.VAR_MEAN_NOT_LAST_DIM)
             if correction != 0:
-                return f"the variance has correction={correction}; LayerNorm's is biased (0)"
+                return Reason.of(ReasonCode.UNBIASED_VARIANCE, correction=correction)
             getters = {g.args[1]: g for g in user.users if g.target is operator.getitem}
             if len(user.users) != 2 or set(getters) != {0, 1}:
-                return "the norm's var_mean outputs are not each read once"
+                return Reason(ReasonCode.VAR_MEAN_OUTPUTS)
             var, mean = getters[0], getters[1]
             centred = _centred(xf, mean)
-            if isinstance(centred, str):
+            if isinstance(centred, Reason):
                 return centred
             if len(centred) != len(mean.users):
                 other = next(u for u in mean.users if u not in centred)
-                return f"the norm's mean {used_also_by(mean, other, LAYER_NORM)}"
+                return _shared("the norm's mean", mean, other, LAYER_NORM)
             return var, centred, [user, var, mean, *centred], "var_mean"
         if is_target(user, MEAN) and user.args[0] is xf and _unfit_last_dim_mean(user, ndim, "") is None:
             mean = user
             centred = _centred(xf, mean)
-            if isinstance(centred, str):
+            if isinstance(centred, Reason):
                 return centred
             squares = [u for c in centred for u in c.users
                        if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args == (c, 2))
@@ -424,7 +445,7 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
             if not squares:  # (a variance may still come from a var_mean)
                 continue
             var = _sole_user_reason(squares[0], "the squared deviation", MEAN, "a mean")
-            if isinstance(var, str):
+            if isinstance(var, Reason):
                 return var
             unfit = _unfit_last_dim_mean(var, ndim, "the variance")
             if unfit is not None:
@@ -433,13 +454,13 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
     return None
 
 
-def _centred(xf: Node, mean: Node) -> list[Node] | str:
+def _centred(xf: Node, mean: Node) -> list[Node] | Reason:
     """The ``xf - mean`` nodes among ``mean``'s users, or why one of them is not LayerNorm's
     centring (``sub(xf, mean, alpha=a)`` computes ``xf - a * mean``)."""
     centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
     for sub in centred:
         if add_alpha(sub) != 1:
-            return f"{sub.name} subtracts the mean with alpha={add_alpha(sub)}; only x - mean is matched"
+            return Reason.of(ReasonCode.MEAN_SUB_ALPHA, node=sub.name, alpha=add_alpha(sub))
     return centred
 
 
@@ -455,17 +476,13 @@ def _saved_inv_rms_only(rsqrt: Node, extra: list[Node], input_dtype: torch.dtype
     )
 
 
-def match_rmsnorm(x: Node) -> RMSNormMatch | str:
+def match_rmsnorm(x: Node) -> RMSNormMatch | Reason:
     """The RMSNorm or LayerNorm over the last dim that ``x`` feeds, or the reason there is none."""
     if val(x) is None:
-        return f"{x.name} has no tensor metadata"
+        return Reason.of(ReasonCode.INPUT_NO_METADATA, node=x.name)
     for matcher in (_match_fused, _match_decomposed, _match_layer_norm):
         found = matcher(x)
         if found is not None:
             return found
     first = next(iter(x.users), None)
-    used_by = f"{first.target}" if first is not None else "nothing"
-    return f"{NO_NORM} (first user: {used_by})"
-
-
-NO_NORM = "no RMSNorm or LayerNorm consumes the value"
+    return Reason.of(ReasonCode.NO_NORM, first_user=f"{first.target}" if first is not None else "nothing")

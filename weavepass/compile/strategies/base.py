@@ -15,27 +15,27 @@ from dataclasses import dataclass, field
 import torch
 
 from weavepass.config import WeaveConfig
-from weavepass.compile.planner import SitePlan
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.planner import NO_REASON, SitePlan
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.report import GraphReport
 
 
-TRAINING_NOTE = (
-    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
-    "rewrite inference graphs only (the graph's sites are fused without them)"
-)
+TRAINING = Reason(ReasonCode.TRAINING)
 """Why FlashComm and the token split refuse a training graph."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Whether a strategy rewrites the graph, and if not, why (``code`` for code, ``reason`` for users)."""
+    """Whether a strategy rewrites the graph, and if not, why."""
 
     use: bool
-    code: ReasonCode = ReasonCode.NONE
-    reason: str = ""
+    reason: Reason = NO_REASON
     stopped_at: str = ""
     """The all_reduce whose site stopped the strategy, when a particular one did."""
+
+    @property
+    def code(self) -> ReasonCode:
+        return self.reason.code
 
 
 @dataclass
@@ -74,4 +74,4 @@ class Strategy(abc.ABC):
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
         """Report a no (not called for ``NOT_ASKED``)."""
-        rewrite.report.add_note(f"{self.name} not used: {decision.reason}")
+        rewrite.report.decline(f"{self.name} not used", decision.reason)

@@ -47,11 +47,11 @@ from torch.fx import Graph, Node
 from weavepass.config import WeaveConfig
 from weavepass.ops import FLASHCOMM_SHARD_ROWS, NPU_ADD_RMS_NORM, NPU_ALL_GATHER_MM, NPU_MM_REDUCE_SCATTER
 from weavepass.runtime import symm_mem_matmul, npu
-from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
+from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals, prepare
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
-from weavepass.compile.reasons import ReasonCode
-from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
+from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 from weavepass.compile.tokens import TokenCount
 
 log = logging.getLogger("weavepass")
@@ -119,56 +119,52 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
     site's output), so the stream can stay sharded from the first site to the last. Reads only
     shapes, the config and the group size: the same on every rank.
     """
-    def no(code: ReasonCode, reason: str, site: FusedAllReduceRMSNormSite | None = None) -> FlashCommDecision:
-        return FlashCommDecision(False, code, reason, site.all_reduce.name if site is not None else "")
+    def no(code: ReasonCode, stopped: FusedAllReduceRMSNormSite | None = None, **fields: object) -> FlashCommDecision:
+        """No, for ``code`` with ``fields``; ``stopped``: the site that stopped FlashComm."""
+        return FlashCommDecision(False, Reason.of(code, **fields),
+                                 stopped.all_reduce.name if stopped is not None else "")
 
     if not config.enable_flashcomm:
-        return no(ReasonCode.NOT_ASKED, "WeaveConfig.enable_flashcomm is False")
+        return FlashCommDecision(False, Reason(ReasonCode.NOT_ASKED))
     if not plans:
-        return no(ReasonCode.NO_SITES, "no all_reduce -> RMSNorm site in the graph")
+        return no(ReasonCode.NO_SITES)
     first = plans[0].site
     for plan in plans:
         if plan.site.group_name != first.group_name:
-            return no(ReasonCode.MIXED_GROUPS, f"site {plan.site.all_reduce.name} is on group {plan.site.group_name!r}, "
-                      f"not {first.group_name!r}", plan.site)
+            return no(ReasonCode.MIXED_GROUPS, plan.site, site=plan.site.all_reduce.name,
+                      group=plan.site.group_name, expected=first.group_name)
     # The group alone decides; a site's fused-op lowering (``plan.lowering``) is not used here.
     world = group_size(first.group_name)
     if world is None:
-        return no(ReasonCode.GROUP_UNKNOWN, f"process group {first.group_name!r} is not known here")
+        return no(ReasonCode.GROUP_UNKNOWN, group=first.group_name)
     if world < config.min_world_size:
-        return no(ReasonCode.GROUP_TOO_SMALL, f"group of {world} rank(s) < min_world_size={config.min_world_size}")
+        return no(ReasonCode.GROUP_TOO_SMALL, size=world, min_world_size=config.min_world_size)
     tokens = None
     for plan in plans:
         site = plan.site
         count = TokenCount.of(site.partial)
         if count.symbolic:
-            return no(ReasonCode.SYMBOLIC_TOKENS, f"site {site.all_reduce.name}: the token count is symbolic (dynamic shapes); "
-                      "FlashComm decides guard-free, on static token counts only", site)
+            return no(ReasonCode.SYMBOLIC_TOKENS, site, site=site.all_reduce.name)
         if site.hidden != first.hidden or (tokens is not None and count.static != tokens.static):
-            return no(ReasonCode.UNEQUAL_SITES, f"site {site.all_reduce.name} has {count.static} tokens x {site.hidden}, not "
-                      f"{tokens.static} x {first.hidden} like the first site", site)
+            assert tokens is not None
+            return no(ReasonCode.UNEQUAL_SITES, site, site=site.all_reduce.name, tokens=count.static,
+                      hidden=site.hidden, first_tokens=tokens.static, first_hidden=first.hidden)
         tokens = count
         if val(site.norm.input).dim() < 2:
             # The norm's ops index the dims of a 1-D value (F.layer_norm's var_mean over [0]);
             # replayed on [R, H] shard rows, dim 0 is the token dim: a mean over tokens.
-            return no(ReasonCode.NO_TOKEN_DIM, f"site {site.all_reduce.name}: the norm reads a 1-D "
-                      f"{list(val(site.norm.input).shape)} value; its reduction dims cannot be replayed "
-                      "on [rows, hidden] shard rows", site)
+            return no(ReasonCode.NO_TOKEN_DIM, site, site=site.all_reduce.name,
+                      shape=list(val(site.norm.input).shape))
     if tokens.static < config.flashcomm_min_prefill_tokens:
-        return no(ReasonCode.TOO_FEW_TOKENS, f"{tokens.static} tokens < flashcomm_min_prefill_tokens="
-                  f"{config.flashcomm_min_prefill_tokens}")
+        return no(ReasonCode.TOO_FEW_TOKENS, tokens=tokens.static, min_tokens=config.flashcomm_min_prefill_tokens)
     for before, plan in zip(plans, plans[1:]):
         site, prev = plan.site, before.site
         if site.add is None:
-            return no(ReasonCode.STREAM_BROKEN, f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: "
-                      f"{site.all_reduce.name} has no residual add, so the residual stream does not "
-                      "continue through it", site)
-        stream_in = site.stream_residual()
+            return no(ReasonCode.NO_RESIDUAL_ADD, site, previous=prev.all_reduce.name, site=site.all_reduce.name)
+        stream_in = site.residual
         if _through_views(stream_in) is not _carried(prev):
-            return no(ReasonCode.STREAM_BROKEN, f"boundary {prev.all_reduce.name} -> {site.all_reduce.name}: the residual of "
-                      f"{site.all_reduce.name} is {stream_in.name}, not the stream value "
-                      f"{_carried(prev).name} of {prev.all_reduce.name}; the stream cannot stay "
-                      "sharded across it", site)
+            return no(ReasonCode.STREAM_BROKEN, site, previous=prev.all_reduce.name, site=site.all_reduce.name,
+                      residual=stream_in.name, stream=_carried(prev).name)
     return FlashCommDecision(True, group_name=first.group_name, world_size=world, tokens=tokens)
 
 
@@ -296,11 +292,11 @@ class _FlashCommRewrite:
     def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
         shared = site.shared
-        stream_in = site.stream_residual() if site.add is not None else None
+        stream_in = site.residual
         # Where the op goes, as a position in the graph as it was: ``prepare`` may put a new node
         # there (the one wait of merged sums without a residual add), and moves late inputs up.
         point = self.position[site.insertion_point()]
-        site.prepare(self.graph)  # a shared expert's x is now in the op's residual x + r
+        site = prepare(site, self.graph)  # a shared expert's x is now in the op's residual x + r
         with self.graph.inserting_before(site.insertion_point()):
             shard, label, notes = self.reduce_scatter(site)
             residual = None
@@ -584,9 +580,9 @@ class FlashCommStrategy(Strategy):
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
         if not rewrite.config.enable_flashcomm:
-            return Decision(False, ReasonCode.NOT_ASKED)
+            return Decision(False, Reason(ReasonCode.NOT_ASKED))
         if rewrite.training:
-            return Decision(False, ReasonCode.TRAINING, TRAINING_NOTE)
+            return Decision(False, TRAINING)
         return decide_flashcomm(rewrite.plans, rewrite.config)
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
@@ -599,7 +595,7 @@ class FlashCommStrategy(Strategy):
         records = {r.node: r for r in report.records}
         if decision.stopped_at in records:
             record = records[decision.stopped_at]
-            record.reason = "; ".join(x for x in (record.reason, f"FlashComm: {decision.reason}") if x)
+            record.reasons.append(Reason.of(ReasonCode.FLASHCOMM_DECLINED, cause=decision.reason))
         # Asked for and not used: a warning, unless the graph is simply too small (decode steps) or
         # has nothing to shard, which is FlashComm working as configured.
         level = logging.INFO if decision.code in _EXPECTED_DECLINES else logging.WARNING
@@ -614,7 +610,7 @@ class FlashCommStrategy(Strategy):
             record = records[plan.site.all_reduce.name]  # (before: merging sums renames the all_reduce)
             label, notes = flashcomm.rewrite_site(plan.site)
             record.lowering = f"flashcomm:{label}"
-            record.reason = "; ".join(notes)
+            record.reasons, record.notes = [], notes
             log.info("weavepass: %s -> FlashComm (%s)", record.node, label)
         flashcomm.finish()
         report.add_note(f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "

@@ -31,19 +31,18 @@ class FuseStrategy(Strategy):
             if plan.lowering is None:
                 log.info("weavepass: %s matched but not rewritten: %s", record.node, plan.reason)
                 continue
-            plan.site.lowering = plan.lowering
             op = FUSED_ALLREDUCE_RMSNORM
             if plan.site.training:
                 op = FUSED_ALLREDUCE_RMSNORM_TRAIN
             elif plan.site.norm.kind == LAYER_NORM:
                 op = FUSED_ALLREDUCE_LAYERNORM
             rewrite.fused[record.node] = plan.site.replace_with(
-                rewrite.graph, op, rewrite.config.cuda_workspace_tokens)
+                rewrite.graph, op, plan.lowering, rewrite.config.cuda_workspace_tokens)
             record.lowering = plan.lowering
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
-            if plan.reason:  # a fallback is a warning; the cuda_symm copy is only information
+            if plan.code is not ReasonCode.NONE:  # a fallback is a warning; the cuda_symm copy is information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING
-                said.setdefault((level, plan.reason), []).append(record.node)
+                said.setdefault((level, plan.reason.render()), []).append(record.node)
         for (level, reason), nodes in said.items():  # one line per reason, not one per site
             where = nodes[0] if len(nodes) == 1 else (
                 f"graph {rewrite.report.graph_index}: {len(nodes)} site(s) ({', '.join(nodes)})")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from weavepass.config import WeaveConfig
-from weavepass.compile.reasons import ReasonCode
-from weavepass.compile.strategies.base import TRAINING_NOTE, Decision, GraphRewrite, Strategy
+from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 
 log = logging.getLogger("weavepass")
 
@@ -28,14 +28,14 @@ class SplitStrategy(Strategy):
         # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not
         # split (also when nothing was fused).
         if rewrite.config.overlap == "off" or not rewrite.report.records:
-            return Decision(False, ReasonCode.NOT_ASKED)
+            return Decision(False, Reason(ReasonCode.NOT_ASKED))
         if rewrite.fused and rewrite.training:
-            return Decision(False, ReasonCode.TRAINING, TRAINING_NOTE)
+            return Decision(False, TRAINING)
         tuned = next((plan.tuned for plan in rewrite.plans if plan.tuned is not None), None)
         if tuned is not None and tuned.rewrite in ("inductor", "fuse"):
-            return Decision(False, tuned.code, tuned.text)
+            return Decision(False, tuned.reason)
         if tuned is not None:  # the split, or no entry for this graph (the window decides)
-            return Decision(True, tuned.code, tuned.text)
+            return Decision(True, tuned.reason)
         return Decision(True)
 
     def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
@@ -45,16 +45,19 @@ class SplitStrategy(Strategy):
         if decision.code is ReasonCode.TUNED_SPLIT:  # the table's token range replaces the window
             low, high = next(plan.tuned for plan in rewrite.plans if plan.tuned is not None).window
             config = config.replace(overlap_min_tokens=low, overlap_min_tokens_moe=low, overlap_max_tokens=high)
-            rewrite.report.add_note(decision.reason)
+            rewrite.report.add_note(decision.reason.render())
         apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)
         if decision.code is ReasonCode.TUNING_TABLE_NOT_APPLICABLE:
-            rewrite.report.add_note(decision.reason)
+            rewrite.report.add_note(decision.reason.render())
         return False
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
         from weavepass.compile.strategies.split import split_skip_level
 
-        tuned = decision.code in (ReasonCode.TUNED_NO_REWRITE, ReasonCode.TUNED_FUSE_ONLY)
-        rewrite.report.add_note(decision.reason if tuned else f"fuse-only: {decision.reason}")
+        if decision.code in (ReasonCode.TUNED_NO_REWRITE, ReasonCode.TUNED_FUSE_ONLY):
+            rewrite.report.reasons.append(decision.reason)  # its sentence starts with "auto: "
+            rewrite.report.add_note(decision.reason.render())
+        else:
+            rewrite.report.decline("fuse-only", decision.reason)
         log.log(split_skip_level(rewrite.config), "weavepass: graph %d: %s", rewrite.report.graph_index,
                 rewrite.report.notes[-1])

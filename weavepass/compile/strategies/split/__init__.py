@@ -41,6 +41,7 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import plan_split, too_few_tokens_reason
 from weavepass.config import WeaveConfig
@@ -127,44 +128,41 @@ def apply_token_split(
 
     On any reason not to split, the graph stays fuse-only and ``report.note`` says why.
     """
-    def skip(reason: str) -> bool:
-        report.add_note(f"fuse-only: {reason}")
+    def skip(reason: Reason) -> bool:
+        report.decline("fuse-only", reason)
         log.log(split_skip_level(config), "weavepass: graph %d: token split skipped: %s", report.graph_index, reason)
         return False
 
     fused_nodes = [n for n in fused_nodes if n.target in (FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_LAYERNORM)]
     if not fused_nodes:
-        return skip("no site was fused, so there is no communication to overlap (each site's line "
-                    "says why it was kept)")
+        return skip(Reason(ReasonCode.SPLIT_NOTHING_FUSED))
     if len(fused_nodes) < 2:
-        return skip("1 fused site: no compute between sites to overlap with")
+        return skip(Reason(ReasonCode.SPLIT_ONE_SITE))
     position = {n: i for i, n in enumerate(graph.nodes)}
     sites = sorted(fused_nodes, key=position.__getitem__)
     tokens = TokenCount.of(sites[0].args[0])  # the planner's count of the first site
     too_few = too_few_tokens_reason(tokens.hint)  # before the analysis: a decode step needs none
     if too_few is not None:
-        return skip(too_few)
+        return skip(Reason.of(ReasonCode.SPLIT_PLAN, cause=too_few))
     try:
         cut = Cut.of(sites[0])
         info = analyse(graph, sites, cut)
         plan = plan_split(tokens, hint(cut.batch), info.gemms, config, cut.device, moe=info.moe)
         if plan.first is None:
-            return skip(plan.reason)
+            return skip(Reason.of(ReasonCode.SPLIT_PLAN, cause=plan.reason))
         symbolic_cut = isinstance(cut.units, torch.SymInt)  # batch mode on a symbolic S cuts static units
         if symbolic_cut and not cut.units >= MIN_SYMBOLIC_UNITS:  # one guard
-            return skip(f"{hint(cut.units)} {cut.mode} unit(s) on a symbolic count: a half of one "
-                        f"unit would specialise the graph; split from {MIN_SYMBOLIC_UNITS} units on")
+            return skip(Reason.of(ReasonCode.SPLIT_FEW_SYMBOLIC_UNITS, units=hint(cut.units), mode=cut.mode,
+                                  min_units=MIN_SYMBOLIC_UNITS))
         cut.first = plan.first // (plan.tokens // hint(cut.units))
         info = analyse(graph, sites, cut)  # re-check every view against the real cut
     except Unsupported as error:
-        return skip(f"token split not possible: {error}")
+        return skip(Reason.of(ReasonCode.SPLIT_NOT_POSSIBLE, cause=error.reason))
     if info.run_time_masks and config.overlap == "auto":
         # A bidirectional mask would stop the run (on CUDA a device-side assertion ends the
         # process): `auto` never risks that; `force` splits with the check.
         names = ", ".join(m.name for m in info.run_time_masks)
-        return skip(f"the attention mask {names} is an input: whether it hides every key after the cut from "
-                    "every query before it is known only at run time, so overlap='auto' does not cut the "
-                    "sequence (overlap='force' does, with a run-time check that stops a mask that does not)")
+        return skip(Reason.of(ReasonCode.SPLIT_RUN_TIME_MASK, masks=names))
     push, comm = communication_variant(sites, config)
     rewrite(graph, info, config, push)
     where = "computed at run time from the symbolic size" if symbolic_cut else (

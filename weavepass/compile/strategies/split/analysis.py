@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import GemmShape
 
 from .base import Unsupported
@@ -69,7 +70,7 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
     for node in region:
         if node in site_index:
             if any(a in info.roles for a in node.all_input_nodes):
-                raise Unsupported(f"{node.name}: its input is rows of an MoE routing block not back in token order")
+                raise Unsupported(Reason.of(ReasonCode.SPLIT_EXPERT_ROWS_INPUT, node=node.name))
             info.token[node] = site_dims(node, info)
             info.segment[node] = site_index[node]
             continue
@@ -85,7 +86,7 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
     check_block(info)
     for node in info.keys:  # halves of scores have different key counts: no cat can join them
         if any(u not in info.token for u in node.users):
-            raise Unsupported(f"{node.name}: attention scores are read after the last site")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_AFTER_LAST_SITE, node=node.name))
     return info
 
 
@@ -94,7 +95,7 @@ def token_dims(node: Node, info: Analysis):
     if any(a in info.keys for a in node.all_input_nodes):
         return score_dims(node, info)
     if node.op != "call_function":
-        raise Unsupported(f"{node.name} ({node.op}) reads token tensors")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_TOKENS, node=node.name, node_kind=node.op))
     if routed(node, info):
         return routed_dims(node, info)
     return rule_for(node.target)(node, info)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
+
 from .base import Unsupported, input_token_dim, val
 from .symbolic import hint, shape
 
@@ -48,34 +50,32 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
     mask = _mask(node.target, node.args, node.kwargs)
     dropout_index = 3 if node.target in (CPU_FLASH, CUDA_FLASH) else 5
     if len(node.args) > dropout_index and node.args[dropout_index] != 0.0:
-        raise Unsupported(f"{node.name}: attention with dropout")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_ATTENTION_DROPOUT, node=node.name))
     if isinstance(mask, Node) and mask in info.token:
-        raise Unsupported(f"{node.name}: the attention mask is computed from token tensors")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_MASK_FROM_TOKENS, node=node.name))
     used = {u.args[1] for u in node.users}
     if any(u.target is not operator.getitem for u in node.users) or used - {0}:
-        raise Unsupported(f"{node.name}: attention outputs other than the result are used")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_ATTENTION_OUTPUTS, node=node.name))
     expected = 0 if info.cut.mode == "batch" else 2
     if dims != {expected}:
-        raise Unsupported(f"{node.name}: q/k/v carry tokens in dims {dims}, expected {expected}")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_QKV_DIMS, node=node.name, dims=dims, expected=expected))
     causal_index = ATTENTION[node.target][1]
     causal = node.args[causal_index] if len(node.args) > causal_index else node.kwargs.get("is_causal", False)
     if info.cut.mode == "sequence" and mask is None and not causal:
         # Half A runs before half B's keys exist: only attention in which no query of A sees a key
         # of B (causal, or a mask that says so) can be cut inside a sequence.
-        raise Unsupported(f"{node.name}: bidirectional attention (no mask, not causal) over a cut sequence: "
-                          "half A's queries would miss half B's keys")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_BIDIRECTIONAL_CUT, node=node.name))
     if info.cut.mode == "sequence" and mask is None and shape(q)[2] != shape(k)[2]:
         # ``is_causal`` aligns the diagonal at the upper left; half B's two calls (all of A's keys,
         # then its own causally) are that only with one query per key.
-        raise Unsupported(f"{node.name}: causal attention with {shape(q)[2]} queries over {shape(k)[2]} keys over "
-                          "a cut sequence: half B's queries would see half A's keys past their own position")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_CAUSAL_OFFSET, node=node.name, queries=shape(q)[2], keys=shape(k)[2]))
     if isinstance(mask, Node):
         mshape = shape(mask)
         if info.cut.mode == "batch":
             if len(mshape) == 4 and mshape[0] != 1:
                 info.sliced.setdefault(node, {})[mask] = 0
         elif len(mshape) < 2:
-            raise Unsupported(f"{node.name}: attention mask of shape {mshape}")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_MASK_SHAPE, node=node.name, mshape=mshape))
         elif mask not in info.run_time_masks:
             info.run_time_masks.append(mask)
     return (expected,) + (None,) * (len(val(node)) - 1)

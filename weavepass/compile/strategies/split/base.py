@@ -7,12 +7,18 @@ from typing import TYPE_CHECKING
 
 from torch.fx import Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
+
 if TYPE_CHECKING:
     from .analysis import Analysis
 
 
 class Unsupported(Exception):
-    """The split cannot handle a node; the message is the report's reason."""
+    """The split cannot handle a node: ``reason`` says why (a ``SPLIT_*`` code and its fields)."""
+
+    def __init__(self, reason: Reason) -> None:
+        super().__init__(reason.render())
+        self.reason = reason
 
 
 def val(node):
@@ -35,5 +41,5 @@ def input_token_dim(node: Node, info: Analysis) -> int:
     x = node.args[0]
     d = info.token.get(x) if isinstance(x, Node) else None
     if d is None:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}): token tensor in an unsupported argument position")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION, node=node.name, op=op_name(node.target)))
     return d

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
+
 from .base import Unsupported, norm_dim, op_name, val
 from .rules import VIEWS, rule_for
 from .symbolic import hint, shape
@@ -121,14 +123,11 @@ def sort_by_expert(node: Node, info: Analysis) -> tuple[int, int]:
     x = node.args[0]
     experts = _experts_of(x)
     if experts is None or val(x).dim() != 1 or x in info.roles:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts along the token dim, and its keys are not "
-                          "the flattened experts of a topk (MoE routing that groups the token-expert pairs "
-                          "by expert): a half's order is not its part of the whole's")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SORT_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     descending = node.args[2] if node.target is aten.sort.default and len(node.args) > 2 else \
         node.kwargs.get("descending", False)
     if descending:  # the offsets count experts upwards: rows must be in ascending expert order
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) sorts the experts in descending order: the "
-                          "grouped matmul's offsets would give rows other experts than their own")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SORT_DESCENDING, node=node.name, op=op_name(node.target)))
     info.roles[node] = (Rows(node, keys=True, experts=experts),
                         Positions(node, None, shape(x)[0], bijection=True))
     return 0, 0
@@ -179,22 +178,18 @@ def _row_op(node: Node, info: Analysis):
     target = node.target
     pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
     if not pointwise and target not in ROW_OPS:
-        raise Unsupported(f"{node.name} ({op_name(target)}) reads rows of an MoE routing block in expert order: "
-                          "only per-row ops, gathers and scatters of rows may")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_EXPERT_ROWS, node=node.name, op=op_name(target)))
     orders = {_order(a, info) for a in node.all_input_nodes if info.token.get(a) is not None}  # not sizes
     if len(orders) != 1:
-        raise Unsupported(f"{node.name} ({op_name(target)}) combines rows in token order with rows an MoE routing "
-                          "block sorted by expert: the halves would pair other rows than the whole")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_MIXES_ROW_ORDERS, node=node.name, op=op_name(target)))
     (order,) = orders
     dims = rule_for(target)(node, info)
     if node in info.sliced:
-        raise Unsupported(f"{node.name} ({op_name(target)}): token-free "
-                          f"{', '.join(a.name for a in info.sliced[node])} is lined up with rows an MoE routing "
-                          "block sorted by expert, which a half cannot slice")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS, node=node.name, op=op_name(target), lined_up=', '.join(a.name for a in info.sliced[node])))
     if target in VIEWS:
         x = node.args[0]
         if shape(node)[dims] != shape(x)[info.token[x]]:
-            raise Unsupported(f"{node.name}: view regroups rows an MoE routing block sorted by expert")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_VIEW_REGROUPS_EXPERT_ROWS, node=node.name))
     keys = [info.roles[a] for a in node.all_input_nodes if a in info.roles]
     if target in CASTS and len(keys) == 1 and keys[0].keys and val(node).dtype in EXACT_KEYS:
         info.roles[node] = keys[0]  # a cast of the sorted keys that holds every expert index exactly
@@ -209,7 +204,7 @@ def _order(node: Node, info: Analysis) -> Node | None:
         return None
     if isinstance(role, (Rows, Positions)):
         return role.order
-    raise Unsupported(f"{node.name}: expert counts of an MoE routing block read as rows")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_COUNTS_AS_ROWS, node=node.name))
 
 
 def _position_op(node: Node, info: Analysis, pos: Node) -> int:
@@ -222,9 +217,7 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
     units = hint(info.cut.units)
     if not (floor and node.args[0] is pos and isinstance(c, int) and c > 0 and role.points is None
             and role.space % units == 0 and (role.space // units) % c == 0):
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) computes with the row positions of an MoE "
-                          "routing block (a half's positions are its own, not the whole's): only gathers, "
-                          "scatters and a floor division from pairs to tokens may read them")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_ROW_POSITIONS_ARITHMETIC, node=node.name, op=op_name(node.target)))
     info.roles[node] = Positions(role.order, None, role.space // c, bijection=False)
     return info.token[pos]
 
@@ -236,15 +229,11 @@ def _counts_op(node: Node, info: Analysis, counts: list[Node]):
     cumsum = node.target is aten.cumsum.default and node.args[0] is counts[0] \
         and norm_dim(node.args[1], 1) == 0 and not role.cumulative and val(node.args[0]).dim() == 1
     if (cast or cumsum) and val(node).dtype not in EXACT_KEYS:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) holds the expert counts of an MoE routing block "
-                          f"in {val(node).dtype}, which does not hold every row count exactly: the whole's "
-                          "offsets would round or wrap where a half's do not")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_COUNTS_DTYPE, node=node.name, op=op_name(node.target), dtype=val(node).dtype))
     if cast or cumsum:
         info.roles[node] = Counts(role.sort, cumulative=True) if cumsum else role
         return None
-    raise Unsupported(f"{node.name} ({op_name(node.target)}) reads the expert counts of an MoE routing block, "
-                      "computed across the tokens (a capacity or a load-balancing term): only their cumsum and "
-                      "a grouped matmul's offsets may")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_EXPERT_COUNTS, node=node.name, op=op_name(node.target)))
 
 
 def _histogram(node: Node, info: Analysis):
@@ -253,8 +242,7 @@ def _histogram(node: Node, info: Analysis):
     role = info.roles.get(x)
     bins, low, high = (list(node.args[1:]) + [100, 0, 0][len(node.args) - 1:])[:3]
     if not (isinstance(role, Rows) and role.keys and bins == role.experts and low == 0 and high == bins - 1):
-        raise Unsupported(f"{node.name} (histc) counts rows other than one bin per expert of an MoE routing "
-                          "block's sorted keys")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_HISTC_BINS, node=node.name))
     info.roles[node] = Counts(role.order, cumulative=False)
     return None
 
@@ -274,8 +262,7 @@ def _grouped_mm(node: Node, info: Analysis, name: str) -> int:
     if not (isinstance(rows_role, Rows) and rows_role.order is not None and info.token.get(rows) == 0
             and val(rows).dim() == 2 and val(weights).dim() == 3 and weights not in info.token and bias is None
             and isinstance(offs_role, Counts) and offs_role.cumulative and offs_role.sort is rows_role.order):
-        raise Unsupported(f"{node.name} ({name}): not rows sorted by expert times token-free expert weights, "
-                          "grouped by the offsets of the same sort")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_GROUPED_MM_OPERANDS, node=node.name, op=name))
     info.roles[node] = Rows(rows_role.order)
     return 0
 
@@ -285,21 +272,19 @@ def _gather(node: Node, info: Analysis) -> int:
     a token-free ``x`` (an expert's bias) looked up per row by the row's values."""
     x, indices = node.args
     if len(indices) != 1 or not isinstance(indices[0], Node):
-        raise Unsupported(f"{node.name} (index.Tensor) indexes more than one dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_SEVERAL_DIMS, node=node.name))
     (index,) = indices
     pos = info.roles.get(index)
     if isinstance(pos, Positions):
         if info.token.get(x) != 0 or _order(x, info) != pos.points or shape(x)[0] != pos.space:
-            raise Unsupported(f"{node.name} (index.Tensor) gathers by an MoE routing block's positions from "
-                              f"{x.name}, which is not the rows they index")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_GATHER_OTHER_ROWS, node=node.name, x=x.name))
         role = info.roles.get(x, Rows(None))
         role = replace(role, order=pos.order, bijection=role.bijection and pos.bijection) \
             if isinstance(role, Positions) else Rows(pos.order)
     elif x not in info.token and index in info.token and not isinstance(pos, Counts) and val(index).dim() == 1:
         role = Rows(_order(index, info))
     else:
-        raise Unsupported(f"{node.name} (index.Tensor) indexes along the token dim by values computed from "
-                          "the tokens")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_TOKEN_DIM_BY_TOKENS, node=node.name))
     if role != Rows(None):
         info.roles[node] = role
     return 0
@@ -318,16 +303,14 @@ def _scatter(node: Node, info: Analysis) -> int:
         target, dim, index, values = node.args[:4]
         accumulate = True
         if norm_dim(dim, val(target).dim()) != 0:
-            raise Unsupported(f"{node.name} (index_add) adds along another dim than the rows")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_ADD_DIM, node=node.name))
     pos = info.roles.get(index)
     what = f"{node.name} ({op_name(node.target)})"
     if not isinstance(pos, Positions):
-        raise Unsupported(f"{what} scatters along the token dim by values that are not an MoE routing block's "
-                          "positions")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_NOT_BY_POSITIONS, what=what))
     rows = shape(index)[0]
     if not accumulate and not (pos.bijection and rows == pos.space):
-        raise Unsupported(f"{what} writes by positions that are not a permutation of the rows: some rows "
-                          "would keep the target's contents")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_NOT_PERMUTATION, what=what))
     _block_target(node, target, pos, info, what)
     if _is_block_const(values, ARANGES, rows, info):
         info.block_consts.setdefault(values, set()).add(node)
@@ -336,9 +319,9 @@ def _scatter(node: Node, info: Analysis) -> int:
         role = info.roles.get(values, Rows(None))
         role = replace(role, order=pos.points) if isinstance(role, Positions) else Rows(pos.points)
     else:
-        raise Unsupported(f"{what}: the values are not rows in the order of the positions")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_VALUES_ORDER, what=what))
     if isinstance(role, Positions) and accumulate:
-        raise Unsupported(f"{what} adds up positions of an MoE routing block")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_ADDS_POSITIONS, what=what))
     if role != Rows(None):
         info.roles[node] = role
     return 0
@@ -349,8 +332,7 @@ def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what
         info.block_consts.setdefault(target, set()).add(node)
     elif isinstance(info.roles.get(target), Positions) or not (
             info.token.get(target) == 0 and _order(target, info) == pos.points and shape(target)[0] == pos.space):
-        raise Unsupported(f"{what}: the target is neither a new tensor as long as the rows nor the rows the "
-                          "positions index")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_TARGET, what=what))
 
 
 def _is_block_const(node, targets: tuple, rows: int, info: Analysis) -> bool:
@@ -381,24 +363,21 @@ def check_block(info: Analysis) -> None:
     position or a count would be joined by ``cat`` as if it were token rows), and every block
     constant is read by the scatters that took it only."""
     if (info.roles or info.block_consts) and isinstance(info.cut.units, torch.SymInt):
-        raise Unsupported("MoE routing block on a symbolic token count: its constants have no per-half size")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_SYMBOLIC))
     for node in info.roles:
         outside = [u.name for u in node.users if u not in info.token]
         if outside:
-            raise Unsupported(f"{node.name}: rows, positions or counts of an MoE routing block are read outside it "
-                              f"({', '.join(outside)}) before they are back in token order")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_READ_OUTSIDE, node=node.name, readers=', '.join(outside)))
     region = set(info.region)
     for node, scatters in info.block_consts.items():
         if node not in region:
-            raise Unsupported(f"{node.name}: a constant of an MoE routing block is made before the first site")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_CONSTANT_EARLY, node=node.name))
         # Every reader gets the per-half copy, its rows counted from 0: right for the scatters that
         # took it as the block's target or ``arange(P)``, wrong for anything else (a token op would
         # need half B's rows of the whole, ``P_A .. P``, not ``0 .. P_B``).
         others = [f"{u.name} ({op_name(u.target)})" for u in node.users if u not in scatters]
         if others:
-            raise Unsupported(f"{node.name}: a constant of an MoE routing block is also read by "
-                              f"{', '.join(others)}, not by the block's scatters: each half rebuilds it with "
-                              "its own rows")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED, node=node.name, readers=', '.join(others)))
 
 
 def emit_block_const(rw, node: Node, half: str) -> Node:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.fx import Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
+
 from .attention import ATTENTION, attention_dims
 from .base import Unsupported, input_token_dim, norm_dim, op_name, val
 from .symbolic import hint, shape
@@ -61,7 +63,7 @@ def rule_for(target) -> Rule:
 
 def _no_rule(node: Node, info: Analysis):
     input_token_dim(node, info)  # a token tensor in another argument is named as such first
-    raise Unsupported(f"{node.name}: the token split has no rule for {op_name(node.target)}")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_NO_RULE, node=node.name, op=op_name(node.target)))
 
 
 def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
@@ -75,12 +77,12 @@ def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
     elif first:
         dim = info.cut.entry_dim
     else:
-        raise Unsupported(f"{node.name}: its input {partial.name} is not computed from the tokens of the first site")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_PARTIAL_NOT_FROM_TOKENS, node=node.name, partial=partial.name))
     if residual is not None and residual in info.token and info.token[residual] != dim:
-        raise Unsupported(f"{node.name}: residual and partial carry tokens in different dims")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_RESIDUAL_PARTIAL_DIMS, node=node.name))
     if residual is not None and residual not in info.token:
         if not first:
-            raise Unsupported(f"{node.name}: residual {residual.name} does not come from an earlier site")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_RESIDUAL_NOT_FROM_SITE, node=node.name, residual=residual.name))
         info.sliced.setdefault(node, {})[residual] = dim
     if first and partial not in info.token:
         info.sliced.setdefault(node, {})[partial] = dim
@@ -94,14 +96,14 @@ def _output(node: Node, info: Analysis):
     source, index = node.args
     dims = info.token[source]
     if not isinstance(dims, tuple) or dims[index] is None:
-        raise Unsupported(f"{node.name}: output {index} of {source.name} is not split along tokens")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_OUTPUT_NOT_SPLIT, node=node.name, index=index, source=source.name))
     return dims[index]
 
 
 @register(aten.sym_size.int)
 def _size(node: Node, info: Analysis):
     if node.args[1] == info.token[node.args[0]]:
-        raise Unsupported(f"{node.name} reads the size of the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_TOKEN_SIZE, node=node.name))
     return None  # a shared size: computed from half A's copy
 
 
@@ -119,10 +121,10 @@ def broadcast_dims(node: Node, info: Analysis) -> int:
     tensors = [t for t in tensors if isinstance(t, Node) and isinstance(val(t), torch.Tensor)]
     dims = {info.token[t] - val(t).dim() + rank for t in tensors if t in info.token}
     if len(dims) != 1:
-        raise Unsupported(f"{node.name}: inputs carry tokens in different dims {sorted(dims)}")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_INPUT_DIMS_DIFFER, node=node.name, dims=sorted(dims)))
     d = dims.pop()
     if node.target is aten.cat.default and norm_dim(node.args[1] if len(node.args) > 1 else 0, rank) == d:
-        raise Unsupported(f"{node.name} concatenates along the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_CAT_TOKEN_DIM, node=node.name))
     full = hint(out.shape[d])
     for t in tensors:
         if t in info.token:
@@ -131,7 +133,7 @@ def broadcast_dims(node: Node, info: Analysis) -> int:
         if pos < 0 or hint(val(t).shape[pos]) == 1:
             continue  # broadcast along tokens: the same tensor serves both halves
         if hint(val(t).shape[pos]) != full:
-            raise Unsupported(f"{node.name}: {t.name} does not line up with the tokens")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_NOT_LINED_UP, node=node.name, t=t.name))
         info.sliced.setdefault(node, {})[t] = pos
     return d
 
@@ -145,8 +147,7 @@ def _copy(node: Node, info: Analysis) -> int:
 
 @register(aten.copy_.default)
 def _copy_in_place(node: Node, info: Analysis):
-    raise Unsupported(f"{node.name} (copy_) writes into {node.args[0].name} in place: the halves would "
-                      "each write a part of one tensor that lives outside them")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_IN_PLACE_WRITE, node=node.name, target=node.args[0].name))
 
 
 @register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
@@ -159,8 +160,7 @@ def _indexed(node: Node, info: Analysis) -> int:
     tensors = [t for t in node.all_input_nodes if isinstance(val(t), torch.Tensor)] + [node]
     sizes = {t.name: hint(val(t).shape[d]) for t in tensors}
     if len(set(sizes.values())) != 1:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) does not broadcast, and its tensors differ in "
-                          f"the token dim: {sizes}")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_NO_BROADCAST, node=node.name, op=op_name(node.target), sizes=sizes))
     return d
 
 
@@ -171,10 +171,10 @@ def _index_select(node: Node, info: Analysis) -> int:
     ``dim``, which the elementwise alignment cannot see: refused."""
     x, dim, index = node.args[:3]
     if index in info.token:
-        raise Unsupported(f"{node.name} (index_select): its index {index.name} is computed from tokens")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_FROM_TOKENS, node=node.name, index=index.name))
     d = input_token_dim(node, info)
     if norm_dim(dim, _rank(node)) == d:
-        raise Unsupported(f"{node.name} (index_select) indexes along the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_SELECT_TOKEN_DIM, node=node.name))
     return d
 
 
@@ -187,7 +187,7 @@ def _slice_scattered(node: Node, info: Analysis) -> int:
 def _lined_up_along(node: Node, info: Analysis, dim: int) -> int:
     d = broadcast_dims(node, info)
     if norm_dim(dim, val(node).dim()) == d:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) indexes along the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEXES_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     return d
 
 
@@ -220,7 +220,7 @@ def view_dim(node: Node, d: int, info: Analysis) -> int:
                 and 0 < first * inner // out_inner < size:
             return j
         out_prefix *= size
-    raise Unsupported(f"{node.name}: view {src} -> {dst} does not keep the token cut in one dim")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_VIEW_MOVES_CUT, node=node.name, src=src, dst=dst))
 
 
 def half_view_size(node: Node, token_dim: int, size) -> list:
@@ -233,7 +233,7 @@ def half_view_size(node: Node, token_dim: int, size) -> list:
     for i, entry in enumerate(size):
         if i != token_dim and isinstance(entry, int) and entry == -1:
             if not isinstance(out[i], int):
-                raise Unsupported(f"{node.name}: view infers a symbolic size ({out[i]}) besides the token dim")
+                raise Unsupported(Reason.of(ReasonCode.SPLIT_VIEW_SYMBOLIC_SIZE, node=node.name, size=out[i]))
             size[i] = out[i]
     size[token_dim] = -1
     return size
@@ -255,7 +255,7 @@ def _squeeze(node: Node, info: Analysis) -> int:
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
     dims = [norm_dim(i, _rank(node)) for i in dims]
     if d in dims:
-        raise Unsupported(f"{node.name} squeezes the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SQUEEZES_TOKEN_DIM, node=node.name))
     return d - sum(i < d for i in dims)
 
 
@@ -290,7 +290,7 @@ def _sliced_dim(node: Node, info: Analysis, dim: int) -> tuple[int, int]:
     d = input_token_dim(node, info)
     dim = norm_dim(dim, _rank(node))
     if dim == d:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) slices the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SLICES_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     return d, dim
 
 
@@ -321,7 +321,7 @@ def _reduction(node: Node, info: Analysis) -> int:
     dims = [norm_dim(i, rank) for i in (args[1] if len(args) > 1 and args[1] else range(rank))]
     keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
     if d in dims:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) reduces over the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_REDUCES_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     return d if keep else d - sum(i < d for i in dims)
 
 
@@ -331,12 +331,12 @@ def _along(node: Node, info: Analysis, dim: int) -> int:
     x = node.args[0]
     d = input_token_dim(node, info)
     if norm_dim(dim, _rank(node)) == d:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) works along the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_ALONG_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     for other in node.all_input_nodes:
         if other is not x and info.token.get(other, d) != d:
-            raise Unsupported(f"{node.name} ({op_name(node.target)}): inputs carry tokens in different dims")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_OP_INPUT_DIMS_DIFFER, node=node.name, op=op_name(node.target)))
         if other is not x and other not in info.token:
-            raise Unsupported(f"{node.name} ({op_name(node.target)}): token-free index or source")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_FREE_INDEX, node=node.name, op=op_name(node.target)))
     return d
 
 
@@ -376,8 +376,7 @@ def _all_gather(node: Node, info: Analysis) -> int:
     which is not a half of the whole gather's ``[rank 0's rows; rank 1's rows; ...]``."""
     d = input_token_dim(node, info)
     if d == 0:
-        raise Unsupported(f"{node.name} (all_gather_into_tensor) gathers along the token dim: each half's "
-                          "gather would interleave the ranks' blocks differently from the whole")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_ALL_GATHER_TOKEN_DIM, node=node.name))
     return d
 
 
@@ -395,7 +394,7 @@ def _rows(node: Node, info: Analysis) -> int:
     addmm = node.target is aten.addmm.default
     a, b = node.args[1:3] if addmm else node.args[:2]
     if info.token.get(a) != 0 or b in info.token or (addmm and node.args[0] in info.token):
-        raise Unsupported(f"{node.name} ({op_name(node.target)}): tokens are not the rows of the left operand")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKENS_NOT_ROWS, node=node.name, op=op_name(node.target)))
     if addmm and val(node.args[0]).dim() == 2 and shape(node.args[0])[0] != 1:
         info.sliced.setdefault(node, {})[node.args[0]] = 0
     return 0
@@ -410,12 +409,12 @@ def _batched_rows(node: Node, info: Analysis) -> int:
 
     a, b = node.args
     if info.token.get(a) is None:
-        raise Unsupported(f"{node.name} ({op_name(node.target)}) contracts or indexes over the token dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_CONTRACTS_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     if info.token.get(a) == 0 and info.token.get(b) == 0:
         return 0
     if info.cut.mode == "sequence":
         return scores_bmm(node, info)
-    raise Unsupported(f"{node.name} (bmm): the right operand does not carry the same sequences in dim 0")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_BMM_RIGHT_SEQUENCES, node=node.name))
 
 
 register(*ATTENTION)(attention_dims)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Node
 
+from weavepass.compile.reasons import Reason, ReasonCode
+
 from .base import Unsupported, norm_dim, op_name, val
 from .rules import VIEWS, broadcast_dims, half_view_size, view_dim
 from .symbolic import hint
@@ -51,8 +53,7 @@ def scores_bmm(node: Node, info: Analysis) -> int:
     the product's rows are the queries, its columns the keys."""
     a, b = node.args
     if info.token.get(a) != 1 or info.token.get(b) != 2 or a in info.keys or b in info.keys:
-        raise Unsupported(f"{node.name} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q "
-                          "and dim 2 of k^T) nor probabilities @ v")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_BMM_CUT_SEQUENCE, node=node.name))
     info.keys[node] = 2
     info.key_operands[node] = {b: 2}
     return 1
@@ -61,7 +62,7 @@ def scores_bmm(node: Node, info: Analysis) -> int:
 def score_dims(node: Node, info: Analysis) -> int:
     """The token dim of an op reading a score tensor (and its key dim, into ``info.keys``)."""
     if node.op != "call_function":
-        raise Unsupported(f"{node.name} ({node.op}) reads attention scores")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_SCORES, node=node.name, node_kind=node.op))
     target = node.target
     x = node.args[0]
     if target is aten.bmm.default:
@@ -69,7 +70,7 @@ def score_dims(node: Node, info: Analysis) -> int:
     if target in _ELEMENTWISE or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
         return _elementwise(node, info)
     if x not in info.keys:
-        raise Unsupported(f"{node.name} ({op_name(target)}): attention scores in an unsupported argument position")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_ARGUMENT_POSITION, node=node.name, op=op_name(target)))
     d, k, rank = info.token[x], info.keys[x], val(x).dim()
     if target in VIEWS:
         return _view(node, info, d, k)
@@ -81,30 +82,25 @@ def score_dims(node: Node, info: Analysis) -> int:
         dims = [norm_dim(i, rank) for i in node.args[1]] if len(node.args) > 1 and node.args[1] else []
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         if dims != [k] or not keep:
-            raise Unsupported(f"{node.name} ({op_name(target)}) reduces attention scores over other dims than the keys")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_REDUCED_OTHER_DIMS, node=node.name, op=op_name(target)))
         if _hidden_as(x, info, {}) != _UNCHANGED_BY_HIDDEN_KEYS.get(target):
-            raise Unsupported(f"{node.name} ({op_name(target)}) reduces attention scores over the keys where the keys "
-                              "a mask hides change the result (half A leaves out half B's keys): only the amax of "
-                              "masked scores and the sum of the softmax's exp are taken")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_REDUCED_OVER_KEYS, node=node.name, op=op_name(target)))
         return d
     if target in _SOFTMAX:
         if norm_dim(node.args[1], rank) != k:
-            raise Unsupported(f"{node.name} ({op_name(target)}) works along another dim than the keys")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_OTHER_DIM, node=node.name, op=op_name(target)))
         info.keys[node] = k
         return d
-    raise Unsupported(f"{node.name}: the token split has no rule for {op_name(target)} on attention scores")
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_NO_SCORES_RULE, node=node.name, op=op_name(target)))
 
 
 def _probs_times_values(node: Node, info: Analysis) -> int:
     a, b = node.args
     if info.keys.get(a) != 2 or info.token.get(a) != 1 or info.token.get(b) != 1 or b in info.keys:
-        raise Unsupported(f"{node.name} (bmm): attention probabilities times something other than the values "
-                          "(tokens in dim 1)")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_PROBABILITIES_TIMES_NOT_VALUES, node=node.name))
     if _hidden_as(a, info, {}) != "zero":
         # The SDPA ops' rule (``attention_dims``) refuses bidirectional attention likewise.
-        raise Unsupported(f"{node.name} (bmm): attention probabilities over a cut sequence that are not a mask "
-                          "lined up with the keys followed by a softmax on every path from the scores: half A's "
-                          "queries would miss half B's keys")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_PROBABILITIES_NOT_MASKED_SOFTMAX, node=node.name))
     info.key_operands[node] = {b: 1}
     return 1
 
@@ -146,7 +142,7 @@ def _view(node: Node, info: Analysis, d: int, k: int) -> int:
     key count there)."""
     src, dst = val(node.args[0]).shape, val(node).shape
     if k != len(src) - 1 or hint(dst[-1]) != hint(src[-1]):
-        raise Unsupported(f"{node.name}: view of attention scores that does not keep the keys in the last dim")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_VIEW, node=node.name))
     out = view_dim(node, d, info)
     half_view_size(node, out, node.args[1])
     info.keys[node] = len(dst) - 1
@@ -162,7 +158,7 @@ def _elementwise(node: Node, info: Analysis) -> int:
     tensors = [t for t in node.all_input_nodes if isinstance(val(t), torch.Tensor)]
     keys = {info.keys[t] - val(t).dim() + rank for t in tensors if t in info.keys}
     if len(keys) != 1:
-        raise Unsupported(f"{node.name}: attention scores with keys in different dims {sorted(keys)}")
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_KEY_DIMS, node=node.name, keys=sorted(keys)))
     k = keys.pop()
     full = hint(val(node).shape[k])
     for t in tensors:
@@ -170,12 +166,9 @@ def _elementwise(node: Node, info: Analysis) -> int:
         if t in info.keys or pos < 0 or hint(val(t).shape[pos]) == 1:
             continue
         if t in info.token or hint(val(t).shape[pos]) != full:
-            raise Unsupported(f"{node.name}: {t.name} is lined up with the keys of attention scores")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_LINED_UP_WITH_KEYS, node=node.name, t=t.name))
         if mask_blocks(node, t, info.keys) is None:
-            raise Unsupported(f"{node.name} ({op_name(node.target)}): {t.name} is lined up with the keys but is "
-                              "neither a mask added to the scores nor where()'s condition choosing between the "
-                              "scores and the dtype's lowest value, so the split cannot check that no query "
-                              "before the cut sees a key after it")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_KEYS_NOT_MASK, node=node.name, op=op_name(node.target), t=t.name))
         info.key_sliced.setdefault(node, {})[t] = pos
         if t not in info.run_time_masks:
             info.run_time_masks.append(t)

@@ -20,6 +20,8 @@ from torch.fx.node import map_arg
 from weavepass.compile.tokens import size_hint
 from weavepass.compile.wave_model import device_wave_model, split_mode
 
+from weavepass.compile.reasons import Reason, ReasonCode
+
 from .base import Unsupported, val
 
 aten = torch.ops.aten
@@ -72,7 +74,7 @@ class Cut:
         elif value.dim() == 2:
             batch, seq = 1, value.shape[0]
         else:
-            raise Unsupported(f"first site's input has shape {tuple(value.shape)}, not [B, S, H] or [T, H]")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_INPUT_SHAPE, shape=tuple(value.shape)))
         mode = split_mode(hint(batch))
         return cls(partial, batch, seq, mode, batch if mode == "batch" else seq,
                    0 if mode == "batch" or value.dim() == 2 else 1, value.device)
@@ -81,7 +83,7 @@ class Cut:
         """Half A's share of a token dim of ``size`` (hint values)."""
         units = hint(self.units)
         if size % units:
-            raise Unsupported(f"a token dim of size {size} is not a multiple of {units} {self.mode} units")
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_UNITS_DO_NOT_DIVIDE, size=size, units=units, mode=self.mode))
         return size // units * self.first
 
     def emit_split_point(self, emit: Emit):
