@@ -49,7 +49,7 @@ def _inputs(rank, seed=0):
 
 
 def _plan_check_rank(rank, world, talk_on_rank, timeout_s):
-    from weavepass.plan_check import PlanMismatchError
+    from weavepass.compile.plan_check import PlanMismatchError
 
     config = WeaveConfig(plan_check_timeout_s=timeout_s)
     compiled = torch.compile(lambda *a: two_layers(*a, talk_on_rank=talk_on_rank),
@@ -94,7 +94,7 @@ def _stream_rank(rank, world):
     fresh group per scenario so that each starts its own collective stream."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from weavepass.plan_check import PlanMismatchError, check_plan_across_ranks
+    from weavepass.compile.plan_check import PlanMismatchError, check_plan_across_ranks
 
     outcomes = {}
     for name, per_rank in SCENARIOS.items():
