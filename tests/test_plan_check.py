@@ -252,3 +252,26 @@ def test_a_peer_killed_before_or_after_its_first_compile_is_named_within_seconds
     error, seconds = spawn(_dead_peer_rank, 2, "gloo", when, timeout_s=120, group_timeout_s=60.0, may_die=(1,))[0]
     assert "PeerGoneError" in error and "rank 1 is gone: its heartbeat stopped" in error, error
     assert seconds < 20.0, seconds  # the heartbeat limit (5 s) and a compile, far from the 60 s
+
+
+def test_workspace_tokens_is_in_the_line_only_where_the_lowering_reads_it():
+    """``cuda_workspace_tokens`` set differently per rank: harmless on the portable lowering (which
+    ignores it), so its lines agree; the ``cuda_symm`` workspace is allocated with it on every
+    rank, so there the lines differ and the check stops the job."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import weavepass.ops  # noqa: F401  (registers torch.ops.weave)
+    from weavepass.compile.plan_check import collective_lines
+    from weavepass.testing.distributed import fake_process_group
+
+    def lines(lowering: str, tokens: int) -> list[str]:
+        def f(p, r, w):
+            return torch.ops.weave.fused_allreduce_rmsnorm(p, r, w, 1e-6, "0", torch.float32, lowering, tokens)
+
+        with fake_process_group(2):
+            graph = make_fx(f, tracing_mode="fake")(torch.randn(4, H), torch.randn(4, H), torch.randn(H)).graph
+            return [line for _, line in collective_lines(graph)["0"]]
+
+    assert lines("portable", 1024) == lines("portable", 4096)
+    assert "4096" not in lines("portable", 4096)[0]
+    assert lines("cuda_symm", 1024) != lines("cuda_symm", 4096) and "4096" in lines("cuda_symm", 4096)[0]

@@ -92,6 +92,7 @@ def collective_lines(graph: torch.fx.Graph) -> dict[str, list[tuple[str, str]]]:
     """``{group name: [(node name, line), ...]}``: in graph order, every call that names a
     process group, with a line that says what it runs (op, tensor dtypes and shapes, scalars)."""
     by_group: dict[str, list[tuple[str, str]]] = {}
+    is_group: dict[str, bool] = {}  # resolving a group name costs a C++ call: once per name
     for node in graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -99,19 +100,37 @@ def collective_lines(graph: torch.fx.Graph) -> dict[str, list[tuple[str, str]]]:
         if target.namespace not in COLLECTIVE_NAMESPACES:
             continue
         op = f"{target.namespace}.{target._opname}"
-        named = dict(zip((a.name for a in target._schema.arguments), node.args))
+        names = _argument_names(target)
+        named = dict(zip(names, node.args))
         named.update(node.kwargs)
         left_out = set(LABELS.get(op, ()))
         if "workspace_tokens" in named and named.get("lowering") not in WORKSPACE_LOWERINGS:
             left_out.add("workspace_tokens")
-        args = [a for i, a in enumerate(node.args) if target._schema.arguments[i].name not in left_out]
+        args = [a for name, a in zip(names, node.args) if name not in left_out]
         args += [v for k, v in sorted(node.kwargs.items()) if k not in left_out]
-        groups = [a for a in args if isinstance(a, str) and group_size(a) is not None]
+        groups = []
+        for a in args:
+            if isinstance(a, str):
+                if a not in is_group:
+                    is_group[a] = group_size(a) is not None
+                if is_group[a]:
+                    groups.append(a)
         if not groups:  # weave.join_async and the like: no communication
             continue
         line = f"{op}({', '.join(_describe(a) for a in args)})"
         by_group.setdefault(groups[0], []).append((node.name, line))
     return by_group
+
+
+_ARGUMENT_NAMES: dict = {}
+
+
+def _argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
+    """The op's argument names in schema order (``op._schema`` builds new objects on every access)."""
+    names = _ARGUMENT_NAMES.get(op)
+    if names is None:
+        names = _ARGUMENT_NAMES[op] = tuple(a.name for a in op._schema.arguments)
+    return names
 
 
 def _describe(arg) -> str:
