@@ -275,3 +275,21 @@ def test_workspace_tokens_is_in_the_line_only_where_the_lowering_reads_it():
     assert lines("portable", 1024) == lines("portable", 4096)
     assert "4096" not in lines("portable", 4096)[0]
     assert lines("cuda_symm", 1024) != lines("cuda_symm", 4096) and "4096" in lines("cuda_symm", 4096)[0]
+
+
+def test_explain_names_an_async_all_reduce_that_broke_the_graph():
+    """``dist.all_reduce(..., async_op=True)`` breaks the graph and runs eagerly: correct, not
+    rewritten. The report used to say nothing about it; ``explain`` lists it as not compiled."""
+    from weavepass.testing.distributed import fake_process_group
+
+    def f(x, r, w):
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        return rms(r + x, w)
+
+    torch._dynamo.reset()
+    with fake_process_group(2):
+        report = weavepass.explain(f, torch.randn(4, H), torch.randn(4, H), torch.rand(H),
+                                   config=WeaveConfig(lowering="portable"))
+    assert len(report.not_compiled) == 1 and report.not_compiled[0].startswith("all_reduce: Dynamo broke"), report
+    assert "not in a compiled graph: all_reduce: Dynamo broke the graph there (async_op=True" in str(report)
