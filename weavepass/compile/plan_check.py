@@ -39,6 +39,7 @@ import hashlib
 import json
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -205,8 +206,9 @@ class _GroupState:
     """New lines this rank has published in the epoch: where its next new graph starts."""
     verified: set = field(default_factory=set)
     """Digests of graphs on this group that passed the check: their recompiles pass at once."""
-    published: list = field(default_factory=list)
-    """This rank's keys in this epoch that its peers may not all have read yet."""
+    published: deque = field(default_factory=lambda: deque(maxlen=256))
+    """This rank's latest keys in this epoch, which its peers may not all have read yet (deleted
+    when the epoch moves; the last reader deletes each one before that)."""
     peers: dict = field(default_factory=dict)
     """peer rank -> ``_PeerStream``."""
 
