@@ -47,6 +47,11 @@ import torch.distributed as dist
 
 from weavepass.compile.planner import group_size
 
+try:  # imported here, not in the first check: importing Dynamo takes seconds, which a peer would wait
+    from torch._dynamo.callback import callback_handler
+except ImportError:
+    callback_handler = None
+
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "weave", "symm_mem")
 """Ops whose calls can talk to other ranks: the functional collectives, weave's own ops (fused,
 FlashComm) and the symmetric-memory fused matmuls."""
@@ -266,9 +271,7 @@ class PlanExchange:
         """``torch._dynamo.reset()`` starts compiling afresh, as a new process would: graphs compiled
         after it are checked again, not passed as recompiles of graphs checked before it. Seen
         through a compile-start callback of this exchange's, which the reset clears."""
-        try:
-            from torch._dynamo.callback import callback_handler
-        except ImportError:  # a torch without compile callbacks: no reset is seen
+        if callback_handler is None:  # a torch without compile callbacks: no reset is seen
             return
         if self._reset_marker not in callback_handler.start_callbacks:
             for state in self.groups.values():
