@@ -31,7 +31,7 @@ from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.overlap import SplitStrategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
-from weavepass.plan_check import PlanExchange, PlanMismatchError, collective_lines
+from weavepass.compile.plan_check import PlanExchange, PlanMismatchError, _key, collective_lines
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.runtime.reference import add_rmsnorm_local
 from weavepass.testing import fake_process_group
@@ -464,7 +464,7 @@ def test_plan_check_timeout_must_be_a_wait_the_store_can_take(seconds):
     longest = WeaveConfig(plan_check_timeout_s=timedelta.max.days * 86400.0)  # about 2.7 million years
     store = dist.HashStore()
     line = [("ar", "_c10d_functional.all_reduce(float32[4, 16], 'sum', '0')")]
-    store.set("weavepass/plan/0/1/0", json.dumps([["ar", line[0][1], 0]]))  # rank 1 published already
+    store.set(_key("0", 0, 1, 0), json.dumps([["ar", line[0][1], 0]]))  # rank 1 published already
     PlanExchange().check(store, "0", 0, [0, 1], line, 0, longest.plan_check_timeout_s)
 
 
@@ -565,7 +565,7 @@ def test_plan_split_is_the_planner_call_of_the_split(world2):
 # never the rank (tested below); but some inputs of the plan are read locally and can differ in a
 # badly set up job: the GPU's SM count (the wave model of the split), whether a lowering can run
 # here (triton importable, the kernel built), whether the group is known. For those, the
-# cross-rank plan check (``weavepass.plan_check``) must stop the compile with both ranks' lines
+# cross-rank plan check (``weavepass.compile.plan_check``) must stop the compile with both ranks' lines
 # rather than let the ranks hang in mismatched collectives. The exchange runs over one in-process
 # store, one thread per simulated rank, as it runs over the default group's store.
 
@@ -586,13 +586,13 @@ def _exchange(lines: list[list[tuple[str, str]]]) -> list[str | None]:
 
 
 def test_plan_check_waits_longer_for_a_peers_first_graph_than_for_later_ones():
-    """Rank 1 publishes each graph 1 s after rank 0 (timeout 0.3 s). Its first graph on the group
+    """Rank 1 publishes each of two different graphs 1 s after rank 0 (timeout 0.3 s). Its first graph on the group
     is awaited up to ``first_timeout_s`` (the group's timeout in a real job: start-up skew is
     healthy); its second is late by the ordinary limit and fails, naming the silent rank."""
     import time
 
     store = dist.HashStore()
-    line = [("ar", "_c10d_functional.all_reduce float32[4, 16] sum")]
+    lines = [[("ar", f"_c10d_functional.all_reduce float32[{rows}, 16] sum")] for rows in (4, 5)]
     exchanges = [PlanExchange(), PlanExchange()]
     errors: dict[tuple[int, int], str | None] = {}
 
@@ -601,7 +601,8 @@ def test_plan_check_waits_longer_for_a_peers_first_graph_than_for_later_ones():
             if rank == 1:
                 time.sleep(1.0)
             try:
-                exchanges[rank].check(store, "0", rank, [0, 1], line, graph, timeout_s=0.3, first_timeout_s=5.0)
+                exchanges[rank].check(store, "0", rank, [0, 1], lines[graph], graph, timeout_s=0.3,
+                                      first_timeout_s=5.0)
                 errors[(rank, graph)] = None
             except PlanMismatchError as error:
                 errors[(rank, graph)] = str(error)
@@ -613,7 +614,8 @@ def test_plan_check_waits_longer_for_a_peers_first_graph_than_for_later_ones():
     for thread in threads:
         thread.join()
     assert errors[(0, 0)] is None and errors[(1, 0)] is None  # the first graph: 1 s late is fine
-    assert "rank 1 published no plan for collective #1" in errors[(0, 1)] and "within 0.3 s" in errors[(0, 1)]
+    assert "rank 1 published no plan for this point within 0.3 s" in errors[(0, 1)], errors
+    assert "from #1 on" in errors[(0, 1)], errors
 
 
 @pytest.mark.parametrize("config", [WeaveConfig(), SPLIT, WeaveConfig(**FLASHCOMM)],

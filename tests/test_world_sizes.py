@@ -15,7 +15,7 @@ from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_token_split
-from weavepass.plan_check import collective_lines
+from weavepass.compile.plan_check import collective_lines
 from weavepass.runtime.cuda import launch_plan
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
 from weavepass.testing import fake_process_group

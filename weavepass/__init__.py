@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import torch
 
@@ -75,10 +76,26 @@ def weave(fn=None, *, config: WeaveConfig | None = None, **compile_kwargs):
 
 def explain(fn, *args, config: WeaveConfig | None = None, **kwargs) -> WeaveReport:
     """Compile ``fn`` with the weave backend of ``config``, run it once on ``args``, and return the
-    report of every graph that ran (compiled now, or earlier with the same config)."""
+    report of every graph that ran (compiled now, or earlier with the same config), and the
+    collectives that broke a graph while it compiled (they ran eagerly: ``not_compiled``)."""
+    from torch._dynamo.utils import counters
+
+    breaks_before = dict(counters["graph_break"])
     with torch.no_grad(), collect_reports(WeaveReport()) as report:
         torch.compile(fn, backend=shared_backend(config))(*args, **kwargs)
+    for reason, count in counters["graph_break"].items():
+        if count > breaks_before.get(reason, 0):
+            collective = _COLLECTIVE_IN_BREAK.search(reason)
+            if collective is not None:
+                report.not_compiled.append(
+                    f"{collective.group(1)}: Dynamo broke the graph there ({reason.splitlines()[0]}), so it "
+                    "ran eagerly and was not rewritten")
     return report
+
+
+_COLLECTIVE_IN_BREAK = re.compile(
+    r"<function (all_reduce|reduce_scatter\w*|all_gather\w*|all_to_all\w*|broadcast|reduce) at ")
+"""A collective named in a Dynamo graph-break reason (e.g. ``all_reduce(..., async_op=True)``)."""
 
 
 def last_report() -> WeaveReport:

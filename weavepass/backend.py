@@ -60,9 +60,25 @@ def _reporting(compiled, graph_reports: list[GraphReport]):
         if _sinks:
             for sink in _sinks:
                 sink.add_graphs(graph_reports)
-        return compiled(*args)
+        try:
+            return compiled(*args)
+        except Exception as error:
+            _raise_peer_failure(error)
+            raise
 
     return run
+
+
+def _raise_peer_failure(error: Exception) -> None:
+    """A collective of a compiled graph failed (e.g. gloo's "Connection closed by peer"): where a
+    peer's plan check failed and left a note in the store, raise ``PlanMismatchError`` with it, so
+    this rank's error says why its peer stopped (docs/reliability.md). Costs nothing per call: only
+    a raised exception gets here."""
+    from weavepass.compile import plan_check
+
+    note = plan_check._EXCHANGE.explain_run_failure()
+    if note is not None:
+        raise plan_check.PlanMismatchError(f"{note} (this rank's own error: {type(error).__name__}: {error})") from error
 
 
 class WeaveBackend:
@@ -87,6 +103,10 @@ class WeaveBackend:
                 "for each and runs it eagerly after its recompile limit (8). Reuse one backend "
                 "(weavepass.shared_backend(config)) or use weavepass.weave", _RECOMPILE_LIMIT_HINT + 1)
         self._graph_ids = itertools.count()  # the report numbers this backend's graphs from 0
+        if self.config.check_plan_across_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
+            from weavepass.compile.plan_check import start_heartbeat
+
+            start_heartbeat()  # from now on, a peer waiting in a plan check can tell this one lives
 
     def __repr__(self) -> str:
         """What Dynamo's errors print as ``backend=...``: weave, and the fields set off default."""
@@ -107,9 +127,12 @@ class WeaveBackend:
 
         from weavepass.compile import direct_calls
         from weavepass.compile.graph_pass import WeavePass  # imports Inductor: only when compiling
+        from weavepass.compile.plan_check import start_heartbeat
         from weavepass.compile.strategies import inductor_patches as strategy_patches
 
         direct_calls.install()  # the generated code calls the fused ops' kernels directly
+        if self.config.check_plan_across_ranks:
+            start_heartbeat()  # peers waiting in a plan check can tell this process is alive
 
         graph_reports: list[GraphReport] = []  # forward now, backward when it is compiled
 

@@ -147,16 +147,18 @@ class WeaveConfig:
     """At compile time, compare the collectives each rewritten graph will run with every other
     rank of its group (through the default group's store) and raise ``PlanMismatchError`` when
     they differ, instead of hanging until the group timeout. Ranks differ after control flow that
-    depends on the rank, e.g. a graph break on one rank only (docs/reliability.md). Costs one store
-    round trip per compiled graph with collectives; nothing per step."""
+    depends on the rank, e.g. a graph break on one rank only (docs/reliability.md). A recompile of
+    a graph already checked (a rank-local guard) passes without store traffic; a failure leaves the
+    check clean for the next compile; a dead peer is named within seconds (``PeerGoneError``).
+    Costs a few store round trips per new compiled graph with collectives; nothing per step."""
 
     plan_check_timeout_s: float = 60.0
-    """How long the plan check waits for a peer that has published nothing for this point of the
-    collective stream, once the peer has published its first graph on that group: how far apart
-    ranks that have met in the group's collectives since may reach a compile. A peer's first graph
-    on a group is awaited for the group's own timeout (``init_process_group(timeout=...)``, at least
-    this), since start-up skew (loading weights, earlier compiles) is healthy for as long as the
-    group's first collective would wait."""
+    """How long the plan check waits for an alive peer that has published nothing for this point of
+    the group's stream of new collectives, once the peer has published some: how far apart ranks
+    that have met in the group's collectives since may reach a compile; at most the group's own
+    timeout. A peer's first graph on a group is awaited for the group's timeout
+    (``init_process_group(timeout=...)``), since start-up skew is healthy for as long as the
+    group's first collective would wait. A peer whose heartbeat stopped is named within about 5 s."""
 
     check_replicated: bool = False
     """Debug check, run on every call of every fused site: all-gather an exact digest of the

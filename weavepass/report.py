@@ -91,6 +91,9 @@ class WeaveReport:
     graphs: list[GraphReport] = field(default_factory=list)
     _collected: list[GraphReport] = field(default_factory=list, repr=False, compare=False)
     """The backend's own reports of ``graphs`` (``add_graphs`` keeps renumbered copies)."""
+    not_compiled: list[str] = field(default_factory=list)
+    """Collectives that broke the graph and ran eagerly, not rewritten (``explain`` fills it from
+    Dynamo's graph-break reasons, when it is the call that compiles them)."""
 
     def add_graphs(self, graphs: list[GraphReport]) -> None:
         """Add each of ``graphs`` not already here (by identity), in order. A collecting report
@@ -120,6 +123,7 @@ class WeaveReport:
                  f"{self.rewritten} rewritten"]
         if self.rewritten:
             lines.append(f"assumes: {REPLICATED_ASSUMPTION}")
+        lines += [f"not in a compiled graph: {what}" for what in self.not_compiled]
         for g in self.graphs:
             logged = f" (graph {g.logged_as} in weavepass's log)" if g.logged_as is not None else ""
             lines.append(f"graph {g.graph_index}{logged}: {g.rewritten}/{len(g.records)} rewritten"

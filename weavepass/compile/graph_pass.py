@@ -21,7 +21,7 @@ from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_r
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import STRATEGIES, GraphRewrite
-from weavepass.plan_check import check_plan_across_ranks
+from weavepass.compile.plan_check import check_plan_across_ranks
 from weavepass.tune.table import load_table
 from weavepass.report import AllReduceRecord, GraphReport
 

@@ -9,6 +9,7 @@ communication: enough for torch.compile to trace and rewrite the graph.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import pickle
 import socket
@@ -40,6 +41,8 @@ def spawn(
     *args: Any,
     timeout_s: float = 300.0,
     allow_shared_gpu: bool = False,
+    group_timeout_s: float | None = None,
+    may_die: tuple[int, ...] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes sharing one process group.
 
@@ -53,6 +56,9 @@ def spawn(
     RuntimeError carrying every failed rank's traceback is raised here once all children have
     stopped (peers still blocked in a collective are terminated 2 s after the first failure); if the
     children are still running after ``timeout_s`` they are terminated and TimeoutError is raised.
+    ``group_timeout_s`` is the group's own timeout (``init_process_group(timeout=...)``; the
+    backend's default where None). Ranks in ``may_die`` may exit without reporting (tests of a dead
+    peer): their result is None, and their exit is not a failure that stops the others.
     """
     share = allow_shared_gpu and backend == "nccl" and shared_gpu.enabled()
     if backend == "nccl" and torch.cuda.device_count() < (1 if share else world_size):
@@ -63,7 +69,8 @@ def spawn(
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_run_rank, args=(fn, rank, world_size, backend, port, args, results, share))
+        ctx.Process(target=_run_rank, args=(fn, rank, world_size, backend, port, args, results, share,
+                                            group_timeout_s))
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -77,7 +84,10 @@ def spawn(
         while not results.empty():
             rank, ok, payload = results.get()
             outcomes[rank] = (ok, payload)
-        crashed = any(p.exitcode not in (None, 0) for p in procs)
+        for rank in may_die:
+            if rank not in outcomes and procs[rank].exitcode is not None:
+                outcomes[rank] = (True, pickle.dumps(None))
+        crashed = any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in may_die)
         if failed_at is None and (crashed or any(not ok for ok, _ in outcomes.values())):
             failed_at = time.monotonic()
         # After a failure the other ranks may wait forever in a collective: give them a moment
@@ -102,7 +112,7 @@ def spawn(
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-def _run_rank(fn, rank, world_size, backend, port, args, results, share=False) -> None:
+def _run_rank(fn, rank, world_size, backend, port, args, results, share=False, group_timeout_s=None) -> None:
     """Child body: init the group, run ``fn``, report ``(rank, ok, result or traceback)``."""
     if share:  # every rank on cuda:0 over gloo, workspaces through CUDA IPC
         torch.cuda.set_device(0)
@@ -114,8 +124,9 @@ def _run_rank(fn, rank, world_size, backend, port, args, results, share=False) -
     # the CPU work (e.g. drawing a model's fp32 weights, 8 ranks on one host) would too.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
+        timeout = {} if group_timeout_s is None else {"timeout": datetime.timedelta(seconds=group_timeout_s)}
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **timeout
         )
         payload = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, True, payload))

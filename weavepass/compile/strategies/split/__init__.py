@@ -94,7 +94,7 @@ def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool,
     stream runs (None with the default, ``"fused"``). Push needs every site's group to have 2 ranks (``push_unsupported_reason``); a
     site on another lowering than ``cuda_symm`` still gets the op, which runs there as the fused
     async op, and the note says so. Every rank decides the same: group sizes and lowerings are the
-    plan's, equal on every rank (``weavepass.plan_check``)."""
+    plan's, equal on every rank (``weavepass.compile.plan_check``)."""
     if config.overlap_comm != "push":
         return False, None
     from weavepass.runtime.cuda.support import push_unsupported_reason
