@@ -13,10 +13,12 @@ there; bf16 runs on the GPU (tests/gpu/test_gemm_gpu.py).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import sys
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from weavepass.runtime.cuda.gemm import (
     INTERPRETER_CONFIG,
@@ -120,5 +122,64 @@ def case_reduce() -> None:
     print("reduce: OK")
 
 
+class _Recorded:
+    """A kernel whose launches record a weak reference to every tensor argument's storage (a tensor
+    descriptor's: its base tensor's), in launch order, into ``launches``."""
+
+    def __init__(self, kernel, name: str, launches: list):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+
+        def launch(*args, **kwargs):
+            tensors = [(i, getattr(a, "base", a)) for i, a in enumerate(args)]
+            self.launches.append((self.name, [(i, StorageWeakRef(t.untyped_storage())) for i, t in tensors
+                                              if isinstance(t, torch.Tensor)]))
+            return run(*args, **kwargs)
+
+        return launch
+
+
+def case_capture() -> None:
+    """What a captured call's kernels address outlives the capture. A CUDA graph keeps its kernels'
+    arguments as raw addresses, so after ``graph_call`` returns every tensor its captured launches
+    were given must still be held, by the caller's inputs, the workspaces or the returned
+    ``CapturedCall``; one nobody holds goes back to the allocator and a replay reads whatever reuses
+    it (the first H200 run: the split's table, then an illegal address). Off CUDA ``graph_call`` runs
+    the call once uncaptured: its launches are recorded here, its outputs checked."""
+    from weavepass.runtime.cuda import gemm_kernels
+
+    world, tokens, hidden, k, counts = 3, 41, 24, 32, [20, 4, 17]
+    gen = torch.Generator().manual_seed(5)
+    sim = SimulatedScatterRanks(world, hidden, max(counts), DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+    xs = [_draw(gen, tokens, k) for _ in range(world)]
+    ws = [_draw(gen, hidden, k) for _ in range(world)]
+    res, weight = _draw(gen, tokens, hidden), (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+    launches: list = []
+    kernels = gemm_kernels.persistent_gemm_kernel, gemm_kernels.reduce_scattered_rows_kernel
+    gemm_kernels.persistent_gemm_kernel = _Recorded(kernels[0], "gemm", launches)
+    gemm_kernels.reduce_scattered_rows_kernel = _Recorded(kernels[1], "reduce", launches)
+    try:
+        captured = sim.graph_call(xs, ws, res, weight, EPS, counts, INTERPRETER_CONFIG, use_descriptors=True)
+    finally:
+        gemm_kernels.persistent_gemm_kernel, gemm_kernels.reduce_scattered_rows_kernel = kernels
+    # The warm-up's launches (its outputs are rightly dropped), then the captured call's.
+    names = [name for name, _ in launches]
+    assert names == (["gemm"] * world + ["reduce"] * world) * 2, names
+    assert captured.graph is None and sim.sequence_numbers() == [[2, 0, 2, 0]] * world, sim.sequence_numbers()
+    gc.collect()
+    freed = [(n, name, i) for n, (name, refs) in enumerate(launches[2 * world:]) for i, ref in refs if ref.expired()]
+    assert not freed, f"captured launches (number, kernel, argument) whose tensors nobody holds: {freed}"
+    starts = owner_row_starts(tokens, world, counts)
+    plain = [matmul(xs[s], ws[s], config=INTERPRETER_CONFIG, use_descriptors=True) for s in range(world)]
+    want_normed, want_res = fused_allreduce_rmsnorm_reference(plain, res, weight, EPS, DTYPE)
+    for j, (normed, res_out) in enumerate(captured.outputs):
+        rows = slice(starts[j], starts[j + 1])
+        torch.testing.assert_close(res_out, want_res[rows], **RESIDUAL_TOL, msg=lambda e: f"owner {j}: {e}")
+        torch.testing.assert_close(normed, want_normed[rows], **NORMED_TOL, msg=lambda e: f"owner {j}: {e}")
+    print("capture: OK")
+
+
 if __name__ == "__main__":
-    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce}[sys.argv[1]]()
+    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture}[sys.argv[1]]()

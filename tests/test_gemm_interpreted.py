@@ -2,7 +2,7 @@
 through Triton's interpreter (tests/gemm_interpreter_case.py, one process per case because
 ``TRITON_INTERPRET`` is read when the kernels are defined): the GEMM against ``torch.mm``, the routing
 of every tile to its owner at world 2, 3 and 4 with ragged splits, the reduce against the reference,
-and the signals' values after back-to-back calls. Skipped where Triton is not installed. What the
+the signals' values after back-to-back calls, and that a captured call's tensors outlive the capture. Skipped where Triton is not installed. What the
 interpreter cannot show: the waits under concurrency, memory ordering, TMA on the device, bf16 dots
 (the case file says why); tests/gpu/test_gemm_gpu.py covers those on one GPU."""
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CASE = pathlib.Path(__file__).with_name("gemm_interpreter_case.py")
 
 
-@pytest.mark.parametrize("case", ["gemm", "scatter", "reduce"])
+@pytest.mark.parametrize("case", ["gemm", "scatter", "reduce", "capture"])
 def test_gemm_kernels_interpreted(case):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
     result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300,

@@ -14,7 +14,9 @@ GPU's other SMs to the GEMMs they wait for.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +37,27 @@ REDUCE_CTAS = 64
 an H100/H200, so the GEMMs they wait for always find SMs."""
 SIM_PEER_TIMEOUT_S = 30.0
 """How long a simulated rank's kernel waits for the others before it gives up (peer_wait); GPU only."""
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One call captured in a CUDA graph (``SimulatedScatterRanks.graph_call``) and what its kernels
+    address that the caller does not hold. A CUDA graph keeps its kernels' arguments as raw addresses,
+    not as tensors: a table it reads that nobody holds goes back to the caching allocator when the
+    capturing call returns, the next allocation of its size overwrites it, and a replay then reads
+    that instead (the first H200 run: the owners' row offsets freed after the capture, overwritten by
+    the check's plain GEMM tables, then an illegal address on the next replay). So this object holds
+    the split's device table for as long as the graph lives; the other tables belong to the
+    workspaces and the inputs to the caller."""
+
+    graph: torch.cuda.CUDAGraph | None  # None off CUDA: the call then ran once, uncaptured
+    outputs: list[tuple[torch.Tensor, torch.Tensor]]  # every rank's (normed, residual_out), each replay's
+    owners: OwnerRows  # the split (its device table is a kernel argument)
+
+    def replay(self) -> None:
+        if self.graph is None:
+            raise RuntimeError("this call was not captured (no CUDA device): nothing to replay")
+        self.graph.replay()
 
 
 class SimulatedScatterRanks:
@@ -118,24 +141,29 @@ class SimulatedScatterRanks:
         finally:
             self.streams = saved
 
-    def graph_call(self, xs, ws, residual, weight, eps, counts=None, config=None, use_descriptors=None):
-        """A CUDA graph of one call and the outputs it writes: a warm-up call first (compiles and loads
-        the kernels; it is a call, so the pads advance), then the capture of ``warm_up``'s single-stream
-        order. Each replay is a new call of the inputs' current values: the kernels read their call
-        number from the pads, so no host state changes between replays."""
+    def graph_call(self, xs, ws, residual, weight, eps, counts=None, config=None,
+                   use_descriptors=None) -> CapturedCall:
+        """A CUDA graph of one call, with the outputs it writes and the split it reads
+        (``CapturedCall``: keep it as long as the graph is replayed). A warm-up call first (compiles
+        and loads the kernels; it is a call, so the pads advance), then the capture of ``warm_up``'s
+        single-stream order. Each replay is a new call of the inputs' current values: the kernels read
+        their call number from the pads, so no host state changes between replays. Off CUDA (the
+        interpreter) the second call runs once, uncaptured, so tests can check what it keeps alive."""
         owners = OwnerRows.build(xs[0].shape[0], self.layout.world, self.device, counts)
         self.warm_up(xs, ws, residual, weight, eps, config=config, use_descriptors=use_descriptors,
                      owners=owners)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+        graph = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
         saved, self.streams = self.streams, None
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph) if graph is not None else contextlib.nullcontext():
                 outputs = self.run(xs, ws, residual, weight, eps, config=config, use_descriptors=use_descriptors,
                                    owners=owners)
         finally:
             self.streams = saved
-        return graph, outputs
+        return CapturedCall(graph, outputs, owners)
 
     def wait_all(self, what: str, timeout_s: float) -> None:
         """Wait for every rank's stream; raise (naming ``what``) rather than block for ever."""

@@ -260,7 +260,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, co
 @dataclass(frozen=True)
 class OwnerRows:
     """Which rows of ``x`` each owner gets: ``starts`` (host, ``owner_row_starts``) and the same
-    offsets as the int32 [world + 1] device table the GEMM reads."""
+    offsets as the int32 [world + 1] device table the GEMM reads. A CUDA graph that captured a GEMM
+    keeps only the table's address: hold this object for as long as the graph is replayed
+    (``testing.gemm_sim.CapturedCall`` does), or a replay reads whatever reused that memory."""
 
     starts: tuple[int, ...]
     table: torch.Tensor
