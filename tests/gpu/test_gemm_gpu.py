@@ -4,11 +4,19 @@ GPU at real sizes: the GEMM against ``torch.mm`` and the fp32 reference through 
 (``testing.gemm_sim``: every rank's GEMM, then every rank's reduce, one stream per rank, so reduces
 wait on other ranks' signals for real), bf16 and fp16, ragged splits, back-to-back calls; and one
 call captured in a CUDA graph and replayed.
+
+Each test runs in a process of its own (``_in_child``; the plain GEMM's cases share one): a kernel
+fault leaves its process's CUDA context failed, which failed every later test of the first H200 run
+with the graph test's illegal address and hid whether the others worked.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,6 +52,41 @@ def _full_precision_cublas():
      torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction) = saved
 
 
+CHILD_ENV = "WEAVE_GEMM_TEST_CHILD"
+"""Set in a child process to the node id (or the test function's id, for a group) it runs."""
+CHILD_TIMEOUT_S = 300  # CUDA start-up, compiles from a cold cache, three calls at 8 ranks
+_CHILD_OUTPUT: dict[str, str] = {}
+
+
+def _in_child(request, group: bool = False) -> bool:
+    """Run this test in a fresh process and return True here, where the child's verdict is checked;
+    return False in the child, where the test body runs. A kernel fault (an illegal address, a trap
+    after a bounded wait) leaves the CUDA context of its process failed for good, so one fault would
+    fail every later test of the process. ``group``: every case of this test function runs in one
+    child (started by the first case here), so a fault can fail only the cases of that function.
+    The child's pytest must report this node PASSED (a skip, an error or a crash there fails here;
+    the cases of a group that passed before a crash still count)."""
+    node = request.node.nodeid
+    target = node.split("[")[0] if group else node
+    if os.environ.get(CHILD_ENV) == target:
+        return False
+    if target not in _CHILD_OUTPUT:
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", target],
+                                  cwd=request.config.rootpath, env=dict(os.environ, **{CHILD_ENV: target}),
+                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+            output = done.stdout + done.stderr
+        except subprocess.TimeoutExpired as timeout:
+            output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                             for part in (timeout.stdout, timeout.stderr))
+            output += f"\n(the child ran past {CHILD_TIMEOUT_S} s and was killed)"
+        _CHILD_OUTPUT[target] = output
+    output = _CHILD_OUTPUT[target]
+    passed = re.search(rf"^{re.escape(node)} PASSED\b", output, re.MULTILINE) is not None
+    assert passed, f"{node} did not pass in its child process; its output:\n{output[-8000:]}"
+    return True
+
+
 def _paths():
     from weavepass.runtime.cuda.gemm import descriptor_unsupported_reason
 
@@ -61,7 +104,9 @@ def _draw(gen, rows, cols, dtype, scale=1.0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("use_descriptors", _paths(), ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("m, n, k", [(1000, 8192, 1024), (4096, 4096, 7168), (77, 7168, 8192)])
-def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype):
+def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype, request):
+    if _in_child(request, group=True):
+        return
     from weavepass.runtime.cuda.gemm import matmul
 
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -72,56 +117,16 @@ def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype):
     torch.testing.assert_close(got, torch.mm(x, w.T), rtol=ULP[dtype], atol=GEMM_ATOL)
 
 
-def test_scatter_and_reduce_replay_in_a_cuda_graph():
-    """The call captured once (4 ranks, bf16, one stream: every GEMM, then every reduce) and replayed
-    with new inputs: each replay must give that replay's answer, with the pads' call numbers (read by
-    the kernels, never by the host) advancing by one per replay and the tile counters back to 0."""
-    from weavepass.runtime.cuda.gemm import (
-        descriptor_unsupported_reason,
-        matmul,
-        owner_row_starts,
-    )
-    from weavepass.testing.gemm_sim import SimulatedScatterRanks
-
-    world, tokens, hidden, k, dtype = 4, 1030, 4096, 512, torch.bfloat16
-    starts = owner_row_starts(tokens, world)
-    sim = SimulatedScatterRanks(world, hidden, starts[1], dtype)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
-    ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
-    residual = _draw(gen, tokens, hidden, dtype)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
-    desc = descriptor_unsupported_reason(xs[0], ws[0]) is None
-    graph, outputs = sim.graph_call(xs, ws, residual, weight, EPS, use_descriptors=desc)
-    for replay in range(1, 4):
-        for t in (*xs, residual):
-            t.copy_(_draw(gen, *t.shape, dtype))
-        for t in ws:
-            t.copy_(_draw(gen, *t.shape, dtype, scale=k**-0.5))
-        graph.replay()
-        torch.cuda.synchronize()
-        plain = [matmul(xs[s], ws[s], use_descriptors=desc) for s in range(world)]
-        want_normed, want_res = fused_allreduce_rmsnorm_reference(plain, residual, weight, EPS, dtype)
-        for j, (normed, res_out) in enumerate(outputs):
-            rows = slice(starts[j], starts[j + 1])
-            rtol, atol = RESIDUAL_TOL[dtype]
-            torch.testing.assert_close(res_out, want_res[rows], rtol=rtol, atol=atol,
-                                       msg=lambda e: f"replay {replay} owner {j} residual_out: {e}")
-            rtol, atol = NORMED_TOL[dtype]
-            torch.testing.assert_close(normed, want_normed[rows], rtol=rtol, atol=atol,
-                                       msg=lambda e: f"replay {replay} owner {j} normed: {e}")
-        assert sim.sequence_numbers() == [[1 + replay, 0, 1 + replay, 0]] * world, sim.sequence_numbers()
-        assert sim.counts_clear()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_scatter_and_reduce_simulated(world, dtype):
+def test_scatter_and_reduce_simulated(world, dtype, request):
     """An o_proj-sized GEMM (70b_tp8: N 8192, K 1024 per rank) of 4100 tokens (not a multiple of the
     world, the tile or the signal block): a sequential warm-up call (compiles and loads every rank's
     kernels before any rank waits), then the fused op's split and a ragged split (owners of no rows
     at world 4 and 8), each rank on its own stream. bf16 through the descriptor loads where supported, fp16
     through the pointer loads (both paths for both dtypes: test_gemm_matches_torch_mm)."""
+    if _in_child(request):
+        return
     from weavepass.runtime.cuda.gemm import (
         STAGING_SLOTS,
         descriptor_unsupported_reason,
@@ -168,3 +173,53 @@ def test_scatter_and_reduce_simulated(world, dtype):
                                        msg=lambda e: f"{label}: owner {j} normed: {e}")
         assert sim.counts_clear(), label
         assert sim.sequence_numbers() == [[call + 1, 0, call + 1, 0]] * world, (label, sim.sequence_numbers())
+
+
+def test_scatter_and_reduce_replay_in_a_cuda_graph(request):
+    """The call captured once (4 ranks, bf16, one stream: every GEMM, then every reduce) and replayed
+    with new inputs: each replay must give that replay's answer, with the pads' call numbers (read by
+    the kernels, never by the host) advancing by one per replay and the tile counters back to 0. The
+    first H200 run failed here with an illegal address: the split's device table, a kernel argument
+    of the captured GEMMs, was freed when graph_call returned (now held by the CapturedCall)."""
+    if _in_child(request):
+        return
+    from weavepass.runtime.cuda.gemm import (
+        descriptor_unsupported_reason,
+        matmul,
+        owner_row_starts,
+    )
+    from weavepass.testing.gemm_sim import SimulatedScatterRanks
+
+    world, tokens, hidden, k, dtype = 4, 1030, 4096, 512, torch.bfloat16
+    starts = owner_row_starts(tokens, world)
+    sim = SimulatedScatterRanks(world, hidden, starts[1], dtype)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
+    ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
+    residual = _draw(gen, tokens, hidden, dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+    desc = descriptor_unsupported_reason(xs[0], ws[0]) is None
+    captured = sim.graph_call(xs, ws, residual, weight, EPS, use_descriptors=desc)
+    for replay in range(1, 4):
+        for t in (*xs, residual):
+            t.copy_(_draw(gen, *t.shape, dtype))
+        for t in ws:
+            t.copy_(_draw(gen, *t.shape, dtype, scale=k**-0.5))
+        # Junk into freed small blocks (2 MiB of 512-byte ones, the tables' size class): a table the
+        # graph still addresses but nobody holds would now route rows by -2^30 instead of by luck.
+        junk = [torch.full((128,), -(2**30), dtype=torch.int32, device="cuda") for _ in range(4096)]
+        captured.replay()
+        del junk
+        torch.cuda.synchronize()
+        plain = [matmul(xs[s], ws[s], use_descriptors=desc) for s in range(world)]
+        want_normed, want_res = fused_allreduce_rmsnorm_reference(plain, residual, weight, EPS, dtype)
+        for j, (normed, res_out) in enumerate(captured.outputs):
+            rows = slice(starts[j], starts[j + 1])
+            rtol, atol = RESIDUAL_TOL[dtype]
+            torch.testing.assert_close(res_out, want_res[rows], rtol=rtol, atol=atol,
+                                       msg=lambda e: f"replay {replay} owner {j} residual_out: {e}")
+            rtol, atol = NORMED_TOL[dtype]
+            torch.testing.assert_close(normed, want_normed[rows], rtol=rtol, atol=atol,
+                                       msg=lambda e: f"replay {replay} owner {j} normed: {e}")
+        assert sim.sequence_numbers() == [[1 + replay, 0, 1 + replay, 0]] * world, sim.sequence_numbers()
+        assert sim.counts_clear()
