@@ -179,8 +179,9 @@ def test_scatter_and_reduce_replay_in_a_cuda_graph(request):
     """The call captured once (4 ranks, bf16, one stream: every GEMM, then every reduce) and replayed
     with new inputs: each replay must give that replay's answer, with the pads' call numbers (read by
     the kernels, never by the host) advancing by one per replay and the tile counters back to 0. The
-    first H200 run failed here with an illegal address: the split's device table, a kernel argument
-    of the captured GEMMs, was freed when graph_call returned (now held by the CapturedCall)."""
+    first H200 run failed here with an illegal address; the cause found by reading: the split's
+    device table, a kernel argument of the captured GEMMs, was freed when graph_call returned (now
+    held by the CapturedCall)."""
     if _in_child(request):
         return
     from weavepass.runtime.cuda.gemm import (
@@ -205,8 +206,9 @@ def test_scatter_and_reduce_replay_in_a_cuda_graph(request):
             t.copy_(_draw(gen, *t.shape, dtype))
         for t in ws:
             t.copy_(_draw(gen, *t.shape, dtype, scale=k**-0.5))
-        # Junk into freed small blocks (2 MiB of 512-byte ones, the tables' size class): a table the
-        # graph still addresses but nobody holds would now route rows by -2^30 instead of by luck.
+        # Junk into freed small blocks (2 MiB of 512-byte ones, the tables' size class): a split table
+        # the graph still addressed but nobody held would most likely read -2^30 now (no tiles, so the
+        # reduces' bounded waits give up with weave's message) instead of its old values by luck.
         junk = [torch.full((128,), -(2**30), dtype=torch.int32, device="cuda") for _ in range(4096)]
         captured.replay()
         del junk
