@@ -45,10 +45,10 @@ class CapturedCall:
     address that the caller does not hold. A CUDA graph keeps its kernels' arguments as raw addresses,
     not as tensors: a table it reads that nobody holds goes back to the caching allocator when the
     capturing call returns, the next allocation of its size overwrites it, and a replay then reads
-    that instead (the first H200 run: the owners' row offsets freed after the capture, overwritten by
-    the check's plain GEMM tables, then an illegal address on the next replay). So this object holds
-    the split's device table for as long as the graph lives; the other tables belong to the
-    workspaces and the inputs to the caller."""
+    that instead (the cause, found by reading, of the first H200 run's illegal address at a replay:
+    the split's row offsets were freed when the capture returned). So this object holds the split's
+    device table for as long as the graph lives; the other tables belong to the workspaces, the
+    inputs to the caller."""
 
     graph: torch.cuda.CUDAGraph | None  # None off CUDA: the call then ran once, uncaptured
     outputs: list[tuple[torch.Tensor, torch.Tensor]]  # every rank's (normed, residual_out), each replay's
