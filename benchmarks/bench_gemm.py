@@ -156,9 +156,12 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
             for signals, suffix, config in ((True, "", unflattened), (False, "_nosig", best)):
                 ms = time_ms(functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
                                                signals=signals))
-                row(f"scatter{owners}{suffix}", ms, config)
-            if check:  # rank 0's own rows, stored last into its own staging (slot 0 after _nosig)
-                rows[-1]["check"] = _check(sim.workspaces[0].staged(0, table.count(0), 0), reference[table.rows(0)])
+                verdict = ""
+                if check:  # rank 0's own rows, stored last into its own staging: the slot of its latest
+                    # call with signals (read from its pad), slot 0 without
+                    slot = sim.workspaces[0].last_slot() if signals else 0
+                    verdict = _check(sim.workspaces[0].staged(0, table.count(0), slot), reference[table.rows(0)])
+                row(f"scatter{owners}{suffix}", ms, config, check=verdict)
             del sim
     for r in rows:
         r["speed_vs_cublas"] = round(cublas_ms / r["ms"], 3)

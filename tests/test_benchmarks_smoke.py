@@ -100,8 +100,8 @@ def test_gemm_smoke(tmp_path):
     want = {(g, v) for g in ("o", "down") for v in scatter} | {(g, v) for g in ("qkv", "gate_up") for v in plain}
     assert {(r["gemm"], r["variant"]) for r in rows} == want
     assert all(float(r["ms"]) > 0 and r["tokens"] == "24" for r in rows)
-    checked = [r["check"] for r in rows if r["variant"] in ("triton", "scatter2_nosig")]
-    assert checked == ["ok"] * 6, checked  # the plain GEMM of 4 GEMMs, the staged rows of 2
+    checked = [r["check"] for r in rows if r["variant"] in ("triton", "scatter2", "scatter2_nosig")]
+    assert checked == ["ok"] * 8, checked  # the plain GEMM of 4 GEMMs, the staged rows of 2, both variants
 
 
 def test_overlap_report_hidden_fraction(tmp_path):
