@@ -23,6 +23,12 @@ lowering, workspace_tokens) -> (normed, residual_out)`` replaces ``all_reduce(su
 separate op with the bias after the weight, so the RMSNorm op's schema, generated calls and host
 cost stay as they are; the portable and the CUDA lowering carry it (``runtime.LAYER_NORM_LOWERINGS``).
 
+``weave.fused_allreduce_rmsnorm_quant(partial, residual, weight, eps, group_name, out_dtype,
+static_scale, group_size, scale_steps, code_steps, return_normed, lowering, workspace_tokens) ->
+(codes, scales, residual_out, normed)`` is the RMSNorm op followed by the FP8 / int8 quantization of
+its normed rows, as the graph wrote it (``weavepass.runtime.quant``); ``normed`` is empty unless
+``return_normed``. Only the portable lowering carries it (``runtime.QUANT_LOWERINGS``).
+
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and
 ``weave.join_async(normed, residual_out, inputs)`` are the token split's fused op on a second CUDA
 stream and its join: the calling stream waits for the op there, and the join's reads of the op's
@@ -137,6 +143,31 @@ FUSED_ALLREDUCE_LAYERNORM_ASYNC = define_hot_op(
     "fused_allreduce_layernorm_async", f"({LAYERNORM_SCHEMA_ARGS}, int num_ctas=0) -> (Tensor, Tensor)",
     "weavepass.runtime.streams:fused_allreduce_layernorm_async", _fake_layer_norm,
 )
+QUANT_SCHEMA_ARGS = (
+    "Tensor partial, Tensor? residual, Tensor? weight, float eps, str group_name, ScalarType out_dtype, "
+    "Tensor? static_scale, int group_size, str scale_steps, str code_steps, bool return_normed, "
+    "str lowering, int workspace_tokens"
+)
+
+
+def _fake_quant(partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size,
+                scale_steps, code_steps, return_normed, *_):
+    from weavepass.runtime.quant import quantize_rows
+
+    normed = partial.new_empty(partial.shape, dtype=out_dtype)
+    codes, scales = quantize_rows(normed, static_scale, group_size, scale_steps, code_steps)
+    return (codes, scales.clone(), partial.new_empty(partial.shape),
+            normed if return_normed else partial.new_empty((0,), dtype=out_dtype))
+
+
+FUSED_ALLREDUCE_RMSNORM_QUANT = define_hot_op(
+    "fused_allreduce_rmsnorm_quant", f"({QUANT_SCHEMA_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    "weavepass.runtime:fused_allreduce_rmsnorm_quant", _fake_quant,
+)
+"""``weave.fused_allreduce_rmsnorm_quant``: the RMSNorm op whose normed rows are quantized
+(``weavepass.runtime.quant``: ``static_scale`` or the dynamic ``scale_steps``, per group of
+``group_size`` or per row, then ``code_steps``). Returns ``(codes, scales, residual_out, normed)``;
+``normed`` is empty unless ``return_normed`` (something besides the quantization reads it)."""
 ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC, FUSED_ALLREDUCE_LAYERNORM_ASYNC)
 """The split's async fused ops: ``JOIN_ASYNC`` on both outputs and the inputs comes before the first
 read of either output."""

@@ -109,3 +109,36 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
         return run(partial, residual, weight, bias, eps, group_name, out_dtype)
     return run(partial, residual, weight, bias, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens,
                **overrides)
+
+
+_QUANT_LOWERINGS: dict[str, str] = {
+    "portable": "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
+}
+QUANT_LOWERINGS = tuple(_QUANT_LOWERINGS)
+"""Lowerings that carry a quantized site (``weave.fused_allreduce_rmsnorm_quant``); a site planned
+on another keeps its quantization outside the fused op (the planner says so)."""
+
+
+def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str,
+                             code_steps: str) -> str | None:
+    """Why ``lowering`` cannot compute this quantization (``weavepass.runtime.quant``) in its fused
+    op, or None. The planner asks here: a lowering that gains a quantized kernel (CUDA: per-tensor,
+    per-row and per-group FP8 step programs) answers for itself, with no change on the compile side."""
+    if lowering in _QUANT_LOWERINGS:
+        return None
+    what = "the CUDA kernel" if lowering == "cuda_symm" else f"the {lowering!r} lowering"
+    return f"{what} does not carry it yet"
+
+
+def fused_allreduce_rmsnorm_quant(partial, residual, weight, eps, group_name, out_dtype, static_scale,
+                                  group_size, scale_steps, code_steps, return_normed, lowering,
+                                  workspace_tokens):
+    """The kernel of ``weave.fused_allreduce_rmsnorm_quant``: ``(codes, scales, residual_out,
+    normed)`` by the lowering named ``lowering`` (``weavepass.runtime.quant``)."""
+    if lowering not in _QUANT_LOWERINGS:
+        raise ValueError(f"weave lowering {lowering!r} does not carry a quantized site; "
+                         f"quantized sites need one of {QUANT_LOWERINGS}")
+    module_name, attr = _QUANT_LOWERINGS[lowering].split(":")
+    run = getattr(importlib.import_module(module_name), attr)
+    return run(partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size,
+               scale_steps, code_steps, return_normed)

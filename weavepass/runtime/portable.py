@@ -7,9 +7,12 @@ are tested against.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
+from weavepass.runtime.quant import quantize_rows
 from weavepass.runtime.reference import accumulation_dtype, add_layernorm_local, add_rmsnorm_local
 
 
@@ -111,6 +114,24 @@ def fused_allreduce_layernorm_portable(
 def _reduce_norm_gather(partial, residual, group_name, out_dtype, add_norm, norm_args):
     """reduce_scatter of the padded rows -> ``add_norm(shard, shard_residual, *norm_args)`` ->
     one all_gather of its outputs (``fused_allreduce_rmsnorm_portable`` says how)."""
+    group, shard, shard_residual = _reduce_scatter_rows(partial, residual, group_name)
+    local = add_norm(shard, shard_residual, *norm_args)
+    widths = [t.shape[-1] for t in local]
+    gathered = _gather_rows(list(local), partial.shape[:-1].numel(), group)
+    # copy=True: the outputs must not alias each other (or anything else).
+    outputs = (
+        gathered[0].to(out_dtype, copy=True).reshape(partial.shape),
+        gathered[1].to(partial.dtype, copy=True).reshape(partial.shape),
+    )
+    if len(local) == 3:  # the inverse RMS (training)
+        inv_rms = gathered[2].to(local[2].dtype, copy=True)
+        return (*outputs, inv_rms.reshape(*partial.shape[:-1], widths[2]))
+    return outputs
+
+
+def _reduce_scatter_rows(partial, residual, group_name):
+    """``(group, shard, shard_residual)``: this rank's ``ceil(T / N)`` rows of the fp32 (``acc``)
+    sum of the zero-padded partials, and the same rows of the residual (or None)."""
     group = resolve_group(group_name)
     world, rank = group.size(), group.rank()
     hidden = partial.shape[-1]
@@ -129,19 +150,57 @@ def _reduce_norm_gather(partial, residual, group_name, out_dtype, add_norm, norm
         lo, hi = rank * per_rank, min((rank + 1) * per_rank, num_tokens)
         if hi > lo:
             shard_residual[: hi - lo] = residual.reshape(-1, hidden)[lo:hi]
+    return group, shard, shard_residual
 
-    local = add_norm(shard, shard_residual, *norm_args)
-    carrier = torch.promote_types(padded.dtype, out_dtype)
-    packed = torch.cat([t.to(carrier) for t in local], dim=1)
-    gathered = packed.new_empty((per_rank * world, packed.shape[1]))
+
+def _gather_rows(local: list[torch.Tensor], num_tokens: int, group) -> list[torch.Tensor]:
+    """Every rank's ``local`` tensors (each ``[rows, ...]``, the same rows on every rank) gathered
+    in one all_gather and cut back to ``num_tokens`` rows, each ``[num_tokens, width]`` in the
+    carrier dtype: one that holds every input exactly (each was already rounded to its dtype:
+    bf16/fp16/fp8/int8 values and fp32 scales are exact in fp32)."""
+    per_rank = local[0].shape[0]
+    flat = [t.reshape(per_rank, -1) for t in local]
+    wide = [t.dtype for t in flat if t.is_floating_point() and t.element_size() > 1]  # (fp8 does not promote)
+    carrier = functools.reduce(torch.promote_types, wide, torch.float32)
+    packed = torch.cat([t.to(carrier) for t in flat], dim=1)
+    gathered = packed.new_empty((per_rank * group.size(), packed.shape[1]))
     _all_gather(gathered, packed, group=group)
     gathered = gathered[:num_tokens]
-    # copy=True: the outputs must not alias each other (or anything else).
-    outputs = (
-        gathered[:, :hidden].to(out_dtype, copy=True).reshape(partial.shape),
-        gathered[:, hidden:2 * hidden].to(partial.dtype, copy=True).reshape(partial.shape),
-    )
-    if len(local) == 3:  # the inverse RMS (training)
-        inv_rms = gathered[:, 2 * hidden:].to(local[2].dtype, copy=True)
-        return (*outputs, inv_rms.reshape(*partial.shape[:-1], 1))
-    return outputs
+    return list(torch.split(gathered, [t.shape[1] for t in flat], dim=1))
+
+
+def fused_allreduce_rmsnorm_quant_portable(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+    static_scale: torch.Tensor | None,
+    group_size: int,
+    scale_steps: str,
+    code_steps: str,
+    return_normed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The portable kernel of ``weave.fused_allreduce_rmsnorm_quant``: reduce_scatter -> add +
+    RMSNorm on this rank's rows -> their quantization (``weavepass.runtime.quant.quantize_rows``)
+    -> one all_gather of the codes, the dynamic scales, the residual and (``return_normed``) the
+    normed rows. Returns ``(codes, scales, residual_out, normed)``: codes ``[..., H]`` (grouped:
+    ``[..., H/g, g]``), scales ``[..., 1]`` (grouped: ``[..., H/g, 1]``; static: a copy of
+    ``static_scale``), ``normed`` empty (shape ``[0]``) unless ``return_normed``."""
+    group, shard, shard_residual = _reduce_scatter_rows(partial, residual, group_name)
+    normed, residual_out = add_rmsnorm_local(shard, shard_residual, weight, eps, out_dtype, partial.dtype)
+    codes, scales = quantize_rows(normed, static_scale, group_size, scale_steps, code_steps)
+    local = [codes, residual_out] + ([] if static_scale is not None else [scales]) \
+        + ([normed] if return_normed else [])
+    lead = partial.shape[:-1]
+    gathered = _gather_rows(local, lead.numel(), group)
+    out_codes = gathered[0].to(codes.dtype).reshape(*lead, *codes.shape[1:])
+    out_residual = gathered[1].to(partial.dtype, copy=True).reshape(partial.shape)
+    if static_scale is not None:
+        out_scales = static_scale.clone()
+    else:
+        out_scales = gathered[2].to(scales.dtype, copy=True).reshape(*lead, *scales.shape[1:])
+    out_normed = (gathered[-1].to(out_dtype, copy=True).reshape(partial.shape) if return_normed
+                  else partial.new_empty((0,), dtype=out_dtype))
+    return out_codes, out_scales, out_residual, out_normed
