@@ -135,5 +135,18 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
             decision = tuned() if lowering is not None else None
             if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
                 lowering, reason = None, decision.reason
-            plans.append(SitePlan(site, lowering, reason, decision))
+            plans.append(SitePlan(_plan_quant(site, lowering), lowering, reason, decision))
     return plans
+
+
+def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: str | None) -> FusedAllReduceRMSNormSite:
+    """``site``, with its quantization left outside the fused op where its lowering does not carry
+    it (``runtime.quant_unsupported_reason``: the runtime's words); the norm is fused all the same,
+    and the site's kind says why."""
+    from weavepass.runtime import quant_unsupported_reason
+
+    quant = site.quant
+    if quant is None or lowering is None:
+        return site
+    cause = quant_unsupported_reason(lowering, quant.static, quant.group_size, quant.scale_steps, quant.code_steps)
+    return site if cause is None else site.without_quant(Reason.of(ReasonCode.QUANT_LOWERING, cause=cause))

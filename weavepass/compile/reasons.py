@@ -199,6 +199,35 @@ class ReasonCode(enum.Enum):
     SPLIT_UNITS_DO_NOT_DIVIDE = 'split_units_do_not_divide'
     SPLIT_INPUT_SHAPE = 'split_input_shape'
 
+    # -- A quantization of a site's normed rows that stays outside the fused op (``patterns/quant.py``,
+    # ``QuantLeftOutside``; the norm is fused all the same)
+    QUANT_UNKNOWN_STEP = "quant_unknown_step"
+    """A cast to fp8/int8 reached through a node (``node``, ``op``) that is no step of a known quantization."""
+    QUANT_UNPROVEN_INVERSE = "quant_unproven_inverse"
+    """The rows are multiplied by a value (``node``) not computed as ``1 / scale`` in the graph."""
+    QUANT_NO_SCALE = "quant_no_scale"
+    QUANT_STATIC_NOT_SCALAR = "quant_static_not_scalar"
+    QUANT_GLOBAL_SCALE = "quant_global_scale"
+    """A dynamic per-tensor scale: its amax needs every rank's rows."""
+    QUANT_SHARED_STEP = "quant_shared_step"
+    """An intermediate of the quantization (``node``) is also read elsewhere (``reader``)."""
+    QUANT_SCALE_MISMATCH = "quant_scale_mismatch"
+    """A matmul reading the codes (``reader``) multiplies by ``factor``, not their ``scale``."""
+    QUANT_NOT_A_MATMUL = "quant_not_a_matmul"
+    """The codes are read by something that is not a scaled matmul (``reader``)."""
+    QUANT_SYMBOLIC_VIEW = "quant_symbolic_view"
+    """The normed rows are viewed to another shape before the quantization, with symbolic tokens."""
+    QUANT_LATE_SCALE = "quant_late_scale"
+    """The static scale is computed after the fused op's place and cannot move up (``cause``)."""
+    QUANT_LAYER_NORM = "quant_layer_norm"
+    QUANT_TRAINING = "quant_training"
+    QUANT_LOWERING = "quant_lowering"
+    """The site's lowering does not carry the quantization (``cause``: the runtime's words)."""
+    QUANT_FLASHCOMM = "quant_flashcomm"
+    """FlashComm took the graph: the quantization runs on the rows it gathers."""
+    QUANT_SPLIT = "quant_split"
+    """Graph-wide: the token split does not carry quantized sites (``sites``)."""
+
     # ``overlap="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
     TUNED_NO_REWRITE = "tuned_no_rewrite"
     """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
@@ -398,6 +427,31 @@ MESSAGES: dict[ReasonCode, Message] = {
                                "across it"),
     ReasonCode.NO_RESIDUAL_ADD: ("boundary {previous} -> {site}: {site} has no residual add, so the "
                                  "residual stream does not continue through it"),
+    ReasonCode.QUANT_UNKNOWN_STEP: "{node} ({op}) is not a step of a known quantization",
+    ReasonCode.QUANT_UNPROVEN_INVERSE: (
+        "it multiplies the rows by {node}, which the graph does not compute as 1 / scale, so the scale "
+        "the matmul multiplies by cannot be shown to be the one the rows were divided by"),
+    ReasonCode.QUANT_NO_SCALE: "{node} casts the rows to the code dtype without a scale",
+    ReasonCode.QUANT_STATIC_NOT_SCALAR: "its static scale {node} is not one number",
+    ReasonCode.QUANT_GLOBAL_SCALE: (
+        "its scale is the amax of all rows, and each rank normalises only 1/N of them: fusing it needs "
+        "one more collective (an all_reduce(max)) before any code is written, so the norm is fused and "
+        "Inductor quantizes the gathered rows"),
+    ReasonCode.QUANT_SHARED_STEP: "{node} of the quantization is also read by {reader}",
+    ReasonCode.QUANT_SCALE_MISMATCH: (
+        "{reader} ({op}) reads the codes and multiplies by {factor}, not by the scale {scale} the rows "
+        "were divided by"),
+    ReasonCode.QUANT_NOT_A_MATMUL: "the codes are read by {reader}, not by a scaled matmul",
+    ReasonCode.QUANT_SYMBOLIC_VIEW: ("the normed rows are viewed from {rows} to {shape} before it, with a "
+                                     "symbolic token count"),
+    ReasonCode.QUANT_LATE_SCALE: "its static scale: {cause}",
+    ReasonCode.QUANT_LAYER_NORM: "only an RMSNorm site carries a quantization",
+    ReasonCode.QUANT_TRAINING: "a training graph's fused op returns the inverse RMS, not codes",
+    ReasonCode.QUANT_LOWERING: "{cause}",
+    ReasonCode.QUANT_FLASHCOMM: ("FlashComm does not carry it yet: the quantization runs on the normed rows "
+                                 "after FlashComm gathers them, as before"),
+    ReasonCode.QUANT_SPLIT: ("the token split does not carry quantized sites ({sites}: their fused ops "
+                             "return codes and scales)"),
     ReasonCode.TUNED_NO_REWRITE: "{text}",
     ReasonCode.TUNED_FUSE_ONLY: "{text}",
     ReasonCode.TUNED_SPLIT: "{text}",

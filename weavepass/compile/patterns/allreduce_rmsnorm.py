@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.patterns.quant import QuantLeftOutside, QuantMatch, find_quant
+from weavepass.compile.patterns.quant import replace_outputs as replace_quant_outputs
 from weavepass.compile.patterns.rmsnorm import (
     RMS_NORM,
     RMSNormMatch,
@@ -193,6 +195,10 @@ class FusedAllReduceRMSNormSite:
     late_inputs: tuple[Node, ...] = ()
     """Pure computations of earlier values that the op reads but the graph computes after its
     insertion point (``_late_inputs``), in the order ``prepare`` moves them up."""
+    quant: QuantMatch | None = None
+    """The quantization of the normed rows the fused op computes (``patterns.quant``), if any."""
+    quant_left: QuantLeftOutside | None = None
+    """A quantization of the normed rows that stays outside the fused op, and why."""
 
     @property
     def partial(self) -> Node:
@@ -242,8 +248,17 @@ class FusedAllReduceRMSNormSite:
         inner = f", {self.inner.kind}" if self.inner is not None else ""
         weight = "" if self.norm.weight is None else f", weight {_tensor(self.norm.weight).dtype}"
         bias = "" if self.norm.bias is None else f", bias {_tensor(self.norm.bias).dtype}"
-        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}, sum {self.dtype}, "
-                f"hidden {self.hidden}")
+        quant = f" + {self.quant.label}" if self.quant is not None else ""
+        left = f"; {self.quant_left.text}" if self.quant_left is not None else ""
+        return (f"{residual}{scaled}{inner}, {self.norm.form}{weight}{bias}{quant}, sum {self.dtype}, "
+                f"hidden {self.hidden}{left}")
+
+    def without_quant(self, reason: Reason) -> FusedAllReduceRMSNormSite:
+        """This site with its quantization left outside the fused op, for ``reason`` (a lowering or
+        strategy that does not carry it); the site itself if it has none."""
+        if self.quant is None:
+            return self
+        return dataclasses.replace(self, quant=None, quant_left=QuantLeftOutside(self.quant.label, reason))
 
     @property
     def stream(self) -> Node:
@@ -273,7 +288,9 @@ class FusedAllReduceRMSNormSite:
         first = self.shared if self.shared is not None else self.residual
         if self.inner is not None and self.inner.parallel is not None:
             first = self.inner.other
-        nodes = [n for n in (self.partial, first, self.norm.weight, self.norm.bias) if n is not None]
+        static_scale = self.quant.static_scale if self.quant is not None else None
+        nodes = [n for n in (self.partial, first, self.norm.weight, self.norm.bias, static_scale)
+                 if n is not None]
         views = [*self.views_to_add, *self.views_to_norm]
         if self.inner is not None:
             nodes.append(self.inner.other)
@@ -301,22 +318,31 @@ class FusedAllReduceRMSNormSite:
         with graph.inserting_before(site.insertion_point()):
             partial = _replay(graph, site.views_to_add if site.add is not None else (), site.partial)
             affine = (norm.weight,) if norm.kind == RMS_NORM else (norm.weight, norm.bias)
-            fused = graph.call_function(
-                fused_op,
-                (partial, site.residual, *affine, norm.eps, site.group_name,
-                 norm.out_dtype, lowering, workspace_tokens),
-            )
-            normed = graph.call_function(operator.getitem, (fused, 0))
-            residual_out = graph.call_function(operator.getitem, (fused, 1))
-            norm_views = site.views_to_norm
-            if site.add is None:
-                norm_views = site.views_to_add + norm_views
-            normed_out = _replay(graph, norm_views, normed)
+            quant = site.quant
+            if quant is not None:  # weave.fused_allreduce_rmsnorm_quant
+                args = (partial, site.residual, norm.weight, norm.eps, site.group_name, norm.out_dtype,
+                        quant.static_scale, quant.group_size, quant.scale_steps, quant.code_steps,
+                        quant.return_normed)
+            else:
+                args = (partial, site.residual, *affine, norm.eps, site.group_name, norm.out_dtype)
+            fused = graph.call_function(fused_op, (*args, lowering, workspace_tokens))
+            residual_out = graph.call_function(operator.getitem, (fused, 2 if quant is not None else 1))
+            new_nodes = [partial, fused, residual_out]
+            normed_out = None  # (a quantized site's op returns no normed rows unless they are read)
+            if quant is None or quant.return_normed:
+                normed = graph.call_function(operator.getitem, (fused, 3 if quant is not None else 0))
+                norm_views = site.views_to_norm
+                if site.add is None:
+                    norm_views = site.views_to_add + norm_views
+                normed_out = _replay(graph, norm_views, normed)
+                new_nodes += [normed, *_chain(normed, normed_out)]
             inv_rms = graph.call_function(operator.getitem, (fused, 2)) if site.training else None
-        new_nodes = [partial, fused, normed, residual_out, *_chain(normed, normed_out)]
         _set_fake_vals(new_nodes + ([inv_rms] if inv_rms is not None else []))
 
-        norm.output.replace_all_uses_with(normed_out)
+        if quant is not None:
+            _set_fake_vals(replace_quant_outputs(quant, graph, fused))
+        if normed_out is not None:
+            norm.output.replace_all_uses_with(normed_out)
         if norm.saved_inv_rms is not None and inv_rms is not None:
             # the backward graph reads the op's inverse RMS where it read rsqrt
             norm.saved_inv_rms.replace_all_uses_with(inv_rms)
@@ -852,6 +878,7 @@ def find_allreduce_rmsnorm_sites(
         if isinstance(found, FusedAllReduceRMSNormSite):
             found = _claim(found, claimed)
         if isinstance(found, FusedAllReduceRMSNormSite):
+            found = _with_quant(found, order)
             sites.append(found)
             if found.inner is not None and found.inner.merged is not None:
                 merged.add(found.inner.merged.all_reduce)
@@ -872,3 +899,20 @@ def _claim(site: FusedAllReduceRMSNormSite,
                 ReasonCode.ALREADY_CLAIMED, node=node.name, site=claimed[node].name))
     claimed.update(dict.fromkeys(replaced, site.all_reduce))
     return site
+
+
+def _with_quant(site: FusedAllReduceRMSNormSite, order: dict[Node, int]) -> FusedAllReduceRMSNormSite:
+    """``site`` with the quantization of its normed rows (``patterns.quant``), fused or left
+    outside (also when its static scale is computed after the op's place and cannot move up)."""
+    rows = _tensor(site.add if site.add is not None else site.partial).shape[:-1]
+    found = find_quant(site.norm.output, rows, site.norm.kind, site.training)
+    if found is None:
+        return site
+    if isinstance(found, QuantLeftOutside):
+        return dataclasses.replace(site, quant_left=found)
+    quantized = dataclasses.replace(site, quant=found)
+    late = _late_inputs(quantized, order)
+    if isinstance(late, Reason):
+        return quantized.without_quant(Reason.of(ReasonCode.QUANT_LATE_SCALE, cause=late))
+    return dataclasses.replace(quantized, late_inputs=tuple(late))
+

@@ -608,6 +608,8 @@ class FlashCommStrategy(Strategy):
         flashcomm = _FlashCommRewrite(graph, decision, config, kind)
         for plan in plans:
             record = records[plan.site.all_reduce.name]  # (before: merging sums renames the all_reduce)
+            if plan.site.quant is not None:  # (FlashComm's rewrite leaves it to Inductor, after the gather)
+                record.kind = plan.site.without_quant(Reason(ReasonCode.QUANT_FLASHCOMM)).kind
             label, notes = flashcomm.rewrite_site(plan.site)
             record.lowering = f"flashcomm:{label}"
             record.reasons, record.notes = [], notes

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_TRAIN
+from weavepass.ops import (
+    FUSED_ALLREDUCE_LAYERNORM,
+    FUSED_ALLREDUCE_RMSNORM,
+    FUSED_ALLREDUCE_RMSNORM_QUANT,
+    FUSED_ALLREDUCE_RMSNORM_TRAIN,
+)
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
@@ -36,9 +41,13 @@ class FuseStrategy(Strategy):
                 op = FUSED_ALLREDUCE_RMSNORM_TRAIN
             elif plan.site.norm.kind == LAYER_NORM:
                 op = FUSED_ALLREDUCE_LAYERNORM
+            elif plan.site.quant is not None:
+                op = FUSED_ALLREDUCE_RMSNORM_QUANT
             rewrite.fused[record.node] = plan.site.replace_with(
                 rewrite.graph, op, plan.lowering, rewrite.config.cuda_workspace_tokens)
             record.lowering = plan.lowering
+            if plan.site.quant_left is not None:
+                log.info("weavepass: %s: %s", record.node, plan.site.quant_left.text)
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.code is not ReasonCode.NONE:  # a fallback is a warning; the cuda_symm copy is information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING

@@ -31,6 +31,9 @@ class SplitStrategy(Strategy):
             return Decision(False, Reason(ReasonCode.NOT_ASKED))
         if rewrite.fused and rewrite.training:
             return Decision(False, TRAINING)
+        quantized = [p.site.all_reduce.name for p in rewrite.plans if p.lowering and p.site.quant is not None]
+        if quantized:
+            return Decision(False, Reason.of(ReasonCode.QUANT_SPLIT, sites=", ".join(quantized)))
         tuned = next((plan.tuned for plan in rewrite.plans if plan.tuned is not None), None)
         if tuned is not None and tuned.rewrite in ("inductor", "fuse"):
             return Decision(False, tuned.reason)
