@@ -77,6 +77,11 @@ class TPConfig:
     eager_attention: bool = False
     """Attention written out as Hugging Face's eager attention, ``softmax(q k^T * scale + mask) v``
     with an additive causal mask (two ``bmm`` and a decomposed softmax in the graph), not SDPA."""
+    quant: str = "none"
+    """``"none"``, or a quantized-activation form of ``weavepass.testing.quant.ACT_QUANTS``
+    (``"fp8_row"``, ``"int8_row"``, ...): the linears that read a norm's output (q/k/v, gate/up)
+    become ``QuantLinear``s that quantize it as that library does and run its scaled matmul (FP8
+    ``_scaled_mm``, int8 ``_int_mm``); the others stay in the model dtype."""
 
     def __post_init__(self) -> None:
         if self.norm_impl not in NORM_IMPLS:
@@ -87,6 +92,13 @@ class TPConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.n_experts and not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        if self.quant != "none":
+            from weavepass.testing.quant import ACT_QUANTS, GROUP
+
+            if self.quant not in ACT_QUANTS:
+                raise ValueError(f"quant must be 'none' or one of {sorted(ACT_QUANTS)}, got {self.quant!r}")
+            if self.quant == "fp8_group" and self.hidden % GROUP:
+                raise ValueError(f"quant='fp8_group' needs hidden divisible by {GROUP}, got {self.hidden}")
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError unless every rank of ``world_size`` gets whole attention heads."""
@@ -141,6 +153,11 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     if group is None:
         return x
     return funcol.all_reduce(x, "sum", group)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module) -> torch.Tensor:
+    """``x @ weight.T``, or a quantized linear (``TPConfig.quant``) applied to ``x``."""
+    return weight(x) if isinstance(weight, nn.Module) else F.linear(x, weight)
 
 
 def _param(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -234,7 +251,7 @@ class TPAttention(nn.Module):
         """
         shape = (batch, self.n_kv_heads, max_len, self.head_dim)
         for name in ("k_cache", "v_cache"):
-            buf = torch.zeros(shape, dtype=self.k_proj.dtype, device=self.k_proj.device)
+            buf = torch.zeros(shape, dtype=self.o_proj.dtype, device=self.o_proj.device)
             torch._dynamo.mark_static_address(buf)
             self.register_buffer(name, buf, persistent=False)
 
@@ -246,7 +263,7 @@ class TPAttention(nn.Module):
         batch, seq, _ = x.shape
 
         def heads(w: torch.Tensor, n: int) -> torch.Tensor:  # [B, S, H] -> [B, n, S, head_dim]
-            return F.linear(x, w).view(batch, seq, n, self.head_dim).transpose(1, 2)
+            return linear(x, w).view(batch, seq, n, self.head_dim).transpose(1, 2)
 
         q = heads(self.q_proj, self.n_heads)
         k = heads(self.k_proj, self.n_kv_heads)
@@ -296,7 +313,7 @@ class TPSwiGLU(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj)
+        hidden = F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj)
         return F.linear(hidden, self.down_proj)
 
 
@@ -410,6 +427,21 @@ def build_tp_model(
     def shard(name: str, dim: int) -> nn.Parameter:
         return _param(torch.tensor_split(weights[name], world_size, dim=dim)[rank], dtype, device)
 
+    def reads_norm(name: str) -> nn.Parameter | nn.Module:
+        """A column-parallel linear that reads a norm's output: quantized with ``cfg.quant``."""
+        if cfg.quant == "none":
+            return shard(name, 0)
+        from weavepass.testing.quant import QuantLinear
+
+        return QuantLinear(torch.tensor_split(weights[name], world_size, dim=0)[rank].to(device), cfg.quant,
+                           act_scale)
+
+    act_scale = None
+    if cfg.quant != "none":  # one static activation scale for every quantized linear
+        from weavepass.testing.quant import STATIC_ACT_SCALE
+
+        act_scale = torch.tensor(STATIC_ACT_SCALE, device=device)
+
     def replicated(name: str) -> nn.Parameter:
         return _param(weights[name], dtype, device)
 
@@ -417,7 +449,7 @@ def build_tp_model(
         return RMSNorm(replicated(name), cfg.rms_eps, cfg.norm_impl)
 
     def swiglu(prefix: str) -> TPSwiGLU:
-        gate, up = shard(prefix + "gate_proj", 0), shard(prefix + "up_proj", 0)
+        gate, up = reads_norm(prefix + "gate_proj"), reads_norm(prefix + "up_proj")
         return TPSwiGLU(gate, up, shard(prefix + "down_proj", 1))
 
     vocab_start = sum(s.shape[0] for s in torch.tensor_split(weights["embed"], world_size)[:rank])
@@ -426,9 +458,9 @@ def build_tp_model(
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         attention = TPAttention(
-            shard(p + "q_proj", 0),
-            shard(p + "k_proj", 0),
-            shard(p + "v_proj", 0),
+            reads_norm(p + "q_proj"),
+            reads_norm(p + "k_proj"),
+            reads_norm(p + "v_proj"),
             shard(p + "o_proj", 1),
             cfg.n_heads // world_size,
             cfg.n_kv_heads // world_size,
