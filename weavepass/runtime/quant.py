@@ -31,6 +31,7 @@ CODE_STEPS = ("convert", "div_scale", "mul_scale_reciprocal", "round", "clamp_mi
 (``aten.reciprocal``), where ``s`` is the scale (dynamic or static)."""
 
 Step = tuple[str, object]
+"""A step's name and its argument: a number, a dtype (``convert``) or None."""
 
 
 def encode_steps(steps: list[Step] | tuple[Step, ...]) -> str:
@@ -68,23 +69,25 @@ def _run(x: torch.Tensor, steps: tuple[Step, ...], scale: torch.Tensor | None) -
         elif name == "amax":
             x = x.amax(-1, keepdim=True)
         elif name == "convert":
+            assert isinstance(arg, torch.dtype)
             x = x.to(arg)
-        elif name == "div":
-            x = x / arg
-        elif name == "mul":
-            x = x * arg
-        elif name == "clamp_min":
-            x = x.clamp_min(arg)
-        elif name == "clamp_max":
-            x = x.clamp_max(arg)
-        elif name == "div_scale":
-            x = x / scale
-        elif name == "mul_scale_reciprocal":
-            x = x * scale.reciprocal()
+        elif name in ("div_scale", "mul_scale_reciprocal"):
+            assert scale is not None, name
+            x = x / scale if name == "div_scale" else x * scale.reciprocal()
         elif name == "round":
             x = x.round()
         else:
-            raise ValueError(f"unknown quantization step {name!r}")
+            assert isinstance(arg, (int, float)), (name, arg)
+            if name == "div":
+                x = x / arg
+            elif name == "mul":
+                x = x * arg
+            elif name == "clamp_min":
+                x = x.clamp_min(arg)
+            elif name == "clamp_max":
+                x = x.clamp_max(arg)
+            else:
+                raise ValueError(f"unknown quantization step {name!r}")
     return x
 
 

@@ -95,6 +95,11 @@ class QuantLinear(nn.Module):
     """``x [..., K] -> [..., N]``: the activation quantized by ``ACT_QUANTS[form]``, the weight
     ``[N, K]`` (fp32, quantized here), and the library's matmul; output in ``x``'s dtype."""
 
+    w_codes: torch.Tensor
+    w_scale: torch.Tensor
+    weight_fp32: torch.Tensor
+    act_scale: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, form: str, act_scale: torch.Tensor | None = None):
         """``act_scale``: the static activation scale (a one-element fp32 tensor; default
         ``STATIC_ACT_SCALE``). Linears that read the same rows share one, as vLLM's merged QKV and

@@ -96,7 +96,7 @@ class QuantMatch:
 
     @property
     def code_dtype(self) -> torch.dtype:
-        return val(self.codes[0]).dtype
+        return _tensor(self.codes[0]).dtype
 
     @property
     def static_scale(self) -> Node | None:
@@ -120,6 +120,20 @@ def _label(dtype: torch.dtype, static: bool, group_size: int, global_amax: bool 
     if global_amax:
         return f"{fmt} per-tensor dynamic quant"
     return f"{fmt} per-group-of-{group_size} quant" if group_size else f"{fmt} per-row quant"
+
+
+def _input(node: Node, index: int = 0) -> Node:
+    """``node.args[index]``, which the walk has checked is a node."""
+    arg = node.args[index]
+    assert isinstance(arg, Node), arg
+    return arg
+
+
+def _tensor(node: Node) -> torch.Tensor:
+    """The fake tensor of a node the walk has checked carries one."""
+    value = val(node)
+    assert value is not None, node
+    return value
 
 
 def _scalar(arg) -> bool:
@@ -181,20 +195,21 @@ class _NotQuant(Exception):
 
 def _op_name(node: Node) -> str:
     """``_scaled_mm`` for ``aten._scaled_mm.default``: the op, for a reason."""
-    return getattr(node.target, "_opname", None) or getattr(node.target, "__name__", str(node.target))
+    return str(getattr(node.target, "_opname", None) or getattr(node.target, "__name__", node.target))
 
 
 def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list, Node, Node, list[Node]]:
     """From the cast to the code dtype back to a start: ``(steps, start, scale, nodes)``."""
-    steps, nodes, scale = [("convert", val(codes).dtype)], [codes], None
-    n = codes.args[0]
+    steps: list[tuple[str, object]] = [("convert", _tensor(codes).dtype)]
+    nodes, scale = [codes], None
+    n = _input(codes)
     while n not in starts:
         nodes.append(n)
         dtype = _convert_dtype(n) if is_target(n, CONVERTS) else None
         if dtype is not None:
             steps.append(("convert", dtype))
         elif is_target(n, {aten.clamp_min.default, aten.clamp_max.default}) and _scalar(n.args[1]):
-            steps.append((n.target._opname, n.args[1]))
+            steps.append((_op_name(n), n.args[1]))
         elif is_target(n, {aten.clamp.default}) and all(_scalar(a) or a is None for a in n.args[1:3]):
             lo, hi = (list(n.args[1:3]) + [None])[:2]
             steps += [s for s in (("clamp_max", hi), ("clamp_min", lo)) if s[1] is not None]
@@ -205,17 +220,17 @@ def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list, Node, Node, list[
             scale = n.args[1]
         elif is_target(n, {aten.mul.Tensor}) and scale is None and any(
                 is_target(a, {aten.reciprocal.default}) for a in n.args[:2]):
-            recip = next(a for a in n.args[:2] if is_target(a, {aten.reciprocal.default}))
+            recip = next(a for a in n.args[:2] if isinstance(a, Node) and is_target(a, {aten.reciprocal.default}))
             steps.append(("mul_scale_reciprocal", None))
             nodes.append(recip)
-            scale = recip.args[0]
-            n = n.args[1] if n.args[0] is recip else n.args[0]
+            scale = _input(recip)
+            n = _input(n, 1) if n.args[0] is recip else _input(n)
             continue
         elif is_target(n, {aten.mul.Tensor}) and scale is None:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNPROVEN_INVERSE, node=n.name))
         else:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNKNOWN_STEP, node=n.name, op=_op_name(n)))
-        n = n.args[0]
+        n = _input(n)
     if scale is None:
         raise _NotQuant(Reason.of(ReasonCode.QUANT_NO_SCALE, node=codes.name))
     return list(reversed(steps)), n, scale, list(reversed(nodes))
@@ -223,7 +238,9 @@ def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list, Node, Node, list[
 
 def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
     """From the dynamic scale back to ``start``: ``(steps, nodes, global_amax)``."""
-    steps, nodes, global_amax = [], [], False
+    steps: list[tuple[str, object]] = []
+    nodes: list[Node] = []
+    global_amax = False
     n = scale
     while n is not start:
         nodes.append(n)
@@ -231,7 +248,7 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
         if dtype is not None:
             steps.append(("convert", dtype))
         elif is_target(n, {aten.clamp_min.default, aten.clamp_max.default}) and _scalar(n.args[1]):
-            steps.append((n.target._opname, n.args[1]))
+            steps.append((_op_name(n), n.args[1]))
         elif is_target(n, {aten.div.Tensor}) and _scalar(n.args[1]):
             steps.append(("div", n.args[1]))
         elif is_target(n, {aten.mul.Tensor}) and _scalar(n.args[1]):
@@ -239,8 +256,9 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
         elif is_target(n, {aten.abs.default}):
             steps.append(("abs", None))
         elif is_target(n, {aten.amax.default}):
-            dims, keep = list(n.args[1]) if len(n.args) > 1 else [], (n.args[2] if len(n.args) > 2 else False)
-            ndim = val(n.args[0]).ndim
+            dims = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else []
+            keep = bool(n.args[2]) if len(n.args) > 2 else False
+            ndim = _tensor(_input(n)).ndim
             if dims not in ([-1], [ndim - 1]) or not keep:
                 global_amax = True
             steps.append(("amax", None))
@@ -249,19 +267,19 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
             steps.append(("amax", None))
         else:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNKNOWN_STEP, node=n.name, op=_op_name(n)))
-        n = n.args[0]
+        n = _input(n)
     return list(reversed(steps)), list(reversed(nodes)), global_amax
 
 
 def _source(node: Node, reads) -> Node:
     while is_target(node, reads):
-        node = node.args[0]
+        node = _input(node)
     return node
 
 
 def _arg(node: Node, name: str):
     """Argument ``name`` of an OpOverload call, by schema name (positional or keyword)."""
-    for i, argument in enumerate(node.target._schema.arguments):
+    for i, argument in enumerate(getattr(node.target, "_schema").arguments):
         if argument.name == name:
             return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
     raise KeyError(name)
@@ -308,14 +326,16 @@ def _check_consumers(codes: Node, scale: Node) -> list[Node] | Reason:
 
 def _match_codes(codes: Node, normed: Node, rows: torch.Size) -> QuantMatch | QuantLeftOutside:
     starts = _starts(normed)
-    dtype = val(codes).dtype
+    dtype = _tensor(codes).dtype
     try:
         code_steps, start, scale, code_nodes = _walk_codes(codes, set(starts))
     except _NotQuant as why:
         return QuantLeftOutside(_label(dtype, False, 0), why.reason)
     group = starts[start]
     static = not _depends_on(scale, normed)
-    scale_steps, scale_nodes, global_amax = [], [], False
+    scale_steps: list[tuple[str, object]] = []
+    scale_nodes: list[Node] = []
+    global_amax = False
     if not static:
         try:
             scale_steps, scale_nodes, global_amax = _walk_scale(scale, start)
@@ -324,12 +344,13 @@ def _match_codes(codes: Node, normed: Node, rows: torch.Size) -> QuantMatch | Qu
     label = _label(dtype, static, group, global_amax)
     if global_amax:
         return QuantLeftOutside(label, Reason(ReasonCode.QUANT_GLOBAL_SCALE))
-    if static and (val(scale) is None or val(scale).numel() != 1):
+    if static and (val(scale) is None or _tensor(scale).numel() != 1):
         return QuantLeftOutside(label, Reason.of(ReasonCode.QUANT_STATIC_NOT_SCALAR, node=scale.name))
-    views, n = [], start
+    views: list[Node] = []
+    n = start
     while n is not normed:  # the row and group views from the normed rows to the start
         views.insert(0, n)
-        n = n.args[0]
+        n = _input(n)
     chain = [*views, *scale_nodes, *code_nodes]
     for node in set(chain) - {codes, scale, *views}:
         outside = [u for u in node.users if u not in chain]
@@ -339,11 +360,12 @@ def _match_codes(codes: Node, normed: Node, rows: torch.Size) -> QuantMatch | Qu
     consumers = _check_consumers(codes, scale)
     if isinstance(consumers, Reason):
         return QuantLeftOutside(label, consumers)
-    hidden = val(normed).shape[-1]
+    hidden = _tensor(normed).shape[-1]
     op_codes = [*rows, hidden // group, group] if group else [*rows, hidden]
-    if list(val(codes).shape) != op_codes and not all(isinstance(d, int) for d in (*val(codes).shape, *op_codes)):
+    shape = list(_tensor(codes).shape)
+    if shape != op_codes and not all(isinstance(d, int) for d in (*shape, *op_codes)):
         return QuantLeftOutside(label, Reason.of(ReasonCode.QUANT_SYMBOLIC_VIEW, rows=list(rows),
-                                                 shape=list(val(codes).shape[:-1])))
+                                                 shape=shape[:-1]))
     return QuantMatch((codes,), (scale,), static, group, encode_steps(scale_steps), encode_steps(code_steps),
                       tuple(chain), tuple(consumers), False)
 
@@ -406,7 +428,7 @@ def replace_outputs(quant: QuantMatch, graph: Graph, fused: Node) -> list[Node]:
         with graph.inserting_after(fused):
             out = graph.call_function(operator.getitem, (fused, index))
         new.append(out)
-        shape = list(val(old).shape)
+        shape = list(_tensor(old).shape)
         if list(fused.meta["val"][index].shape) != shape:  # (static sizes: ``_match_codes``)
             with graph.inserting_after(out):
                 out = graph.call_function(aten.view.default, (out, shape))
