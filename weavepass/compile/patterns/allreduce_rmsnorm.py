@@ -29,6 +29,7 @@ from weavepass.compile.patterns.rmsnorm import (
     val,
 )
 from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.config import Lowering
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -290,7 +291,7 @@ class FusedAllReduceRMSNormSite:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes
 
-    def replace_with(self, graph: Graph, fused_op: torch._ops.OpOverload, lowering: str,
+    def replace_with(self, graph: Graph, fused_op: torch._ops.OpOverload, lowering: Lowering,
                      workspace_tokens: int) -> Node:
         """Insert ``fused_op`` on ``lowering`` for this site and erase the nodes it replaces;
         returns the op node. ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA
@@ -304,7 +305,7 @@ class FusedAllReduceRMSNormSite:
             fused = graph.call_function(
                 fused_op,
                 (partial, site.residual, *affine, norm.eps, site.group_name,
-                 norm.out_dtype, lowering, workspace_tokens),
+                 norm.out_dtype, str(lowering), workspace_tokens),  # the op's schema takes the name
             )
             normed = graph.call_function(operator.getitem, (fused, 0))
             residual_out = graph.call_function(operator.getitem, (fused, 1))

@@ -8,7 +8,7 @@ from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, FU
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
-from weavepass.replication import insert_checks
+from weavepass.compile.replication import insert_checks
 
 log = logging.getLogger("weavepass")
 
@@ -18,6 +18,8 @@ class FuseStrategy(Strategy):
     then insert the cross-rank replication checks on the fused sites."""
 
     name = "fuse"
+    reads = frozenset({"sites"})
+    writes = frozenset({"sites", "fused", "records", "notes"})
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
         # Per site, not per graph: each plan already says whether its site is fused and why not.
@@ -38,7 +40,7 @@ class FuseStrategy(Strategy):
                 op = FUSED_ALLREDUCE_LAYERNORM
             rewrite.fused[record.node] = plan.site.replace_with(
                 rewrite.graph, op, plan.lowering, rewrite.config.cuda_workspace_tokens)
-            record.lowering = plan.lowering
+            record.lowering = str(plan.lowering)
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)
             if plan.code is not ReasonCode.NONE:  # a fallback is a warning; the cuda_symm copy is information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING

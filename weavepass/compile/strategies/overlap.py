@@ -16,6 +16,8 @@ class SplitStrategy(Strategy):
     """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.overlap``)."""
 
     name = "token split"
+    reads = frozenset({"fused", "records"})
+    writes = frozenset({"notes"})
 
     def inductor_patches(self, config: WeaveConfig) -> dict:
         if config.overlap == "off":
