@@ -25,6 +25,7 @@ import torch
 from weavepass.config import WeaveConfig
 from weavepass.compile.planner import NO_REASON, SitePlan
 from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.tuned import TunedDecision
 from weavepass.report import GraphReport
 
 
@@ -59,9 +60,12 @@ class GraphRewrite:
     training: bool = field(init=False)
     """A training graph's forward (a site's norm saves its inverse RMS for backward): read from
     the sites once, before any strategy rewrites them."""
+    tuned: TunedDecision | None = field(init=False)
+    """The tuning table's call for the graph (``planner.SitePlan.tuned``), read from the plans once."""
 
     def __post_init__(self) -> None:
         self.training = any(plan.site.training for plan in self.plans)
+        self.tuned = next((plan.tuned for plan in self.plans if plan.tuned is not None), None)
 
 
 Part = Literal["sites", "fused", "records", "notes"]
