@@ -24,7 +24,8 @@ from weavepass.compile.graph_pass import WeavePass, op_counts
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import Reason, ReasonCode
-from weavepass.compile.strategies import GraphRewrite, inductor_patches
+from weavepass.compile.strategies import STRATEGIES, ContractError, GraphRewrite, check_order, inductor_patches
+from weavepass.compile.strategies.base import check_writes, snapshot
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm, force_device_kind
 from weavepass.compile.strategies.fuse import FuseStrategy
@@ -99,7 +100,8 @@ def _as_training(rewrite) -> None:
     rsqrt = next(n for n in plan.site.norm.nodes if n.target is torch.ops.aten.rsqrt.default)
     site = dataclasses.replace(plan.site, norm=dataclasses.replace(plan.site.norm, saved_inv_rms=rsqrt))
     rewrite.plans[0] = dataclasses.replace(plan, site=site)
-    assert site.training and rewrite.training
+    rewrite.training = site.training
+    assert rewrite.training
 
 
 @pytest.fixture
@@ -499,6 +501,31 @@ def test_split_refuses_training_after_fuse(world2):
     _as_training(rewrite)
     decision = SplitStrategy().decide(rewrite)
     assert (decision.use, decision.code) == (False, ReasonCode.TRAINING)
+
+
+def test_strategy_order_is_checked_against_the_contract():
+    """The contract each strategy states (``reads``, ``writes``, ``takes_graph``) holds the order:
+    FlashComm, which rewrites the sites and takes the graph, before fuse, which rewrites them too;
+    the split, which reads the fused ops, after fuse, which writes them."""
+    flashcomm, fuse, split = STRATEGIES
+    check_order(STRATEGIES)
+    with pytest.raises(ContractError, match="read\\(s\\) the sites after fuse"):
+        check_order((fuse, flashcomm, split))
+    with pytest.raises(ContractError, match="reads 'fused', written by fuse"):
+        check_order((flashcomm, split, fuse))
+
+
+def test_a_strategy_that_changes_what_it_does_not_declare_is_stopped(world2):
+    class Undeclared(FuseStrategy):
+        writes = frozenset({"sites", "records", "notes"})  # fills rewrite.fused all the same
+
+    rewrite = _rewrite(_trace(two_sites, *_args(40)), WeaveConfig())
+    before = snapshot(rewrite)
+    strategy = Undeclared()
+    strategy.apply(rewrite, strategy.decide(rewrite))
+    with pytest.raises(ContractError, match=r"changed \['fused'\]"):
+        check_writes(strategy, before, rewrite)
+    check_writes(FuseStrategy(), before, rewrite)  # the real one declares it
 
 
 def test_inductor_patches_come_from_the_strategies():

@@ -75,6 +75,90 @@ def _imported_modules(path: pathlib.Path, top_level_only: bool = False) -> set[s
     return names
 
 
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of ``package`` it imports, anywhere in the file:
+    at module level, inside functions and under ``TYPE_CHECKING`` (an import that runs later is
+    still a dependency). ``from a import b`` counts as ``a.b`` where that is a module, else ``a``;
+    relative imports are resolved."""
+    root = package.parent
+    modules = {_module_name(p, root): p for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles_between_weavepass_modules():
+    """No module of the package imports, through any chain, one that imports it back; function-level
+    and ``TYPE_CHECKING`` imports count (they hide a cycle, they do not remove it)."""
+    graph = import_graph(PACKAGE)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(
+        " <-> ".join(c) + " (" + ", ".join(f"{a} -> {sorted(graph[a] & set(c))}" for a in c) + ")" for c in cycles)
+
+
+def test_the_cycle_check_sees_function_level_and_type_checking_imports(tmp_path):
+    """The check can fail: a package whose modules import each other only inside a function, or
+    only for type checking, has a cycle; one with the imports one way has none."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from .c import g\n")
+    (package / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n")
+    assert import_cycles(import_graph(package)) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
+    (package / "sub" / "c.py").write_text("")
+    assert import_cycles(import_graph(package)) == []
+
+
 def test_runtime_never_imports_ops_or_compile():
     """The dependency rule: runtime code runs the ops; it neither defines nor emits them."""
     for path in sorted((PACKAGE / "runtime").rglob("*.py")):

@@ -171,7 +171,7 @@ def _check_replicated_rank(rank):
         except Exception as error:  # noqa: BLE001  (the message is what is checked)
             errors[name] = f"{type(error).__name__}: {error}"
     assert "check_replicated: the residual and norm weight of 2 site(s)" in backend.report.graphs[0].note
-    from weavepass.replication import check_replicated  # a LayerNorm site's bias, checked directly
+    from weavepass.runtime.replication import check_replicated  # a LayerNorm site's bias, checked directly
 
     try:
         check_replicated(r, w1, "residual", "add_7", dist.group.WORLD.group_name, bias=w1 * (1 + rank))

@@ -18,7 +18,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from weavepass import WeaveConfig
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.split import Unsupported
-from weavepass.compile.strategies.split.analysis import Analysis, analyse, token_dims
+from weavepass.compile.strategies.split.analysis import analyse, token_dims
+from weavepass.compile.strategies.split.state import Analysis
 from weavepass.compile.strategies.split.rewrite import rewrite
 from weavepass.compile.strategies.split.routing import Counts, Positions, Rows
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for

@@ -7,10 +7,25 @@ importing weavepass never changes global Inductor config.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from datetime import timedelta
 
-LOWERINGS = ("auto", "portable", "cuda_symm")
+
+class Lowering(enum.StrEnum):
+    """How a fused op runs: the op call's ``lowering`` argument, which the runtime resolves
+    (``weavepass.runtime.get_lowering``). The planner chooses it once per site
+    (``weavepass.compile.planner.choose_lowering``); it is a ``str``, so the graph and the report
+    carry its name."""
+
+    PORTABLE = "portable"
+    """reduce_scatter -> add + norm on ``ceil(T / N)`` rows -> all_gather, on any process group."""
+    CUDA_SYMM = "cuda_symm"
+    """The fused Triton kernel over symmetric memory (``weavepass.runtime.cuda``)."""
+
+
+LOWERINGS = ("auto", *(lowering.value for lowering in Lowering))
+"""``WeaveConfig.lowering``: ``"auto"`` (the planner picks per site) or a ``Lowering``."""
 OVERLAP_MODES = ("off", "auto", "force")
 OVERLAP_COMM_MODES = ("fused", "push")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
@@ -162,7 +177,7 @@ class WeaveConfig:
 
     check_replicated: bool = False
     """Debug check, run on every call of every fused site: all-gather an exact digest of the
-    residual and the norm weight (``weavepass/replication.py``) and raise ``ReplicationError`` when
+    residual and the norm weight (``weavepass/runtime/replication.py``) and raise ``ReplicationError`` when
     the ranks' digests differ. Tensor parallelism assumes both are replicated across the group;
     the fused lowerings compute each block of rows with its owner rank's copy, so a rank-dependent
     residual or weight gives silently wrong results. Adds one small all_gather and a copy of the residual per site and call; not done in FlashComm

@@ -22,6 +22,7 @@ from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import STRATEGIES, GraphRewrite
 from weavepass.compile.plan_check import check_plan_across_ranks
+from weavepass.compile.strategies.base import ContractError, check_writes, snapshot
 from weavepass.tune.table import load_table
 from weavepass.report import AllReduceRecord, GraphReport
 
@@ -148,10 +149,16 @@ class WeavePass(CustomGraphPass):
 
         rewrite = GraphRewrite(graph, plans, self.config, report)
         for strategy in STRATEGIES:
+            before = snapshot(rewrite)
             decision = strategy.decide(rewrite)
+            took_graph = False
             if decision.use:
-                if strategy.apply(rewrite, decision):
-                    break  # it took the whole graph
+                took_graph = strategy.apply(rewrite, decision)
             elif decision.code is not ReasonCode.NOT_ASKED:
                 strategy.decline(rewrite, decision)
+            check_writes(strategy, before, rewrite)
+            if took_graph:
+                if not strategy.takes_graph:
+                    raise ContractError(f"{strategy.name} took the graph without declaring takes_graph")
+                break
         graph.lint()

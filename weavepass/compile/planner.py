@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from weavepass.config import WeaveConfig
+from weavepass.config import Lowering, WeaveConfig
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
@@ -28,7 +28,7 @@ class SitePlan:
     and why not the first choice (``reason``; ``ReasonCode.NONE``: nothing to say)."""
 
     site: FusedAllReduceRMSNormSite
-    lowering: str | None
+    lowering: Lowering | None
     reason: Reason = NO_REASON
 
     @property
@@ -59,6 +59,24 @@ def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
     return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
 
 
+def unsupported_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering) -> str | None:
+    """Can ``lowering`` run ``site`` in this process? Why not (the runtime's support check's
+    words), or None. The portable lowering runs any site."""
+    return _cuda_unsupported_reason(site) if lowering is Lowering.CUDA_SYMM else None
+
+
+def unprofitable_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering, config: WeaveConfig) -> Reason | None:
+    """Should ``auto`` run ``site`` on ``lowering``, which can run it? Why not, or None. Below
+    ``cuda_min_tokens`` static tokens, without CUDA graphs, the CUDA kernel's launch costs more
+    than it saves (host-bound)."""
+    if lowering is not Lowering.CUDA_SYMM:
+        return None
+    tokens = TokenCount.of(site.partial).static
+    if tokens is not None and tokens < config.cuda_min_tokens and not inductor_cudagraphs_on():
+        return Reason.of(ReasonCode.CUDA_MIN_TOKENS, tokens=tokens, min_tokens=config.cuda_min_tokens)
+    return None
+
+
 CUDA_COPY = Reason(ReasonCode.CUDA_COPY)
 """Said on every ``cuda_symm`` site: one extra read of the partial per site (docs/cuda_kernel.md)."""
 
@@ -75,27 +93,30 @@ def inductor_cudagraphs_on() -> bool:
 
 def choose_lowering(
     site: FusedAllReduceRMSNormSite, config: WeaveConfig
-) -> tuple[str | None, Reason]:
+) -> tuple[Lowering | None, Reason]:
     """``(lowering, reason)``: the lowering for ``site`` (None: leave it alone) and, if not the
-    first choice, why.
+    first choice, why. Chosen once, here: the config's choice, or under ``auto`` the device's
+    (``cuda_symm`` on CUDA, else portable); then "can it run" (``unsupported_reason``), then,
+    under ``auto`` only, "should it run" (``unprofitable_reason``).
 
     On CUDA, ``auto`` rewrites a site only when the fused kernel can run it: the portable path
     (fp32 reduce_scatter + all_gather through NCCL) moves twice the bytes of the model's own
     all_reduce, and a rewrite must never make a batch slower than the plain compiled model.
     """
     auto = config.lowering == "auto"
-    wanted = ("cuda_symm" if site.device.type == "cuda" else "portable") if auto else config.lowering
-    if wanted != "cuda_symm":
-        return wanted, NO_REASON
-    cause = _cuda_unsupported_reason(site)
-    if cause is None:
-        tokens = TokenCount.of(site.partial).static
-        if auto and tokens is not None and tokens < config.cuda_min_tokens and not inductor_cudagraphs_on():
-            return None, Reason.of(ReasonCode.CUDA_MIN_TOKENS, tokens=tokens, min_tokens=config.cuda_min_tokens)
-        return wanted, CUDA_COPY
     if auto:
-        return None, Reason.of(ReasonCode.CUDA_UNSUPPORTED, cause=cause)
-    return "portable", Reason.of(ReasonCode.PORTABLE_FALLBACK, cause=cause)
+        wanted = Lowering.CUDA_SYMM if site.device.type == "cuda" else Lowering.PORTABLE
+    else:
+        wanted = Lowering(config.lowering)
+    cause = unsupported_reason(site, wanted)
+    if cause is not None:
+        if auto:
+            return None, Reason.of(ReasonCode.CUDA_UNSUPPORTED, cause=cause)
+        return Lowering.PORTABLE, Reason.of(ReasonCode.PORTABLE_FALLBACK, cause=cause)
+    unprofitable = unprofitable_reason(site, wanted, config) if auto else None
+    if unprofitable is not None:
+        return None, unprofitable
+    return wanted, CUDA_COPY if wanted is Lowering.CUDA_SYMM else NO_REASON
 
 
 def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> Reason | None:

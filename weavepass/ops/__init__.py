@@ -1,5 +1,5 @@
 """Every functional ``weave`` op the rewrite puts into graphs: schemas, fakes, and the handles the
-compile side emits. The kernels live in ``weavepass.runtime`` (and ``weavepass.replication``); each
+compile side emits. The kernels live in ``weavepass.runtime``; each
 op here calls its kernel through a trampoline that imports it on first call, so importing this
 package imports neither triton nor torch_npu, and runtime code never imports this package.
 
@@ -38,7 +38,7 @@ LayerNorm sites. ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
 num_ctas, slot)`` is the split's push variant (``WeaveConfig.overlap_comm="push"``): only the push
 of the partial rows runs on the second stream, into staging slot ``slot`` (0 for half A, 1 for
 half B), and the reduce + add + RMSNorm runs on the joining stream at the join.
-``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated`` (``weavepass.replication``). ``weave.flashcomm_shard_rows`` and
+``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated`` (``weavepass.compile.replication``). ``weave.flashcomm_shard_rows`` and
 ``weave.npu_*`` are FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in
 ``weavepass.runtime.portable`` and ``weavepass.runtime.npu``).
 
@@ -63,6 +63,19 @@ HOT_OP_KERNELS: dict = {}
 """Every hot op's default overload -> its kernel, ``"module:function"`` in ``weavepass.runtime``.
 Compiled graphs call that function directly, not through the dispatcher
 (``weavepass.compile.direct_calls``)."""
+
+
+def arguments(node: torch.fx.Node) -> dict[str, object]:
+    """The arguments of a call of an op (``node.target``, an ``OpOverload``) by their schema names,
+    defaults filled in: code reads ``arguments(node)["group_name"]``, never ``node.args[4]``, which
+    holds only for one op's schema (the LayerNorm op has a bias after the weight)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    given = dict(zip((a.name for a in schema.arguments), node.args))
+    given.update(node.kwargs)
+    for argument in schema.arguments:
+        if argument.name not in given and argument.has_default_value():
+            given[argument.name] = argument.default_value
+    return given
 
 
 def define_hot_op(name: str, schema: str, kernel: str, fake: Callable):
@@ -190,8 +203,8 @@ def _check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str,
                       group_name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Raise ``ReplicationError`` unless ``x``, ``weight`` and ``bias`` (a LayerNorm's) are the
     same on every rank of the group; returns a copy of ``x``
-    (``weavepass.replication.check_replicated``)."""
-    from weavepass.replication import check_replicated
+    (``weavepass.runtime.replication.check_replicated``)."""
+    from weavepass.runtime.replication import check_replicated
 
     return check_replicated(x, weight, x_name, site, group_name, bias)
 

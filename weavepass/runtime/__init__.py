@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from weavepass.config import Lowering
 from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
 
 
@@ -49,16 +50,17 @@ class FusedLowering(Protocol):
 
 # name -> "module:function"; modules that need triton or torch_npu are imported on first use only.
 _LAZY_LOWERINGS: dict[str, str] = {
-    "cuda_symm": "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_cuda",
+    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_cuda",
 }
-_LOWERINGS: dict[str, FusedLowering] = {"portable": fused_allreduce_rmsnorm_portable}
+_LOWERINGS: dict[str, FusedLowering] = {Lowering.PORTABLE: fused_allreduce_rmsnorm_portable}
 
 _LAYER_NORM_LOWERINGS: dict[str, str] = {
-    "portable": "weavepass.runtime.portable:fused_allreduce_layernorm_portable",
-    "cuda_symm": "weavepass.runtime.cuda.dispatch:fused_allreduce_layernorm_cuda",
+    Lowering.PORTABLE: "weavepass.runtime.portable:fused_allreduce_layernorm_portable",
+    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_layernorm_cuda",
 }
 LAYER_NORM_LOWERINGS = tuple(_LAYER_NORM_LOWERINGS)
-"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``)."""
+"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``): every one."""
+assert set(_LAZY_LOWERINGS) | set(_LOWERINGS) == set(Lowering) == set(_LAYER_NORM_LOWERINGS)
 
 
 def get_lowering(name: str) -> FusedLowering:
@@ -68,7 +70,7 @@ def get_lowering(name: str) -> FusedLowering:
     if run is not None:
         return run
     if name not in _LAZY_LOWERINGS:
-        known = sorted([*_LOWERINGS, *_LAZY_LOWERINGS])
+        known = sorted(str(n) for n in [*_LOWERINGS, *_LAZY_LOWERINGS])
         raise ValueError(f"unknown weave lowering {name!r}; known lowerings: {known}")
     module_name, attr = _LAZY_LOWERINGS[name].split(":")
     _LOWERINGS[name] = getattr(importlib.import_module(module_name), attr)
@@ -76,7 +78,7 @@ def get_lowering(name: str) -> FusedLowering:
 
 
 def lowering_names() -> list[str]:
-    return sorted({*_LOWERINGS, *_LAZY_LOWERINGS})
+    return sorted(str(n) for n in {*_LOWERINGS, *_LAZY_LOWERINGS})
 
 
 def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtype, lowering,
@@ -102,10 +104,10 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
     ``overrides`` go to a lowering with a workspace (the async op's ``num_ctas``)."""
     if lowering not in _LAYER_NORM_LOWERINGS:
         raise ValueError(f"weave lowering {lowering!r} does not carry LayerNorm; LayerNorm sites "
-                         f"need one of {LAYER_NORM_LOWERINGS}")
+                         f"need one of {[str(n) for n in LAYER_NORM_LOWERINGS]}")
     module_name, attr = _LAYER_NORM_LOWERINGS[lowering].split(":")
     run = getattr(importlib.import_module(module_name), attr)
-    if lowering == "portable":  # no workspace
+    if lowering == Lowering.PORTABLE:  # no workspace
         return run(partial, residual, weight, bias, eps, group_name, out_dtype)
     return run(partial, residual, weight, bias, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens,
                **overrides)

@@ -31,6 +31,7 @@ from weavepass.compile.patterns.rmsnorm import (
     val,
 )
 from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.config import Lowering
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -307,7 +308,7 @@ class FusedAllReduceRMSNormSite:
             torch.fx.node.map_arg(view.args[1:], nodes.append)
         return nodes
 
-    def replace_with(self, graph: Graph, fused_op: torch._ops.OpOverload, lowering: str,
+    def replace_with(self, graph: Graph, fused_op: torch._ops.OpOverload, lowering: Lowering,
                      workspace_tokens: int) -> Node:
         """Insert ``fused_op`` on ``lowering`` for this site and erase the nodes it replaces;
         returns the op node. ``workspace_tokens`` goes into the call (``weavepass.ops``: the CUDA
@@ -325,7 +326,7 @@ class FusedAllReduceRMSNormSite:
                         quant.return_normed)
             else:
                 args = (partial, site.residual, *affine, norm.eps, site.group_name, norm.out_dtype)
-            fused = graph.call_function(fused_op, (*args, lowering, workspace_tokens))
+            fused = graph.call_function(fused_op, (*args, str(lowering), workspace_tokens))  # the schema takes the name
             residual_out = graph.call_function(operator.getitem, (fused, 2 if quant is not None else 1))
             new_nodes = [partial, fused, residual_out]
             normed_out = None  # (a quantized site's op returns no normed rows unless they are read)

@@ -7,14 +7,15 @@
 
 from __future__ import annotations
 
-from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
+from weavepass.compile.strategies.base import ContractError, Decision, GraphRewrite, Strategy, check_order
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy
 from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.overlap import SplitStrategy
 
 STRATEGIES: tuple[Strategy, ...] = (FlashCommStrategy(), FuseStrategy(), SplitStrategy())
-"""In order of precedence: FlashComm before fuse (it rewrites the unfused sites), the split after fuse
-(it splits the fused ops)."""
+"""In order of precedence: FlashComm before fuse (it rewrites the unfused sites and takes the graph),
+the split after fuse (it splits the fused ops). ``check_order`` holds this order to the contract."""
+check_order(STRATEGIES)
 
 
 def inductor_patches(config) -> dict:
@@ -25,4 +26,5 @@ def inductor_patches(config) -> dict:
     return patches
 
 
-__all__ = ["STRATEGIES", "Decision", "GraphRewrite", "Strategy", "inductor_patches"]
+__all__ = ["STRATEGIES", "ContractError", "Decision", "GraphRewrite", "Strategy", "check_order",
+           "inductor_patches"]

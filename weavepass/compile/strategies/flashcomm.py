@@ -69,8 +69,6 @@ SYMM_MEM_CUDAGRAPHS_NOTE = (
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-DEVICE_KINDS = ("portable", "npu", "cuda")
-
 
 # ----------------------------------------------------------------------------------------------
 # The decision
@@ -181,8 +179,8 @@ def force_device_kind(kind: str) -> Iterator[None]:
     Not part of the pass's ``uuid()``: do not combine with ``WeaveConfig.fx_graph_cache=True``.
     """
     global _forced_device_kind
-    if kind not in DEVICE_KINDS:
-        raise ValueError(f"kind must be one of {DEVICE_KINDS}, got {kind!r}")
+    if kind not in FORMS:
+        raise ValueError(f"kind must be one of {tuple(FORMS)}, got {kind!r}")
     saved, _forced_device_kind = _forced_device_kind, kind
     try:
         yield
@@ -236,25 +234,24 @@ def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | 
     return _Matmul(mm, mm.args[0], mm.args[1], None, [*chain, mm])
 
 
-class _FlashCommRewrite:
-    """Rewrites the sites of one graph in order; ``finish()`` gathers leftovers and erases."""
+class PortableFlashComm:
+    """Rewrites the sites of one graph in order; ``finish()`` gathers leftovers and erases.
 
-    def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig, kind: str):
+    The portable form: functional collectives (reduce_scatter, all_gather) and the graph's own norm
+    ops on the shard. ``NpuFlashComm`` and ``CudaFlashComm`` are the device forms: they override
+    the steps a device fuses (``mmrs_unsupported_reason`` and ``matmul_reduce_scatter``,
+    ``add_rmsnorm``, ``gather_normed``). ``FORMS`` picks one per graph, once."""
+
+    kind = "portable"
+
+    def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         self.graph = graph
         self.d = decision
         self.config = config
-        self.kind = kind
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         self.dead: set[Node] = set()
         self.carried_shard: dict[Node, Node] = {}  # original stream node -> its [R, H] shard
         self.new_nodes: list[Node] = []
-        self.symm_reason = None
-        self.npu_target = None  # the chip and comm_mode of the NPU fused ops, read once per graph
-        if kind == "npu" and config.enable_mmrs_fusion:
-            self.npu_target = npu.fused_comm_target(config.mmrs_comm_mode)
-        if kind == "cuda" and config.enable_mmrs_fusion:
-            self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
-                symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
 
     # -- small graph helpers (insert at the current insertion point, fake values set later)
 
@@ -355,15 +352,7 @@ class _FlashCommRewrite:
             mm = _producer_matmul(site, d.num_tokens)
             reason = mm if isinstance(mm, str) else self.mmrs_unsupported_reason(mm)
             if reason is None:
-                x = self.pad_rows(mm.x)
-                if self.kind == "npu":
-                    out = self.call(NPU_MM_REDUCE_SCATTER, x, mm.w,
-                                    d.group_name, d.world_size, self.npu_target.comm_mode)
-                    label = "npu_mmrs"
-                else:
-                    out = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_MATMUL_REDUCE_SCATTER),
-                                    x, mm.w, "sum", 0, d.group_name)
-                    label = "cuda_symm"
+                out, label = self.matmul_reduce_scatter(self.pad_rows(mm.x), mm)
                 self.dead.update(mm.chain)
                 return out, label, notes
             notes.append(f"MMRS skipped: {reason}")
@@ -374,40 +363,20 @@ class _FlashCommRewrite:
         return self.call(c10d.wait_tensor.default, scattered), "portable", notes
 
     def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
-        xv, wv = val(mm.x), val(mm.w)
-        if xv is None or wv is None:
-            return "the matmul operands have no tensor metadata"
-        padded = self.d.padded_tokens != self.d.num_tokens
-        x_shape = (self.d.padded_tokens, *xv.shape[1:])
-        if self.kind == "npu":
-            x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
-            return npu.matmul_comm_unsupported_reason(
-                npu.MMRS, self.npu_target, x_shape, x_stride, xv.dtype, tuple(wv.shape),
-                tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None)
-        if self.kind == "cuda":
-            if self.symm_reason is not None:
-                return self.symm_reason
-            return symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
-                x_shape, self.d.world_size, mm.bias is not None)
-        return "no fused matmul + reduce_scatter for this device (portable lowering)"
+        """Why this form cannot fuse ``mm`` with its reduce_scatter (None: it can)."""
+        return _operands_reason(mm) or "no fused matmul + reduce_scatter for this device (portable lowering)"
 
-    def add_rmsnorm(self, site, shard: Node, residual: Node | None) -> tuple[Node, Node, str]:
-        """``(normed [R, H], new stream value [R, H], note)`` for the shard."""
-        norm = site.norm
-        if self.kind == "npu":
-            weight_dtype = val(norm.weight).dtype if norm.weight is not None else None
-            reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
-                                                         residual is not None, norm.kind == LAYER_NORM)
-            if reason is None:
-                fused = self.call(NPU_ADD_RMS_NORM, shard, residual,
-                                  norm.weight, norm.eps)
-                return (self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1),
-                        "norm: npu_add_rms_norm")
-            note = f"norm: aten on the shard (npu_add_rms_norm: {reason})"
-        else:
-            note = ""
+    def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
+        """``(reduced rows [R, H], label)`` of the fused ``x @ mm.w`` + reduce_scatter (only where
+        ``mmrs_unsupported_reason`` said it can)."""
+        raise NotImplementedError(f"{self.kind}: no fused matmul + reduce_scatter")
+
+    def add_rmsnorm(self, site: FusedAllReduceRMSNormSite, shard: Node,
+                    residual: Node | None) -> tuple[Node, Node, str]:
+        """``(normed [R, H], new stream value [R, H], note)`` for the shard: the residual added,
+        then the site's own norm ops replayed on the shard."""
         carried = shard if residual is None else self.call(aten.add.Tensor, residual, shard)
-        return self.replay_norm(site, carried), carried, note
+        return self.replay_norm(site, carried), carried, ""
 
     def replay_norm(self, site: FusedAllReduceRMSNormSite, x: Node) -> Node:
         """The site's own RMSNorm nodes, copied to read ``x`` [R, H]: eager's rounding, on 1/N rows.
@@ -428,68 +397,11 @@ class _FlashCommRewrite:
         out = env[norm.output]
         return out if rank == 2 else self.call(aten.view.default, out, [self.d.rows_per_rank, site.hidden])
 
-    def gather_normed(self, site, normed: Node, point: int) -> tuple[Node | None, str]:
-        """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when
-        ``fused_all_gather_matmul`` took over every consumer (CUDA). On NPU the rows come from
-        ``npu_all_gather_base_mm`` where it can take one consumer matmul. ``point``: the site's
-        position (``rewrite_site``); a matmul weight computed after it is not read."""
-        if self.npu_target is not None:
-            found = self.npu_all_gather_mm(site, normed, point)
-            if not isinstance(found, str):
-                return found
-            log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
-                     site.all_reduce.name, found)
-            return self.gather_rows(normed, val(site.norm.output).shape), \
-                f"all_gather+matmul not fused: {found}"
-        if self.kind == "cuda" and self.config.enable_mmrs_fusion:
-            reason = self.symm_reason or self.all_gather_matmul(site, normed, point)
-            if reason is None:
-                return None, "consumers: fused_all_gather_matmul"
-            log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
-                     site.all_reduce.name, reason)
-            note = f"all_gather+matmul not fused: {reason}"
-        else:
-            note = ""
-        return self.gather_rows(normed, val(site.norm.output).shape), note
-
-    def all_gather_matmul(self, site, normed: Node, point: int) -> str | None:
-        """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
-        d, out = self.d, site.norm.output
-        rows_shape = (d.num_tokens, site.hidden)
-        mms, views = [], []
-        for user in out.users:
-            if is_target(user, VIEWS) and val(user) is not None and tuple(val(user).shape) == rows_shape:
-                views.append(user)
-                readers = [(reader, user) for reader in user.users]
-            else:
-                readers = [(user, out)]
-            for reader, rows in readers:
-                if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
-                        and tuple(val(rows).shape) == rows_shape):
-                    return f"{reader.name} ({reader.target}) reads the normed rows, not a [tokens, hidden] mm"
-                mms.append(reader)
-        if not mms:
-            return "no mm reads the normed rows"
-        weights = []
-        for mm in mms:
-            w = self.weight_before(mm, point)
-            if w is None:
-                return f"the weight of {mm.name} is computed after the norm"
-            weights.append(w)
-        fused = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_ALL_GATHER_MATMUL),
-                          normed, weights, 0, d.group_name, return_A=True)
-        outputs = self.call(operator.getitem, fused, 1)
-        replacements = []
-        for i, mm in enumerate(mms):
-            rows = self.call(operator.getitem, outputs, i)
-            if d.padded_tokens != d.num_tokens:
-                rows = self.call(aten.slice.Tensor, rows, 0, 0, d.num_tokens)
-            replacements.append((mm, rows))
-        self.flush()
-        for mm, rows in replacements:
-            mm.replace_all_uses_with(rows)
-        self.dead.update([*mms, *views])
-        return None
+    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node | None, str]:
+        """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when a fused
+        all_gather + matmul took over every consumer. ``point``: the site's position
+        (``rewrite_site``); a matmul weight computed after it is not read."""
+        return self.gather_rows(normed, val(site.norm.output).shape), ""
 
     def weight_before(self, mm: Node, point: int) -> Node | None:
         """``mm``'s weight as a node the fused op at ``point`` can read, or None (computed later)."""
@@ -499,6 +411,83 @@ class _FlashCommRewrite:
         if is_target(w, {aten.permute.default, aten.t.default}) and self.position.get(w.args[0], point) < point:
             return self.graph.node_copy(w)  # a transposed weight defined after the norm: move it up
         return None
+
+    # -- after every site
+
+    def finish(self) -> None:
+        """Gather stream values that outside readers still need, then erase the replaced nodes."""
+        for original, shard in self.carried_shard.items():
+            if any(u not in self.dead for u in original.users):
+                with self.graph.inserting_before(original):
+                    full = self.gather_rows(shard, val(original).shape)
+                    self.flush()
+                original.replace_all_uses_with(full, delete_user_cb=lambda u: u not in self.dead)
+        for node in reversed(list(self.graph.nodes)):
+            if node in self.dead and not node.users:
+                self.graph.erase_node(node)
+        left = [n.name for n in self.graph.nodes if n in self.dead]
+        if left:
+            raise RuntimeError(f"FlashComm left replaced nodes in the graph: {left}")
+
+
+def _operands_reason(mm: _Matmul) -> str | None:
+    if val(mm.x) is None or val(mm.w) is None:
+        return "the matmul operands have no tensor metadata"
+    return None
+
+
+class NpuFlashComm(PortableFlashComm):
+    """The NPU form: torch_npu's fused matmul + reduce_scatter, add + RMSNorm and all_gather +
+    matmul (``weavepass.runtime.npu``), each where the chip's rules take the site."""
+
+    kind = "npu"
+
+    def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
+        super().__init__(graph, decision, config)
+        # The chip and comm_mode of the NPU fused ops, read once per graph.
+        self.npu_target = npu.fused_comm_target(config.mmrs_comm_mode) if config.enable_mmrs_fusion else None
+
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
+        operands = _operands_reason(mm)
+        if operands is not None:
+            return operands
+        xv, wv = val(mm.x), val(mm.w)
+        padded = self.d.padded_tokens != self.d.num_tokens
+        x_shape = (self.d.padded_tokens, *xv.shape[1:])
+        x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
+        return npu.matmul_comm_unsupported_reason(
+            npu.MMRS, self.npu_target, x_shape, x_stride, xv.dtype, tuple(wv.shape),
+            tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None)
+
+    def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
+        d = self.d
+        return self.call(NPU_MM_REDUCE_SCATTER, x, mm.w, d.group_name, d.world_size,
+                         self.npu_target.comm_mode), "npu_mmrs"
+
+    def add_rmsnorm(self, site: FusedAllReduceRMSNormSite, shard: Node,
+                    residual: Node | None) -> tuple[Node, Node, str]:
+        norm = site.norm
+        weight_dtype = val(norm.weight).dtype if norm.weight is not None else None
+        reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
+                                                     residual is not None, norm.kind == LAYER_NORM)
+        if reason is None:
+            fused = self.call(NPU_ADD_RMS_NORM, shard, residual, norm.weight, norm.eps)
+            return (self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1),
+                    "norm: npu_add_rms_norm")
+        normed, carried, _ = super().add_rmsnorm(site, shard, residual)
+        return normed, carried, f"norm: aten on the shard (npu_add_rms_norm: {reason})"
+
+    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node | None, str]:
+        """On NPU the rows come from ``npu_all_gather_base_mm`` where it can take one consumer matmul."""
+        if self.npu_target is None:
+            return super().gather_normed(site, normed, point)
+        found = self.npu_all_gather_mm(site, normed, point)
+        if not isinstance(found, str):
+            return found
+        log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
+                 site.all_reduce.name, found)
+        return self.gather_rows(normed, val(site.norm.output).shape), \
+            f"all_gather+matmul not fused: {found}"
 
     def npu_all_gather_mm(self, site, normed: Node, point: int) -> tuple[Node, str] | str:
         """Gather the normed shard through ``npu_all_gather_base_mm`` with the first
@@ -540,22 +529,87 @@ class _FlashCommRewrite:
             return gathered, f"consumers: npu_all_gather_base_mm ({mm.name})"
         return first_reason or "no mm reads the normed rows as [tokens, hidden]"
 
-    # -- after every site
 
-    def finish(self) -> None:
-        """Gather stream values that outside readers still need, then erase the replaced nodes."""
-        for original, shard in self.carried_shard.items():
-            if any(u not in self.dead for u in original.users):
-                with self.graph.inserting_before(original):
-                    full = self.gather_rows(shard, val(original).shape)
-                    self.flush()
-                original.replace_all_uses_with(full, delete_user_cb=lambda u: u not in self.dead)
-        for node in reversed(list(self.graph.nodes)):
-            if node in self.dead and not node.users:
-                self.graph.erase_node(node)
-        left = [n.name for n in self.graph.nodes if n in self.dead]
-        if left:
-            raise RuntimeError(f"FlashComm left replaced nodes in the graph: {left}")
+class CudaFlashComm(PortableFlashComm):
+    """The CUDA form: PyTorch's symmetric-memory fused matmul + reduce_scatter and all_gather +
+    matmul (``weavepass.runtime.symm_mem_matmul``), where they take the site."""
+
+    kind = "cuda"
+
+    def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
+        super().__init__(graph, decision, config)
+        self.symm_reason = None
+        if config.enable_mmrs_fusion:
+            self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
+                symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
+
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
+        operands = _operands_reason(mm)
+        if operands is not None:
+            return operands
+        if self.symm_reason is not None:
+            return self.symm_reason
+        x_shape = (self.d.padded_tokens, *val(mm.x).shape[1:])
+        return symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
+            x_shape, self.d.world_size, mm.bias is not None)
+
+    def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
+        return self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_MATMUL_REDUCE_SCATTER),
+                         x, mm.w, "sum", 0, self.d.group_name), "cuda_symm"
+
+    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node | None, str]:
+        if not self.config.enable_mmrs_fusion:
+            return super().gather_normed(site, normed, point)
+        reason = self.symm_reason or self.all_gather_matmul(site, normed, point)
+        if reason is None:
+            return None, "consumers: fused_all_gather_matmul"
+        log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
+                 site.all_reduce.name, reason)
+        return self.gather_rows(normed, val(site.norm.output).shape), f"all_gather+matmul not fused: {reason}"
+
+    def all_gather_matmul(self, site, normed: Node, point: int) -> str | None:
+        """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
+        d, out = self.d, site.norm.output
+        rows_shape = (d.num_tokens, site.hidden)
+        mms, views = [], []
+        for user in out.users:
+            if is_target(user, VIEWS) and val(user) is not None and tuple(val(user).shape) == rows_shape:
+                views.append(user)
+                readers = [(reader, user) for reader in user.users]
+            else:
+                readers = [(user, out)]
+            for reader, rows in readers:
+                if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
+                        and tuple(val(rows).shape) == rows_shape):
+                    return f"{reader.name} ({reader.target}) reads the normed rows, not a [tokens, hidden] mm"
+                mms.append(reader)
+        if not mms:
+            return "no mm reads the normed rows"
+        weights = []
+        for mm in mms:
+            w = self.weight_before(mm, point)
+            if w is None:
+                return f"the weight of {mm.name} is computed after the norm"
+            weights.append(w)
+        fused = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_ALL_GATHER_MATMUL),
+                          normed, weights, 0, d.group_name, return_A=True)
+        outputs = self.call(operator.getitem, fused, 1)
+        replacements = []
+        for i, mm in enumerate(mms):
+            rows = self.call(operator.getitem, outputs, i)
+            if d.padded_tokens != d.num_tokens:
+                rows = self.call(aten.slice.Tensor, rows, 0, 0, d.num_tokens)
+            replacements.append((mm, rows))
+        self.flush()
+        for mm, rows in replacements:
+            mm.replace_all_uses_with(rows)
+        self.dead.update([*mms, *views])
+        return None
+
+
+FORMS: dict[str, type[PortableFlashComm]] = {
+    form.kind: form for form in (PortableFlashComm, NpuFlashComm, CudaFlashComm)}
+"""The FlashComm form of each device kind (``device_kind``), picked once per graph."""
 
 
 FLASHCOMM_DROPS_OVERLAP_NOTE = (
@@ -569,6 +623,9 @@ class FlashCommStrategy(Strategy):
     (no fuse, no split after it). Inference graphs only."""
 
     name = "FlashComm"
+    reads = frozenset({"sites"})
+    writes = frozenset({"sites", "records", "notes"})
+    takes_graph = True
 
     def inductor_patches(self, config: WeaveConfig) -> dict:
         # FlashComm takes static token counts only: exactly the graphs where Inductor's shape
@@ -605,7 +662,7 @@ class FlashCommStrategy(Strategy):
         graph, plans, config, report = rewrite.graph, rewrite.plans, rewrite.config, rewrite.report
         records = {r.node: r for r in report.records}
         kind = device_kind(plans[0].site.device)
-        flashcomm = _FlashCommRewrite(graph, decision, config, kind)
+        flashcomm = FORMS[kind](graph, decision, config)
         for plan in plans:
             record = records[plan.site.all_reduce.name]  # (before: merging sums renames the all_reduce)
             if plan.site.quant is not None:  # (FlashComm's rewrite leaves it to Inductor, after the gather)

@@ -13,7 +13,7 @@ from weavepass.ops import (
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
-from weavepass.replication import insert_checks
+from weavepass.compile.replication import insert_checks
 
 log = logging.getLogger("weavepass")
 
@@ -23,6 +23,8 @@ class FuseStrategy(Strategy):
     then insert the cross-rank replication checks on the fused sites."""
 
     name = "fuse"
+    reads = frozenset({"sites"})
+    writes = frozenset({"sites", "fused", "records", "notes"})
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
         # Per site, not per graph: each plan already says whether its site is fused and why not.
@@ -45,7 +47,7 @@ class FuseStrategy(Strategy):
                 op = FUSED_ALLREDUCE_RMSNORM_QUANT
             rewrite.fused[record.node] = plan.site.replace_with(
                 rewrite.graph, op, plan.lowering, rewrite.config.cuda_workspace_tokens)
-            record.lowering = plan.lowering
+            record.lowering = str(plan.lowering)
             if plan.site.quant_left is not None:
                 log.info("weavepass: %s: %s", record.node, plan.site.quant_left.text)
             log.info("weavepass: %s fused (%s) -> %s", record.node, record.kind, plan.lowering)

@@ -16,6 +16,8 @@ class SplitStrategy(Strategy):
     """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.overlap``)."""
 
     name = "token split"
+    reads = frozenset({"fused", "records"})
+    writes = frozenset({"notes"})
 
     def inductor_patches(self, config: WeaveConfig) -> dict:
         if config.overlap == "off":
@@ -34,7 +36,7 @@ class SplitStrategy(Strategy):
         quantized = [p.site.all_reduce.name for p in rewrite.plans if p.lowering and p.site.quant is not None]
         if quantized:
             return Decision(False, Reason.of(ReasonCode.QUANT_SPLIT, sites=", ".join(quantized)))
-        tuned = next((plan.tuned for plan in rewrite.plans if plan.tuned is not None), None)
+        tuned = rewrite.tuned
         if tuned is not None and tuned.rewrite in ("inductor", "fuse"):
             return Decision(False, tuned.reason)
         if tuned is not None:  # the split, or no entry for this graph (the window decides)
@@ -46,7 +48,8 @@ class SplitStrategy(Strategy):
 
         config = rewrite.config
         if decision.code is ReasonCode.TUNED_SPLIT:  # the table's token range replaces the window
-            low, high = next(plan.tuned for plan in rewrite.plans if plan.tuned is not None).window
+            assert rewrite.tuned is not None and rewrite.tuned.window is not None
+            low, high = rewrite.tuned.window
             config = config.replace(overlap_min_tokens=low, overlap_min_tokens_moe=low, overlap_max_tokens=high)
             rewrite.report.add_note(decision.reason.render())
         apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)

@@ -44,8 +44,8 @@ from torch.fx import Graph, Node
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import plan_split, too_few_tokens_reason
-from weavepass.config import WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM
+from weavepass.config import Lowering, WeaveConfig
+from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, arguments
 from weavepass.report import GraphReport
 
 from .analysis import analyse
@@ -103,12 +103,12 @@ def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool,
     if any(site.target is FUSED_ALLREDUCE_LAYERNORM for site in sites):
         return False, ("communication: fused kernel (overlap_comm='push' not used: the push variant's "
                        "reduce kernel carries RMSNorm sites only, and this graph has LayerNorm sites)")
-    groups = sorted({site.args[4] for site in sites})
+    groups = sorted({str(arguments(site)["group_name"]) for site in sites})
     for group in groups:
         reason = push_unsupported_reason(resolve_group(group).size())
         if reason is not None:
             return False, f"communication: fused kernel (overlap_comm='push' not used: {reason})"
-    others = sorted({site.args[6] for site in sites} - {"cuda_symm"})
+    others = sorted({str(arguments(site)["lowering"]) for site in sites} - {Lowering.CUDA_SYMM})
     if others:
         return True, (f"communication: push (slot 0 for A, 1 for B); sites on lowering {', '.join(others)} "
                       "run it as the fused async op (the push kernels are cuda_symm's)")
@@ -140,7 +140,7 @@ def apply_token_split(
         return skip(Reason(ReasonCode.SPLIT_ONE_SITE))
     position = {n: i for i, n in enumerate(graph.nodes)}
     sites = sorted(fused_nodes, key=position.__getitem__)
-    tokens = TokenCount.of(sites[0].args[0])  # the planner's count of the first site
+    tokens = TokenCount.of(arguments(sites[0])["partial"])  # the planner's count of the first site
     too_few = too_few_tokens_reason(tokens.hint)  # before the analysis: a decode step needs none
     if too_few is not None:
         return skip(Reason.of(ReasonCode.SPLIT_PLAN, cause=too_few))

@@ -11,19 +11,31 @@ by log-sum-exp (``merge_by_lse``); with one, B's rows of the mask over ``cat(K_A
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.fx import Node
 
 from weavepass.compile.reasons import Reason, ReasonCode
 
-from .base import Unsupported, input_token_dim, val
+from .base import Unsupported, val
+from .state import Analysis, input_token_dim
 from .symbolic import hint, shape
 
-if TYPE_CHECKING:
-    from .analysis import Analysis
-    from .rewrite import Rewrite
+
+class HalfEmitter(Protocol):
+    """What the attention ops' emitters use of the rewrite (``rewrite.Rewrite``): the copy of a
+    node for a half, and emitting nodes into it."""
+
+    merged: dict[tuple[Node, str], Node]
+    checked_masks: set[tuple[Node, str]]
+
+    def emit(self, target: object, args: tuple[object, ...], kwargs: dict[str, object] | None = None) -> Node: ...
+
+    def read(self, node: Node, half: str) -> Node: ...
+
+    def bounds(self, node: Node, dim: int, half: str) -> tuple[object, object]: ...
+
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -81,7 +93,7 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
     return (expected,) + (None,) * (len(val(node)) - 1)
 
 
-def emit_attention(rw: Rewrite, node: Node, half: str, args, kwargs) -> Node:
+def emit_attention(rw: HalfEmitter, node: Node, half: str, args, kwargs) -> Node:
     """``half``'s copy of attention ``node`` over a cut sequence; ``args`` and ``kwargs`` are
     ``node``'s, read for ``half``."""
     causal_index = ATTENTION[node.target][1]
@@ -125,7 +137,7 @@ HIDDEN_KEYS_MESSAGE = (
 )
 
 
-def emit_keys_hidden_check(rw: Rewrite, mask: Node, row_dim: int | None, key_dim: int, blocks: str) -> None:
+def emit_keys_hidden_check(rw: HalfEmitter, mask: Node, row_dim: int | None, key_dim: int, blocks: str) -> None:
     """Half A leaves out half B's keys, which is right only if ``mask`` hides every key of B from
     every query of A (a causal or sliding-window mask). The mask is an input, not known at compile
     time: emit a run-time assertion (once per mask) that its block ``[A's rows, B's keys]`` hides
@@ -200,7 +212,7 @@ def _mask(target, args, kwargs):
     return args[mask_index] if len(args) > mask_index else None
 
 
-def _mask_rows_keys(rw: Rewrite, mask: Node, half: str) -> Node:
+def _mask_rows_keys(rw: HalfEmitter, mask: Node, half: str) -> Node:
     """Rows (queries) of ``half``; keys ``[0, sA)`` for A, all keys for B."""
     rank = val(mask).dim()
     sizes = shape(mask)

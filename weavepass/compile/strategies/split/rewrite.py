@@ -26,11 +26,11 @@ from weavepass.ops import (
     JOIN_ASYNC,
 )
 
-from .analysis import Analysis
 from .attention import ATTENTION, emit_attention, emit_keys_hidden_check
 from .routing import emit_block_const
 from .rules import VIEWS, half_view_size
 from .scores import mask_blocks
+from .state import Analysis
 from .symbolic import emit_new
 
 aten = torch.ops.aten

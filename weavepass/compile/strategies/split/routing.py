@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import Node
@@ -49,11 +48,9 @@ from torch.fx import Node
 from weavepass.compile.reasons import Reason, ReasonCode
 
 from .base import Unsupported, norm_dim, op_name, val
-from .rules import VIEWS, rule_for
+from .rules import VIEWS, along, rank_of, register, rule_for
+from .state import Analysis, input_token_dim
 from .symbolic import hint, shape
-
-if TYPE_CHECKING:
-    from .analysis import Analysis
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -392,3 +389,17 @@ def emit_block_const(rw, node: Node, half: str) -> Node:
         args[0] = rows if node.target in ARANGES else [rows, *args[0][1:]]
     with val(node).fake_mode:  # no tensor argument to find the mode from: the original's
         return rw.emit(node.target, tuple(args), node.kwargs)
+
+
+# The sort rule lives here, with the routing blocks it hands a sort along the tokens to.
+@register(aten.sort.default, aten.sort.stable)
+def _sort(node: Node, info: Analysis) -> tuple[int, int]:
+    """Along another dim (the experts of one token): values and indices carry the tokens. Along
+    the token dim the order of each half's tokens is not their order in the whole: only MoE
+    routing that groups the token-expert pairs by expert is taken, as a block (``routing``)."""
+    default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
+    dim = node.kwargs.get("dim", default)
+    if norm_dim(dim, rank_of(node)) == input_token_dim(node, info):
+        return sort_by_expert(node, info)
+    d = along(node, info, dim)
+    return d, d

@@ -14,19 +14,18 @@ stays fuse-only rather than be split wrongly.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch.fx import Node
 
 from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.ops import arguments
 
 from .attention import ATTENTION, attention_dims
-from .base import Unsupported, input_token_dim, norm_dim, op_name, val
+from .base import Unsupported, norm_dim, op_name, val
+from .state import Analysis, input_token_dim
 from .symbolic import hint, shape
-
-if TYPE_CHECKING:
-    from .analysis import Analysis
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -70,7 +69,8 @@ def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
     """A fused site (not a registered rule: only the sites being split get it): both outputs carry
     tokens where its input does. The first site's inputs come from outside the region and are
     sliced; every later site's residual must come from an earlier site."""
-    partial, residual = node.args[0], node.args[1]
+    args = arguments(node)
+    partial, residual = args["partial"], args["residual"]
     first = node is info.sites[0]
     if partial in info.token:
         dim = info.token[partial]
@@ -173,7 +173,7 @@ def _index_select(node: Node, info: Analysis) -> int:
     if index in info.token:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_FROM_TOKENS, node=node.name, index=index.name))
     d = input_token_dim(node, info)
-    if norm_dim(dim, _rank(node)) == d:
+    if norm_dim(dim, rank_of(node)) == d:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_SELECT_TOKEN_DIM, node=node.name))
     return d
 
@@ -239,21 +239,21 @@ def half_view_size(node: Node, token_dim: int, size) -> list:
     return size
 
 
-def _rank(node: Node) -> int:
+def rank_of(node: Node) -> int:
     return val(node.args[0]).dim()
 
 
 @register(aten.unsqueeze.default)
 def _unsqueeze(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    return d + (norm_dim(node.args[1], _rank(node) + 1) <= d)
+    return d + (norm_dim(node.args[1], rank_of(node) + 1) <= d)
 
 
 @register(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-    dims = [norm_dim(i, _rank(node)) for i in dims]
+    dims = [norm_dim(i, rank_of(node)) for i in dims]
     if d in dims:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SQUEEZES_TOKEN_DIM, node=node.name))
     return d - sum(i < d for i in dims)
@@ -262,13 +262,13 @@ def _squeeze(node: Node, info: Analysis) -> int:
 @register(aten.permute.default)
 def _permute(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    return [norm_dim(p, _rank(node)) for p in node.args[1]].index(d)
+    return [norm_dim(p, rank_of(node)) for p in node.args[1]].index(d)
 
 
 @register(aten.transpose.int)
 def _transpose(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    a, b = norm_dim(node.args[1], _rank(node)), norm_dim(node.args[2], _rank(node))
+    a, b = norm_dim(node.args[1], rank_of(node)), norm_dim(node.args[2], rank_of(node))
     return b if d == a else a if d == b else d
 
 
@@ -280,7 +280,7 @@ def _t(node: Node, info: Analysis) -> int:
 @register(aten.expand.default)
 def _expand(node: Node, info: Analysis) -> int:
     """New leading dims come first; the rewrite writes ``-1`` at the token dim."""
-    return input_token_dim(node, info) + len(node.args[1]) - _rank(node)
+    return input_token_dim(node, info) + len(node.args[1]) - rank_of(node)
 
 
 # ---- slicing: any dim but the token dim ------------------------------------------------------------
@@ -288,7 +288,7 @@ def _expand(node: Node, info: Analysis) -> int:
 def _sliced_dim(node: Node, info: Analysis, dim: int) -> tuple[int, int]:
     """(token dim, sliced dim) of a slicing op along ``dim``; slicing the token dim is refused."""
     d = input_token_dim(node, info)
-    dim = norm_dim(dim, _rank(node))
+    dim = norm_dim(dim, rank_of(node))
     if dim == d:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SLICES_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     return d, dim
@@ -317,7 +317,7 @@ def _split(node: Node, info: Analysis) -> tuple:
 def _reduction(node: Node, info: Analysis) -> int:
     """Over any dims but the token dim: a reduction over tokens mixes the halves."""
     d = input_token_dim(node, info)
-    args, rank = node.args, _rank(node)
+    args, rank = node.args, rank_of(node)
     dims = [norm_dim(i, rank) for i in (args[1] if len(args) > 1 and args[1] else range(rank))]
     keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
     if d in dims:
@@ -325,12 +325,12 @@ def _reduction(node: Node, info: Analysis) -> int:
     return d if keep else d - sum(i < d for i in dims)
 
 
-def _along(node: Node, info: Analysis, dim: int) -> int:
+def along(node: Node, info: Analysis, dim: int) -> int:
     """An op along ``dim`` that keeps the rank: fine unless it is the token dim, with every other
     tensor input carrying tokens in the same dim."""
     x = node.args[0]
     d = input_token_dim(node, info)
-    if norm_dim(dim, _rank(node)) == d:
+    if norm_dim(dim, rank_of(node)) == d:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_ALONG_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     for other in node.all_input_nodes:
         if other is not x and info.token.get(other, d) != d:
@@ -342,27 +342,12 @@ def _along(node: Node, info: Analysis, dim: int) -> int:
 
 @register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.cumsum.default)
 def _along_dim_arg(node: Node, info: Analysis) -> int:
-    return _along(node, info, node.args[1])
+    return along(node, info, node.args[1])
 
 
 @register(aten.topk.default)
 def _topk(node: Node, info: Analysis) -> tuple[int, int]:
-    d = _along(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1))
-    return d, d
-
-
-@register(aten.sort.default, aten.sort.stable)
-def _sort(node: Node, info: Analysis) -> tuple[int, int]:
-    """Along another dim (the experts of one token): values and indices carry the tokens. Along
-    the token dim the order of each half's tokens is not their order in the whole: only MoE
-    routing that groups the token-expert pairs by expert is taken, as a block (``routing``)."""
-    from .routing import sort_by_expert  # routing builds on this module's rules
-
-    default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
-    dim = node.kwargs.get("dim", default)
-    if norm_dim(dim, _rank(node)) == input_token_dim(node, info):
-        return sort_by_expert(node, info)
-    d = _along(node, info, dim)
+    d = along(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1))
     return d, d
 
 
@@ -398,23 +383,6 @@ def _rows(node: Node, info: Analysis) -> int:
     if addmm and val(node.args[0]).dim() == 2 and shape(node.args[0])[0] != 1:
         info.sliced.setdefault(node, {})[node.args[0]] = 0
     return 0
-
-
-@register(aten.bmm.default)
-def _batched_rows(node: Node, info: Analysis) -> int:
-    """Batched over the tokens (dim 0 of both operands: whole sequences x heads in batch mode, or
-    one product per token), whose batch entries are independent; or, over a cut sequence,
-    attention's ``q @ k^T`` (``scores``)."""
-    from .scores import scores_bmm  # scores builds on this module's rules
-
-    a, b = node.args
-    if info.token.get(a) is None:
-        raise Unsupported(Reason.of(ReasonCode.SPLIT_CONTRACTS_TOKEN_DIM, node=node.name, op=op_name(node.target)))
-    if info.token.get(a) == 0 and info.token.get(b) == 0:
-        return 0
-    if info.cut.mode == "sequence":
-        return scores_bmm(node, info)
-    raise Unsupported(Reason.of(ReasonCode.SPLIT_BMM_RIGHT_SEQUENCES, node=node.name))
 
 
 register(*ATTENTION)(attention_dims)

@@ -22,7 +22,6 @@ reading a score tensor is refused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import Node
@@ -30,11 +29,9 @@ from torch.fx import Node
 from weavepass.compile.reasons import Reason, ReasonCode
 
 from .base import Unsupported, norm_dim, op_name, val
-from .rules import VIEWS, broadcast_dims, half_view_size, view_dim
+from .rules import VIEWS, broadcast_dims, half_view_size, register, view_dim
+from .state import Analysis
 from .symbolic import hint
-
-if TYPE_CHECKING:
-    from .analysis import Analysis
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -204,3 +201,19 @@ def _hides(fill, dtype: torch.dtype) -> bool:
         return False
     value = fill.args[1] if fill.target is aten.full.default else fill.args[0]
     return isinstance(value, (int, float)) and value <= torch.finfo(dtype).min
+
+
+# The bmm rule lives here, with the attention scores it hands a cut sequence's ``q @ k^T`` to.
+@register(aten.bmm.default)
+def _batched_rows(node: Node, info: Analysis) -> int:
+    """Batched over the tokens (dim 0 of both operands: whole sequences x heads in batch mode, or
+    one product per token), whose batch entries are independent; or, over a cut sequence,
+    attention's ``q @ k^T`` (``scores``)."""
+    a, b = node.args
+    if info.token.get(a) is None:
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_CONTRACTS_TOKEN_DIM, node=node.name, op=op_name(node.target)))
+    if info.token.get(a) == 0 and info.token.get(b) == 0:
+        return 0
+    if info.cut.mode == "sequence":
+        return scores_bmm(node, info)
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_BMM_RIGHT_SEQUENCES, node=node.name))

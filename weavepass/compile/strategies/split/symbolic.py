@@ -17,10 +17,10 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import size_hint
 from weavepass.compile.wave_model import device_wave_model, split_mode
-
-from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.ops import arguments
 
 from .base import Unsupported, val
 
@@ -67,7 +67,7 @@ class Cut:
 
     @classmethod
     def of(cls, first_site: Node) -> Cut:
-        partial = first_site.args[0]
+        partial = arguments(first_site)["partial"]
         value = val(partial)
         if value.dim() == 3:
             batch, seq = value.shape[0], value.shape[1]

@@ -1,11 +1,12 @@
-"""``WeaveConfig(check_replicated=True)``: check at run time that a site's residual and norm weight
-are the same on every rank of its group.
+"""The kernel of ``weave::check_replicated`` (``WeaveConfig(check_replicated=True)``): check at run
+time that a site's residual and norm weight are the same on every rank of its group.
 
 Tensor parallelism keeps the residual stream and the norm weights replicated; the fused lowerings
 rely on it, since each rank computes the add + RMSNorm of its own block of rows with its own copy
 and gathers the rows from the others. A rank-dependent residual or weight therefore gives silently
 wrong rows instead of an error. This debug check puts ``weave::check_replicated`` before each fused
-site: it all-gathers a digest of both tensors and raises ``ReplicationError`` on mismatch.
+site (``weavepass.compile.replication.insert_checks``): it all-gathers a digest of both tensors and
+raises ``ReplicationError`` on mismatch.
 
 The digest is exact and order-independent: the tensor's bits, read as integers, summed plainly and
 weighted by position (int64 sums wrap the same way on every rank), so any change of one element is
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from weavepass.ops import CHECK_REPLICATED
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -61,32 +60,3 @@ def check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, 
                 "identical on every rank"
             )
     return x.clone()
-
-
-def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int:
-    """Route each fused op's residual (or, without one, its weight, or else a LayerNorm's bias)
-    through ``weave.check_replicated``, which compares the weight and the bias too; ``fused`` maps a site's name (its all_reduce's, as the report says)
-    to its fused op. Returns how many sites are checked."""
-    checked = 0
-    for site, node in fused.items():
-        # By name: the LayerNorm op has a bias after the weight.
-        args = dict(zip((a.name for a in node.target._schema.arguments), node.args))
-        residual, weight, group_name = args["residual"], args["weight"], args["group_name"]
-        bias = args.get("bias")  # the LayerNorm op's
-        target_index, x = (1, residual) if residual is not None else (2, weight)
-        if x is None:  # no residual and no weight: nothing assumed replicated but a bias
-            target_index, x = (3, bias) if bias is not None else (None, None)
-        if x is None:
-            continue
-        other = weight if target_index == 1 else None
-        name = {1: "residual", 2: "norm weight", 3: "norm bias"}[target_index]
-        with graph.inserting_before(node):
-            check = graph.call_function(
-                CHECK_REPLICATED, (x, other, name, site, group_name, bias if target_index != 3 else None),
-            )
-        check.meta["val"] = torch.empty_like(x.meta["val"])
-        args = list(node.args)
-        args[target_index] = check
-        node.args = tuple(args)
-        checked += 1
-    return checked

@@ -1,0 +1,38 @@
+"""``WeaveConfig(check_replicated=True)``, the compile side: route each fused site's residual (and
+norm weight and bias) through ``weave::check_replicated`` (kernel: ``weavepass.runtime.replication``),
+which raises ``ReplicationError`` when they differ between the ranks of the site's group."""
+
+from __future__ import annotations
+
+import torch
+
+from weavepass.ops import CHECK_REPLICATED, arguments
+
+
+def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int:
+    """Route each fused op's residual (or, without one, its weight, or else a LayerNorm's bias)
+    through ``weave.check_replicated``, which compares the weight and the bias too; ``fused`` maps a site's name (its all_reduce's, as the report says)
+    to its fused op. Returns how many sites are checked."""
+    checked = 0
+    for site, node in fused.items():
+        # By name: the LayerNorm op has a bias after the weight.
+        args = arguments(node)
+        residual, weight, group_name = args["residual"], args["weight"], args["group_name"]
+        bias = args.get("bias")  # the LayerNorm op's
+        target_index, x = (1, residual) if residual is not None else (2, weight)
+        if x is None:  # no residual and no weight: nothing assumed replicated but a bias
+            target_index, x = (3, bias) if bias is not None else (None, None)
+        if x is None:
+            continue
+        other = weight if target_index == 1 else None
+        name = {1: "residual", 2: "norm weight", 3: "norm bias"}[target_index]
+        with graph.inserting_before(node):
+            check = graph.call_function(
+                CHECK_REPLICATED, (x, other, name, site, group_name, bias if target_index != 3 else None),
+            )
+        check.meta["val"] = torch.empty_like(x.meta["val"])
+        args = list(node.args)
+        args[target_index] = check
+        node.args = tuple(args)
+        checked += 1
+    return checked
