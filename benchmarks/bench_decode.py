@@ -29,9 +29,10 @@ to every cached token. Variants, in the same processes:
 Batches are static (``dynamic=False``): one compile per variant and batch size, which is what
 ``cuda_min_tokens`` needs (it applies only to static token counts). Times are medians of
 CUDA-event-timed steps (rank 0's), the variants compiled side by side and measured in interleaved
-rounds (``_measure_interleaved``: the host's speed drifts between and within runs). Output: a table (ms and the ratio to Inductor in the same
-mode), ``<out>/bench_decode.csv`` (with ``sites_fused``: fused / all all_reduce sites of each weave
-variant's graph, from its report; the reasons for kept sites are printed) and
+rounds (``_measure_interleaved``: the host's speed drifts between and within runs). Output: a table
+(ms and the ratio to Inductor in the same mode), ``<out>/bench_decode.csv`` (with ``sites_fused``:
+fused / all all_reduce sites of each weave variant's graph, from its report; the reasons for kept
+sites are printed) and
 ``<out>/bench_decode.png`` (``bench_decode_tpN.*`` when ``--world`` is not 2).
 ``--quick``: batches 1, 32, 256 and fewer iterations. ``--smoke``: the ``tiny`` shape, 2 layers,
 on ``--world`` CPU processes (gloo), wall-clock timed, CUDA-only variants skipped with the reason.
@@ -48,7 +49,15 @@ import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sy
 import torch
 import torch.distributed as dist
 from bench_overlap import SHAPES, VOCAB_PER_RANK, build_model  # benchmarks/bench_overlap.py
-from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
+from report import (  # benchmarks/report.py
+    model_bench_parser,
+    parse_variants,
+    pyplot,
+    save_figure,
+    weave_config,
+    world_name,
+    write_csv,
+)
 from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.py
 
 VARIANTS = ("eager", "inductor", "inductor_cg", "weave", "weave_min1", "weave_cg", "weave_min1_lamport",

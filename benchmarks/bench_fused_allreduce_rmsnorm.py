@@ -387,7 +387,7 @@ def _bench_rank(
                          "bytes": size_bytes})
             if rank == 0:  # in the log as it comes, should a time limit stop the run before the table
                 print(f"row: {rows[-1]}", flush=True)
-        del nccl_buf, partial, residual
+        nccl_buf = partial = residual = None  # free this case's buffers (the timed closures hold them too)
         torch.cuda.empty_cache()
         if progress is not None:
             progress.update(1)

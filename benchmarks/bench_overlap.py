@@ -62,9 +62,10 @@ and no_comm, also for the ``_cg`` variants.
 Times are medians of CUDA-event-timed forward passes (rank 0's; ranks are in lock-step through
 the collectives), the variants of a layout compiled side by side and measured in interleaved rounds
 (``timing.interleaved_ms``: the host's speed drifts, and the split at 2K tokens is host-bound);
-``inductor_nccl_symm`` (a window pool per size) is measured on its own. Output: a table on stdout, ``<out>/bench_overlap.csv`` (with a ``world`` column)
-and ``<out>/bench_overlap.png`` (``bench_overlap_tpN.*`` when ``--world`` is not 2; latency
-normalised to ``inductor``, like TokenWeave's Figure 11; one row of panels per shape).
+``inductor_nccl_symm`` (a window pool per size) is measured on its own. Output: a table on stdout,
+``<out>/bench_overlap.csv`` (with a ``world`` column) and ``<out>/bench_overlap.png``
+(``bench_overlap_tpN.*`` when ``--world`` is not 2; latency normalised to ``inductor``, like
+TokenWeave's Figure 11; one row of panels per shape).
 
 Compiled variants mark the token dim dynamic, so each compiles once per shape and layout (the
 split point is computed at run time; docs/overlap.md); everything runs in one spawn, so compile
@@ -84,7 +85,15 @@ from pathlib import Path
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
 import torch.distributed as dist
-from report import model_bench_parser, parse_variants, pyplot, save_figure, weave_config, world_name, write_csv  # benchmarks/report.py
+from report import (  # benchmarks/report.py
+    model_bench_parser,
+    parse_variants,
+    pyplot,
+    save_figure,
+    weave_config,
+    world_name,
+    write_csv,
+)
 from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.py
 
 from weavepass.tune.shapes import SHAPES, VOCAB_PER_RANK, build_model  # shared with python -m weavepass.tune

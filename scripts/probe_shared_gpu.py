@@ -129,7 +129,6 @@ def _gloo_rank(rank, world, port):
 def _funcol_rank(rank, world, port):
     """Plain functional reduce_scatter + all_gather on gloo with CUDA tensors: eager, then compiled by
     default Inductor (no weave): what FlashComm's unfused lowering runs."""
-    import torch.distributed._functional_collectives as fc
 
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

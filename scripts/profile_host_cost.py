@@ -64,9 +64,9 @@ def main() -> None:
     from weavepass.compile import direct_calls
 
     print("direct calls installed:", direct_calls.install())
-    graph_fused = getattr(extern_kernels, "weave_fused_allreduce_rmsnorm")
-    graph_async_fn = getattr(extern_kernels, "weave_fused_allreduce_rmsnorm_async")
-    graph_join = getattr(extern_kernels, "weave_join_async")
+    graph_fused = extern_kernels.weave_fused_allreduce_rmsnorm
+    graph_async_fn = extern_kernels.weave_fused_allreduce_rmsnorm_async
+    graph_join = extern_kernels.weave_join_async
     graph_op = lambda: graph_fused(p, r, w, 1e-5, group, p.dtype, "cuda_symm", capacity)  # noqa: E731
 
     def graph_async():

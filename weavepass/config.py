@@ -10,6 +10,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 
 class Lowering(enum.StrEnum):
@@ -31,7 +32,7 @@ OVERLAP_COMM_MODES = ("fused", "push")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
 _LONGEST_WAIT_S = timedelta.max.days * 86400.0  # what timedelta(seconds=...) still takes
 # Field annotations are strings (``from __future__ import annotations``); every field is one of these.
-_FIELD_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"bool": bool, "int": int, "float": (int, float), "str": str}
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,9 @@ class WeaveConfig:
     residual and the norm weight (``weavepass/runtime/replication.py``) and raise ``ReplicationError`` when
     the ranks' digests differ. Tensor parallelism assumes both are replicated across the group;
     the fused lowerings compute each block of rows with its owner rank's copy, so a rank-dependent
-    residual or weight gives silently wrong results. Adds one small all_gather and a copy of the residual per site and call; not done in FlashComm
-    graphs (their residual stream is sharded on purpose)."""
+    residual or weight gives silently wrong results. Adds one small all_gather and a copy of the
+    residual per site and call; not done in FlashComm graphs (their residual stream is sharded on
+    purpose)."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -230,11 +232,12 @@ class WeaveConfig:
         and ``min_world_size="2"`` would fail later without naming the field. ``True`` is an
         ``int`` to Python, but never a count here."""
         for f in dataclasses.fields(self):
-            value, expected = getattr(self, f.name), _FIELD_TYPES[f.type]
-            if not isinstance(value, expected) or (f.type != "bool" and isinstance(value, bool)):
+            declared = f.type if isinstance(f.type, str) else f.type.__name__
+            value, expected = getattr(self, f.name), _FIELD_TYPES[declared]
+            if not isinstance(value, expected) or (declared != "bool" and isinstance(value, bool)):
                 raise TypeError(
-                    f"WeaveConfig.{f.name} must be {f.type}, got {type(value).__name__} {value!r}"
+                    f"WeaveConfig.{f.name} must be {declared}, got {type(value).__name__} {value!r}"
                 )
 
-    def replace(self, **changes) -> "WeaveConfig":
+    def replace(self, **changes: Any) -> WeaveConfig:
         return dataclasses.replace(self, **changes)

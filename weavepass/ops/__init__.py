@@ -38,9 +38,10 @@ LayerNorm sites. ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
 num_ctas, slot)`` is the split's push variant (``WeaveConfig.overlap_comm="push"``): only the push
 of the partial rows runs on the second stream, into staging slot ``slot`` (0 for half A, 1 for
 half B), and the reduce + add + RMSNorm runs on the joining stream at the join.
-``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated`` (``weavepass.compile.replication``). ``weave.flashcomm_shard_rows`` and
-``weave.npu_*`` are FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in
-``weavepass.runtime.portable`` and ``weavepass.runtime.npu``).
+``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated``
+(``weavepass.compile.replication``). ``weave.flashcomm_shard_rows`` and ``weave.npu_*`` are
+FlashComm's (``weavepass.compile.strategies.flashcomm``, kernels in ``weavepass.runtime.portable``
+and ``weavepass.runtime.npu``).
 
 The ops a compiled graph calls once per site (the fused ops and ``join_async``) are registered
 with ``define_hot_op``: a schema and one ``CompositeExplicitAutograd`` kernel, without
@@ -52,14 +53,16 @@ inference ops (no backward). The others (debug check, FlashComm) are ``custom_op
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
 _LIB = torch.library.Library("weave", "FRAGMENT")
 
 
-HOT_OP_KERNELS: dict = {}
+HOT_OP_KERNELS: dict[OpOverload, str] = {}
 """Every hot op's default overload -> its kernel, ``"module:function"`` in ``weavepass.runtime``.
 Compiled graphs call that function directly, not through the dispatcher
 (``weavepass.compile.direct_calls``)."""
@@ -78,25 +81,25 @@ def arguments(node: torch.fx.Node) -> dict[str, object]:
     return given
 
 
-def define_hot_op(name: str, schema: str, kernel: str, fake: Callable):
+def define_hot_op(name: str, schema: str, kernel: str, fake: Callable[..., Any]) -> OpOverload:
     """Define ``weave::<name><schema>`` with the runtime function ``kernel`` (``"module:function"``)
     for every device and ``fake`` for tracing; returns the op's default overload. For functional
     ops called once per site at run time."""
     _LIB.define(name + schema)
     _LIB.impl(name, _runtime(kernel), "CompositeExplicitAutograd")
     torch.library.register_fake(f"weave::{name}", fake, lib=_LIB)
-    op = getattr(torch.ops.weave, name).default
+    op: OpOverload = getattr(torch.ops.weave, name).default
     HOT_OP_KERNELS[op] = kernel
     return op
 
 
-def _runtime(path: str) -> Callable:
+def _runtime(path: str) -> Callable[..., Any]:
     """A kernel that calls the runtime function ``"module:function"``, imported on its first call
     (then one extra Python call per op call)."""
     module_name, attr = path.split(":")
-    target = []
+    target: list[Callable[..., Any]] = []
 
-    def kernel(*args):
+    def kernel(*args: Any) -> Any:
         if not target:
             target.append(getattr(importlib.import_module(module_name), attr))
         return target[0](*args)
@@ -111,11 +114,17 @@ FUSED_SCHEMA_ARGS = (
 )
 
 
-def _fake(partial, residual, weight, eps, group_name, out_dtype, *_):
+Fake = tuple[torch.Tensor, ...]
+"""What a fake implementation returns: the op's outputs, as empty tensors of their shapes and dtypes."""
+
+
+def _fake(partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+          group_name: str, out_dtype: torch.dtype, *_: object) -> Fake:
     return partial.new_empty(partial.shape, dtype=out_dtype), partial.new_empty(partial.shape)
 
 
-def _fake_train(partial, residual, weight, eps, group_name, out_dtype, *_):
+def _fake_train(partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                group_name: str, out_dtype: torch.dtype, *_: object) -> Fake:
     from weavepass.runtime.reference import accumulation_dtype
 
     inv_rms = partial.new_empty((*partial.shape[:-1], 1), dtype=accumulation_dtype(partial.dtype))
@@ -144,7 +153,9 @@ LAYERNORM_SCHEMA_ARGS = (
 )
 
 
-def _fake_layer_norm(partial, residual, weight, bias, eps, group_name, out_dtype, *_):
+def _fake_layer_norm(partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, eps: float, group_name: str, out_dtype: torch.dtype,
+                     *_: object) -> Fake:
     return _fake(partial, residual, weight, eps, group_name, out_dtype)
 
 
@@ -210,7 +221,8 @@ def _check_replicated(x: torch.Tensor, weight: torch.Tensor | None, x_name: str,
 
 
 @_check_replicated.register_fake
-def _(x, weight, x_name, site, group_name, bias=None):
+def _(x: torch.Tensor, weight: torch.Tensor | None, x_name: str, site: str, group_name: str,
+      bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -231,7 +243,7 @@ def _flashcomm_shard_rows(x: torch.Tensor, padded_tokens: int, world_size: int,
 
 
 @_flashcomm_shard_rows.register_fake
-def _(x, padded_tokens, world_size, group_name):
+def _(x: torch.Tensor, padded_tokens: int, world_size: int, group_name: str) -> torch.Tensor:
     return x.new_empty((padded_tokens // world_size, x.shape[1]))
 
 
@@ -245,7 +257,7 @@ def _npu_mm_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group_name: str, wo
 
 
 @_npu_mm_reduce_scatter.register_fake
-def _(x, w, group_name, world_size, comm_mode):
+def _(x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int, comm_mode: str) -> torch.Tensor:
     return x.new_empty((x.shape[0] // world_size, w.shape[1]))
 
 
@@ -260,7 +272,8 @@ def _npu_all_gather_mm(x: torch.Tensor, w: torch.Tensor, group_name: str, world_
 
 
 @_npu_all_gather_mm.register_fake
-def _(x, w, group_name, world_size, comm_mode):
+def _(x: torch.Tensor, w: torch.Tensor, group_name: str, world_size: int,
+      comm_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.shape[0] * world_size
     return x.new_empty((rows, w.shape[1])), x.new_empty((rows, x.shape[1]))
 
@@ -275,7 +288,7 @@ def _npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,
 
 
 @_npu_add_rms_norm.register_fake
-def _(x1, x2, gamma, eps):
+def _(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return x1.new_empty(x1.shape), x1.new_empty(x1.shape)
 
 

@@ -159,8 +159,8 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
         options = {"max_workspace_tokens": workspace_tokens, "num_ctas": num_ctas}
     else:
         options = {"max_workspace_tokens": workspace_tokens}
-    return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options, (partial, residual, weight),
-                      lowering == "cuda_symm")
+    return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options,
+                      (partial, residual, weight), lowering == "cuda_symm")
 
 
 def fused_allreduce_layernorm_async(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,

@@ -15,8 +15,8 @@ import pickle
 import socket
 import time
 import traceback
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -32,7 +32,7 @@ import torch
 
 from weavepass.runtime.cuda import peer_wait
 from weavepass.runtime.cuda.dispatch import kernel_arguments
-from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
+from weavepass.runtime.cuda.launch_plan import NO_OVERRIDES, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.support import MAX_WORLD
 from weavepass.runtime.cuda.workspace import (
     _Workspace,
@@ -103,7 +103,7 @@ class SimulatedRanks:
         weight: torch.Tensor,
         eps: float,
         out_dtype: torch.dtype,
-        overrides: LaunchOverrides = LaunchOverrides(),
+        overrides: LaunchOverrides = NO_OVERRIDES,
         max_resident_ctas: int = 128,
         wait: bool = True,
         timeout_s: float = 60.0,

@@ -187,7 +187,9 @@ def _prepare(
         partial, residual, ones_weight(hidden, partial.dtype, partial.device) if weight is None else weight,
         group_name, out_dtype,
     )
-    if reason is None and layer_norm and bias is not None and (bias.shape != (hidden,) or bias.device != partial.device):
+    if reason is None and layer_norm and bias is not None and (
+        bias.shape != (hidden,) or bias.device != partial.device
+    ):
         reason = "bias is not a [hidden] tensor on partial's device"
     if reason is not None:
         _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")

@@ -46,7 +46,9 @@ def cuda_site_unsupported_reason(
     return None
 
 
-def cuda_unsupported_reason(partial, residual, weight, group_name: str, out_dtype: torch.dtype | None = None) -> str | None:
+def cuda_unsupported_reason(
+    partial, residual, weight, group_name: str, out_dtype: torch.dtype | None = None
+) -> str | None:
     """Why the CUDA lowering cannot serve this call (run-time form, on the call's tensors), or None.
     Batch size is not checked here: a batch larger than the workspace falls back to portable."""
     hidden = partial.shape[-1] if partial.dim() else 0
