@@ -3,6 +3,9 @@
     model = torch.compile(model, backend="weave")          # default config
     model.forward = weavepass.weave(config=WeaveConfig(lowering="portable"))(model.forward)
     print(weavepass.explain(model, input_ids))             # what was rewritten, and why not
+
+    pass_ = weavepass.inductor_pass(config)                # the pass alone, for any Inductor compile
+    model = torch.compile(model, options=pass_.config_patches()); print(pass_.report)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from weavepass.backend import (
     weave_backend,
 )
 from weavepass.config import WeaveConfig
+from weavepass.inductor import inductor_pass
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
 
 __all__ = [
@@ -36,6 +40,7 @@ __all__ = [
     "WeaveConfig",
     "WeaveReport",
     "explain",
+    "inductor_pass",
     "last_report",
     "make_backend",
     "shared_backend",

@@ -1,4 +1,5 @@
-"""The ``weave`` torch.compile backend: Inductor with ``WeavePass`` as a post-grad pass.
+"""The ``weave`` torch.compile backend: Inductor with the weave pass (``weavepass.inductor_pass``)
+and the Inductor settings it needs, plus per-call reports (``collect_reports``).
 
 ``torch.compile(model, backend="weave")`` finds this module through the ``torch_dynamo_backends``
 entry point, so it works without importing weavepass first.
@@ -115,40 +116,25 @@ class WeaveBackend:
                             if getattr(self.config, f.name) != getattr(default, f.name))
         return f"weave(WeaveConfig({changed}))"
 
-    def _record(self, graph_report: GraphReport) -> None:
-        self.report.graphs.append(graph_report)
-
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                  options: dict | None = None):
         """``torch.compile(..., backend=weave, mode=..., options=...)`` passes ``mode`` and
         ``options`` here; they mean what they mean for Inductor (``mode="reduce-overhead"``: CUDA
-        graphs; ``options``: Inductor config entries). Unknown modes or options raise."""
-        from torch._inductor.compile_fx import compile_fx
+        graphs; ``options``: Inductor config entries). Unknown modes or options raise. A pass in
+        ``options["post_grad_custom_pre_pass"]``, else in Inductor's global config, runs before
+        weave's (``weavepass.inductor_pass``'s ``chain``)."""
+        from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling
 
-        from weavepass.compile import direct_calls
-        from weavepass.compile.graph_pass import WeavePass  # imports Inductor: only when compiling
-        from weavepass.compile.plan_check import start_heartbeat
-        from weavepass.compile.strategies import inductor_patches as strategy_patches
-
-        direct_calls.install()  # the generated code calls the fused ops' kernels directly
-        if self.config.check_plan_across_ranks:
-            start_heartbeat()  # peers waiting in a plan check can tell this process is alive
+        from weavepass.inductor import CURRENT, make_pass
 
         graph_reports: list[GraphReport] = []  # forward now, backward when it is compiled
-
-        def on_report(graph_report: GraphReport) -> None:
-            self._record(graph_report)
-            graph_reports.append(graph_report)
-
         patches = inductor_patches(mode, options)
-        patches["post_grad_custom_pre_pass"] = WeavePass(self.config, on_report=on_report,
-                                                           graph_ids=self._graph_ids)
-        required = strategy_patches(self.config)
-        _warn_overridden(patches, required)
-        patches.update(required)
+        pass_ = make_pass(self.config, chain=patches.pop("post_grad_custom_pre_pass", CURRENT),
+                          report=self.report, graph_ids=self._graph_ids, on_report=graph_reports.append)
+        _warn_overridden(patches, pass_.strategy_settings())
+        patches.update(pass_.config_patches())
         caches = contextlib.nullcontext()
-        if not self.config.fx_graph_cache:
-            patches["fx_graph_cache"] = False
+        if not self.config.fx_graph_cache:  # (torch 2.13 skips the AOT-autograd cache without it anyway)
             caches = torch._functorch.config.patch(enable_autograd_cache=False)
         with caches:
             return _reporting(compile_fx(gm, example_inputs, config_patches=patches), graph_reports)
@@ -209,8 +195,6 @@ def inductor_patches(mode: str | None, options: dict | None) -> dict:
                 f"{type(current[name]).__name__}, got {type(value).__name__} {value!r}"
             )
         patches[name] = value
-    if "post_grad_custom_pre_pass" in patches:
-        raise ValueError("backend weave: options may not set post_grad_custom_pre_pass (weave's pass uses it)")
     return patches
 
 

@@ -185,6 +185,13 @@ class WeaveConfig:
     residual per site and call; not done in FlashComm graphs (their residual stream is sharded on
     purpose)."""
 
+    dump_graphs_dir: str = ""
+    """Debugging: a directory to write, for every graph the pass sees, the graph before the pass and
+    after each strategy that rewrote it, and its report (``<dir>/rank<R>/graph<NNN>/``,
+    ``weavepass/compile/dump.py``): attach it to a report of a wrong rewrite. Empty (the default):
+    off, unless the environment variable ``WEAVE_DUMP_GRAPHS`` names a directory. Nothing is
+    written outside the directory."""
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.lowering not in LOWERINGS:

@@ -16,8 +16,9 @@ first, with the layout constraint Inductor itself would pick) builds the node, a
 renames the function the node's Python call names.
 
 Only graphs compiled with the weave pass are renamed (their FX-graph cache keys carry the pass, so
-a cached module that names ``extern_kernels.weave_*`` is only loaded by a weave compile, which
-installs them first); ``torch.compile(backend="inductor")`` keeps the dispatcher call. The C++
+a cached module that names ``extern_kernels.weave_*`` is only loaded by a weave compile, and making
+a weave pass installs them: ``weavepass.inductor_pass``, which the backend uses too);
+``torch.compile(backend="inductor")`` without the pass keeps the dispatcher call. The C++
 wrapper (``cpp_wrapper``) keeps its own call path. ``WEAVE_DIRECT_CALLS=0`` keeps the dispatcher
 call everywhere (a debugging switch).
 
@@ -138,9 +139,12 @@ def _renames(graph) -> bool:
 
     from weavepass.compile.graph_pass import WeavePass
 
+    passes = config.post_grad_custom_pre_pass
+    if not isinstance(passes, (list, tuple)):  # (torch 2.13 also takes a list of passes there)
+        passes = [passes]
     return (
         enabled()
-        and isinstance(config.post_grad_custom_pre_pass, WeavePass)
+        and any(isinstance(p, WeavePass) for p in passes)
         and not graph.cpp_wrapper
         and not getattr(graph, "fx_wrapper", False)
     )

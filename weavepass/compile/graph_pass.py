@@ -1,16 +1,20 @@
 """``WeavePass``: the Inductor post-grad pass that rewrites all_reduce -> add -> RMSNorm sites:
-find sites (``patterns``), plan each (``planner``), then run the strategies in order (``strategies``)."""
+find sites (``patterns``), plan each (``planner``), then run the strategies in order (``strategies``).
+
+Users get it from ``weavepass.inductor_pass(config)`` (``weavepass/inductor.py``), which also
+installs the direct calls; the ``weave`` backend builds it the same way."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,11 +24,12 @@ from weavepass.config import WeaveConfig
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_read_back
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
-from weavepass.compile.strategies import STRATEGIES, GraphRewrite
+from weavepass.compile import dump
 from weavepass.compile.plan_check import check_plan_across_ranks
+from weavepass.compile.strategies import STRATEGIES, Decision, GraphRewrite, Strategy, inductor_patches
 from weavepass.compile.strategies.base import ContractError, check_writes, snapshot
+from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
 from weavepass.tune.table import load_table
-from weavepass.report import AllReduceRecord, GraphReport
 
 log = logging.getLogger("weavepass")
 
@@ -83,39 +88,147 @@ def environment_key() -> str:
     return f"{groups}|{devices}"
 
 
-class WeavePass(CustomGraphPass):
-    """Find sites, plan them, rewrite them, and hand a ``GraphReport`` to ``on_report``.
+GraphPass = Callable[[torch.fx.Graph], None]
+"""What Inductor's ``post_grad_custom_pre_pass`` holds: a ``CustomGraphPass`` or a plain function."""
 
-    ``graph_ids`` numbers the reported graphs; a backend passes its own counter, so its report
-    numbers its graphs from 0 across the passes it creates (one per compiled graph)."""
+
+def current_setting(key: str) -> Any:
+    """Inductor's config value ``key`` now (dotted keys name nested configs); ``AttributeError``
+    where this torch has no such setting."""
+    import torch._inductor.config as inductor_config
+
+    return functools.reduce(getattr, key.split("."), inductor_config)
+
+
+def unmet_settings(needed: dict[str, Any]) -> dict[str, Any]:
+    """``{key: current value}`` for each Inductor setting of ``needed`` that the running compile
+    has otherwise (settings this torch lacks count as met: nothing can set them)."""
+    unmet = {}
+    for key, value in needed.items():
+        try:
+            current = current_setting(key)
+        except AttributeError:
+            continue
+        if current != value:
+            unmet[key] = current
+    return unmet
+
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _warn_once(*key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("weavepass: %s", message)
+
+
+class WeavePass(CustomGraphPass):
+    """Find sites, plan them, rewrite them, and add a ``GraphReport`` to ``report`` (then hand it
+    to ``on_report``).
+
+    ``graph_ids`` numbers the reported graphs; a backend passes its own counter and report, so its
+    report numbers its graphs from 0 across the passes it creates (one per compiled graph).
+    ``chain``: passes that were in Inductor's ``post_grad_custom_pre_pass`` before this one; each
+    runs first, in order, on every graph this pass sees. ``check_settings``: a strategy whose
+    Inductor settings the running compile lacks is declined (``weavepass.inductor_pass`` sets it;
+    graph-level tests that call the pass outside a compile do not)."""
 
     def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None,
-                 graph_ids: Iterator[int] | None = None):
+                 graph_ids: Iterator[int] | None = None, *, report: WeaveReport | None = None,
+                 chain: Sequence[GraphPass] = (), check_settings: bool = False):
         self.config = config
+        self.check_settings = check_settings
         self.on_report = on_report
         self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
+        self.report = report if report is not None else WeaveReport()
+        """Every graph this pass rewrote or left alone, in compile order (``print(pass_.report)``)."""
+        self.chain = tuple(chain)
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | tuple[Any, ...] | None:
         """Inductor's cache key for this pass: everything the rewrite reads besides the graph
         (which Inductor keys itself): the code, the config, the tuning table's contents and
-        ``environment_key()``."""
+        ``environment_key()``, and the graph dump directory when one is set (so that a dump is
+        written, not skipped by a cache hit).
+        Chained passes add their own ``uuid()``; when one has none (a plain function, or a pass
+        whose ``uuid()`` is None), this is None too, and Inductor does not cache the graph, as it
+        would not for that pass alone. Inductor asks for it when it looks a graph up in its caches."""
+        self._warn_about_caching()
         table = load_table(self.config.tuning_table)  # its contents, not only its path
         digest = table.digest if table is not None else ""
-        return hashlib.sha256(f"{source_hash()}|{self.config!r}|{digest}|{environment_key()}".encode()).hexdigest()
+        key = f"{source_hash()}|{self.config!r}|{digest}|{environment_key()}"
+        dump_dir = dump.directory(self.config)
+        if dump_dir is not None:
+            key += f"|dump {dump_dir}"
+        own = hashlib.sha256(key.encode()).hexdigest()
+        if not self.chain:
+            return own
+        others = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chain]
+        return None if any(not u for u in others) else (own, *others)
+
+    def strategy_settings(self) -> dict[str, Any]:
+        """The Inductor settings the strategies this config enables need (the token split:
+        ``reorder_for_peak_memory=False``, ``shape_padding=False``; FlashComm: ``shape_padding=False``)."""
+        return inductor_patches(self.config)
+
+    def inductor_settings(self) -> dict[str, Any]:
+        """``strategy_settings()``, and ``fx_graph_cache=False`` unless ``WeaveConfig.fx_graph_cache``
+        (a graph loaded from Inductor's cache skips the pass, and the report would miss it)."""
+        settings = self.strategy_settings()
+        if not self.config.fx_graph_cache:
+            settings["fx_graph_cache"] = False
+        return settings
+
+    def config_patches(self) -> dict[str, Any]:
+        """Everything to patch into Inductor's config for this pass: the pass itself and
+        ``inductor_settings()``. ``torch._inductor.config.patch(pass_.config_patches())`` or
+        ``torch.compile(model, options=pass_.config_patches())``."""
+        return {"post_grad_custom_pre_pass": self, **self.inductor_settings()}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        for chained in self.chain:
+            chained(graph)
         report = GraphReport(next(self.graph_ids), ops_before=op_counts(graph))
+        dumps = dump.GraphDumps.start(self.config, graph, report)
         if not self.config.enabled:
             report.add_note("WeaveConfig.enabled is False")
         else:
-            self._rewrite(graph, report)
+            self._rewrite(graph, report, dumps)
             if self.config.check_plan_across_ranks:
                 check_plan_across_ranks(graph, report.graph_index, self.config.plan_check_timeout_s)
         report.ops_after = op_counts(graph)
+        if dumps is not None:
+            dumps.finish(graph, report)
+        self.report.graphs.append(report)
         if self.on_report is not None:
             self.on_report(report)
 
-    def _rewrite(self, graph: torch.fx.Graph, report: GraphReport) -> None:
+    def _warn_about_caching(self) -> None:
+        """Inductor's FX-graph cache on while the config says off: only possible where the pass was
+        patched in without ``inductor_settings()`` (the backend applies them). Called from
+        ``uuid()``, which Inductor calls before a cache lookup, so a hit warns too."""
+        if not self.config.fx_graph_cache and current_setting("fx_graph_cache"):
+            _warn_once("fx_graph_cache", message=(
+                "Inductor's FX-graph cache is on (fx_graph_cache=True) although WeaveConfig.fx_graph_cache "
+                "is False: a graph loaded from the cache later skips this pass, so the report lacks it "
+                "(the rewrite itself is cached and stays correct). Patch in pass_.config_patches(), not "
+                "only the pass, to turn it off"))
+
+    def _unmet_settings_decision(self, strategy: Strategy) -> Decision | None:
+        """A no for ``strategy`` when the compile lacks an Inductor setting it needs (the pass was
+        patched in without ``inductor_settings()``), else None. Every rank compiles with the same
+        settings, so every rank decides the same."""
+        unmet = unmet_settings(strategy.inductor_patches(self.config))
+        if not unmet:
+            return None
+        needed = strategy.inductor_patches(self.config)
+        settings = ", ".join(f"{key}={needed[key]!r} (this compile: {value!r})" for key, value in unmet.items())
+        reason = (f"{strategy.name} needs the Inductor settings {settings}; patch in the pass's "
+                  "config_patches() (weavepass.inductor_pass), not only the pass")
+        _warn_once("settings", strategy.name, *sorted(unmet), message=reason)
+        return Decision(False, ReasonCode.INDUCTOR_SETTINGS, reason)
+
+    def _rewrite(self, graph: torch.fx.Graph, report: GraphReport, dumps: dump.GraphDumps | None) -> None:
         fold_sums_read_back(graph)
         position = {n: i for i, n in enumerate(graph.nodes)}
         sites, rejected = find_allreduce_rmsnorm_sites(graph)
@@ -152,8 +265,12 @@ class WeavePass(CustomGraphPass):
             before = snapshot(rewrite)
             decision = strategy.decide(rewrite)
             took_graph = False
+            if decision.use and self.check_settings:
+                decision = self._unmet_settings_decision(strategy) or decision
             if decision.use:
                 took_graph = strategy.apply(rewrite, decision)
+                if dumps is not None:
+                    dumps.after(strategy.name, graph)
             elif decision.code is not ReasonCode.NOT_ASKED:
                 strategy.decline(rewrite, decision)
             check_writes(strategy, before, rewrite)

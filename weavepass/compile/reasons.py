@@ -95,6 +95,9 @@ class ReasonCode(enum.Enum):
     """Information only: the CUDA kernel copies the partial sums into its workspace."""
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
+    INDUCTOR_SETTINGS = "inductor_settings"
+    """Graph-wide, per strategy: the compile lacks an Inductor setting the strategy needs (the pass
+    was patched into Inductor without ``WeavePass.inductor_settings()``)."""
 
     # -- Per graph (strategy decisions)
     NO_SITES = "no_sites"
