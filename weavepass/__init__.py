@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +53,8 @@ logging.getLogger("weavepass").addHandler(logging.NullHandler())
 register()
 
 
-def weave(fn=None, *, config: WeaveConfig | None = None, **compile_kwargs):
+def weave(fn: Callable[..., Any] | None = None, *, config: WeaveConfig | None = None,
+          **compile_kwargs: Any) -> Any:
     """Compile ``fn`` (a function, a module, or a model's forward) with the weave backend.
 
     Usable bare (``@weave``) or with arguments (``@weave(config=WeaveConfig(...), dynamic=True)``);
@@ -61,16 +64,17 @@ def weave(fn=None, *, config: WeaveConfig | None = None, **compile_kwargs):
     hitting its recompile limit.
     """
 
-    def wrap(target):
-        compiled = torch.compile(target, backend=shared_backend(config), **compile_kwargs)
+    def wrap(target: Callable[..., Any]) -> Any:
+        compiled: Any = torch.compile(target, backend=shared_backend(config), **compile_kwargs)
         report = WeaveReport()
+        result: Any
         if isinstance(compiled, torch.nn.Module):
             compiled.register_forward_pre_hook(lambda *_: start_collecting(report))
             compiled.register_forward_hook(lambda *_: stop_collecting(report), always_call=True)
             result = compiled
         else:
             @functools.wraps(target)
-            def result(*args, **kwargs):
+            def result(*args: Any, **kwargs: Any) -> Any:
                 with collect_reports(report):
                     return compiled(*args, **kwargs)
         result.weave_report = report
@@ -79,7 +83,7 @@ def weave(fn=None, *, config: WeaveConfig | None = None, **compile_kwargs):
     return wrap(fn) if fn is not None else wrap
 
 
-def explain(fn, *args, config: WeaveConfig | None = None, **kwargs) -> WeaveReport:
+def explain(fn: Callable[..., Any], *args: Any, config: WeaveConfig | None = None, **kwargs: Any) -> WeaveReport:
     """Compile ``fn`` with the weave backend of ``config``, run it once on ``args``, and return the
     report of every graph that ran (compiled now, or earlier with the same config), and the
     collectives that broke a graph while it compiled (they ran eagerly: ``not_compiled``)."""
