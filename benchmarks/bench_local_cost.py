@@ -104,7 +104,7 @@ def _op_rank(rank: int, world: int, args: dict) -> list[dict]:
                              "plan": f"{plan.num_ctas} CTAs x {plan.rows_per_tile} rows, {plan.num_warps} warps"
                              if name == "weave" else ""})
                 print(f"row: {rows[-1]}", flush=True)
-            del p, res, src, dst
+            p = res = src = dst = None  # free this size's buffers (the timed closures hold them too)
     return rows
 
 
@@ -146,12 +146,12 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
             t_kernel = triton.testing.do_bench(graph.replay, warmup=5, rep=reps, return_mode="median")
             t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=reps, return_mode="median")
             rows.append({"part": "sim", "world": world, "hidden": hidden, "tokens": tokens,
-                         "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, {plan.rows_per_tile} "
-                                    f"rows x {plan.num_warps} warps", "ms": t_kernel,
+                         "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, "
+                                    f"{plan.rows_per_tile} rows x {plan.num_warps} warps", "ms": t_kernel,
                          "floor_ms": t_copy, "min_bytes_per_rank": local_bytes_per_rank(world, tokens, hidden, elem),
                          "vs_floor": t_kernel / t_copy})
             print(f"row: {rows[-1]}", flush=True)
-            del graph, src, dst
+            graph = src = dst = None  # free them (the timed closure holds src and dst too)
         del sim, partials
         torch.cuda.empty_cache()
     return rows
@@ -195,7 +195,8 @@ def main() -> None:
                              "kernel) did not finish on one H200 (docs/cuda_kernel.md): use --sim-tokens 2048 there")
     parser.add_argument("--sim-tokens", type=int, default=8192)
     parser.add_argument("--sim-timeout", type=float, default=30.0, help="seconds a simulated rank waits for a peer")
-    parser.add_argument("--sim-warps", type=int, default=None, help="warps per CTA of the simulated kernels (default: the rule's)")
+    parser.add_argument("--sim-warps", type=int, default=None,
+                        help="warps per CTA of the simulated kernels (default: the rule's)")
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
     parser.add_argument("--name", default="bench_local_cost", help="CSV file name (no suffix)")
     parser.add_argument("--ncu", action="store_true", help="only the calls to profile with ncu (see _ncu_rank)")
