@@ -30,19 +30,25 @@ formula in either path.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
 log = logging.getLogger("weavepass")
 
-_WRAPPED: set = set()  # the hot ops whose lowering is wrapped
+Kernel = Callable[..., Any]
+
+_WRAPPED: set[OpOverload] = set()  # the hot ops whose lowering is wrapped
 _INSTALL_FAILED: list[str] = []
 
 
-def extern_name(op) -> str:
+def extern_name(op: OpOverload) -> str:
     """The name a generated module calls ``op``'s kernel by: ``extern_kernels.<this>``."""
     return f"weave_{op._opname}"
 
@@ -84,7 +90,7 @@ def install() -> bool:
     return True
 
 
-def _profiled(name: str, kernel):
+def _profiled(name: str, kernel: Kernel) -> Kernel:
     """``kernel``, inside a profiler range named like the op (``weave::<op>``) while a profiler
     runs: the dispatcher records one per op call, and traces (``weavepass.testing.trace``, a
     user's) should not lose the ops' host time. Otherwise one check of a C flag."""
@@ -92,18 +98,18 @@ def _profiled(name: str, kernel):
 
     enabled = torch._C._autograd._profiler_enabled
 
-    def call(*args, **kwargs):  # Inductor passes arguments with defaults by keyword
+    def call(*args: Any, **kwargs: Any) -> Any:  # Inductor passes arguments with defaults by keyword
         if enabled():
             with record_function(name):
                 return kernel(*args, **kwargs)
         return kernel(*args, **kwargs)
 
+    functools.update_wrapper(call, kernel)  # call.__wrapped__ is kernel
     call.__name__ = call.__qualname__ = f"weave_{kernel.__name__}"
-    call.__wrapped__ = kernel
     return call
 
 
-def _default_layout_constraint(op):
+def _default_layout_constraint(op: OpOverload) -> Any:
     """The layout constraint Inductor gives a custom op it falls back to (``GraphLowering.call_function``):
     the op's layout tag, else ``torch._functorch.config.custom_op_default_layout_constraint``."""
     from torch._inductor.lowering import tag_to_layout_constraint
@@ -112,7 +118,7 @@ def _default_layout_constraint(op):
     return tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
 
 
-def _renaming(op, lower):
+def _renaming(op: OpOverload, lower: Kernel) -> Kernel:
     """``lower`` (the op's lowering), then, in a weave compile with the Python wrapper, the new
     fallback node of ``op`` calls ``extern_kernels.<extern_name(op)>``."""
     from torch._inductor import ir
@@ -120,7 +126,7 @@ def _renaming(op, lower):
 
     name = f"extern_kernels.{extern_name(op)}"
 
-    def lowered(*args, **kwargs):
+    def lowered(*args: Any, **kwargs: Any) -> Any:
         graph = V.graph
         before = len(graph.operations)
         result = lower(*args, **kwargs)
@@ -130,18 +136,17 @@ def _renaming(op, lower):
                     node.python_kernel_name = name
         return result
 
-    lowered.__wrapped__ = lower
+    functools.update_wrapper(lowered, lower)  # lowered.__wrapped__ is lower
     return lowered
 
 
-def _renames(graph) -> bool:
+def _renames(graph: Any) -> bool:
     from torch._inductor import config
 
     from weavepass.compile.graph_pass import WeavePass
 
-    passes = config.post_grad_custom_pre_pass
-    if not isinstance(passes, (list, tuple)):  # (torch 2.13 also takes a list of passes there)
-        passes = [passes]
+    setting = config.post_grad_custom_pre_pass  # a pass, or (torch 2.13) a list of them
+    passes = setting if isinstance(setting, (list, tuple)) else [setting]
     return (
         enabled()
         and any(isinstance(p, WeavePass) for p in passes)
