@@ -81,7 +81,8 @@ def measure(shape: Shape, tokens: int, firsts: dict[str, int], device, dtype, ro
     gemms = layer_gemms(shape)
     weights = {name: torch.randn(g.n, g.k, generator=gen, device=device, dtype=dtype) * g.k ** -0.5
                for name, g in gemms.items()}
-    inputs = {k: torch.randn(tokens, k, generator=gen, device=device, dtype=dtype) for k in {g.k for g in gemms.values()}}
+    widths = {g.k for g in gemms.values()}
+    inputs = {k: torch.randn(tokens, k, generator=gen, device=device, dtype=dtype) for k in widths}
 
     def layer(lo: int, hi: int) -> None:
         for name, g in gemms.items():

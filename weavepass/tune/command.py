@@ -225,7 +225,8 @@ def _entry_rows(rank: int, world: int, args: dict, name: str, shape, mode: str, 
     progress = progress_bar(len(cells), f"{name} {mode}: compile + warm-up") if rank == 0 else None
     started = time.monotonic()
     times = interleaved_ms(cells, lambda cell: compiled[cell[0]], lambda cell: inputs[cell[1]], args["warmup"],
-                           args["iters"], args["rounds"], warmed=lambda cell: progress is not None and progress.update())
+                           args["iters"], args["rounds"],
+                           warmed=lambda cell: progress is not None and progress.update())
     if progress is not None:
         progress.close()
     say(f"{name} {mode}: measured {len(cells)} cells in {time.monotonic() - started:.0f} s")
@@ -270,9 +271,9 @@ def measure_rank(rank: int, world: int, args: dict) -> list[dict]:
         "machine": _machine(args["device"], world), "versions": _versions(), "world": world,
         "dtype": args["dtype"], "layers": args["layers"], "sequences": args["sequences"], "time_unit": "ms",
         "timing": (f"{'CUDA events' if args['device'] == 'cuda' else 'time.perf_counter'} per forward call, rank 0; "
-                   f"the three rewrites' cells interleaved in {args['rounds']} rounds of {args['iters'] // args['rounds']} "
-                   f"calls after {args['warmup']} warm-up; a cell is the median of its rounds' medians; "
-                   "token dim dynamic (one compile per rewrite)"),
+                   f"the three rewrites' cells interleaved in {args['rounds']} rounds of "
+                   f"{args['iters'] // args['rounds']} calls after {args['warmup']} warm-up; "
+                   "a cell is the median of its rounds' medians; token dim dynamic (one compile per rewrite)"),
         "min_gain": args["min_gain"], "entries": [],
     }
     for line in args["plan"]:

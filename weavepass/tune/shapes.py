@@ -70,13 +70,16 @@ def parse_shape(text: str) -> tuple[str, Shape]:
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key not in _FIELDS or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"shape {text!r}: {part!r} is not one of {', '.join(f'{f}=<positive int>' for f in _FIELDS)}")
+            expected = ", ".join(f"{f}=<positive int>" for f in _FIELDS)
+            raise ValueError(f"shape {text!r}: {part!r} is not one of {expected}")
         values[key] = int(value)
     missing = [f for f in _FIELDS[:4] if f not in values]
     if missing or not name:
         raise ValueError(f"shape {text!r}: needs a name and {', '.join(missing) or 'its widths'}")
     if values["heads"] % values["kv_heads"]:
-        raise ValueError(f"shape {text!r}: heads ({values['heads']}) must be a multiple of kv_heads ({values['kv_heads']})")
+        raise ValueError(
+            f"shape {text!r}: heads ({values['heads']}) must be a multiple of kv_heads ({values['kv_heads']})"
+        )
     return name, Shape(**values)
 
 
