@@ -344,7 +344,7 @@ def tune(run, configs=GPU_CONFIGS, report=None) -> tuple[GemmConfig, dict]:
     results: dict = {}
     for config in configs:
         try:
-            ms = do_bench(lambda: run(config), warmup=10, rep=40, return_mode="median")
+            ms = do_bench(lambda c=config: run(c), warmup=10, rep=40, return_mode="median")
         except Exception as error:  # noqa: BLE001 (any compile or launch failure disqualifies the config)
             ms = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         results[config] = ms
