@@ -190,11 +190,16 @@ def test_a_strategy_whose_inductor_settings_are_missing_is_declined_with_a_warni
                                fx_graph_cache=False):
         decision = alone._unmet_settings_decision(split)
         assert decision is not None and decision.code is ReasonCode.INDUCTOR_SETTINGS
+        assert decision.reason.field("strategy") == "token split"
+        assert ("reorder_for_peak_memory", False, True) in decision.reason.field("settings")
         with torch.no_grad(), caplog.at_level(logging.WARNING, logger="weavepass"):
             torch.compile(model)(ids)
     ops = alone.report.graphs[0].ops_after
     assert ops[FUSED_OP] == SITES and ops["weave.fused_allreduce_rmsnorm_async.default"] == 0
-    assert any("reorder_for_peak_memory=False" in r.getMessage() for r in caplog.records)
+    assert alone.report.graphs[0].codes == [ReasonCode.INDUCTOR_SETTINGS]
+    # the rendered warning names the setting, its needed and its current value, and the fix
+    assert any("reorder_for_peak_memory=False (this compile: True)" in r.getMessage()
+               and "config_patches()" in r.getMessage() for r in caplog.records)
 
     torch._dynamo.reset()
     patched = weavepass.inductor_pass(config, chain=None)

@@ -23,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from weavepass.config import WeaveConfig
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_read_back
 from weavepass.compile.planner import plan_sites
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile import dump
 from weavepass.compile.plan_check import check_plan_across_ranks
 from weavepass.compile.strategies import STRATEGIES, Decision, GraphRewrite, Strategy, inductor_patches
@@ -222,11 +222,10 @@ class WeavePass(CustomGraphPass):
         if not unmet:
             return None
         needed = strategy.inductor_patches(self.config)
-        settings = ", ".join(f"{key}={needed[key]!r} (this compile: {value!r})" for key, value in unmet.items())
-        reason = (f"{strategy.name} needs the Inductor settings {settings}; patch in the pass's "
-                  "config_patches() (weavepass.inductor_pass), not only the pass")
-        _warn_once("settings", strategy.name, *sorted(unmet), message=reason)
-        return Decision(False, ReasonCode.INDUCTOR_SETTINGS, reason)
+        reason = Reason.of(ReasonCode.INDUCTOR_SETTINGS, strategy=strategy.name,
+                           settings=tuple((key, needed[key], current) for key, current in unmet.items()))
+        _warn_once("settings", strategy.name, *sorted(unmet), message=reason.render())
+        return Decision(False, reason)
 
     def _rewrite(self, graph: torch.fx.Graph, report: GraphReport, dumps: dump.GraphDumps | None) -> None:
         fold_sums_read_back(graph)

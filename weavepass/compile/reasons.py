@@ -96,8 +96,9 @@ class ReasonCode(enum.Enum):
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
     INDUCTOR_SETTINGS = "inductor_settings"
-    """Graph-wide, per strategy: the compile lacks an Inductor setting the strategy needs (the pass
-    was patched into Inductor without ``WeavePass.inductor_settings()``)."""
+    """Graph-wide, per strategy: the compile lacks Inductor settings the strategy needs (the pass
+    was patched into Inductor without ``WeavePass.inductor_settings()``): ``strategy``, and
+    ``settings``, ``(key, needed, this compile's)`` each."""
 
     # -- Per graph (strategy decisions)
     NO_SITES = "no_sites"
@@ -349,6 +350,16 @@ TRAINING_TEXT = (
     "rewrite inference graphs only (the graph's sites are fused without them)"
 )
 
+
+
+def _inductor_settings(fields: dict[str, object]) -> str:
+    settings = fields["settings"]
+    assert isinstance(settings, tuple)
+    listed = ", ".join(f"{key}={needed!r} (this compile: {current!r})" for key, needed, current in settings)
+    return (f"{fields['strategy']} needs the Inductor settings {listed}; patch in the pass's "
+            "config_patches() (weavepass.inductor_pass), not only the pass")
+
+
 Message = str | Callable[[dict[str, object]], str]
 
 MESSAGES: dict[ReasonCode, Message] = {
@@ -418,6 +429,7 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.PORTABLE_FALLBACK: "portable instead of cuda_symm: {cause}",
     ReasonCode.CUDA_COPY: CUDA_COPY_TEXT,
     ReasonCode.INDUCTOR_CUDAGRAPHS: INDUCTOR_CUDAGRAPHS_TEXT,
+    ReasonCode.INDUCTOR_SETTINGS: _inductor_settings,
     ReasonCode.NO_SITES: "no all_reduce -> RMSNorm site in the graph",
     ReasonCode.MIXED_GROUPS: "site {site} is on group {group!r}, not {expected!r}",
     ReasonCode.SYMBOLIC_TOKENS: ("site {site}: the token count is symbolic (dynamic shapes); FlashComm "
