@@ -48,8 +48,8 @@ class GraphReport:
 
     graph_index: int
     records: list[AllReduceRecord] = field(default_factory=list)
-    ops_before: Counter = field(default_factory=Counter)
-    ops_after: Counter = field(default_factory=Counter)
+    ops_before: Counter[str] = field(default_factory=Counter)
+    ops_after: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     reasons: list[Reason] = field(default_factory=list)
     """The graph-wide reasons behind the declines among ``notes`` (``decline``), in order."""
