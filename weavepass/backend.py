@@ -84,7 +84,9 @@ def _raise_peer_failure(error: Exception) -> None:
 
     note = plan_check._EXCHANGE.explain_run_failure()
     if note is not None:
-        raise plan_check.PlanMismatchError(f"{note} (this rank's own error: {type(error).__name__}: {error})") from error
+        raise plan_check.PlanMismatchError(
+            f"{note} (this rank's own error: {type(error).__name__}: {error})"
+        ) from error
 
 
 class WeaveBackend:
@@ -109,7 +111,8 @@ class WeaveBackend:
                 "for each and runs it eagerly after its recompile limit (8). Reuse one backend "
                 "(weavepass.shared_backend(config)) or use weavepass.weave", _RECOMPILE_LIMIT_HINT + 1)
         self._graph_ids = itertools.count()  # the report numbers this backend's graphs from 0
-        if self.config.check_plan_across_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if (self.config.check_plan_across_ranks and torch.distributed.is_available()
+                and torch.distributed.is_initialized()):
             from weavepass.compile.plan_check import start_heartbeat
 
             start_heartbeat()  # from now on, a peer waiting in a plan check can tell this one lives
