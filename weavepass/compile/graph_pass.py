@@ -44,16 +44,16 @@ def nothing_to_rewrite_note(num_all_reduces: int) -> str:
             "residual ->] RMSNorm or LayerNorm that weave can fuse (each one's reason is listed)")
 
 
-def op_counts(graph: torch.fx.Graph) -> Counter:
+def op_counts(graph: torch.fx.Graph) -> Counter[str]:
     """``{"ns.op.overload": count}`` for every call_function in ``graph``."""
-    counts = Counter()
+    counts: Counter[str] = Counter()
     for node in graph.nodes:
         if node.op == "call_function":
             counts[_op_name(node.target)] += 1
     return counts
 
 
-def _op_name(target) -> str:
+def _op_name(target: object) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._opname}.{target._overloadname}"
     return getattr(target, "__name__", str(target))

@@ -41,12 +41,21 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from weavepass.compile.planner import group_size
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+    from torch.distributed.distributed_c10d import GroupName
+
+Line = list[Any]
+"""A peer's line as it travels through the store (JSON): ``[node name, line, graph index]``."""
+
+callback_handler: Any
 try:  # imported here, not in the first check: importing Dynamo takes seconds, which a peer would wait
     from torch._dynamo.callback import callback_handler
 except ImportError:
@@ -128,7 +137,7 @@ def collective_lines(graph: torch.fx.Graph) -> dict[str, list[tuple[str, str]]]:
     return by_group
 
 
-_ARGUMENT_NAMES: dict = {}
+_ARGUMENT_NAMES: dict[torch._ops.OpOverload, tuple[str, ...]] = {}
 
 
 def _argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
@@ -139,7 +148,7 @@ def _argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
     return names
 
 
-def _describe(arg) -> str:
+def _describe(arg: object) -> str:
     if isinstance(arg, torch.fx.Node):
         val = arg.meta.get("val")
         if isinstance(val, torch.Tensor):
@@ -166,12 +175,13 @@ def check_plan_across_ranks(graph: torch.fx.Graph, graph_index: int, timeout_s: 
     timeout)`` (a peer's first graph on the group: the group's timeout); ``PeerGoneError`` when a
     peer stopped. Groups of one rank and fake process groups (no peers, no working store) are skipped.
     """
-    from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+    from torch._C._distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import _get_default_store
 
     from weavepass.runtime.portable import group_timeout_s
 
     for group_name, lines in collective_lines(graph).items():
-        group = _resolve_process_group(group_name)
+        group = _resolve_process_group(cast("GroupName", group_name))
         if group.size() < 2 or dist.get_backend(group) == "fake":
             continue
         store = _get_default_store()
@@ -188,8 +198,8 @@ class _PeerStream:
     ``lines[i]`` is the peer's line at position ``base + i``, as ``[node name, line, graph index]``."""
 
     base: int = 0
-    lines: list[list] = field(default_factory=list)
-    last_graph: list[list] = field(default_factory=list)  # the peer's latest chunk, for messages
+    lines: list[Line] = field(default_factory=list)
+    last_graph: list[Line] = field(default_factory=list)  # the peer's latest chunk, for messages
 
     @property
     def end(self) -> int:
@@ -209,12 +219,12 @@ class _GroupState:
     epoch: int = 0
     offset: int = 0
     """New lines this rank has published in the epoch: where its next new graph starts."""
-    verified: set = field(default_factory=set)
+    verified: set[str] = field(default_factory=set)
     """Digests of graphs on this group that passed the check: their recompiles pass at once."""
-    published: deque = field(default_factory=lambda: deque(maxlen=256))
+    published: deque[str] = field(default_factory=lambda: deque(maxlen=256))
     """This rank's latest keys in this epoch, which its peers may not all have read yet (deleted
     when the epoch moves; the last reader deletes each one before that)."""
-    peers: dict = field(default_factory=dict)
+    peers: dict[int, _PeerStream] = field(default_factory=dict)
     """peer rank -> ``_PeerStream``."""
 
 
@@ -228,11 +238,11 @@ class PlanExchange:
         self.poll_s = poll_s
         self._reset_marker = lambda *args: None
         """A compile-start callback that does nothing: its absence says that Dynamo was reset."""
-        self.stores: dict[str, tuple] = {}
+        self.stores: dict[str, tuple[Store, int, list[int]]] = {}
         """group name -> (store, this rank, ranks): where to look for a peer's failure note when a
         compiled graph's collective fails at run time (``explain_run_failure``)."""
 
-    def check(self, store, group_name: str, me: int, ranks: list[int], lines: list[tuple[str, str]],
+    def check(self, store: Store, group_name: str, me: int, ranks: list[int], lines: list[tuple[str, str]],
               graph_index: int, timeout_s: float, first_timeout_s: float | None = None) -> None:
         """Check ``lines`` (one graph's, on ``group_name``) as global rank ``me`` against every
         other rank of ``ranks``, through ``store``.
@@ -278,7 +288,7 @@ class PlanExchange:
                 state.verified.clear()
             callback_handler.register_start_callback(self._reset_marker)
 
-    def _follow_epoch(self, store, group_name: str, state: _GroupState) -> None:
+    def _follow_epoch(self, store: Store, group_name: str, state: _GroupState) -> None:
         """Start afresh (position 0, nothing read, own keys deleted) when some rank's failed check
         moved the group to a new epoch since this rank's last check."""
         epoch = int(store.add(_epoch_key(group_name), 0))
@@ -286,7 +296,7 @@ class PlanExchange:
             self._clear(store, state)
             state.epoch = epoch
 
-    def _clear(self, store, state: _GroupState) -> None:
+    def _clear(self, store: Store, state: _GroupState) -> None:
         for chunk in state.published:
             _delete(store, chunk)
             _delete(store, chunk + "/read")
@@ -294,7 +304,7 @@ class PlanExchange:
         state.peers.clear()
         state.offset = 0
 
-    def _fail(self, store, group_name: str, state: _GroupState, me: int, message: str) -> str:
+    def _fail(self, store: Store, group_name: str, state: _GroupState, me: int, message: str) -> str:
         """Leave the exchange clean after a failed check: a note peers can read, the group moved to
         the next epoch (once, whichever rank fails first), this rank's keys deleted. Returns what
         the error adds about the job's state."""
@@ -311,8 +321,9 @@ class PlanExchange:
                 "all raised may fix the cause and compile again (no restart needed). A rank that did "
                 "not raise runs on and waits in its collectives until the group's timeout.")
 
-    def _compare_with_peer(self, store, group_name, state, me, peer, ranks, start, mine, timeout_s,
-                           first_timeout_s) -> None:
+    def _compare_with_peer(self, store: Store, group_name: str, state: _GroupState, me: int, peer: int,
+                           ranks: list[int], start: int, mine: list[Line], timeout_s: float,
+                           first_timeout_s: float) -> None:
         stream = state.peers.setdefault(peer, _PeerStream())
         # Read the peer's chunks up to our first line. Waiting further could deadlock: a peer that
         # compiled the same lines as several graphs publishes its next one only after running this
@@ -337,7 +348,8 @@ class PlanExchange:
                     f"Running on would hang until the group timeout. {LIKELY_CAUSE}"
                 )
 
-    def _wait(self, store, group_name, state, me, peer, key, limit, start, mine, stream) -> None:
+    def _wait(self, store: Store, group_name: str, state: _GroupState, me: int, peer: int, key: str,
+              limit: float, start: int, mine: list[Line], stream: _PeerStream) -> None:
         """Wait up to ``limit`` s for ``key`` (the peer's next chunk), polling, so that a peer that
         is gone or a failure elsewhere is seen within seconds instead of at the limit."""
         heartbeat = _heartbeat_key(peer)
@@ -376,7 +388,7 @@ class PlanExchange:
             time.sleep(self.poll_s)
 
     @staticmethod
-    def _silent_peer_message(peer, limit, where, stream, alive) -> str:
+    def _silent_peer_message(peer: int, limit: float, where: str, stream: _PeerStream, alive: bool) -> str:
         if stream.last_graph:
             last = stream.last_graph
             theirs = (f"Rank {peer}'s last new graph (graph {last[0][2]}) runs {len(last)} collective(s), "
@@ -410,16 +422,16 @@ class PlanExchange:
         return None
 
 
-def _failure_note(store, group_name: str, peer: int) -> str:
+def _failure_note(store: Store, group_name: str, peer: int) -> str:
     try:
         if store.check([_failed_key(group_name, peer)]):
-            return json.loads(store.get(_failed_key(group_name, peer)))[1]
+            return str(json.loads(store.get(_failed_key(group_name, peer)))[1])
     except Exception:  # noqa: BLE001
         pass
     return "another rank's check failed first (see its error)."
 
 
-def _delete(store, key: str) -> None:
+def _delete(store: Store, key: str) -> None:
     try:
         store.delete_key(key)
     except Exception:  # noqa: BLE001  (a store without delete, or its host gone)
@@ -447,16 +459,17 @@ class _Heartbeat:
     connection of its own (``store.clone()``, where the store has it), until the default group is
     destroyed or the store stops answering."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
 
-    def start(self, store, rank: int) -> None:
+    def start(self, store: Store, rank: int) -> None:
         with self.lock:
             if self.thread is not None and self.thread.is_alive():
                 return
+            clone = getattr(store, "clone", None)  # (not in every store, nor in torch's stubs)
             try:
-                own = store.clone()
+                own = clone() if clone is not None else store
             except Exception:  # noqa: BLE001  (an older store: share the connection)
                 own = store
             own.add(_heartbeat_key(rank), 1)  # visible before the first wait of any peer
@@ -465,7 +478,7 @@ class _Heartbeat:
             self.thread.start()
 
     @staticmethod
-    def _beat(store, rank: int) -> None:
+    def _beat(store: Store, rank: int) -> None:
         while dist.is_initialized():
             try:
                 store.add(_heartbeat_key(rank), 1)
@@ -477,7 +490,7 @@ class _Heartbeat:
 _HEARTBEAT = _Heartbeat()
 
 
-def start_heartbeat(store=None, rank: int | None = None) -> None:
+def start_heartbeat(store: Store | None = None, rank: int | None = None) -> None:
     """Start this process's heartbeat (idempotent) where a real group of 2+ ranks exists, so that
     peers waiting in a plan check can tell this process is alive. The backend calls it on its first
     compile, before Inductor runs, and ``check_plan_across_ranks`` before it publishes."""
@@ -487,6 +500,8 @@ def start_heartbeat(store=None, rank: int | None = None) -> None:
         from torch.distributed.distributed_c10d import _get_default_store
 
         store, rank = _get_default_store(), dist.get_rank()
+    if rank is None:
+        raise ValueError("start_heartbeat: a store needs its rank")
     _HEARTBEAT.start(store, rank)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch.distributed as dist
 
@@ -17,6 +18,9 @@ from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.tuned import TunedDecision, tuned_decision
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 NO_REASON = Reason(ReasonCode.NONE)
@@ -42,9 +46,9 @@ class SitePlan:
 def group_size(group_name: str) -> int | None:
     """World size of the group a functional collective names, or None when it cannot be resolved."""
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch._C._distributed_c10d import _resolve_process_group
 
-        return _resolve_process_group(group_name).size() if dist.is_initialized() else None
+        return _resolve_process_group(cast("GroupName", group_name)).size() if dist.is_initialized() else None
     except (RuntimeError, ValueError, KeyError):
         return None
 

@@ -28,7 +28,7 @@ TOKEN_ALIGNMENT = 16
 multiple of 16 rows, which keeps fused kernels (MMRS tiles, vectorised norms) on aligned shapes."""
 
 
-def size_hint(size) -> int:
+def size_hint(size: int | torch.SymInt) -> int:
     """A concrete value for a possibly symbolic size (its example value), read guard-free."""
     if isinstance(size, torch.SymInt):
         return size.node.hint if size.node.hint is not None else int(size.node.expr.subs({}))

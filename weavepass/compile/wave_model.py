@@ -5,6 +5,7 @@ Reads only shapes, the config and the device's SM count (``device_wave_model``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,7 @@ def split_candidates(tokens: int, model: WaveModel, seq_len: int | None) -> list
     """Allowed sizes of half A: sequence boundaries (``seq_len`` given), else tile multiples and the
     two middle points. Kept within the middle half ``[T/4, 3T/4]`` so both halves have work to hide
     the other's communication behind."""
+    raw: Iterable[int]
     if seq_len is not None:
         raw = range(seq_len, tokens, seq_len)
     else:
@@ -115,7 +117,7 @@ def split_candidates(tokens: int, model: WaveModel, seq_len: int | None) -> list
     return sorted(middle or [c for c in raw if 0 < c < tokens])
 
 
-def overlap_window_reason(tokens, config: WeaveConfig, moe: bool = False) -> str | None:
+def overlap_window_reason(tokens: int | torch.SymInt, config: WeaveConfig, moe: bool = False) -> str | None:
     """Why ``overlap="auto"`` does not split ``tokens`` (outside ``[overlap_min_tokens(_moe),
     overlap_max_tokens]``), or None (inside, or another overlap mode).
 
@@ -181,7 +183,7 @@ def plan_token_split(
     return TokenSplitPlan(tokens, first, mode, "", free)
 
 
-def device_wave_model(device) -> WaveModel:
+def device_wave_model(device: torch.device | None) -> WaveModel:
     """The wave model of ``device``: its SM count on CUDA, no waves elsewhere."""
     if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
         return WaveModel(sms=torch.cuda.get_device_properties(device).multi_processor_count)
@@ -193,7 +195,7 @@ def plan_split(
     batch: int,
     gemms: list[GemmShape],
     config: WeaveConfig,
-    device,
+    device: torch.device | None,
     moe: bool = False,
 ) -> TokenSplitPlan:
     """The split's one call into the planner: where to cut ``tokens``, ``batch`` sequences of

@@ -381,6 +381,7 @@ def hoist_scale(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllReduce
     if site.scale.late_factor:
         assert isinstance(factor, Node)
         site.all_reduce.prepend(factor)
+    assert callable(mul.target)  # the finder matched it as a call_function of a mul op
     with graph.inserting_before(site.all_reduce):
         scaled = graph.call_function(mul.target, (partial, factor))
     _set_fake_vals([scaled])

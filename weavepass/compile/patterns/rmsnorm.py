@@ -444,13 +444,13 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
                        or (is_target(u, MULS) and u.args == (c, c))]
             if not squares:  # (a variance may still come from a var_mean)
                 continue
-            var = _sole_user_reason(squares[0], "the squared deviation", MEAN, "a mean")
-            if isinstance(var, Reason):
-                return var
-            unfit = _unfit_last_dim_mean(var, ndim, "the variance")
+            variance = _sole_user_reason(squares[0], "the squared deviation", MEAN, "a mean")
+            if isinstance(variance, Reason):
+                return variance
+            unfit = _unfit_last_dim_mean(variance, ndim, "the variance")
             if unfit is not None:
                 return unfit
-            return var, centred, [mean, *centred, squares[0], var], "decomposed"
+            return variance, centred, [mean, *centred, squares[0], variance], "decomposed"
     return None
 
 

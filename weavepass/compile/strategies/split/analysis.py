@@ -24,7 +24,7 @@ aten = torch.ops.aten
 def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
     """The token dims of the region from ``sites[0]`` to ``sites[-1]`` (in graph order) and the
     getitems of the last site, for a cut of ``cut.first`` units; raises ``Unsupported``."""
-    region = []
+    region: list[Node] = []
     for node in graph.nodes:
         if node is sites[0] or region:
             region.append(node)
@@ -46,7 +46,9 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
         info.segment[node] = max(info.segment[a] for a in token_inputs)
         info.token[node] = token_dims(node, info)
         if node.target in (aten.mm.default, aten.addmm.default):
-            weight = shape(node.args[-1])
+            weight_node = node.args[-1]
+            assert isinstance(weight_node, Node)  # mm / addmm: the weight is a tensor
+            weight = shape(weight_node)
             info.gemms.append(GemmShape(n=weight[1], k=weight[0]))
         info.moe |= node.target is aten.topk.default
     check_block(info)
@@ -56,7 +58,7 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
     return info
 
 
-def token_dims(node: Node, info: Analysis):
+def token_dims(node: Node, info: Analysis) -> object:
     """The token dim(s) of ``node``'s output, from its inputs' (or ``Unsupported``)."""
     if any(a in info.keys for a in node.all_input_nodes):
         return score_dims(node, info)
