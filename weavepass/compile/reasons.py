@@ -488,7 +488,10 @@ MESSAGES: dict[ReasonCode, Message] = {
         "(overlap='force' does, with a run-time check that stops a mask that does not)"),
     ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION: '{node} ({op}): token tensor in an unsupported argument position',
     ReasonCode.SPLIT_NO_RULE: '{node}: the token split has no rule for {op}',
-    ReasonCode.SPLIT_IN_PLACE_WRITE: '{node} (copy_) writes into {target} in place: the halves would each write a part of one tensor that lives outside them',
+    ReasonCode.SPLIT_IN_PLACE_WRITE: (
+        '{node} (copy_) writes into {target} in place: the halves would each write a part of one tensor '
+        'that lives outside them'
+    ),
     ReasonCode.SPLIT_VIEW_MOVES_CUT: '{node}: view {src} -> {dst} does not keep the token cut in one dim',
     ReasonCode.SPLIT_BMM_RIGHT_SEQUENCES: '{node} (bmm): the right operand does not carry the same sequences in dim 0',
     ReasonCode.SPLIT_RESIDUAL_PARTIAL_DIMS: '{node}: residual and partial carry tokens in different dims',
@@ -504,59 +507,141 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.SPLIT_SLICES_TOKEN_DIM: '{node} ({op}) slices the token dim',
     ReasonCode.SPLIT_REDUCES_TOKEN_DIM: '{node} ({op}) reduces over the token dim',
     ReasonCode.SPLIT_ALONG_TOKEN_DIM: '{node} ({op}) works along the token dim',
-    ReasonCode.SPLIT_ALL_GATHER_TOKEN_DIM: "{node} (all_gather_into_tensor) gathers along the token dim: each half's gather would interleave the ranks' blocks differently from the whole",
+    ReasonCode.SPLIT_ALL_GATHER_TOKEN_DIM: (
+        "{node} (all_gather_into_tensor) gathers along the token dim: each half's gather would interleave "
+        "the ranks' blocks differently from the whole"
+    ),
     ReasonCode.SPLIT_TOKENS_NOT_ROWS: '{node} ({op}): tokens are not the rows of the left operand',
     ReasonCode.SPLIT_CONTRACTS_TOKEN_DIM: '{node} ({op}) contracts or indexes over the token dim',
-    ReasonCode.SPLIT_PARTIAL_NOT_FROM_TOKENS: '{node}: its input {partial} is not computed from the tokens of the first site',
+    ReasonCode.SPLIT_PARTIAL_NOT_FROM_TOKENS: (
+        '{node}: its input {partial} is not computed from the tokens of the first site'
+    ),
     ReasonCode.SPLIT_RESIDUAL_NOT_FROM_SITE: '{node}: residual {residual} does not come from an earlier site',
     ReasonCode.SPLIT_NOT_LINED_UP: '{node}: {t} does not line up with the tokens',
     ReasonCode.SPLIT_OP_INPUT_DIMS_DIFFER: '{node} ({op}): inputs carry tokens in different dims',
     ReasonCode.SPLIT_TOKEN_FREE_INDEX: '{node} ({op}): token-free index or source',
     ReasonCode.SPLIT_VIEW_SYMBOLIC_SIZE: '{node}: view infers a symbolic size ({size}) besides the token dim',
     ReasonCode.SPLIT_COUNTS_AS_ROWS: '{node}: expert counts of an MoE routing block read as rows',
-    ReasonCode.SPLIT_READS_EXPERT_COUNTS: "{node} ({op}) reads the expert counts of an MoE routing block, computed across the tokens (a capacity or a load-balancing term): only their cumsum and a grouped matmul's offsets may",
-    ReasonCode.SPLIT_SORT_TOKEN_DIM: "{node} ({op}) sorts along the token dim, and its keys are not the flattened experts of a topk (MoE routing that groups the token-expert pairs by expert): a half's order is not its part of the whole's",
-    ReasonCode.SPLIT_SORT_DESCENDING: "{node} ({op}) sorts the experts in descending order: the grouped matmul's offsets would give rows other experts than their own",
-    ReasonCode.SPLIT_READS_EXPERT_ROWS: '{node} ({op}) reads rows of an MoE routing block in expert order: only per-row ops, gathers and scatters of rows may',
-    ReasonCode.SPLIT_MIXES_ROW_ORDERS: '{node} ({op}) combines rows in token order with rows an MoE routing block sorted by expert: the halves would pair other rows than the whole',
-    ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS: '{node} ({op}): token-free {lined_up} is lined up with rows an MoE routing block sorted by expert, which a half cannot slice',
-    ReasonCode.SPLIT_ROW_POSITIONS_ARITHMETIC: "{node} ({op}) computes with the row positions of an MoE routing block (a half's positions are its own, not the whole's): only gathers, scatters and a floor division from pairs to tokens may read them",
-    ReasonCode.SPLIT_COUNTS_DTYPE: "{node} ({op}) holds the expert counts of an MoE routing block in {dtype}, which does not hold every row count exactly: the whole's offsets would round or wrap where a half's do not",
-    ReasonCode.SPLIT_HISTC_BINS: "{node} (histc) counts rows other than one bin per expert of an MoE routing block's sorted keys",
-    ReasonCode.SPLIT_GROUPED_MM_OPERANDS: '{node} ({op}): not rows sorted by expert times token-free expert weights, grouped by the offsets of the same sort',
+    ReasonCode.SPLIT_READS_EXPERT_COUNTS: (
+        "{node} ({op}) reads the expert counts of an MoE routing block, computed across the tokens "
+        "(a capacity or a load-balancing term): only their cumsum and a grouped matmul's offsets may"
+    ),
+    ReasonCode.SPLIT_SORT_TOKEN_DIM: (
+        "{node} ({op}) sorts along the token dim, and its keys are not the flattened experts of a topk "
+        "(MoE routing that groups the token-expert pairs by expert): a half's order is not its part "
+        "of the whole's"
+    ),
+    ReasonCode.SPLIT_SORT_DESCENDING: (
+        "{node} ({op}) sorts the experts in descending order: the grouped matmul's offsets would give "
+        "rows other experts than their own"
+    ),
+    ReasonCode.SPLIT_READS_EXPERT_ROWS: (
+        '{node} ({op}) reads rows of an MoE routing block in expert order: only per-row ops, gathers '
+        'and scatters of rows may'
+    ),
+    ReasonCode.SPLIT_MIXES_ROW_ORDERS: (
+        '{node} ({op}) combines rows in token order with rows an MoE routing block sorted by expert: '
+        'the halves would pair other rows than the whole'
+    ),
+    ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS: (
+        '{node} ({op}): token-free {lined_up} is lined up with rows an MoE routing block sorted by '
+        'expert, which a half cannot slice'
+    ),
+    ReasonCode.SPLIT_ROW_POSITIONS_ARITHMETIC: (
+        "{node} ({op}) computes with the row positions of an MoE routing block (a half's positions "
+        "are its own, not the whole's): only gathers, scatters and a floor division from pairs to tokens "
+        "may read them"
+    ),
+    ReasonCode.SPLIT_COUNTS_DTYPE: (
+        "{node} ({op}) holds the expert counts of an MoE routing block in {dtype}, which does not hold "
+        "every row count exactly: the whole's offsets would round or wrap where a half's do not"
+    ),
+    ReasonCode.SPLIT_HISTC_BINS: (
+        "{node} (histc) counts rows other than one bin per expert of an MoE routing block's sorted "
+        "keys"
+    ),
+    ReasonCode.SPLIT_GROUPED_MM_OPERANDS: (
+        '{node} ({op}): not rows sorted by expert times token-free expert weights, grouped by the offsets '
+        'of the same sort'
+    ),
     ReasonCode.SPLIT_INDEX_SEVERAL_DIMS: '{node} (index.Tensor) indexes more than one dim',
-    ReasonCode.SPLIT_SCATTER_NOT_BY_POSITIONS: "{what} scatters along the token dim by values that are not an MoE routing block's positions",
-    ReasonCode.SPLIT_SCATTER_NOT_PERMUTATION: "{what} writes by positions that are not a permutation of the rows: some rows would keep the target's contents",
+    ReasonCode.SPLIT_SCATTER_NOT_BY_POSITIONS: (
+        "{what} scatters along the token dim by values that are not an MoE routing block's positions"
+    ),
+    ReasonCode.SPLIT_SCATTER_NOT_PERMUTATION: (
+        "{what} writes by positions that are not a permutation of the rows: some rows would keep the "
+        "target's contents"
+    ),
     ReasonCode.SPLIT_SCATTER_ADDS_POSITIONS: '{what} adds up positions of an MoE routing block',
-    ReasonCode.SPLIT_ROUTING_SYMBOLIC: 'MoE routing block on a symbolic token count: its constants have no per-half size',
+    ReasonCode.SPLIT_ROUTING_SYMBOLIC: (
+        'MoE routing block on a symbolic token count: its constants have no per-half size'
+    ),
     ReasonCode.SPLIT_VIEW_REGROUPS_EXPERT_ROWS: '{node}: view regroups rows an MoE routing block sorted by expert',
-    ReasonCode.SPLIT_GATHER_OTHER_ROWS: "{node} (index.Tensor) gathers by an MoE routing block's positions from {x}, which is not the rows they index",
-    ReasonCode.SPLIT_INDEX_TOKEN_DIM_BY_TOKENS: '{node} (index.Tensor) indexes along the token dim by values computed from the tokens',
+    ReasonCode.SPLIT_GATHER_OTHER_ROWS: (
+        "{node} (index.Tensor) gathers by an MoE routing block's positions from {x}, which is not the "
+        "rows they index"
+    ),
+    ReasonCode.SPLIT_INDEX_TOKEN_DIM_BY_TOKENS: (
+        '{node} (index.Tensor) indexes along the token dim by values computed from the tokens'
+    ),
     ReasonCode.SPLIT_INDEX_ADD_DIM: '{node} (index_add) adds along another dim than the rows',
     ReasonCode.SPLIT_SCATTER_VALUES_ORDER: '{what}: the values are not rows in the order of the positions',
-    ReasonCode.SPLIT_SCATTER_TARGET: '{what}: the target is neither a new tensor as long as the rows nor the rows the positions index',
-    ReasonCode.SPLIT_ROUTING_READ_OUTSIDE: '{node}: rows, positions or counts of an MoE routing block are read outside it ({readers}) before they are back in token order',
+    ReasonCode.SPLIT_SCATTER_TARGET: (
+        '{what}: the target is neither a new tensor as long as the rows nor the rows the positions '
+        'index'
+    ),
+    ReasonCode.SPLIT_ROUTING_READ_OUTSIDE: (
+        '{node}: rows, positions or counts of an MoE routing block are read outside it ({readers}) '
+        'before they are back in token order'
+    ),
     ReasonCode.SPLIT_ROUTING_CONSTANT_EARLY: '{node}: a constant of an MoE routing block is made before the first site',
-    ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED: "{node}: a constant of an MoE routing block is also read by {readers}, not by the block's scatters: each half rebuilds it with its own rows",
+    ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED: (
+        "{node}: a constant of an MoE routing block is also read by {readers}, not by the block's scatters: "
+        "each half rebuilds it with its own rows"
+    ),
     ReasonCode.SPLIT_NO_SCORES_RULE: '{node}: the token split has no rule for {op} on attention scores',
-    ReasonCode.SPLIT_BMM_CUT_SEQUENCE: '{node} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q and dim 2 of k^T) nor probabilities @ v',
+    ReasonCode.SPLIT_BMM_CUT_SEQUENCE: (
+        '{node} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q and dim 2 of k^T) '
+        'nor probabilities @ v'
+    ),
     ReasonCode.SPLIT_READS_SCORES: '{node} ({node_kind}) reads attention scores',
     ReasonCode.SPLIT_SCORES_ARGUMENT_POSITION: '{node} ({op}): attention scores in an unsupported argument position',
-    ReasonCode.SPLIT_PROBABILITIES_TIMES_NOT_VALUES: '{node} (bmm): attention probabilities times something other than the values (tokens in dim 1)',
-    ReasonCode.SPLIT_PROBABILITIES_NOT_MASKED_SOFTMAX: "{node} (bmm): attention probabilities over a cut sequence that are not a mask lined up with the keys followed by a softmax on every path from the scores: half A's queries would miss half B's keys",
+    ReasonCode.SPLIT_PROBABILITIES_TIMES_NOT_VALUES: (
+        '{node} (bmm): attention probabilities times something other than the values (tokens in dim '
+        '1)'
+    ),
+    ReasonCode.SPLIT_PROBABILITIES_NOT_MASKED_SOFTMAX: (
+        "{node} (bmm): attention probabilities over a cut sequence that are not a mask lined up with "
+        "the keys followed by a softmax on every path from the scores: half A's queries would miss "
+        "half B's keys"
+    ),
     ReasonCode.SPLIT_SCORES_VIEW: '{node}: view of attention scores that does not keep the keys in the last dim',
     ReasonCode.SPLIT_SCORES_KEY_DIMS: '{node}: attention scores with keys in different dims {keys}',
     ReasonCode.SPLIT_SCORES_REDUCED_OTHER_DIMS: '{node} ({op}) reduces attention scores over other dims than the keys',
-    ReasonCode.SPLIT_SCORES_REDUCED_OVER_KEYS: "{node} ({op}) reduces attention scores over the keys where the keys a mask hides change the result (half A leaves out half B's keys): only the amax of masked scores and the sum of the softmax's exp are taken",
+    ReasonCode.SPLIT_SCORES_REDUCED_OVER_KEYS: (
+        "{node} ({op}) reduces attention scores over the keys where the keys a mask hides change the "
+        "result (half A leaves out half B's keys): only the amax of masked scores and the sum of the "
+        "softmax's exp are taken"
+    ),
     ReasonCode.SPLIT_SCORES_OTHER_DIM: '{node} ({op}) works along another dim than the keys',
     ReasonCode.SPLIT_LINED_UP_WITH_KEYS: '{node}: {t} is lined up with the keys of attention scores',
-    ReasonCode.SPLIT_KEYS_NOT_MASK: "{node} ({op}): {t} is lined up with the keys but is neither a mask added to the scores nor where()'s condition choosing between the scores and the dtype's lowest value, so the split cannot check that no query before the cut sees a key after it",
+    ReasonCode.SPLIT_KEYS_NOT_MASK: (
+        "{node} ({op}): {t} is lined up with the keys but is neither a mask added to the scores nor "
+        "where()'s condition choosing between the scores and the dtype's lowest value, so the split "
+        "cannot check that no query before the cut sees a key after it"
+    ),
     ReasonCode.SPLIT_ATTENTION_DROPOUT: '{node}: attention with dropout',
     ReasonCode.SPLIT_MASK_FROM_TOKENS: '{node}: the attention mask is computed from token tensors',
     ReasonCode.SPLIT_ATTENTION_OUTPUTS: '{node}: attention outputs other than the result are used',
     ReasonCode.SPLIT_QKV_DIMS: '{node}: q/k/v carry tokens in dims {dims}, expected {expected}',
-    ReasonCode.SPLIT_BIDIRECTIONAL_CUT: "{node}: bidirectional attention (no mask, not causal) over a cut sequence: half A's queries would miss half B's keys",
-    ReasonCode.SPLIT_CAUSAL_OFFSET: "{node}: causal attention with {queries} queries over {keys} keys over a cut sequence: half B's queries would see half A's keys past their own position",
+    ReasonCode.SPLIT_BIDIRECTIONAL_CUT: (
+        "{node}: bidirectional attention (no mask, not causal) over a cut sequence: half A's queries "
+        "would miss half B's keys"
+    ),
+    ReasonCode.SPLIT_CAUSAL_OFFSET: (
+        "{node}: causal attention with {queries} queries over {keys} keys over a cut sequence: half "
+        "B's queries would see half A's keys past their own position"
+    ),
     ReasonCode.SPLIT_MASK_SHAPE: '{node}: attention mask of shape {mshape}',
     ReasonCode.SPLIT_READS_TOKENS: '{node} ({node_kind}) reads token tensors',
     ReasonCode.SPLIT_SCORES_AFTER_LAST_SITE: '{node}: attention scores are read after the last site',
