@@ -21,5 +21,7 @@ def pytest_collection_modifyitems(config, items):
         if marker is not None:
             covered_by = marker.kwargs.get("covered_by") or (marker.args[0] if marker.args else "")
             if not covered_by:
-                raise pytest.UsageError(f"{item.nodeid}: pytest.mark.full needs covered_by= (the CI test that covers it)")
+                raise pytest.UsageError(
+                    f"{item.nodeid}: pytest.mark.full needs covered_by= (the CI test that covers it)"
+                )
             item.add_marker(pytest.mark.skip(reason=f"full tier (WEAVE_TEST_FULL=1): CI covers it with {covered_by}"))

@@ -160,6 +160,7 @@ def test_split_cost_smoke(tmp_path):
     """bench_split_cost on the CPU: every cut of every token count measured against the whole, with
     the wave model's prediction; halves that add up to the tokens."""
     _, rows = _smoke("bench_split_cost.py", tmp_path)
-    assert {(r["tokens"], r["cut"]) for r in rows} == {(t, c) for t in ("256", "384") for c in ("wave", "tile", "half", "5/8")}
+    cuts = ("wave", "tile", "half", "5/8")
+    assert {(r["tokens"], r["cut"]) for r in rows} == {(t, c) for t in ("256", "384") for c in cuts}
     assert all(int(r["first"]) + int(r["second"]) == int(r["tokens"]) and float(r["halves_ms"]) > 0 for r in rows)
     assert all(float(r["predicted"]) >= 1.0 for r in rows)  # the wave model: a split never saves waves

@@ -357,7 +357,8 @@ def test_split_decision(world2):
     assert decision.use and decision.code is ReasonCode.NONE
     assert strategy.apply(rewrite, decision) is False  # later strategies may still run
     ops = op_counts(rewrite.graph)
-    assert ops["weave.fused_allreduce_rmsnorm_async.default"] == 4 and "weave.fused_allreduce_rmsnorm.default" not in ops
+    assert ops["weave.fused_allreduce_rmsnorm_async.default"] == 4
+    assert "weave.fused_allreduce_rmsnorm.default" not in ops
     assert rewrite.report.notes == ["token split (sequence): A = 256 / B = 384 tokens, wave inequality holds; "
                                     "2 sites x 2 halves"]
 
@@ -489,7 +490,8 @@ def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mo
     SplitStrategy().apply(rewrite, SplitStrategy().decide(rewrite))
     ((count, plan),) = calls
     for site_count in planned:  # str: comparing SymInts would install a guard
-        assert (str(count.value), count.static, count.hint) == (str(site_count.value), site_count.static, site_count.hint)
+        want = (str(site_count.value), site_count.static, site_count.hint)
+        assert (str(count.value), count.static, count.hint) == want
     assert count.symbolic == (mode == "symbolic")
     assert plan.tokens == count.hint == math.prod(tokens)
     assert plan.first is not None and rewrite.report.notes[-1].startswith("token split"), rewrite.report.notes

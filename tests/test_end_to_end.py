@@ -57,7 +57,8 @@ ALL = ("dense-bf16-llama-norm", "dense-fp32-torch-norm", "moe-bf16")
     (2, 2, 7, ALL),
     # 3 ranks (5 tokens do not divide among them): one variant in CI, every one in the full tier
     (3, 1, 5, ("dense-bf16-llama-norm",)),
-    pytest.param(3, 1, 5, ALL[1:], marks=pytest.mark.full(covered_by="test_reference_model_matches_eager[2-2-7]: these variants on 2 ranks")),
+    pytest.param(3, 1, 5, ALL[1:], marks=pytest.mark.full(
+        covered_by="test_reference_model_matches_eager[2-2-7]: these variants on 2 ranks")),
 ], ids=["2-2-7", "3-1-5", "3-1-5-more"])
 def test_reference_model_matches_eager(world, batch, seq, names):
     assert set(names) <= set(variants(world))

@@ -426,7 +426,8 @@ def torch_layer_norm(affine: str):
 @pytest.mark.parametrize("norm, residual, dtype, form", [
     ("cohere", True, torch.bfloat16, "LayerNorm (decomposed+fp32-upcast), weight torch.float32,"),
     ("cohere", False, torch.float32, "LayerNorm (decomposed), weight torch.float32,"),
-    ("weight+bias", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), weight torch.bfloat16, bias torch.bfloat16,"),
+    ("weight+bias", True, torch.bfloat16,
+     "LayerNorm (var_mean+fp32-upcast), weight torch.bfloat16, bias torch.bfloat16,"),
     ("weight+bias", False, torch.float32, "LayerNorm (var_mean), weight torch.float32, bias torch.float32,"),
     ("weight", True, torch.float32, "LayerNorm (var_mean), weight torch.float32, sum torch.float32"),
     ("bias", True, torch.bfloat16, "LayerNorm (var_mean+fp32-upcast), bias torch.bfloat16,"),

@@ -181,11 +181,11 @@ def _job_rank(rank, world):
 
     # 2. A mismatch (rank 0 splits, rank 1 fuses only), then a correct compile after a reset.
     torch._dynamo.reset()
-    config = WeaveConfig(overlap="force", plan_check_timeout_s=3.0) if rank == 0 else WeaveConfig(plan_check_timeout_s=3.0)
+    plain = WeaveConfig(plan_check_timeout_s=3.0)
+    config = plain.replace(overlap="force") if rank == 0 else plain
     out["mismatch"] = _run(torch.compile(two_layers, backend=weavepass.make_backend(config)), _inputs(rank))
     torch._dynamo.reset()
-    out["after"] = _run(torch.compile(two_layers, backend=weavepass.make_backend(WeaveConfig(plan_check_timeout_s=3.0))),
-                        _inputs(rank, seed=5))
+    out["after"] = _run(torch.compile(two_layers, backend=weavepass.make_backend(plain)), _inputs(rank, seed=5))
 
     # 3. A server's 50 recompiles, checked as the pass checks them (graphs traced with fake tensors):
     # a new batch size each time. The default store's key count stays bounded.
@@ -194,7 +194,8 @@ def _job_rank(rank, world):
     store = _get_default_store()
     keys = []
     for step in range(50):
-        gm = make_fx(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), tracing_mode="fake")(torch.randn(step + 1, H))
+        trace = make_fx(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), tracing_mode="fake")
+        gm = trace(torch.randn(step + 1, H))
         check_plan_across_ranks(gm.graph, step, timeout_s=3.0)
         keys.append(store.num_keys())
     out["keys"] = keys
@@ -262,7 +263,8 @@ def _dead_peer_rank(rank, world, when):
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_peer_killed_before_or_after_its_first_compile_is_named_within_seconds(when):
     error, seconds = spawn(_dead_peer_rank, 2, "gloo", when, timeout_s=120, group_timeout_s=60.0, may_die=(1,))[0]
-    assert error is not None and error.startswith("PeerGoneError: weavepass: rank 1 is gone: its heartbeat stopped"), error
+    assert error is not None
+    assert error.startswith("PeerGoneError: weavepass: rank 1 is gone: its heartbeat stopped"), error
     assert "restart every rank" in error, error
     assert seconds < 10.0, seconds  # the heartbeat limit (5 s), far from the 60 s of the group
 

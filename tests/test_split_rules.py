@@ -464,7 +464,8 @@ def test_attention_refusals(fn, inputs, tokens, reason):
 # ---- the analysis of a region -----------------------------------------------------------------------------
 
 def _site(partial, residual, weight):
-    return torch.ops.weave.fused_allreduce_rmsnorm(partial, residual, weight, 1e-6, "0", torch.float32, "portable", 16384)
+    return torch.ops.weave.fused_allreduce_rmsnorm(partial, residual, weight, 1e-6, "0", torch.float32, "portable",
+                                                   16384)
 
 
 def _two_sites(partial, residual, norm, up, down):

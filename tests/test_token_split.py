@@ -130,7 +130,6 @@ def test_split_matches_eager(world_size, tier):
 
 
 def _push_numerics(rank, world):
-    results = []
     diff, graph = _compile_and_compare(rank, world, "dense", 1, 9, WeaveConfig(overlap="force", overlap_comm="push"))
     return diff, graph.note, dict(graph.ops_after)
 
@@ -166,7 +165,8 @@ def test_generated_code_interleaves_halves(generated_code):
     body = generated_code
     events = []
     for line in body.splitlines():
-        fused = re.search(r"extern_kernels\.weave_fused_allreduce_rmsnorm_async\(reinterpret_tensor\(\w+, \(1, (\d), 64\)", line)
+        fused = re.search(
+            r"extern_kernels\.weave_fused_allreduce_rmsnorm_async\(reinterpret_tensor\(\w+, \(1, (\d), 64\)", line)
         if fused:
             events.append("A" if fused.group(1) == "4" else "B")
         elif "extern_kernels.mm(" in line:
@@ -309,7 +309,8 @@ def _one_size_window(rank, world):
     model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
     ids = random_token_ids(DENSE, 1, 32, seed=32)
     with torch.no_grad():
-        worst = max(worst, (torch.compile(model, backend=backend, dynamic=False)(ids) - model(ids)).abs().max().nan_to_num(torch.inf).item())
+        got = torch.compile(model, backend=backend, dynamic=False)(ids)
+        worst = max(worst, (got - model(ids)).abs().max().nan_to_num(torch.inf).item())
     return graphs_after, notes, worst, backend.report.graphs[0].note
 
 

@@ -74,7 +74,8 @@ def _table(cells: dict[int, dict[str, float]], *, world=2, device_type="cpu", dt
         "versions": {"torch": torch_version}, "world": world, "dtype": dtype, "layers": 1, "sequences": 1,
         "time_unit": "relative", "timing": "none: hand-written", "min_gain": min_gain,
         "entries": [{"shape": "two_sites", **widths, "mode": mode,
-                     "cells": [{"tokens": t, "times": {"inductor": 1.0, **times}} for t, times in sorted(cells.items())]}],
+                     "cells": [{"tokens": t, "times": {"inductor": 1.0, **times}}
+                               for t, times in sorted(cells.items())]}],
     }
 
 
@@ -91,7 +92,8 @@ def _compile(config: WeaveConfig, tokens: int = 640, mode: str = "fake", dtype=t
     sites, _ = find_allreduce_rmsnorm_sites(graph)
     plans = plan_sites(sites, config)
     report = GraphReport(0, ops_before=op_counts(graph))
-    report.records = [AllReduceRecord(p.site.all_reduce.name, True, [p.reason] if p.code is not ReasonCode.NONE else [], p.site.kind)
+    report.records = [AllReduceRecord(p.site.all_reduce.name, True,
+                                      [p.reason] if p.code is not ReasonCode.NONE else [], p.site.kind)
                       for p in plans]
     rewrite = GraphRewrite(graph, plans, config, report)
     rewrite.decisions = []
@@ -303,7 +305,9 @@ def test_a_table_without_an_entry_leaves_it_to_the_window(world2, tmp_path, tabl
 def test_builtin_table_does_not_apply_on_cpu_and_off_asks_no_table(world2):
     rewrite = _compile(WeaveConfig(overlap="auto"))
     assert "auto: tuning table builtin not used: measured on cuda" in rewrite.report.notes[-1]
-    for config in (WeaveConfig(overlap="off"), WeaveConfig(overlap="force"), WeaveConfig(overlap="auto", tuning_table="none")):
+    configs = (WeaveConfig(overlap="off"), WeaveConfig(overlap="force"),
+               WeaveConfig(overlap="auto", tuning_table="none"))
+    for config in configs:
         rewrite = _compile(config)
         assert all(plan.tuned is None for plan in rewrite.plans)
         assert not any("tuning table" in note for note in rewrite.report.notes)

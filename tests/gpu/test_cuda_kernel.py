@@ -436,7 +436,7 @@ def test_fallbacks_to_portable(case_result):
     assert case_result == [None] * WORLD
 
 
-# ---------------------------------------------------------------- a stalled peer (its own ranks: it ends rank 0's CUDA context)
+# ------------------------------------------ a stalled peer (its own ranks: it ends rank 0's CUDA context)
 
 
 def _stalled_peer_worker(rank, world, timeout_s, stall_s):

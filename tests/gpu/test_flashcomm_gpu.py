@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, shared_gpu_skip, shared_ranks  # tests/gpu/gpu_cases.py
+from gpu_cases import (  # tests/gpu/gpu_cases.py
+    Case,
+    check_replays_match_eager,
+    gpu_world,
+    needs_gpus,
+    shared_gpu_skip,
+    shared_ranks,
+)
 
 from weavepass import WeaveConfig, make_backend
 from weavepass.testing import TPConfig, build_tp_model, check_against_eager, random_token_ids

@@ -16,7 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, shared_gpu_skip, shared_ranks  # tests/gpu/gpu_cases.py
+from gpu_cases import (  # tests/gpu/gpu_cases.py
+    Case,
+    check_replays_match_eager,
+    gpu_world,
+    needs_gpus,
+    shared_gpu_skip,
+    shared_ranks,
+)
 
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
@@ -194,7 +201,8 @@ def _reduce_overhead(rank, world, overlap):
     _no_multicast()
     device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, **ONE_RANK))  # CUDA graphs allowed by default
+    # CUDA graphs allowed by default
+    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, **ONE_RANK))
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
     worst = check_replays_match_eager(compiled, model, CFG, 384, 5, device)

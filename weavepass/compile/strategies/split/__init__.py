@@ -17,21 +17,22 @@ whole sequences); one sequence is cut inside, and half B's queries attend to A's
 values with the causal diagonal aligned at the lower right (a B query at position ``i`` sees keys
 ``0 .. sA + i``), A's keys and values being ready first. Anything the rewrite does not understand
 (an op it has no rule for, a sort or a reduction over tokens; an MoE routing block that sorts the
-token-expert pairs by expert is taken as a whole, ``routing``) leaves the graph fuse-only with the reason in ``report.note``: the analysis finishes before the
-graph is touched.
+token-expert pairs by expert is taken as a whole, ``routing``) leaves the graph fuse-only with the
+reason in ``report.note``: the analysis finishes before the graph is touched.
 
 Token counts: the first site's ``TokenCount`` (the planner's) goes to ``weavepass.compile.wave_model.plan_split``,
 once per graph. Static shapes get its wave-aware cut. A
 symbolic token count gets its cut computed at run time from the symbol (half the sequences; or
 half the tokens rounded down to the GEMM row tile), so one graph serves every size from
 ``MIN_SYMBOLIC_UNITS`` (4) units on, through one guard; 2 or 3 units compile once more, fuse-only
-(a one-unit half would specialise the graph). Views are rewritten with ``-1`` for the token entry, so no other size needs
-arithmetic.
+(a one-unit half would specialise the graph). Views are rewritten with ``-1`` for the token entry,
+so no other size needs arithmetic.
 
 Modules: ``rules`` (which dim carries the tokens, one rule per op, registered by op),
 ``analysis`` (the rules over the region), ``attention`` (the attention ops' rule and a cut
 sequence's attention), ``scores`` (attention written out as bmm + softmax + bmm over a cut
-sequence), ``routing`` (MoE routing blocks that sort the pairs by expert), ``symbolic`` (the cut and its size arithmetic), ``rewrite`` (the halves).
+sequence), ``routing`` (MoE routing blocks that sort the pairs by expert), ``symbolic`` (the cut
+and its size arithmetic), ``rewrite`` (the halves).
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def inductor_config_patches() -> dict:
 def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool, str | None]:
     """``(push, note)``: whether the sites become the push variant's op
     (``WeaveConfig.overlap_comm="push"``), and the report's words for what the communication
-    stream runs (None with the default, ``"fused"``). Push needs every site's group to have 2 ranks (``push_unsupported_reason``); a
-    site on another lowering than ``cuda_symm`` still gets the op, which runs there as the fused
-    async op, and the note says so. Every rank decides the same: group sizes and lowerings are the
-    plan's, equal on every rank (``weavepass.compile.plan_check``)."""
+    stream runs (None with the default, ``"fused"``). Push needs every site's group to have 2 ranks
+    (``push_unsupported_reason``); a site on another lowering than ``cuda_symm`` still gets the op,
+    which runs there as the fused async op, and the note says so. Every rank decides the same: group
+    sizes and lowerings are the plan's, equal on every rank (``weavepass.compile.plan_check``)."""
     if config.overlap_comm != "push":
         return False, None
     from weavepass.runtime.cuda.support import push_unsupported_reason

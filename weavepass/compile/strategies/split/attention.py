@@ -80,7 +80,8 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
     if info.cut.mode == "sequence" and mask is None and shape(q)[2] != shape(k)[2]:
         # ``is_causal`` aligns the diagonal at the upper left; half B's two calls (all of A's keys,
         # then its own causally) are that only with one query per key.
-        raise Unsupported(Reason.of(ReasonCode.SPLIT_CAUSAL_OFFSET, node=node.name, queries=shape(q)[2], keys=shape(k)[2]))
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_CAUSAL_OFFSET, node=node.name, queries=shape(q)[2],
+                                    keys=shape(k)[2]))
     if isinstance(mask, Node):
         mshape = shape(mask)
         if info.cut.mode == "batch":
@@ -104,7 +105,8 @@ def emit_attention(rw: HalfEmitter, node: Node, half: str, args, kwargs) -> Node
     if half == "A":
         if isinstance(mask, Node):  # queries [0, sA) x keys [0, sA)
             rank = val(mask).dim()
-            emit_keys_hidden_check(rw, mask, rank - 2, rank - 1, "false" if val(mask).dtype == torch.bool else "additive")
+            kind = "false" if val(mask).dtype == torch.bool else "additive"
+            emit_keys_hidden_check(rw, mask, rank - 2, rank - 1, kind)
             mask = _mask_rows_keys(rw, mask, "A")
             args, kwargs = _with_mask(node.target, args, kwargs, mask)
         return rw.emit(node.target, args, kwargs)

@@ -174,7 +174,8 @@ class Rewrite:
                 target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
                 args = (*args, self.config.overlap_comm_ctas, HALVES.index(half))
             else:
-                target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if target is FUSED_ALLREDUCE_LAYERNORM else FUSED_ALLREDUCE_RMSNORM_ASYNC
+                layer_norm = target is FUSED_ALLREDUCE_LAYERNORM
+                target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if layer_norm else FUSED_ALLREDUCE_RMSNORM_ASYNC
                 args = (*args, self.config.overlap_comm_ctas)
         elif target in VIEWS:
             size = half_view_size(node, info.token[node], args[1])

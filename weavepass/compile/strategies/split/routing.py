@@ -182,7 +182,9 @@ def _row_op(node: Node, info: Analysis):
     (order,) = orders
     dims = rule_for(target)(node, info)
     if node in info.sliced:
-        raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS, node=node.name, op=op_name(target), lined_up=', '.join(a.name for a in info.sliced[node])))
+        lined_up = ', '.join(a.name for a in info.sliced[node])
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS, node=node.name, op=op_name(target),
+                                    lined_up=lined_up))
     if target in VIEWS:
         x = node.args[0]
         if shape(node)[dims] != shape(x)[info.token[x]]:
@@ -226,7 +228,8 @@ def _counts_op(node: Node, info: Analysis, counts: list[Node]):
     cumsum = node.target is aten.cumsum.default and node.args[0] is counts[0] \
         and norm_dim(node.args[1], 1) == 0 and not role.cumulative and val(node.args[0]).dim() == 1
     if (cast or cumsum) and val(node).dtype not in EXACT_KEYS:
-        raise Unsupported(Reason.of(ReasonCode.SPLIT_COUNTS_DTYPE, node=node.name, op=op_name(node.target), dtype=val(node).dtype))
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_COUNTS_DTYPE, node=node.name, op=op_name(node.target),
+                                    dtype=val(node).dtype))
     if cast or cumsum:
         info.roles[node] = Counts(role.sort, cumulative=True) if cumsum else role
         return None
@@ -364,7 +367,8 @@ def check_block(info: Analysis) -> None:
     for node in info.roles:
         outside = [u.name for u in node.users if u not in info.token]
         if outside:
-            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_READ_OUTSIDE, node=node.name, readers=', '.join(outside)))
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_READ_OUTSIDE, node=node.name,
+                                        readers=', '.join(outside)))
     region = set(info.region)
     for node, scatters in info.block_consts.items():
         if node not in region:
@@ -374,7 +378,8 @@ def check_block(info: Analysis) -> None:
         # need half B's rows of the whole, ``P_A .. P``, not ``0 .. P_B``).
         others = [f"{u.name} ({op_name(u.target)})" for u in node.users if u not in scatters]
         if others:
-            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED, node=node.name, readers=', '.join(others)))
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED, node=node.name,
+                                        readers=', '.join(others)))
 
 
 def emit_block_const(rw, node: Node, half: str) -> Node:

@@ -82,7 +82,8 @@ def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_RESIDUAL_PARTIAL_DIMS, node=node.name))
     if residual is not None and residual not in info.token:
         if not first:
-            raise Unsupported(Reason.of(ReasonCode.SPLIT_RESIDUAL_NOT_FROM_SITE, node=node.name, residual=residual.name))
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_RESIDUAL_NOT_FROM_SITE, node=node.name,
+                                        residual=residual.name))
         info.sliced.setdefault(node, {})[residual] = dim
     if first and partial not in info.token:
         info.sliced.setdefault(node, {})[partial] = dim
@@ -160,7 +161,8 @@ def _indexed(node: Node, info: Analysis) -> int:
     tensors = [t for t in node.all_input_nodes if isinstance(val(t), torch.Tensor)] + [node]
     sizes = {t.name: hint(val(t).shape[d]) for t in tensors}
     if len(set(sizes.values())) != 1:
-        raise Unsupported(Reason.of(ReasonCode.SPLIT_NO_BROADCAST, node=node.name, op=op_name(node.target), sizes=sizes))
+        raise Unsupported(Reason.of(ReasonCode.SPLIT_NO_BROADCAST, node=node.name, op=op_name(node.target),
+                                    sizes=sizes))
     return d
 
 

@@ -165,7 +165,8 @@ def _elementwise(node: Node, info: Analysis) -> int:
         if t in info.token or hint(val(t).shape[pos]) != full:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_LINED_UP_WITH_KEYS, node=node.name, t=t.name))
         if mask_blocks(node, t, info.keys) is None:
-            raise Unsupported(Reason.of(ReasonCode.SPLIT_KEYS_NOT_MASK, node=node.name, op=op_name(node.target), t=t.name))
+            raise Unsupported(Reason.of(ReasonCode.SPLIT_KEYS_NOT_MASK, node=node.name, op=op_name(node.target),
+                                        t=t.name))
         info.key_sliced.setdefault(node, {})[t] = pos
         if t not in info.run_time_masks:
             info.run_time_masks.append(t)
