@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    StrEnum = enum.StrEnum
+else:  # Python 3.10 (requires-python): enum.StrEnum's behaviour, a str whose str() is its value
 
-class Lowering(enum.StrEnum):
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return format(str(self.value), spec)
+
+
+class Lowering(StrEnum):
     """How a fused op runs: the op call's ``lowering`` argument, which the runtime resolves
     (``weavepass.runtime.get_lowering``). The planner chooses it once per site
     (``weavepass.compile.planner.choose_lowering``); it is a ``str``, so the graph and the report

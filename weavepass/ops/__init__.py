@@ -174,8 +174,9 @@ QUANT_SCHEMA_ARGS = (
 )
 
 
-def _fake_quant(partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size,
-                scale_steps, code_steps, return_normed, *_):
+def _fake_quant(partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                group_name: str, out_dtype: torch.dtype, static_scale: torch.Tensor | None, group_size: int,
+                scale_steps: str, code_steps: str, return_normed: bool, *_: object) -> Fake:
     from weavepass.runtime.quant import quantize_rows
 
     normed = partial.new_empty(partial.shape, dtype=out_dtype)

@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from weavepass.compile.strategies.base import ContractError, Decision, GraphRewrite, Strategy, check_order
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy
 from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.config import WeaveConfig
 
 STRATEGIES: tuple[Strategy, ...] = (FlashCommStrategy(), FuseStrategy(), SplitStrategy())
 """In order of precedence: FlashComm before fuse (it rewrites the unfused sites and takes the graph),
@@ -18,9 +21,9 @@ the split after fuse (it splits the fused ops). ``check_order`` holds this order
 check_order(STRATEGIES)
 
 
-def inductor_patches(config) -> dict:
+def inductor_patches(config: WeaveConfig) -> dict[str, Any]:
     """Every strategy's Inductor config entries for ``config``, merged."""
-    patches: dict = {}
+    patches: dict[str, Any] = {}
     for strategy in STRATEGIES:
         patches.update(strategy.inductor_patches(config))
     return patches

@@ -18,16 +18,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from weavepass.config import WeaveConfig
 from weavepass.compile.planner import NO_REASON, SitePlan
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tuned import TunedDecision
+from weavepass.config import WeaveConfig
 from weavepass.report import GraphReport
-
 
 TRAINING = Reason(ReasonCode.TRAINING)
 """Why FlashComm and the token split refuse a training graph."""
@@ -90,7 +89,7 @@ class Strategy(abc.ABC):
     takes_graph: ClassVar[bool] = False
     """When it applies, it takes the whole graph (``apply`` returns True): no later strategy runs."""
 
-    def inductor_patches(self, config: WeaveConfig) -> dict:
+    def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
         """Inductor config entries a graph this strategy may rewrite needs (none by default)."""
         return {}
 

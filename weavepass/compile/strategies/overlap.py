@@ -4,10 +4,11 @@ plans and rewrites the fused sites and reports its own reasons not to split."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from weavepass.config import WeaveConfig
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
+from weavepass.config import WeaveConfig
 
 log = logging.getLogger("weavepass")
 
@@ -19,7 +20,7 @@ class SplitStrategy(Strategy):
     reads = frozenset({"fused", "records"})
     writes = frozenset({"notes"})
 
-    def inductor_patches(self, config: WeaveConfig) -> dict:
+    def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
         if config.overlap == "off":
             return {}
         from weavepass.compile.strategies.split import inductor_config_patches

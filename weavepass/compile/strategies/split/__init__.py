@@ -76,7 +76,7 @@ reads of the outputs it joins (wrong answers; found by reading ``fx_passes/overl
 not reproduced). Switched off in split graphs."""
 
 
-def inductor_config_patches() -> dict:
+def inductor_config_patches() -> dict[str, bool]:
     """``INDUCTOR_CONFIG_PATCHES``, plus the overlap scheduler off where this torch has it."""
     import torch._inductor.config as inductor_config
 
@@ -141,7 +141,9 @@ def apply_token_split(
         return skip(Reason(ReasonCode.SPLIT_ONE_SITE))
     position = {n: i for i, n in enumerate(graph.nodes)}
     sites = sorted(fused_nodes, key=position.__getitem__)
-    tokens = TokenCount.of(arguments(sites[0])["partial"])  # the planner's count of the first site
+    partial = arguments(sites[0])["partial"]
+    assert isinstance(partial, Node)  # a fused op's partial sum is a tensor
+    tokens = TokenCount.of(partial)  # the planner's count of the first site
     too_few = too_few_tokens_reason(tokens.hint)  # before the analysis: a decode step needs none
     if too_few is not None:
         return skip(Reason.of(ReasonCode.SPLIT_PLAN, cause=too_few))

@@ -3,6 +3,8 @@ reading a node's example value."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.fx import Node
 
 from weavepass.compile.reasons import Reason
@@ -16,7 +18,7 @@ class Unsupported(Exception):
         self.reason = reason
 
 
-def val(node):
+def val(node: object) -> Any:
     """``node``'s example value (``meta["val"]``); None for a non-node argument."""
     return node.meta.get("val") if isinstance(node, Node) else None
 
@@ -25,6 +27,6 @@ def norm_dim(dim: int, rank: int) -> int:
     return dim + rank if dim < 0 else dim
 
 
-def op_name(target) -> str:
+def op_name(target: object) -> str:
     """How a reason names an op: ``cumsum.default``, ``getitem``."""
     return getattr(target, "__name__", str(target))
