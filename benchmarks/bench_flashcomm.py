@@ -31,7 +31,6 @@ import statistics
 import sys
 
 import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout on sys.path)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from report import pyplot, save_figure, world_name, world_size, write_csv  # noqa: E402  (benchmarks/report.py)

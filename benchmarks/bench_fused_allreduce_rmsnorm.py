@@ -59,12 +59,12 @@ import os
 import statistics
 
 import gpu_env  # noqa: F401,E402  (must precede torch: multicast off, checkout on sys.path)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from report import pyplot, save_figure, world_name, world_size, write_csv  # noqa: E402  (benchmarks/report.py)
 from timing import progress_bar  # noqa: E402  (benchmarks/timing.py)
+
 from weavepass.testing.distributed import spawn  # noqa: E402
 
 try:

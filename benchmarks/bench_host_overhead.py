@@ -53,13 +53,13 @@ WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_
 
 
 def _callables(group_name: str):
-    from weavepass.runtime.cuda import launcher
     from weavepass.ops import (
         FUSED_ALLREDUCE_RMSNORM,
         FUSED_ALLREDUCE_RMSNORM_ASYNC,
         FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC,
         JOIN_ASYNC,
     )
+    from weavepass.runtime.cuda import launcher
     from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda
     from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
 

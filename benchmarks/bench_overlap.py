@@ -98,7 +98,6 @@ from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.p
 
 from weavepass.tune.shapes import SHAPES, VOCAB_PER_RANK, build_model  # shared with python -m weavepass.tune
 
-
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_overlap_push",
             "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_overlap_push_cg",
             "inductor_nccl_symm",

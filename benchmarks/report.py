@@ -68,6 +68,7 @@ def weave_config(**options):
     """The ``WeaveConfig`` of a model benchmark's weave variant: ``options``, plus
     ``min_world_size=1`` when the run's group has one rank (``model_world_size``)."""
     import torch.distributed as dist
+
     from weavepass import WeaveConfig
 
     if dist.is_initialized() and dist.get_world_size() == 1:

@@ -3,8 +3,9 @@ Triton's launcher (tensor and int pointers) and PyTorch's static launcher, and t
 empty op with the fused op's schema against a compact one (3 tensors + 1 string) and the join's.
 Run: ``python3 scripts/probe_launch_and_dispatch.py`` (docs/cuda_kernel.md, *Host cost*)."""
 
-import time
 import statistics
+import time
+
 import torch
 import triton
 import triton.language as tl

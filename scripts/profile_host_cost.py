@@ -17,7 +17,6 @@ import time
 # benchmarks/gpu_env: multicast off before torch starts, and the checkout on sys.path.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import gpu_env  # noqa: E402, F401
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -44,8 +43,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    from weavepass.runtime.cuda import dispatch as cuda_symm
     from weavepass.ops import FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_RMSNORM_ASYNC, JOIN_ASYNC
+    from weavepass.runtime.cuda import dispatch as cuda_symm
     from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS as capacity
 
     group = dist.group.WORLD.group_name

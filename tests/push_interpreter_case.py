@@ -24,8 +24,8 @@ from weavepass.runtime.cuda import kernels
 from weavepass.runtime.cuda.push import STAGING_SLOTS, push_arguments, signal_slots
 from weavepass.runtime.cuda.support import MAX_WORLD
 from weavepass.runtime.cuda.workspace import _Workspace
-from weavepass.testing.kernel_sim import split_schedule
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
+from weavepass.testing.kernel_sim import split_schedule
 
 WORLD, TOKENS, HIDDEN, EPS = 2, 5, 24, 1e-6  # odd rows, a width below its power of two (masked columns)
 CALLS = 4  # per half

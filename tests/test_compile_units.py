@@ -8,9 +8,8 @@ import dataclasses
 import json
 import math
 import threading
-from datetime import timedelta
-
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,17 +21,17 @@ import weavepass
 from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass, op_counts
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.patterns.rmsnorm import LAYER_NORM
+from weavepass.compile.plan_check import PlanExchange, PlanMismatchError, _key, collective_lines
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies import STRATEGIES, ContractError, GraphRewrite, check_order, inductor_patches
 from weavepass.compile.strategies.base import check_writes, snapshot
-from weavepass.compile.patterns.rmsnorm import LAYER_NORM
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm, force_device_kind
 from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.overlap import SplitStrategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
-from weavepass.compile.plan_check import PlanExchange, PlanMismatchError, _key, collective_lines
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.runtime.reference import add_rmsnorm_local
 from weavepass.testing import fake_process_group
@@ -536,6 +535,7 @@ def test_inductor_patches_come_from_the_strategies():
     # Inductor's overlap scheduler (where this torch has it) would move a split's joins after the
     # reads they guard (split.OVERLAP_SCHEDULING): off in split graphs, whatever the user set.
     import torch._inductor.config as inductor_config
+
     from weavepass.compile.strategies.split import OVERLAP_SCHEDULING
 
     # Shape padding pads token rows only where a benchmark says so (timing-dependent graphs,

@@ -128,8 +128,9 @@ def test_switch_off_keeps_the_dispatcher_call(group, monkeypatch):
 
 def test_every_hot_op_is_installed_as_its_own_kernel():
     """The direct call is the function the op's dispatcher kernel runs, for every hot op."""
-    from torch._inductor.select_algorithm import extern_kernels
     import importlib
+
+    from torch._inductor.select_algorithm import extern_kernels
 
     assert direct_calls.install()
     assert len(HOT_OP_KERNELS) == 7

@@ -18,6 +18,7 @@ from weavepass.testing.distributed import spawn
 from weavepass.testing.harness import check_against_eager
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
 
+
 def variants(world: int) -> dict[str, TPConfig]:
     heads = dict(n_heads=2 * world, n_kv_heads=world)  # whole heads on every rank
     return {

@@ -19,10 +19,10 @@ from weavepass import WeaveConfig
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import analyse, token_dims
-from weavepass.compile.strategies.split.state import Analysis
 from weavepass.compile.strategies.split.rewrite import rewrite
 from weavepass.compile.strategies.split.routing import Counts, Positions, Rows
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for
+from weavepass.compile.strategies.split.state import Analysis
 from weavepass.compile.strategies.split.symbolic import Cut
 from weavepass.compile.wave_model import GemmShape
 from weavepass.testing import routing

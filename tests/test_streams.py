@@ -18,7 +18,7 @@ class FakeStream:
         self.device_index, self.raw, self.name = device, raw, name
         self.waited: list[tuple[FakeStream, int]] = []  # (where the event was recorded, its device)
 
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         self.waited.append((event.last, event.device))  # what a wait uses: the event as recorded now
 
     def __eq__(self, other):

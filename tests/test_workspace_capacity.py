@@ -9,7 +9,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol

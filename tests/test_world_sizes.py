@@ -8,14 +8,13 @@ ranks before the 4- and 8-GPU runs (issues 16 and 17) say whether those decision
 from __future__ import annotations
 
 import pytest
-
 from test_compile_units import FLASHCOMM, _args, _exchange, _trace, two_sites  # tests/test_compile_units.py
 
 from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass
+from weavepass.compile.plan_check import collective_lines
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_token_split
-from weavepass.compile.plan_check import collective_lines
 from weavepass.runtime.cuda import launch_plan
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
 from weavepass.testing import fake_process_group

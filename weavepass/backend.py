@@ -23,7 +23,6 @@ import torch
 from weavepass.config import WeaveConfig
 from weavepass.report import GraphReport, WeaveReport
 
-
 log = logging.getLogger("weavepass")
 
 _RECOMPILE_LIMIT_HINT = 8  # torch._dynamo.config.recompile_limit's default

@@ -14,7 +14,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_cases import Case, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_cases import Case, shared_ranks  # tests/gpu/gpu_cases.py
 from test_cuda_kernel import (  # noqa: E402  (tests/gpu is on sys.path under pytest's rootdir-relative import)
     DTYPES,
@@ -107,7 +106,8 @@ def _async_join_worker(rank, world):
     observable), and every round with the join the right ones (new inputs each round, so stale
     values from a previous round fail too). The join also empties the pending entries and returns
     both events to the pool."""
-    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC as ASYNC, JOIN_ASYNC as JOIN
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC as ASYNC
+    from weavepass.ops import JOIN_ASYNC as JOIN
     from weavepass.runtime import streams
     from weavepass.runtime.cuda.workspace import DEFAULT_WORKSPACE_TOKENS
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_cases import (  # tests/gpu/gpu_cases.py
     Case,
     check_replays_match_eager,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_cases import Case, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 
 import weavepass

@@ -15,7 +15,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_cases import (  # tests/gpu/gpu_cases.py
     Case,
     check_replays_match_eager,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 from test_overlap_gpu import CFG, LAYOUTS, _no_multicast  # noqa: E402  (tests/gpu is on sys.path)
 

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from weavepass.config import WeaveConfig
+from weavepass.compile import dump
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_read_back
+from weavepass.compile.plan_check import check_plan_across_ranks
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import Reason, ReasonCode
-from weavepass.compile import dump
-from weavepass.compile.plan_check import check_plan_across_ranks
 from weavepass.compile.strategies import STRATEGIES, Decision, GraphRewrite, Strategy, inductor_patches
 from weavepass.compile.strategies.base import ContractError, check_writes, snapshot
+from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
 from weavepass.tune.table import load_table
 

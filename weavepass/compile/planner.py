@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, cast
 
 import torch.distributed as dist
 
-from weavepass.config import Lowering, WeaveConfig
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.tuned import TunedDecision, tuned_decision
+from weavepass.config import Lowering, WeaveConfig
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weavepass.config import WeaveConfig
 from weavepass.compile.tokens import TokenCount
+from weavepass.config import WeaveConfig
 
 # --- TokenWeave two-way token split -----------------------------------------------------------------
 #

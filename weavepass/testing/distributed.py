@@ -26,7 +26,6 @@ from weavepass.env import disable_multicast
 from weavepass.testing import shared_gpu
 
 
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it for port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -70,11 +70,10 @@ def profile_stream_overlap(fn, *args) -> StreamOverlap:
     """Profile one call ``fn(*args)`` (CPU and CUDA activities, synchronised before the profiler
     stops) and analyse its trace with ``stream_overlap``. Warm up and align ranks before calling."""
     import tempfile
+    import time
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    import time
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()

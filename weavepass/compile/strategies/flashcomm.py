@@ -44,15 +44,15 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.config import WeaveConfig
-from weavepass.ops import FLASHCOMM_SHARD_ROWS, NPU_ADD_RMS_NORM, NPU_ALL_GATHER_MM, NPU_MM_REDUCE_SCATTER
-from weavepass.runtime import symm_mem_matmul, npu
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals, prepare
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 from weavepass.compile.tokens import TokenCount
+from weavepass.config import WeaveConfig
+from weavepass.ops import FLASHCOMM_SHARD_ROWS, NPU_ADD_RMS_NORM, NPU_ALL_GATHER_MM, NPU_MM_REDUCE_SCATTER
+from weavepass.runtime import npu, symm_mem_matmul
 
 log = logging.getLogger("weavepass")
 _EXPECTED_DECLINES = (ReasonCode.TOO_FEW_TOKENS, ReasonCode.NO_SITES, ReasonCode.GROUP_TOO_SMALL)

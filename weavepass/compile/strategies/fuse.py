@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 
+from weavepass.compile.patterns.rmsnorm import LAYER_NORM
+from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.replication import insert_checks
+from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
 from weavepass.ops import (
     FUSED_ALLREDUCE_LAYERNORM,
     FUSED_ALLREDUCE_RMSNORM,
     FUSED_ALLREDUCE_RMSNORM_QUANT,
     FUSED_ALLREDUCE_RMSNORM_TRAIN,
 )
-from weavepass.compile.patterns.rmsnorm import LAYER_NORM
-from weavepass.compile.reasons import ReasonCode
-from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
-from weavepass.compile.replication import insert_checks
 
 log = logging.getLogger("weavepass")
 

@@ -22,8 +22,8 @@ import torch
 
 from weavepass.env import disable_multicast
 from weavepass.runtime.cuda import launcher
-from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
+from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.support import cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,

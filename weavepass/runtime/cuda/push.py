@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from weavepass.env import disable_multicast
-from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.launch_plan import SMALL_TILE_BYTES, triton_next_power_of_2
+from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.support import (
     PUSH_WORLD,
     SUPPORTED_DTYPES,

@@ -14,7 +14,7 @@ stays fuse-only rather than be split wrongly.
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.fx import Node

@@ -22,7 +22,6 @@ reading a score tensor is refused.
 
 from __future__ import annotations
 
-
 import torch
 from torch.fx import Node
 

@@ -10,8 +10,8 @@ in a slice, so nothing else needs arithmetic.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.fx import Graph, Node
