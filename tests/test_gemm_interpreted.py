@@ -2,9 +2,10 @@
 through Triton's interpreter (tests/gemm_interpreter_case.py, one process per case because
 ``TRITON_INTERPRET`` is read when the kernels are defined): the GEMM against ``torch.mm``, the routing
 of every tile to its owner at world 2, 3 and 4 with ragged splits, the reduce against the reference,
-the signals' values after back-to-back calls, and that a captured call's tensors outlive the capture. Skipped where Triton is not installed. What the
-interpreter cannot show: the waits under concurrency, memory ordering, TMA on the device, bf16 dots
-(the case file says why); tests/gpu/test_gemm_gpu.py covers those on one GPU."""
+the signals' values after back-to-back calls, and that a captured call's tensors outlive the capture.
+Skipped where Triton is not installed. What the interpreter cannot show: the waits under concurrency,
+memory ordering, TMA on the device, bf16 dots (the case file says why); tests/gpu/test_gemm_gpu.py
+covers those on one GPU."""
 
 from __future__ import annotations
 

@@ -153,7 +153,8 @@ def test_the_cycle_check_sees_function_level_and_type_checking_imports(tmp_path)
     (package / "sub" / "__init__.py").write_text("")
     (package / "a.py").write_text("from pkg.sub import b\n")
     (package / "sub" / "b.py").write_text("def f():\n    from .c import g\n")
-    (package / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n")
+    (package / "sub" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n")
     assert import_cycles(import_graph(package)) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
     (package / "sub" / "c.py").write_text("")
     assert import_cycles(import_graph(package)) == []

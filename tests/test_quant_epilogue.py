@@ -166,7 +166,8 @@ def test_quant_steps_are_the_graphs(fake_world):
     quant = site.quant
     assert (quant.static, quant.group_size, quant.return_normed) == (False, 0, False)
     assert quant.scale_steps == "abs|amax|convert:float32|div:448.0|clamp_min:4.359654017857143e-06"
-    assert quant.code_steps == "convert:float32|mul_scale_reciprocal|clamp_min:-448.0|clamp_max:448.0|convert:float8_e4m3fn"
+    assert quant.code_steps == (
+        "convert:float32|mul_scale_reciprocal|clamp_min:-448.0|clamp_max:448.0|convert:float8_e4m3fn")
     group = traced_site(site_fn(QuantLinear(torch.randn(N_OUT, H), "fp8_group"), fake_world),
                         *site_inputs(torch.bfloat16)).quant
     assert group.group_size == 128 and group.code_steps.startswith("div_scale|")
@@ -332,7 +333,10 @@ def _check_numbers(form, dtype, group, rank):
     theirs = eager_codes.reshape(7, H).float()
     exact = (normed_diff.reshape(7, H) == 0) & same_scale
     assert torch.equal(ours[exact], theirs[exact])
-    step = torch.ones_like(ours) if own_codes.dtype == torch.int8 else torch.maximum(_e4m3_step(ours), _e4m3_step(theirs))
+    if own_codes.dtype == torch.int8:
+        step = torch.ones_like(ours)
+    else:
+        step = torch.maximum(_e4m3_step(ours), _e4m3_step(theirs))
     assert ((ours - theirs).abs() <= step).all()
 
     # 3. The library's scaled matmul of the op's codes and scales within the quantization's error

@@ -11,8 +11,8 @@ from weavepass.ops import CHECK_REPLICATED, arguments
 
 def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int:
     """Route each fused op's residual (or, without one, its weight, or else a LayerNorm's bias)
-    through ``weave.check_replicated``, which compares the weight and the bias too; ``fused`` maps a site's name (its all_reduce's, as the report says)
-    to its fused op. Returns how many sites are checked."""
+    through ``weave.check_replicated``, which compares the weight and the bias too; ``fused`` maps a
+    site's name (its all_reduce's, as the report says) to its fused op. Returns how many sites are checked."""
     checked = 0
     for site, node in fused.items():
         # By name: the LayerNorm op has a bias after the weight.

@@ -279,7 +279,7 @@ def _source(node: Node, reads) -> Node:
 
 def _arg(node: Node, name: str):
     """Argument ``name`` of an OpOverload call, by schema name (positional or keyword)."""
-    for i, argument in enumerate(getattr(node.target, "_schema").arguments):
+    for i, argument in enumerate(node.target._schema.arguments):
         if argument.name == name:
             return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
     raise KeyError(name)
