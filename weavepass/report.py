@@ -31,6 +31,10 @@ class AllReduceRecord:
     matmul: str = ""
     notes: list[str] = field(default_factory=list)
     """How it was rewritten, where there was a choice (FlashComm's per-site notes)."""
+    where: str = ""
+    """The module that produced the sum and the source line of its all_reduce
+    (``model.layers.0.mlp.down_proj (modeling_llama.py:123: ...)``, ``weavepass.compile.where``);
+    "" where the graph carries no such metadata."""
 
     @property
     def codes(self) -> list[ReasonCode]:
@@ -137,4 +141,6 @@ class WeaveReport:
                     status = "kept  "
                 detail = "; ".join(x for x in (r.kind, r.reason, f"matmul {r.matmul}" if r.matmul else "") if x)
                 lines.append(f"  {r.node:<20} {status:<22} {detail}")
+                if r.where:
+                    lines.append(f"  {'':<20} {'':<22} in {r.where}")
         return "\n".join(lines)

@@ -29,6 +29,7 @@ from weavepass.compile.strategies import STRATEGIES, Decision, GraphRewrite, Str
 from weavepass.compile.strategies.base import ContractError, check_writes, snapshot
 from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
+from weavepass.compile.where import where
 from weavepass.tune.table import load_table
 
 log = logging.getLogger("weavepass")
@@ -234,21 +235,23 @@ class WeavePass(CustomGraphPass):
         records: dict[int, AllReduceRecord] = {}
         for rejection in rejected:
             name = rejection.all_reduce.name
-            records[position[rejection.all_reduce]] = AllReduceRecord(name, False, [rejection.reason])
-            log.info("weavepass: %s left alone: %s", name, rejection.reason)
+            place = where(rejection.all_reduce)
+            records[position[rejection.all_reduce]] = AllReduceRecord(name, False, [rejection.reason], where=place)
+            log.info("weavepass: %s (%s) left alone: %s", name, place or "no source metadata", rejection.reason)
         plans = plan_sites(sites, self.config)
         for plan in plans:
             site = plan.site
             matmul = site.matmul.name if site.matmul is not None else ""
             reasons = [plan.reason] if plan.code is not ReasonCode.NONE else []
             records[position[site.all_reduce]] = AllReduceRecord(
-                site.all_reduce.name, True, reasons, site.kind, "", matmul
+                site.all_reduce.name, True, reasons, site.kind, "", matmul, where=where(site.all_reduce)
             )
         report.records = [records[i] for i in sorted(records)]
         for plan in plans:  # a merged all_reduce has no record of its own: the graph says where it went
             site = plan.site
-            partner = site.inner.merged if site.inner is not None else None
-            if partner is not None and plan.lowering is not None:  # merged only when rewritten
+            for partner in site.inner.merged_sums if site.inner is not None else []:
+                if plan.lowering is None:  # merged only when rewritten
+                    break
                 report.add_note(f"{partner.all_reduce.name} is summed with {site.all_reduce.name}'s sum "
                                 f"into one all_reduce (see {site.all_reduce.name})")
         if not sites:
