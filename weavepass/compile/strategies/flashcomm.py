@@ -334,16 +334,18 @@ class PortableFlashComm:
 
     def add_shared(self, site: FusedAllReduceRMSNormSite, shared: Node, stream_shard: Node) -> Node:
         """The op's residual ``x + r`` on the shard (``x`` replicated, ``r`` the carried stream):
-        ``x``'s rows for this rank's shard plus the carried shard, rounded where the fuse path
+        ``x``'s rows for this rank's shard (a bias row ``[H]``: itself) plus the carried shard, rounded where the fuse path
         rounds ``x + r``. The full-row ``x + r`` that ``prepare`` made (and its views of ``x``)
         is replaced; it would otherwise make ``finish`` gather the stream for it."""
         folded = site.residual
         x_rows = folded.args[0]  # fold_inner_add builds add(views of x, r)
         self.dead.add(folded)
-        while x_rows is not shared:
+        if val(x_rows).numel() == site.hidden:  # bias rows ([H], ``SumTree``): the same for every row
+            return self.call(aten.add.Tensor, x_rows, stream_shard)
+        while x_rows is not shared and is_target(x_rows, VIEWS):  # (a ``SumTree``'s sum of terms: x itself)
             self.dead.add(x_rows)
             x_rows = x_rows.args[0]
-        return self.call(aten.add.Tensor, self.shard_rows(shared, site.hidden), stream_shard)
+        return self.call(aten.add.Tensor, self.shard_rows(x_rows, site.hidden), stream_shard)
 
     def reduce_scatter(self, site: FusedAllReduceRMSNormSite) -> tuple[Node, str, list[str]]:
         """The site's reduced rows ``[R, H]``: fused with the producer matmul where possible."""

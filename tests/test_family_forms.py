@@ -1,0 +1,263 @@
+"""Sites of the Hugging Face families beyond the project's matrix, as small graphs.
+
+* Biased row-parallel layers: the layer's replicated bias ``b`` (``[H]``) is added after its
+  all_reduce. ``(S + b) + r`` (StarCoder2), ``((S_m + b_m) + (S_a + b_a)) + r`` (GPT-NeoX's
+  parallel residual), ``(S_a + (S_m + b_m)) + r`` (GPT-J), ``((S_a + b_a) + (S_m + b_m)) + r``
+  (Phi): the biases move onto the residual, the sums share one all_reduce (``SumTree``).
+* MiniMax: the experts' ``[T, H]`` sum viewed as ``[B, S, H]`` and scaled (``residual * alpha +
+  h * beta``).
+* Llama4: the routed experts' sum ``all_reduce(p).view(E, T, H).sum(0)`` added to the shared
+  expert's all_reduce: one all_reduce of ``p.view(E, T, H).sum(0) + p_shared``.
+* Every record names where in the model its all_reduce is (``weavepass.compile.where``).
+
+Graph-level tests compile on a fake group of 2 (``test_patterns``'s helpers); the numbers are
+checked on 2 gloo ranks against eager and the fp32 function (``check_against_eager``), fuse-only,
+split forced and FlashComm forced.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import weavepass
+from weavepass import WeaveConfig
+from weavepass.compile.where import module_path, source_line
+from weavepass.report import WeaveReport
+from test_patterns import (  # noqa: F401  (fake_world: the fake group every test here compiles on)
+    AR, FUSED, FUSED_LN, H, WAIT, ar, cohere_layer_norm, compile_report, fake_world, inputs, llama_norm,
+)
+
+ADD = "aten.add.Tensor"
+
+
+def biases(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
+
+
+def starcoder2(x, w, r, weight, b, b2):
+    h = (ar(x @ w) + b) + r
+    return llama_norm(h, weight), h
+
+
+def gpt_neox(x, w, r, weight, b, b2):
+    a = ar(x @ w)
+    m = ar(x @ w.flip(0))
+    h = ((m + b2) + (a + b)) + r
+    return cohere_layer_norm(h, weight), h
+
+
+def gpt_j(x, w, r, weight, b, b2):
+    a = ar(x @ w)  # no bias on the attention's output projection
+    h = (a + (ar(x @ w.flip(0)) + b2)) + r
+    return cohere_layer_norm(h, weight), h
+
+
+def phi(x, w, r, weight, b, b2):
+    h = ((ar(x @ w) + b) + (ar(x @ w.flip(0)) + b2)) + r
+    return cohere_layer_norm(h, weight), h
+
+
+def test_biased_sum_moves_its_bias_onto_the_residual():
+    graph = compile_report(starcoder2, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    (record,) = graph.records
+    assert record.lowering == "portable" and record.matmul == "mm", record
+    assert "bias row(s) arg2_1 of the row-parallel layer(s) added to the residual" in record.kind, record.kind
+    # (S + b) + r and the norm's eps: only the new b + r is left, the op adds the sum and norms
+    assert (graph.ops_before[ADD], graph.ops_after[ADD]) == (3, 1)
+
+
+@pytest.mark.parametrize("form", [gpt_neox, gpt_j, phi])
+def test_parallel_biased_branches_share_one_all_reduce(form):
+    graph = compile_report(form, *inputs(), *biases())
+    assert graph.ops_before[AR] == 2 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    assert graph.ops_after[FUSED_LN] == 1
+    (record,) = graph.records  # the merged all_reduce has no record of its own
+    assert record.kind.startswith("residual, summed with all_reduce_1: one all_reduce"), record.kind
+    assert "bias row(s)" in record.kind and record.matmul == "", record
+    assert "all_reduce_1 is summed with all_reduce's sum into one all_reduce" in graph.note, graph.note
+    # the branches' adds, the biases' and the residual's are gone: the partials' sum, the biases'
+    # sum (two biases) and bias + residual are left (the LayerNorm's own adds are in the op)
+    assert graph.ops_after[ADD] == (2 if form is gpt_j else 3), graph.ops_after
+
+
+def test_biased_sum_without_a_norm_says_so():
+    def f(x, w, r, weight, b, b2):
+        return ar(x @ w) + b
+
+    graph = compile_report(f, *inputs(), *biases())
+    assert graph.ops_after == graph.ops_before
+    (record,) = graph.records
+    assert record.reason.startswith("a bias row (arg2_1) is added to the sum, and no RMSNorm"), record.reason
+
+
+def test_biased_sum_read_elsewhere_is_a_term_of_the_other_tree():
+    """A biased sum that is also returned is not inside the other sum's tree: it is one more
+    replicated term there (moved onto the residual), and its own site is refused (no norm)."""
+    def f(x, w, r, weight, b, b2):
+        a = ar(x @ w) + b
+        h = (ar(x @ w.flip(0)) + b2) + a + r
+        return llama_norm(h, weight), h, a
+
+    graph = compile_report(f, *inputs(), *biases())
+    kept, fused = graph.records
+    assert not kept.matched and "no RMSNorm or LayerNorm reads" in kept.reason, kept
+    assert fused.lowering and "bias row(s) arg3_1 " in fused.kind and ", and add as well" in fused.kind, fused.kind
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 1
+
+
+def minimax(x, w, r, weight, b, b2):
+    """The experts' sum ``[T, H]`` viewed as ``[1, T, H]``, then ``residual * alpha + h * beta``."""
+    h = r.view(1, *r.shape) * 0.5 + ar(x @ w).view(1, x.shape[0], H) * 0.25
+    return llama_norm(h, weight), h
+
+
+def test_scale_after_a_view_of_the_sum():
+    graph = compile_report(minimax, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0
+    (record,) = graph.records
+    assert record.kind.startswith("residual, sum scaled by 0.25"), record.kind
+
+
+def llama4(x, w, r, weight, b, b2):
+    """Llama4's MoE: 4 experts' rows ``[4 T, H]`` all_reduced, summed over experts, added to the
+    shared expert's all_reduce (the routed one comes first in the graph)."""
+    t = x.shape[0]
+    experts = torch.cat([x @ w * (i + 1) / 4 for i in range(4)])
+    routed = ar(experts).view(4, t, H).sum(0)
+    h = (ar(x @ w.flip(0)) + routed).view(1, t, H) + r.view(1, t, H)
+    return llama_norm(h, weight), h
+
+
+def test_routed_experts_sum_over_experts_joins_the_shared_experts_all_reduce():
+    graph = compile_report(llama4, *inputs(), *biases())
+    assert graph.ops_before[AR] == 2 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    assert graph.ops_after[FUSED] == 1
+    assert graph.ops_after["aten.sum.dim_IntList"] == 1  # now on the partial, before the collective
+    (record,) = graph.records  # the routed all_reduce, merged, has no record (not even a rejection)
+    assert record.node == "all_reduce_1" and "summed with all_reduce (" in record.kind, record.kind
+    assert "all_reduce is summed with all_reduce_1's sum into one all_reduce" in graph.note, graph.note
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down_proj = torch.nn.Linear(32, H, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x, r, weight):
+        summed = funcol.all_reduce(self.down_proj(x), "sum", dist.group.WORLD)
+        return llama_norm(summed + r, weight), funcol.all_reduce(self.down_proj(x), "sum", dist.group.WORLD)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block()])
+
+    def forward(self, x, r, weight):
+        return self.layers[0](x, r, weight)
+
+
+def test_records_name_the_module_and_source_line():
+    x, _, r, weight = inputs()
+    graph = compile_report(_Model(), x, r, weight)
+    fused, kept = graph.records
+    assert fused.lowering and not kept.matched
+    for record in graph.records:
+        assert record.where.startswith("layers.0 (test_family_forms.py:"), record.where
+        assert "funcol.all_reduce(self.down_proj(x)" in record.where, record.where
+    assert f"in {kept.where}" in str(WeaveReport([graph]))
+
+
+def test_module_path_and_source_line_of_hand_made_metadata():
+    """Dynamo's spellings of the root module and of list indices; the innermost frame's code line
+    (not the caret line under it)."""
+    node = torch.fx.Graph().placeholder("x")
+    for key, expected in ((r"L['self'].model.layers[0].mlp", "model.layers.0.mlp"),
+                          (r"L['args'][0].model.layers.1.mlp.fc2", "model.layers.1.mlp.fc2"),
+                          (r"L['self']._modules['model'].embed_tokens", "model.embed_tokens")):
+        node.meta["nn_module_stack"] = {"a": ("L['self']", object), "b": (key, object)}
+        assert module_path(node) == expected
+    node.meta["stack_trace"] = ('  File "/x/modeling_a.py", line 3, in forward\n    h = self.f(x)\n'
+                                '  File "/x/modeling_b.py", line 7, in forward\n    return self.down(x)\n'
+                                '           ^^^^^^^^^^^^\n')
+    assert source_line(node) == "modeling_b.py:7: return self.down(x)"
+    assert module_path(torch.fx.Graph().placeholder("y")) == source_line(torch.fx.Graph().placeholder("y")) == ""
+
+
+# ----- numbers on 2 gloo ranks -------------------------------------------------------------------
+
+
+def stream_stack(x, w, r, weight, b, b2):
+    """An embedding-like sum, then a StarCoder2, a GPT-NeoX and a Llama4 layer: the stream runs from
+    site to site, so FlashComm can keep it sharded (6 all_reduces, 4 sites)."""
+    e = ar(x @ w)
+    n0 = llama_norm(e, weight)
+    n1, h1 = starcoder2(n0[:, :32], w, e, weight, b, b2)
+    n2, h2 = gpt_neox(n1[:, :32], w, h1, weight, b, b2)
+    return llama4(n2[:, :32], w, h2, weight, b, b2)
+
+
+def scaled_stack(x, w, r, weight, b, b2):
+    """``stream_stack`` and then MiniMax's scaled residual (its ``residual * alpha`` is not the
+    stream: FlashComm refuses it), 7 all_reduces, 5 sites."""
+    n3, h3 = stream_stack(x, w, r, weight, b, b2)
+    return minimax(n3[0, :, :32], w, h3[0], weight, b, b2)
+
+
+CONFIGS = {"fuse": WeaveConfig(), "split": WeaveConfig(overlap="force"),
+           "flashcomm": WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1)}
+
+
+def _forms_rank(rank: int, world: int) -> dict:
+    """``scaled_stack`` (``stream_stack`` for FlashComm) compiled vs eager vs the fp32 function on a gloo group: fp32 with every
+    strategy, bf16 fuse-only. Each rank's partials are its own matmuls (its weight shard); x, r,
+    the norm weight and the biases are the same on every rank, as tensor parallelism keeps them."""
+    from weavepass.testing.harness import check_against_eager
+
+    g = torch.Generator().manual_seed(0)
+    x, r, weight = torch.randn(7, 32, generator=g), torch.randn(7, H, generator=g), torch.randn(H, generator=g)
+    w = [torch.randn(32, H, generator=g) / 4 for _ in range(world)][rank]
+    b, b2 = biases(torch.float32)
+    results = {}
+    for name, dtype in (("fuse", torch.float32), ("split", torch.float32), ("flashcomm", torch.float32),
+                        ("fuse", torch.bfloat16)):
+        backend = weavepass.make_backend(CONFIGS[name])
+        torch._dynamo.reset()
+        fn = stream_stack if name == "flashcomm" else scaled_stack
+        comparison = check_against_eager(fn, tuple(t.to(dtype) for t in (x, w, r, weight, b, b2)),
+                                         lambda f: torch.compile(f, backend=backend), fn, dtype,
+                                         raise_on_failure=False)
+        (graph,) = backend.report.graphs
+        results[f"{name}-{dtype}"] = (comparison.passed, str(comparison), str(backend.report),
+                                      graph.ops_after[AR], [rec.lowering for rec in graph.records], graph.note)
+    return results
+
+
+@pytest.fixture(scope="module")
+def forms_on_gloo():
+    from weavepass.testing.distributed import spawn
+
+    return spawn(_forms_rank, 2, "gloo", timeout_s=600)
+
+
+@pytest.mark.parametrize("run", ["fuse-torch.float32", "split-torch.float32", "flashcomm-torch.float32",
+                                 "fuse-torch.bfloat16"])
+def test_forms_equal_eager_on_gloo(forms_on_gloo, run):
+    """Every site fused (5 records for 7 all_reduces: 2 merged; FlashComm 4 for 6), no all_reduce left, on both ranks
+    alike, and within ``check_against_eager``'s per-dtype bound of the fp32 function: the rewrites
+    only reorder the sums, biases and scales (where each is rounded)."""
+    first = forms_on_gloo[0][run]
+    for rank_results in forms_on_gloo:
+        passed, table, report, left, lowerings, note = rank_results[run]
+        assert (lowerings, note) == first[4:], (report, first[2])  # every rank decided the same
+        assert left == 0 and len(lowerings) == (4 if run.startswith("flashcomm") else 5) and all(lowerings), report
+        if run.startswith("flashcomm"):
+            assert all(lw.startswith("flashcomm:") for lw in lowerings), report
+        if run.startswith("split"):
+            assert "split" in note and "fuse-only" not in note, report
+        assert passed, table
