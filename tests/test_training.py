@@ -76,6 +76,18 @@ class TwoSites(nn.Module):
         return self.norm(residual, self.norm2, self.upcast), residual
 
 
+class EmbeddingThenLayer(TwoSites):
+    """HF Llama's start: the embedding's sum normed without a residual, then a layer whose residual
+    is that sum. AOT autograd saves the embedding's sum (the first norm's input) and would save the
+    layer's sum too, recomputing ``e + S`` in the backward, unless the residual add is marked to be
+    saved (``weavepass.compile.joint_pass``)."""
+
+    def forward(self, x, residual):
+        e = _RowParallelSum.apply(x @ self.w1, self.group)
+        h = _RowParallelSum.apply(self.norm(e, self.norm1, self.upcast) @ self.w2, self.group) + e
+        return self.norm(h, self.norm2, self.upcast), h * residual
+
+
 class TrainStep:
     """``(x, residual) -> (outputs, gradients of inputs and parameters)`` of ``module``.
 
@@ -105,7 +117,8 @@ def _inputs(dtype: torch.dtype):
             torch.randn(2, 5, HIDDEN, generator=gen).to(dtype))
 
 
-def _train_compile(config: weavepass.WeaveConfig, dtype: torch.dtype, upcast: bool = True, norm=_rms_norm):
+def _train_compile(config: weavepass.WeaveConfig, dtype: torch.dtype, upcast: bool = True, norm=_rms_norm,
+                   module=TwoSites, options=None):
     """One training step of ``TwoSites`` compiled on a fake group of 2; returns the backend and
     the post-grad graphs after the weave pass, in compile order (forward, then backward)."""
     graphs = []
@@ -118,8 +131,8 @@ def _train_compile(config: weavepass.WeaveConfig, dtype: torch.dtype, upcast: bo
     with fake_process_group(2) as group, torch._inductor.config.patch(
         post_grad_custom_post_pass=capture, fx_graph_cache=False
     ):
-        model = TwoSites(group, 0, dtype, upcast, norm)
-        TrainStep(torch.compile(model, backend=backend), model)(*_inputs(dtype))
+        model = module(group, 0, dtype, upcast, norm)
+        TrainStep(torch.compile(model, backend=backend, options=options), model)(*_inputs(dtype))
     return backend, graphs
 
 
@@ -141,6 +154,32 @@ def test_training_forward_graph_fuses_and_returns_the_saved_inverse_rms(dtype):
         assert node.target is operator.getitem and node.args[1] == 2
         assert node.args[0].target is FUSED_ALLREDUCE_RMSNORM_TRAIN
     assert not any(n.target is torch.ops.aten.rsqrt.default for n in forward.nodes)
+
+
+class _NoJointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __call__(self, graph):
+        pass
+
+    def uuid(self):
+        return "none"
+
+
+@pytest.mark.parametrize("joint_pass", [True, False])
+def test_training_saves_the_residual_add_not_the_sum(joint_pass):
+    """With weave's joint pass (the default) the forward graph returns the residual add for
+    backward, and both sites fuse; with another joint pass given in ``options`` (weave's is then
+    not installed) the partitioner saves the layer's sum, which keeps that site (the control)."""
+    options = None if joint_pass else {"joint_custom_post_pass": _NoJointPass()}
+    backend, _ = _train_compile(weavepass.WeaveConfig(), torch.float32, module=EmbeddingThenLayer, options=options)
+    forward_report = backend.report.graphs[0]
+    first, second = forward_report.records
+    assert first.lowering == "portable" and first.kind.startswith("no-residual"), first
+    if joint_pass:
+        assert forward_report.ops_after[TRAIN_OP] == 2 and second.lowering == "portable", second
+        assert not any(forward_report.ops_after[op] for op in ALL_REDUCES)
+    else:
+        assert not second.matched and "other user(s) besides the residual add" in second.reason, second
+        assert second.reason.endswith(": output"), second.reason
 
 
 def test_training_norm_in_bf16_is_refused_with_a_training_reason():
@@ -185,9 +224,11 @@ def test_training_graphs_skip_the_split_and_flashcomm_with_a_note(config, note):
 def _rank(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     results = {}
-    for dtype, norm in ((torch.float32, _rms_norm), (torch.bfloat16, _rms_norm), (torch.float32, _layer_norm)):
-        model = TwoSites(group, rank, dtype, norm=norm)
-        reference = TwoSites(group, rank, torch.float32, norm=norm)
+    for dtype, norm, module in ((torch.float32, _rms_norm, TwoSites), (torch.bfloat16, _rms_norm, TwoSites),
+                                (torch.float32, _layer_norm, TwoSites),
+                                (torch.float32, _rms_norm, EmbeddingThenLayer)):
+        model = module(group, rank, dtype, norm=norm)
+        reference = module(group, rank, torch.float32, norm=norm)
         backend = weavepass.make_backend()
         torch._dynamo.reset()
         comparison = check_against_eager(
@@ -196,7 +237,7 @@ def _rank(rank: int, world: int) -> dict:
             TrainStep(reference), dtype,
         )
         forward_report = backend.report.graphs[0]
-        results[f"{dtype} {norm.__name__}"] = dict(
+        results[f"{dtype} {norm.__name__} {module.__name__}"] = dict(
             fused=forward_report.ops_after[TRAIN_OP] + forward_report.ops_after[LAYER_NORM_OP],
             compared=len(comparison.outputs),
             max_abs=comparison.max_abs_diff,

@@ -131,6 +131,7 @@ class WeaveBackend:
         ``options["post_grad_custom_pre_pass"]``, else in Inductor's global config, runs before
         weave's (``weavepass.inductor_pass``'s ``chain``)."""
         from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling
+        import torch._inductor.config
 
         from weavepass.inductor import CURRENT, make_pass
 
@@ -140,6 +141,11 @@ class WeaveBackend:
                           report=self.report, graph_ids=self._graph_ids, on_report=graph_reports.append)
         _warn_overridden(patches, pass_.strategy_settings())
         patches.update(pass_.config_patches())
+        if patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass) is None:
+            from weavepass.compile.joint_pass import SaveSummedResiduals
+
+            # training: the residual add is saved for backward, not the sum (``joint_pass``)
+            patches["joint_custom_post_pass"] = SaveSummedResiduals()
         caches = contextlib.nullcontext()
         if not self.config.fx_graph_cache:  # (torch 2.13 skips the AOT-autograd cache without it anyway)
             caches = torch._functorch.config.patch(enable_autograd_cache=False)

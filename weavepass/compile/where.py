@@ -21,7 +21,8 @@ part of the path."""
 _INDEX = re.compile(r"\[(\d+)\]")
 _MODULES = re.compile(r"_modules\[['\"]([^'\"]+)['\"]\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_LIBRARY = (os.path.dirname(torch.__file__) + os.sep, f"{os.sep}transformers{os.sep}integrations{os.sep}")
+_LIBRARY = (os.path.dirname(torch.__file__) + os.sep, *(f"{os.sep}transformers{os.sep}{folder}{os.sep}"
+                                                      for folder in ("distributed", "integrations")))
 """Frames not of the user's model: torch itself (functional collectives, ``nn.Module.__call__``) and
 transformers' tensor-parallel hooks, which issue the all_reduce of a row-parallel layer."""
 
