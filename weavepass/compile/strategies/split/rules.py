@@ -327,6 +327,14 @@ def _reduction(node: Node, info: Analysis) -> int:
     return d if keep else d - sum(i < d for i in dims)
 
 
+@register(aten.var_mean.correction)
+def _var_mean(node: Node, info: Analysis) -> tuple[int, int]:
+    """A LayerNorm's statistics (``(var, mean)``, keepdim a keyword): the reduction's rule for each
+    (GPT-NeoX's second LayerNorm of the parallel residual reads the stream, outside any site)."""
+    d = _reduction(node, info)
+    return d, d
+
+
 def along(node: Node, info: Analysis, dim: int) -> int:
     """An op along ``dim`` that keeps the rank: fine unless it is the token dim, with every other
     tensor input carrying tokens in the same dim."""
