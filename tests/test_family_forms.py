@@ -278,3 +278,26 @@ def test_forms_equal_eager_on_gloo(forms_on_gloo, run):
         if run.startswith("split"):
             assert "split" in note and "fuse-only" not in note, report
         assert passed, table
+
+
+def test_post_norm_embedding_sum_says_what_it_is():
+    """OLMo2's start: the embedding's sum feeds the first layer's projections directly, and the
+    branch is normed before it is added (post-norm): no norm follows the sum. The finder's
+    rejection carries ``ReasonCode.POST_NORM_SUM`` (read again from the rewritten graph, where the
+    all_reduce is left as it was)."""
+    from weavepass.compile.patterns.allreduce_rmsnorm import find_allreduce_rmsnorm_sites
+    from weavepass.compile.reasons import ReasonCode
+
+    def f(x, w, r, weight, b, b2):
+        e = ar(x @ w)
+        attn = ar(e @ w.T @ w)  # a layer reads the sum itself
+        return e + llama_norm(attn, weight)
+
+    graphs = []
+    with torch._inductor.config.patch(post_grad_custom_post_pass=graphs.append):
+        graph = compile_report(f, *inputs(), *biases())
+    first, second = graph.records
+    assert not first.matched and first.reason.startswith("nothing to fuse: ") and "post-norm model" in first.reason
+    assert second.lowering, second  # the branch's own sum, normed without a residual
+    sites, (rejected,) = find_allreduce_rmsnorm_sites(graphs[0])
+    assert not sites and rejected.code is ReasonCode.POST_NORM_SUM, rejected
