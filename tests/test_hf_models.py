@@ -68,7 +68,10 @@ EXPECTED: dict[str, Expected] = {
     "gemma2": Expected(5, flashcomm=NO_STREAM),
     "gemma3": Expected(5, flashcomm=NO_STREAM),
     "phi3": Expected(5),
-    "olmo2": Expected(4, (ReasonCode.NO_NORM,), flashcomm=NO_STREAM),
+    # Post-norm: the embedding's sum is read by the first layer's projections, never normed.
+    "olmo2": Expected(4, (ReasonCode.POST_NORM_SUM,), flashcomm=NO_STREAM),
+    "olmo3": Expected(4, (ReasonCode.POST_NORM_SUM,), flashcomm=NO_STREAM),
+    "exaone4": Expected(4, (ReasonCode.POST_NORM_SUM,), flashcomm=NO_STREAM),
     "granite": Expected(5),
     # Attention and MLP in parallel, then a LayerNorm: (residual + attn) + mlp -> one all_reduce
     # of both partials per layer (5 all_reduces, 3 LayerNorm sites).
@@ -83,10 +86,25 @@ EXPECTED: dict[str, Expected] = {
     # the MLP's residual is not the embedding's stream value.
     "deepseek_v3": Expected(3, merged=1, flashcomm=ReasonCode.STREAM_BROKEN),
     "gpt_oss": Expected(1, split=ReasonCode.SPLIT_ONE_SITE),
+    # Biased row-parallel layers: the replicated bias rows move onto the residual. StarCoder2 adds
+    # each layer's sum to the stream in turn; GPT-NeoX, GPT-J, CodeGen and Phi run attention and MLP
+    # in parallel: one all_reduce of both partials per layer (5 all_reduces, 3 LayerNorm sites).
+    "starcoder2": Expected(5),
+    "gpt_neox": Expected(3, merged=2),
+    "gptj": Expected(3, merged=2),
+    "codegen": Expected(3, merged=2),
+    "phi": Expected(3, merged=2),
+    # MiniMax: the experts' [T, H] sum, viewed as [B, S, H], then ``residual * alpha + h * beta``;
+    # its scaled residual is not the stream (FlashComm), and its lightning attention's bmm has no
+    # split rule.
+    "minimax": Expected(4, split=ReasonCode.SPLIT_NOT_POSSIBLE, flashcomm=ReasonCode.STREAM_BROKEN),
+    # Llama4: the routed experts' all_reduce, summed over experts, joins the shared expert's
+    # (7 all_reduces, 5 sites); its rotary embedding (view_as_complex) has no split rule.
+    "llama4": Expected(5, merged=2, split=ReasonCode.SPLIT_NOT_POSSIBLE),
 }
 assert set(EXPECTED) == set(hf.FAMILIES)
 
-CI_FAMILIES = ("llama", "gemma3", "granite", "cohere", "qwen2_moe", "deepseek_v3")
+CI_FAMILIES = ("llama", "gemma3", "granite", "cohere", "qwen2_moe", "deepseek_v3", "gpt_neox", "llama4")
 CI_STRATEGIES = {
     "llama": ("fuse", "split", "flashcomm"),  # the family most users serve: every strategy
     "gemma3": ("flashcomm",),  # sites without a residual add: FlashComm's refusal, then fuse-only
@@ -94,6 +112,8 @@ CI_STRATEGIES = {
     "cohere": ("split",),  # LayerNorm sites, merged parallel branches, split; and bf16 (fuse-only)
     "qwen2_moe": ("split", "flashcomm"),  # MoE routing per half; the shared expert
     "deepseek_v3": ("flashcomm",),  # merged routed + shared sums; FlashComm's refusal, then fuse-only
+    "gpt_neox": ("flashcomm",),  # biased parallel branches in one all_reduce, LayerNorm, FlashComm
+    "llama4": ("fuse",),  # the routed experts' sum over experts merged into the shared expert's
 }
 """The strategies CI compiles per family: each family's distinct case (the comments), the rest of
 the grid is ``WEAVE_TEST_FULL=1``'s. A refused FlashComm compiles fuse-only, and test_family checks

@@ -80,6 +80,8 @@ def tiny_config(model_type: str):
         token = getattr(default, name, None)
         if isinstance(token, int) and token >= VOCAB or isinstance(token, list) and any(t >= VOCAB for t in token):
             fields[name] = value
+    if "qk_rope_head_dim" in fields and "head_dim" in fields:  # MLA: the rotary part's size
+        fields["head_dim"] = fields["qk_rope_head_dim"]
     layer_types = getattr(default, "layer_types", None)
     if isinstance(layer_types, list) and "layer_types" not in fields:
         fields["layer_types"] = layer_types[: fields.get("num_hidden_layers", 2)]

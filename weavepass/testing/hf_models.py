@@ -25,37 +25,18 @@ import torch.utils._pytree as pytree
 
 from weavepass.config import WeaveConfig
 from weavepass.report import GraphReport
+from weavepass.testing.hf_catalogue import VOCAB, save_tiny
 
-# The sizes every family shares: 2 layers (MoE families: a dense and a sparse one where the family
-# has both), 4 query and 2 key/value heads of 16, so each of 2 ranks holds 2 and 1.
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-
-FAMILIES: dict[str, tuple[str, dict]] = {
-    # family -> (config class in ``transformers``, config arguments beyond ``_COMMON``)
-    "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", dict(head_dim=16)),
-    "gemma": ("GemmaConfig", dict(head_dim=16)),
-    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=16)),
-    "phi3": ("Phi3Config", dict(pad_token_id=0, eos_token_id=1, bos_token_id=1)),
-    "olmo2": ("Olmo2Config", {}),
-    # Real Granite checkpoints scale the embedding and every residual branch.
-    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
-                                      attention_multiplier=0.25, logits_scaling=8.0)),
-    "cohere": ("CohereConfig", dict(logit_scale=0.5)),
-    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE, num_experts=4, shared_expert_intermediate_size=48)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, num_experts=4, head_dim=16)),
-    "deepseek_v3": ("DeepseekV3Config", dict(
-        _MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-        num_key_value_heads=4)),
-    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-                                     sliding_window=4)),
+FAMILIES: dict[str, str] = {
+    # family (the tests' name) -> model type; sizes and per-family config overrides: ``hf_catalogue``
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+    "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
+    "cohere": "cohere", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
+    # biased row-parallel layers (GPT-NeoX, GPT-J, Phi: parallel residual), a scaled MoE sum behind a
+    # view (MiniMax), the routed experts' sum over experts (Llama4), post-norm (OLMo3, Exaone4)
+    "gpt_neox": "gpt_neox", "gptj": "gptj", "phi": "phi", "codegen": "codegen", "starcoder2": "starcoder2",
+    "minimax": "minimax", "llama4": "llama4_text", "olmo3": "olmo3", "exaone4": "exaone4",
 }
 
 CONFIGS: dict[str, WeaveConfig] = {
@@ -83,13 +64,8 @@ class FamilyRun:
 
 
 def save_family(name: str, path: str, seed: int = 0) -> None:
-    """Write a tiny random ``name`` checkpoint (fp32) to ``path``."""
-    import transformers
-
-    config_class, extra = FAMILIES[name]
-    config = getattr(transformers, config_class)(**{**_COMMON, **extra})
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    """Write a tiny random ``name`` checkpoint (fp32) to ``path`` (``hf_catalogue.save_tiny``)."""
+    save_tiny(FAMILIES[name], path, seed)
 
 
 def load_tp(path: str, mesh, dtype: torch.dtype = torch.float32):
@@ -115,7 +91,7 @@ def run_families(rank: int, world: int, paths: dict[str, str], configs: dict[str
     # transformers >= 5.18 derives the TP size from WORLD_SIZE; 5.17 takes the mesh.
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     mesh = init_device_mesh("cpu", (world,))
-    ids = torch.randint(0, _COMMON["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     runs = {
         name: _run_family(load_tp(path, mesh), ids,
                           configs if strategies is None else {c: configs[c] for c in strategies[name]})
@@ -218,7 +194,7 @@ def run_generation(rank: int, world: int, path: str, prompt_lengths: tuple[int, 
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     mesh = init_device_mesh("cpu", (world,))
-    prompts = [torch.randint(0, _COMMON["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
                for n in prompt_lengths]
 
     def generate(model) -> list[list[int]]:
