@@ -91,7 +91,8 @@ def _result_cell(entry: dict, strategy: str) -> str:
     mark = "equal eager" if entry["rel_diff"] <= TOLERANCE else f"**differs** ({entry['rel_diff']:.1e})"
     if not entry["ranks_agree"]:
         mark += "; **ranks decided differently**"
-    note = "; ".join(g["note"] for g in entry["graphs"] if g["note"])
+    notes = [n for g in entry["graphs"] for n in g["note"].split("; ") if n and " is summed with " not in n]
+    note = "; ".join(notes)  # (the merged sums are the fuse column's: "sites" vs "fused")
     if strategy == "fuse" or not note:
         return mark
     return f"{mark}: {_short(note, 200)}"
