@@ -122,13 +122,17 @@ def write_table(results: dict) -> None:
     """Regenerate the sweep table of docs/models.md from ``results`` (family -> result)."""
     import transformers
 
+    from weavepass.testing.hf_catalogue import tp_families
+
+    missing = sorted(set(tp_families()) - set(results))
     built = [r for r in results.values() if r["status"] == "ok"]
     full = sum(1 for r in built if not r["strategies"]["fuse"]["error"]
                and all(g["left"] == 0 for g in r["strategies"]["fuse"]["graphs"]))
     lines = [
         BEGIN,
         "",
-        f"{len(results)} families (transformers {transformers.__version__}); {len(built)} built and run, "
+        f"{len(results)} of the {len(results) + len(missing)} families with a TP plan and a causal-LM class "
+        f"(transformers {transformers.__version__}) swept; {len(built)} built and run, "
         f"{full} of them with every all_reduce fused. \"sites\": all_reduces in the fuse-only run's "
         "graphs; \"fused\": those replaced by a fused op (a merged sum counts as fused). Results: "
         f"compiled vs the same graph run eagerly, fp32, within {TOLERANCE} of the output's magnitude.",
@@ -136,6 +140,8 @@ def write_table(results: dict) -> None:
         "| family | sites | fused | kept, and why (fuse-only) | fuse | split forced | FlashComm forced |",
         "|---|---|---|---|---|---|---|",
         *[_row(results[f]) for f in sorted(results)],
+        "",
+        *([f"Not run in the last sweep ({len(missing)}): " + ", ".join(missing) + "."] if missing else []),
         "",
         END,
     ]

@@ -53,9 +53,11 @@ def tp_families() -> dict[str, str]:
     """``{model type: causal-LM class name}`` for every model type whose default config has a
     non-empty ``base_model_tp_plan`` (a config that cannot be built at its defaults is kept: its
     tiny checkpoint then fails with the reason)."""
+    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    transformers.logging.set_verbosity_error()  # (default configs warn about their token ids)
     families = {}
     for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         try:
