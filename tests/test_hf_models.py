@@ -245,3 +245,15 @@ def test_generation_with_a_static_cache(tmp_path):
         assert len(run.graphs) == len(run.frames["weave"])
         decode = run.graphs[1]
         assert decode.rewritten == EXPECTED["llama"].fused == len(decode.records), str(WeaveReport(run.graphs))
+
+
+def test_catalogue_shrinks_the_families_configs():
+    """``hf_catalogue`` (the sweep's and this file's checkpoints): every family here has a TP plan,
+    and its tiny config the shared sizes (MLA: the rotary head dim as the head dim)."""
+    from weavepass.testing import hf_catalogue
+
+    for model_type in hf.FAMILIES.values():
+        config = hf_catalogue.tiny_config(model_type)
+        assert config.base_model_tp_plan, model_type
+        assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, hf_catalogue.VOCAB)
+    assert hf_catalogue.tiny_config("deepseek_v3").head_dim == 8  # qk_rope_head_dim
