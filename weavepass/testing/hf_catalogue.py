@@ -29,7 +29,7 @@ SMALL = dict(
     # GPT-2-style names (GPT-J, CodeGen)
     n_embd=64, n_layer=2, n_head=4, n_positions=64, n_ctx=64, rotary_dim=8,
     # Mamba / linear-attention mixers
-    mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
 )
 """The sizes every family shares, where its config has the field: 2 layers, 4 query and 2 key/value
@@ -46,6 +46,13 @@ OVERRIDES: dict[str, dict] = {
     "deepseek_v3": dict(num_key_value_heads=4),
     "gpt_neox": dict(rotary_pct=0.25),
     "phi": dict(partial_rotary_factor=0.5),
+    # hybrids: one attention layer among the 2 (a cache of Mamba layers only has no sequence length)
+    "bamba": dict(attn_layer_indices=[1]),
+    "falcon_h1": dict(mamba_d_ssm=128),  # (its layers are all hybrid: Mamba and attention in each)
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=8,
+                       mamba_head_dim=16),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 
 
@@ -77,7 +84,8 @@ def tiny_config(model_type: str):
 
     config_class = CONFIG_MAPPING[model_type]
     default = config_class()
-    fields = {k: v for k, v in {**SMALL, **OVERRIDES.get(model_type, {})}.items() if hasattr(default, k)}
+    fields = {k: v for k, v in {**SMALL, **OVERRIDES.get(model_type, {})}.items()
+              if hasattr(default, k) and not _derived(config_class, k)}
     for name, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 1)):
         token = getattr(default, name, None)
         if isinstance(token, int) and token >= VOCAB or isinstance(token, list) and any(t >= VOCAB for t in token):
@@ -85,9 +93,19 @@ def tiny_config(model_type: str):
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # MLA: the rotary part's size
         fields["head_dim"] = fields["qk_rope_head_dim"]
     layer_types = getattr(default, "layer_types", None)
-    if isinstance(layer_types, list) and "layer_types" not in fields:
-        fields["layer_types"] = layer_types[: fields.get("num_hidden_layers", 2)]
+    if isinstance(layer_types, list) and "layer_types" not in fields and not _derived(config_class, "layer_types"):
+        # one layer of each kind the model has (a hybrid's attention and linear-attention layers)
+        kinds = list(dict.fromkeys(layer_types))
+        n = fields.get("num_hidden_layers", 2)
+        fields["layer_types"] = (kinds + layer_types[len(kinds):])[:n] if len(kinds) < n else kinds[:n]
     return config_class(**fields)
+
+
+def _derived(config_class, name: str) -> bool:
+    """``name`` is a read-only property of the config (or an alias of one): derived from other fields."""
+    name = getattr(config_class, "attribute_map", {}).get(name, name)
+    attr = getattr(config_class, name, None)
+    return isinstance(attr, property) and attr.fset is None
 
 
 def save_tiny(model_type: str, path: str, seed: int = 0) -> None:
