@@ -51,6 +51,19 @@ class ReasonCode(enum.Enum):
     LATE_INPUT = "late_input"
     SAVED_INV_RMS_SHAPE = "saved_inv_rms_shape"
     ALREADY_CLAIMED = "already_claimed"
+    POST_NORM_SUM = "post_norm_sum"
+    """A post-norm model's embedding sum (OLMo2/3, Exaone4): a layer (``layer``) reads it without a
+    norm, and the model norms each branch before adding it to the stream: no norm follows the sum."""
+    BIAS_NO_NORM = "bias_no_norm"
+    """A bias row (``bias``) is added to the sum, and no norm reads the adds' result."""
+    BIAS_NO_RESIDUAL = "bias_no_residual"
+    """A bias row (``bias``) is added to the sum, with no residual of the sum's shape to carry it."""
+    BIAS_TREE_DTYPE = "bias_tree_dtype"
+    """A value added to a biased sum (``node``) has another dtype (type promotion is not fused)."""
+    BIAS_TREE_BROADCAST = "bias_tree_broadcast"
+    """A value added to a biased sum (``node``) is broadcast other than as a bias row ``[H]``."""
+    NO_NORM_AFTER_BIAS = "no_norm_after_bias"
+    """(Internal start value of the biased-sum reading: no add was read.)"""
     # The norm (``patterns/rmsnorm.py``)
     NO_NORM = "no_norm"
     NORM_OVER_SEVERAL_DIMS = "norm_over_several_dims"
@@ -393,6 +406,17 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.SAVED_INV_RMS_SHAPE: ("training: the inverse RMS {node} saved for backward has shape {shape}, "
                                      "not the fused op's {expected} (a view between the residual add and the norm)"),
     ReasonCode.ALREADY_CLAIMED: "{node} is already part of the site of {site}",
+    ReasonCode.POST_NORM_SUM: ("nothing to fuse: {layer} reads this sum as its input without a norm in between, "
+                               "and no norm follows the sum (a post-norm model norms each branch's output "
+                               "before adding it to the residual stream, so its first sum, the embedding's, "
+                               "is never normed)"),
+    ReasonCode.BIAS_NO_NORM: "a bias row ({bias}) is added to the sum, and no RMSNorm or LayerNorm reads the adds' result",
+    ReasonCode.BIAS_NO_RESIDUAL: ("a bias row ({bias}) is added to the sum, and no residual of the sum's shape: "
+                                  "the fused op's residual would be the broadcast bias"),
+    ReasonCode.BIAS_TREE_DTYPE: "{node} is added to the sum as {dtype}, not {expected} (type promotion is not fused)",
+    ReasonCode.BIAS_TREE_BROADCAST: ("{node} of shape {shape} is broadcast onto the sum's {sum_shape}: only a bias "
+                                     "row of the hidden size is fused"),
+    ReasonCode.NO_NORM_AFTER_BIAS: "no add after the sum",
     ReasonCode.NO_NORM: "no RMSNorm or LayerNorm consumes the value (first user: {first_user})",
     ReasonCode.NORM_OVER_SEVERAL_DIMS: "{op} normalises over {ndims} dims, not only the last",
     ReasonCode.NORM_STATS_SAVED: ("training: the norm's statistics output {node} is saved for backward "

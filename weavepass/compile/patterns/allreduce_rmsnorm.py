@@ -32,6 +32,7 @@ from weavepass.compile.patterns.rmsnorm import (
 )
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.config import Lowering
+from weavepass.compile.where import module_path
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -111,11 +112,63 @@ class PartnerSum:
     all_reduce: Node
     wait: Node
     views: tuple[Node, ...]
-    """row views from the wait to the inner add, each read only by the next"""
+    """row views (and sums over leading dims: ``_is_expert_sum``) from the wait to the inner add,
+    each read only by the next; replayed on the partial when the sums are merged"""
 
     @property
     def partial(self) -> Node:
         return _node(self.all_reduce.args[0])
+
+
+@dataclass(frozen=True)
+class SumTree:
+    """The sum reaches the residual add through a tree of adds whose other leaves are bias rows
+    (``[H]``: a row-parallel layer's replicated bias, added after its all_reduce), other all_reduce
+    sums over the same group (each read only by the tree), and replicated values of the sum's shape,
+    the outermost being the residual stream: ``(S + b) + r`` (StarCoder2), ``((S_m + b_m) + (S_a +
+    b_a)) + r`` (GPT-NeoX's parallel residual), ``(S_a + (S_m + b_m)) + r`` (GPT-J, CodeGen),
+    ``((S_a + b_a) + (S_m + b_m)) + r`` (Phi). ``_fold_tree`` makes it ``all_reduce(p + p_m + ...)
+    + ((b + ...) + r)``."""
+
+    adds: tuple[Node, ...]
+    """every add of the tree in graph order; the last is the root, the value the norm reads"""
+    own_views: tuple[Node, ...]
+    """row views from this site's (scaled) sum to the first add, each read only by the next"""
+    sums: tuple[PartnerSum, ...]
+    extra_slots: tuple[tuple[Node, int], ...]
+    """(add, argument index) of each bias row and each other replicated term of the sum's shape:
+    read at use time, like ``stream_slot``"""
+    stream_slot: tuple[Node, int]
+    """(add, argument index) of the residual: an earlier site's rewrite replaces that node"""
+    rows: int
+    """how many of ``extra_slots`` (the first) are bias rows"""
+
+    @property
+    def extras(self) -> list[Node]:
+        return [_node(add.args[i]) for add, i in self.extra_slots]
+
+    @property
+    def stream(self) -> Node:
+        add, i = self.stream_slot
+        return _node(add.args[i])
+
+    @property
+    def terms(self) -> list[Node]:
+        return [self.stream, *self.extras]
+
+    @property
+    def kind(self) -> str:
+        """What the fold does, for the report."""
+        rows, full = self.extras[:self.rows], self.extras[self.rows:]
+        text = (f"bias row(s) {', '.join(r.name for r in rows)} of the row-parallel layer(s) added "
+                "to the residual instead of the sum (replicated; eager adds them to the sum first, so "
+                "the rounding order differs)")
+        if full:
+            text += ", and " + ", ".join(x.name for x in full) + " as well"
+        if self.sums:
+            text = (f"summed with {', '.join(s.all_reduce.name for s in self.sums)}: one all_reduce of "
+                    f"the partials' sum (parallel branches), {text}")
+        return text
 
 
 @dataclass(frozen=True)
@@ -133,15 +186,29 @@ class InnerAdd:
     parallel: PartnerSum | None = None
     """Another all_reduce's sum that the residual add right after ``add`` adds: ``(S + x) + S_2``
     (Cohere's attention and MLP run in parallel on one input: ``x`` is the residual stream)."""
+    tree: SumTree | None = None
+    """Bias rows, or other sums with bias rows, in the adds up to the residual add (``SumTree``)."""
 
     @property
     def merged(self) -> PartnerSum | None:
-        """The all_reduce whose sum this site's one collective carries, if any."""
+        """The all_reduce whose sum this site's one collective carries, if any (a ``SumTree``: the
+        first of its sums)."""
+        if self.tree is not None:
+            return self.tree.sums[0] if self.tree.sums else None
         return self.partner or self.parallel
+
+    @property
+    def merged_sums(self) -> list[PartnerSum]:
+        """Every all_reduce whose sum this site's one collective carries."""
+        if self.tree is not None:
+            return list(self.tree.sums)
+        return [self.merged] if self.merged is not None else []
 
     @property
     def kind(self) -> str:
         """What the fold does, for the report."""
+        if self.tree is not None:
+            return self.tree.kind
         other = self.other.name
         if self.partner is not None:
             return (f"summed with {self.partner.all_reduce.name} ({other}): one all_reduce of the "
@@ -163,6 +230,9 @@ class ScaledSum:
     factor: Node | int | float
     late_factor: bool
     """``c`` is a constant made after the all_reduce (Gemma's ``full([], sqrt(H))``): moved up."""
+    views: tuple[Node, ...] = ()
+    """row views between the wait and ``mul`` (MiniMax: ``[T, H] -> [B, S, H]``, then ``* beta``),
+    each read only by the next: after the hoist, the first of ``views_to_add``."""
 
     @property
     def text(self) -> str:
@@ -215,6 +285,8 @@ class FusedAllReduceRMSNormSite:
         rewrite may have replaced the residual node."""
         if self.add is None:
             return None
+        if self.inner is not None and self.inner.tree is not None:
+            return self.inner.tree.stream
         if self.inner is not None and self.inner.parallel is not None:
             return self.inner.other
         start = self.inner.add if self.inner is not None else self.scale.mul if self.scale else self.wait
@@ -226,6 +298,8 @@ class FusedAllReduceRMSNormSite:
         """Before ``prepare``: the replicated ``x`` of ``(S + x) + r`` (a shared expert's output),
         which ``fold_inner_add`` moves onto the residual; else None (also for the merged forms: a
         partner's sum added first, or parallel branches, where ``x`` is the stream itself)."""
+        if self.inner is not None and self.inner.tree is not None:  # the bias rows (and other terms)
+            return self.inner.tree.extras[0] if self.inner.tree.extras else None
         if self.add is None or self.inner is None or self.inner.merged is not None:
             return None
         return self.inner.other
@@ -293,7 +367,11 @@ class FusedAllReduceRMSNormSite:
         nodes = [n for n in (self.partial, first, self.norm.weight, self.norm.bias, static_scale)
                  if n is not None]
         views = [*self.views_to_add, *self.views_to_norm]
-        if self.inner is not None:
+        if self.inner is not None and self.inner.tree is not None:
+            tree = self.inner.tree
+            nodes += [s.partial for s in tree.sums] + tree.terms
+            views += [*tree.own_views, *(v for s in tree.sums for v in s.views)]
+        elif self.inner is not None:
             nodes.append(self.inner.other)
             views += self.inner.views
             if self.inner.partner is not None:
@@ -386,12 +464,13 @@ def hoist_scale(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllReduce
         scaled = graph.call_function(mul.target, (partial, factor))
     _set_fake_vals([scaled])
     site.all_reduce.replace_input_with(partial, scaled)
-    mul.replace_all_uses_with(site.wait)
+    summed = site.scale.views[-1] if site.scale.views else site.wait
+    mul.replace_all_uses_with(summed)
     graph.erase_node(mul)
     norm = site.norm
     if norm.input is mul:  # a no-residual site's norm read the product
-        norm = dataclasses.replace(norm, input=site.wait)
-    return dataclasses.replace(site, scale=None, norm=norm)
+        norm = dataclasses.replace(norm, input=summed)
+    return dataclasses.replace(site, scale=None, norm=norm, views_to_add=site.scale.views + site.views_to_add)
 
 
 def fold_inner_add(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllReduceRMSNormSite:
@@ -408,6 +487,8 @@ def fold_inner_add(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllRed
     inner = site.inner
     if inner is None:
         return site
+    if inner.tree is not None:
+        return _fold_tree(site, inner.tree, graph)
     if inner.partner is not None:
         return _merge_partner(site, inner, inner.partner, graph)
     if inner.parallel is not None:
@@ -471,6 +552,55 @@ def _add_to_residual(site: FusedAllReduceRMSNormSite, inner: InnerAdd,
     return dataclasses.replace(site, views_to_add=inner.views + site.views_to_add, inner=None)
 
 
+def _fold_tree(site: FusedAllReduceRMSNormSite, tree: SumTree, graph: Graph) -> FusedAllReduceRMSNormSite:
+    """``SumTree``: the tree's adds become ``all_reduce(p + p_2 + ...) + ((b + ...) + r)``, one
+    all_reduce of this site's and the merged sums' partials, then the bias rows (and other
+    replicated terms) summed, added to the residual ``r``. The same terms as eager's, summed in
+    another order (eager rounds each sum, adds its bias, then the branches and the residual)."""
+    root = _node(site.add)
+    stream, extras = tree.stream, tree.extras  # read now: an earlier rewrite may have replaced them
+    own = site.views_to_add + tree.own_views  # (after ``hoist_scale``: the views before the scale)
+    new: list[Node] = []
+    merged = None
+    with graph.inserting_before(root):
+        if tree.sums:
+            partial = _replay(graph, own, site.partial)
+            new += _chain(site.partial, partial)
+            for other in tree.sums:
+                theirs = _replay(graph, other.views, other.partial)
+                partial = graph.call_function(aten.add.Tensor, (partial, theirs))
+                new += [*_chain(other.partial, theirs), partial]
+            merged = graph.call_function(c10d.all_reduce.default, (partial, "sum", site.group_name))
+            summed = graph.call_function(WAIT, (merged,))
+            new += [merged, summed]
+        else:
+            summed = own[-1] if own else site.wait
+        residual = stream
+        if extras:
+            x = extras[0]
+            for term in extras[1:]:
+                x = graph.call_function(aten.add.Tensor, (x, term))
+                new.append(x)
+            residual = graph.call_function(aten.add.Tensor, (x, stream))
+            new.append(residual)
+        add = graph.call_function(aten.add.Tensor, (summed, residual))
+    _set_fake_vals([*new, add])
+    root.replace_all_uses_with(add)
+    norm = site.norm
+    if norm.input is root:
+        norm = dataclasses.replace(norm, input=add)
+    dead = [root, *reversed(tree.adds[:-1])]
+    if merged is not None:
+        dead += [*reversed(own), site.wait, site.all_reduce]
+        for other in tree.sums:
+            dead += [*reversed(other.views), other.wait, other.all_reduce]
+    _erase_dead(dead, graph)
+    if merged is not None:
+        return dataclasses.replace(site, all_reduce=merged, wait=summed, matmul=None, views_to_add=(),
+                                   add=add, norm=norm, inner=None)
+    return dataclasses.replace(site, views_to_add=own, add=add, norm=norm, inner=None)
+
+
 def _replay(graph: Graph, views: tuple[Node, ...], node: Node) -> Node:
     """Apply the same chain of views to ``node`` (size arguments are reused as they are)."""
     for view in views:
@@ -526,6 +656,41 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     scale = _scale_after_sum(ar, wait, order)
     summed = scale.mul if scale is not None else wait
 
+    tree = _match_sum_tree(ar, wait, summed, scale, order)
+    if isinstance(tree, FusedAllReduceRMSNormSite):  # bias rows: no other reading fuses them
+        return tree
+    found = _match_readings(ar, wait, scale, summed, order)
+    if isinstance(found, FusedAllReduceRMSNormSite):
+        return found
+    # Bias rows on the sum stop the other readings at the bias (a broadcast): the tree's reason
+    # says what stopped it.
+    return tree or _post_norm_sum(ar, summed) or found
+
+
+def _post_norm_sum(ar: Node, summed: Node) -> RejectedAllReduce | None:
+    """The rejection of a post-norm model's first sum, in its terms, or None: linear layers read the
+    sum (through views) as their input, without a norm, and its other readers are adds that no norm
+    reads either, as a post-norm model's first layer reads the embedding (OLMo2/3 and Exaone4 norm
+    each branch's output before adding it to the stream)."""
+    layers = []
+    for user in summed.users:
+        prev, node = summed, user
+        while is_target(node, VIEWS) and len(node.users) == 1:
+            prev, node = node, next(iter(node.users))
+        if is_target(node, MATMULS) and node.args[-1] is not prev:  # the layer's input, not its weight
+            layers.append(node)
+        elif not is_target(node, {RESIDUAL_ADD}) or not isinstance(_find_norm(node), Reason):
+            return None
+    if not layers:
+        return None
+    return RejectedAllReduce(ar, Reason.of(ReasonCode.POST_NORM_SUM, layer=module_path(layers[0]) or layers[0].name))
+
+
+def _match_readings(ar: Node, wait: Node, scale: ScaledSum | None, summed: Node,
+                    order: dict[Node, int]) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
+    """The readings without bias rows: ``sum [+ x] [+ residual] -> norm`` (``InnerAdd``)."""
+    group_name, partial = ar.args[2], _node(ar.args[0])
+    assert isinstance(group_name, str)
     inner = _match_inner_add(ar, summed)
     if inner is not None and inner.partner is not None:  # before reading x as a residual
         return _inner_site(ar, wait, scale, inner, order)
@@ -539,6 +704,118 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
         ar, wait, group_name, views_to_add, add, views_to_norm, norm, _producer_matmul(partial), scale
     )
     return _checked(site, order)
+
+
+def _match_sum_tree(ar: Node, wait: Node, summed: Node, scale: ScaledSum | None,
+                    order: dict[Node, int]) -> FusedAllReduceRMSNormSite | RejectedAllReduce | None:
+    """The site of ``SumTree``, a rejection when such a tree (one with bias rows) cannot be fused,
+    or None when the sum's adds hold no bias row (the other readings apply).
+
+    From the sum on, each add must be the only reader of the value before it; the tree's other
+    operands are walked down through adds that hold another all_reduce's sum."""
+    own_views, cur = _exclusive_views(summed)
+    shape, dtype = _tensor(cur).shape, _tensor(cur).dtype
+    adds: list[Node] = []
+    sums: list[PartnerSum] = []
+    rows: list[tuple[Node, int]] = []
+    full: list[tuple[Node, int]] = []
+    norm: tuple[list[Node], RMSNormMatch] | Reason = Reason(ReasonCode.NO_NORM_AFTER_BIAS)
+    while True:
+        add = next(iter(cur.users)) if len(cur.users) == 1 else None
+        if add is None or not _plain_add(add, shape, dtype):
+            break
+        index = 1 if add.args[0] is cur else 0
+        unfit = _tree_leaves(add, index, ar, shape, dtype, adds, sums, rows, full)
+        if unfit is not None:
+            return RejectedAllReduce(ar, unfit) if rows else None
+        adds.append(add)
+        norm = _find_norm(add)
+        if not isinstance(norm, Reason):
+            break
+        cur = add
+    if not rows:
+        return None
+    bias = _node(rows[0][0].args[rows[0][1]]).name
+    if not adds or isinstance(norm, Reason):
+        return RejectedAllReduce(ar, Reason.of(ReasonCode.BIAS_NO_NORM, bias=bias))
+    if not full:
+        return RejectedAllReduce(ar, Reason.of(ReasonCode.BIAS_NO_RESIDUAL, bias=bias))
+    views_to_norm, match = norm
+    adds.sort(key=order.__getitem__)
+    tree = SumTree(tuple(adds), tuple(own_views), tuple(sums), tuple(rows + full[:-1]), full[-1], len(rows))
+    group_name = ar.args[2]
+    assert isinstance(group_name, str)
+    site = FusedAllReduceRMSNormSite(ar, wait, group_name, (), adds[-1], tuple(views_to_norm), match,
+                                     None if sums else _producer_matmul(_node(ar.args[0])), scale,
+                                     InnerAdd(adds[0], tuple(own_views), tree.stream, tree=tree))
+    return _checked(site, order)
+
+
+def _plain_add(add: Node, shape: torch.Size, dtype: torch.dtype) -> bool:
+    """``add`` is ``a + b`` (alpha 1) of two tensors, producing ``shape`` and ``dtype``."""
+    if not is_target(add, {RESIDUAL_ADD}) or add_alpha(add) != 1 or len(add.args) != 2:
+        return False
+    out = val(add)
+    return (all(isinstance(a, Node) for a in add.args) and out is not None
+            and out.shape == shape and out.dtype == dtype)
+
+
+def _holds_sum(node: Node, ar: Node) -> bool:
+    """``node`` is another all_reduce's sum, or an add (read only once) of values that hold one."""
+    if _partner_sum(node, ar) is not None:
+        return True
+    return (is_target(node, {RESIDUAL_ADD}) and len(node.users) == 1
+            and any(isinstance(a, Node) and _holds_sum(a, ar) for a in node.args))
+
+
+def _tree_leaves(add: Node, index: int, ar: Node, shape: torch.Size, dtype: torch.dtype, adds: list[Node],
+                 sums: list[PartnerSum], rows: list[tuple[Node, int]],
+                 full: list[tuple[Node, int]]) -> Reason | None:
+    """Sort ``add.args[index]`` into ``sums`` (another all_reduce's sum), ``rows`` (a bias row
+    ``[H]`` broadcast over the tokens) or ``full`` (a value of the sum's shape), walking down adds
+    that hold a sum (into ``adds``); why not, or None."""
+    node = _node(add.args[index])
+    partner = _partner_sum(node, ar)
+    if isinstance(partner, PartnerSum):
+        sums.append(partner)
+        return None
+    if isinstance(partner, Reason):
+        return Reason.of(ReasonCode.PARTNER_UNFIT, cause=partner)
+    if _plain_add(node, shape, dtype) and len(node.users) == 1 and _holds_sum(node, ar):
+        adds.append(node)
+        for i in (0, 1):
+            unfit = _tree_leaves(node, i, ar, shape, dtype, adds, sums, rows, full)
+            if unfit is not None:
+                return unfit
+        return None
+    v = val(node)
+    if v is None or v.dtype != dtype:
+        return Reason.of(ReasonCode.BIAS_TREE_DTYPE, node=node.name, dtype=None if v is None else v.dtype,
+                         expected=dtype)
+    if v.shape == shape:
+        full.append((add, index))
+    elif v.shape[-1] == shape[-1] and v.numel() == shape[-1]:
+        rows.append((add, index))
+    else:
+        return Reason.of(ReasonCode.BIAS_TREE_BROADCAST, node=node.name, shape=tuple(v.shape),
+                         sum_shape=tuple(shape))
+    return None
+
+
+def _is_expert_sum(node: Node) -> bool:
+    """``x.sum(dims)`` over leading dims only (not the hidden one), keepdim False, no dtype: Llama4
+    sums its routed experts' rows ``[E, T, H] -> [T, H]`` after their all_reduce. It is linear, so
+    it moves onto the partial (``_replay``): ``all_reduce(p).view(E, T, H).sum(0) ==
+    all_reduce(p.view(E, T, H).sum(0))``, each rank summing its experts before the collective."""
+    if not is_target(node, {aten.sum.dim_IntList}) or node.kwargs or len(node.args) > 3:
+        return False
+    src, out = val(node.args[0]), val(node)
+    if src is None or out is None or (len(node.args) == 3 and node.args[2]):
+        return False
+    dims = node.args[1] if len(node.args) > 1 else None
+    return (isinstance(dims, (list, tuple)) and bool(dims)
+            and all(isinstance(d, int) and d % src.dim() != src.dim() - 1 for d in dims)
+            and out.shape[-1] == src.shape[-1])
 
 
 def _unfit_all_reduce(ar: Node) -> Reason | None:
@@ -628,7 +905,7 @@ def _partner_sum(x: Node, ar: Node) -> PartnerSum | Reason | None:
     """``x`` as another all_reduce's sum read only by the add (through row views) that can be
     merged into ``ar``'s collective; a reason when it is such a sum but cannot be; else None."""
     views = []
-    while is_target(x, VIEWS) and len(x.users) == 1 and _is_row_view(x, _node(x.args[0])):
+    while len(x.users) == 1 and (is_target(x, VIEWS) and _is_row_view(x, _node(x.args[0])) or _is_expert_sum(x)):
         views.append(x)
         x = _node(x.args[0])
     if not is_target(x, {WAIT}) or len(x.users) != 1 or not is_target(x.args[0], ALL_REDUCES):
@@ -717,13 +994,15 @@ def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> ScaledSum 
     """``wait * c``, the sum's only reader, for a scalar ``c`` that exists before the all_reduce
     (a number, or a one-element tensor such as Gemma's ``sqrt(hidden)``): Granite's residual and
     embedding multipliers, Gemma's embedding scale. The all_reduce is linear, so
-    ``all_reduce(p) * c == all_reduce(p * c)``, and the site is matched from the product."""
-    if len(wait.users) != 1:
+    ``all_reduce(p) * c == all_reduce(p * c)``, and the site is matched from the product. Also
+    after row views of the sum (MiniMax's ``h.reshape(B, S, H) * beta``: ``ScaledSum.views``)."""
+    views, end = _exclusive_views(wait)
+    if len(end.users) != 1:
         return None
-    mul = next(iter(wait.users))
+    mul = next(iter(end.users))
     if not is_target(mul, SCALES) or len(mul.args) != 2 or mul.kwargs:
         return None
-    factor = mul.args[1] if mul.args[0] is wait else mul.args[0]
+    factor = mul.args[1] if mul.args[0] is end else mul.args[0]
     late = False
     if isinstance(factor, Node):
         fv = val(factor)
@@ -733,10 +1012,10 @@ def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> ScaledSum 
             return None
     elif isinstance(factor, bool) or not isinstance(factor, (int, float)):
         return None
-    mv, wv = val(mul), val(wait)
+    mv, wv = val(mul), val(end)
     if mv is None or wv is None or mv.shape != wv.shape or mv.dtype != wv.dtype:
         return None
-    return ScaledSum(mul, factor, late)
+    return ScaledSum(mul, factor, late, tuple(views))
 
 
 def _checked(site: FusedAllReduceRMSNormSite,
@@ -756,8 +1035,7 @@ def _rank_local_input(site: FusedAllReduceRMSNormSite) -> Reason | None:
     to the sum, the norm's weight or bias computed from the site's own partial sum (not through a
     collective). Each rank would normalise its rows with another rank's copy. So may the factor of
     a scaled sum not: ``all_reduce(p) * c`` is ``all_reduce(p * c)`` only for one ``c`` on every rank."""
-    merged = site.inner.merged if site.inner is not None else None
-    partials = [site.partial] + ([merged.partial] if merged is not None else [])
+    partials = [site.partial] + ([s.partial for s in site.inner.merged_sums] if site.inner is not None else [])
     local = set()
     for node in partials:
         local.add(node)
@@ -766,7 +1044,8 @@ def _rank_local_input(site: FusedAllReduceRMSNormSite) -> Reason | None:
             local.add(node)
     inner = site.inner.other if site.inner is not None else None
     factor = site.scale.factor if site.scale is not None else None
-    for start in (site.residual, inner, site.norm.weight, site.norm.bias, factor):
+    terms = site.inner.tree.terms if site.inner is not None and site.inner.tree is not None else []
+    for start in (site.residual, inner, site.norm.weight, site.norm.bias, factor, *terms):
         stack: list[Node] = [start] if isinstance(start, Node) else []
         seen: set[Node] = set()
         while stack:
@@ -882,11 +1161,13 @@ def find_allreduce_rmsnorm_sites(
         if isinstance(found, FusedAllReduceRMSNormSite):
             found = _with_quant(found, order)
             sites.append(found)
-            if found.inner is not None and found.inner.merged is not None:
-                merged.add(found.inner.merged.all_reduce)
+            if found.inner is not None:
+                merged.update(s.all_reduce for s in found.inner.merged_sums)
         else:
             rejected.append(found)
-    return sites, rejected
+    # An all_reduce that a later site's collective carries (its own reading stopped, say, at
+    # Llama4's sum over experts) has no record of its own: the site names it.
+    return sites, [r for r in rejected if r.all_reduce not in merged]
 
 
 def _claim(site: FusedAllReduceRMSNormSite,
@@ -894,7 +1175,9 @@ def _claim(site: FusedAllReduceRMSNormSite,
     """``site``, unless an earlier site replaces one of its adds (two all_reduces added to each
     other that cannot share a collective would both read the add as their residual add)."""
     adds = [site.add, site.inner.add if site.inner is not None else None]
-    replaced = [n for n in adds if n is not None]
+    if site.inner is not None and site.inner.tree is not None:
+        adds += site.inner.tree.adds
+    replaced = list(dict.fromkeys(n for n in adds if n is not None))
     for node in replaced:
         if node in claimed:
             return RejectedAllReduce(site.all_reduce, Reason.of(
