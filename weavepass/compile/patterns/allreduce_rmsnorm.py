@@ -794,7 +794,7 @@ def _tree_leaves(add: Node, index: int, ar: Node, shape: torch.Size, dtype: torc
                          expected=dtype)
     if v.shape == shape:
         full.append((add, index))
-    elif v.shape[-1] == shape[-1] and v.numel() == shape[-1]:
+    elif v.dim() == 1 and v.shape[-1] == shape[-1]:  # ``[H]``, as Linear's bias
         rows.append((add, index))
     else:
         return Reason.of(ReasonCode.BIAS_TREE_BROADCAST, node=node.name, shape=tuple(v.shape),

@@ -340,7 +340,7 @@ class PortableFlashComm:
         folded = site.residual
         x_rows = folded.args[0]  # fold_inner_add builds add(views of x, r)
         self.dead.add(folded)
-        if val(x_rows).numel() == site.hidden:  # bias rows ([H], ``SumTree``): the same for every row
+        if val(x_rows).dim() == 1:  # bias rows ([H], ``SumTree``): the same for every token
             return self.call(aten.add.Tensor, x_rows, stream_shard)
         while x_rows is not shared and is_target(x_rows, VIEWS):  # (a ``SumTree``'s sum of terms: x itself)
             self.dead.add(x_rows)
