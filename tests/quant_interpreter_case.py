@@ -29,7 +29,6 @@ import time
 import numpy as np
 import torch
 
-from weavepass.runtime.cuda import kernels
 from weavepass.runtime.cuda.dispatch import kernel_arguments
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.quant_epilogue import plan_quant_epilogue
@@ -39,6 +38,7 @@ from weavepass.runtime.portable import rows_per_rank
 from weavepass.runtime.quant import decode_steps, encode_steps, quantize_rows
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.quant import FP8, FP8_MAX, FUSED_FORMS, STATIC_ACT_SCALE
+from weavepass.testing.quant_steps import form_steps
 
 TOKENS, HIDDEN, EPS = 5, 256, 1e-6  # odd rows; two groups of 128
 TIMEOUT_S = 240
@@ -48,22 +48,6 @@ ALGORITHMS = {
     "pipelined": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=1, tile_elements=HIDDEN, chunk_tiles=1),
     "lamport": LaunchOverrides(lamport=True, num_ctas=2, tile_elements=2 * HIDDEN),
 }
-# The step programs of each form, as patterns/quant.py reads them from the libraries' graphs
-# (tests/test_quant_epilogue.py::test_quant_steps_are_the_graphs checks two of them there).
-STEPS = {
-    "fp8_static": ("", "convert:float32|div_scale|clamp_min:-448.0|clamp_max:448.0|convert:float8_e4m3fn", 0),
-    "fp8_static_inv": ("", "convert:float32|mul_scale_reciprocal|clamp_min:-448.0|clamp_max:448.0|"
-                           "convert:float8_e4m3fn", 0),
-    "fp8_row": ("abs|amax|convert:float32|div:448.0|clamp_min:4.359654017857143e-06",
-                "convert:float32|mul_scale_reciprocal|clamp_min:-448.0|clamp_max:448.0|convert:float8_e4m3fn", 0),
-    "fp8_row_torchao": ("abs|amax|div:448.0|convert:float32",
-                        "convert:float32|div_scale|clamp_min:-448.0|clamp_max:448.0|convert:float8_e4m3fn", 0),
-    "fp8_group": ("abs|amax|convert:float32|clamp_min:1e-10|convert:{dtype}|convert:float32|div:448.0",
-                  "div_scale|clamp_min:-448.0|clamp_max:448.0|convert:float8_e4m3fn", 128),
-    "int8_row": ("abs|amax|convert:float32|div:127.0",
-                 "convert:float32|div_scale|round|clamp_min:-128|clamp_max:127|convert:int8", 0),
-}
-assert set(STEPS) == set(FUSED_FORMS)
 
 
 def cuda_division(steps: str) -> str:
@@ -150,8 +134,7 @@ def e4m3_step(v: torch.Tensor) -> torch.Tensor:
 
 
 def check_form(form, world, algorithm, dtype):
-    scale_steps, code_steps, group = STEPS[form]
-    scale_steps = scale_steps.format(dtype=str(dtype).removeprefix("torch."))
+    scale_steps, code_steps, group = form_steps(form, dtype)
     static = torch.tensor(STATIC_ACT_SCALE, dtype=torch.float32) if form.startswith("fp8_static") else None
     partials, residual, weight = inputs(dtype, world)
     code_dtype = torch.int8 if form.startswith("int8") else FP8

@@ -41,6 +41,7 @@ from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
 from weavepass.testing.quant import ACT_QUANTS, FP8, FP8_MAX, FUSED_FORMS, QuantLinear
+from weavepass.testing.quant_steps import form_steps
 
 QUANT = "weave.fused_allreduce_rmsnorm_quant.default"
 FUSED = "weave.fused_allreduce_rmsnorm.default"
@@ -220,8 +221,12 @@ def test_chain_not_matched_when_the_matmul_scale_is_not_the_quantizations(fake_w
 def test_cuda_lowering_carries_every_fused_form(fake_world, form):
     linear = QuantLinear(torch.randn(N_OUT, H), form)
     site = traced_site(site_fn(linear, fake_world), *site_inputs(torch.bfloat16), linear=linear)
-    site = _plan_quant(site, "cuda_symm")  # (the kernel's form of it: runtime.cuda.quant_epilogue)
-    assert site.quant is not None and site.quant_left is None and f"+ {LABELS[form]}" in site.kind
+    quant = site.quant
+    # the programs the kernel tests and benchmarks call the op with are the graphs'
+    assert (quant.scale_steps, quant.code_steps, quant.group_size) == form_steps(form, torch.bfloat16)
+    planned = _plan_quant(site, "cuda_symm")  # (the kernel's form of it: runtime.cuda.quant_epilogue)
+    assert planned is site and planned.quant is quant and planned.quant_left is None
+    assert f"+ {LABELS[form]}" in planned.kind
 
 
 def _unclamped_fp8_row(group):
