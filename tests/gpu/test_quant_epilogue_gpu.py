@@ -137,8 +137,9 @@ def _dispatch_rank(rank, world):
                 assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, (label, ours.shape, theirs.shape)
             torch.testing.assert_close(normed, portable[3], rtol=2**-6, atol=2**-6)
             _check_codes(codes, scales, normed, static, form, dtype, label)
-            again = op(*args, False, "cuda_symm", 8192)
-            assert again[3].numel() == 0 and torch.equal(again[0].view(torch.uint8), codes.view(torch.uint8))
+            if form in ("fp8_row", "fp8_group") and len(lead) == 1:  # (each option is a kernel to compile)
+                again = op(*args, False, "cuda_symm", 8192)
+                assert again[3].numel() == 0 and torch.equal(again[0].view(torch.uint8), codes.view(torch.uint8))
             if static is not None:
                 assert torch.equal(scales, static) and scales.data_ptr() != static.data_ptr()
             checked.append(label)
