@@ -22,7 +22,8 @@ N ranks together (docs/cuda_kernel.md, "Local bytes"): one GPU's HBM serves ever
 so ``time / copy time`` is how far the kernels are from moving their minimum local bytes at copy
 speed (above 1: more bytes, or the bytes moved slower than a copy).
 
-``--quant FORM...``: the quantized op (issue 36) at a group of one rank, per form of
+``--quant [FORM...]`` (off by default; alone: the four forms below): the quantized op (issue 36) at
+a group of one rank, per form of
 ``weavepass.testing.quant`` (fp8_static, fp8_row, fp8_group, int8_row), hidden size and token count:
 
     inductor_quant      ``torch.compile`` of add + RMSNorm + the library's quantization
@@ -280,12 +281,14 @@ def main() -> None:
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
     parser.add_argument("--name", default="bench_local_cost", help="CSV file name (no suffix)")
     parser.add_argument("--ncu", action="store_true", help="only the calls to profile with ncu (see _ncu_rank)")
-    parser.add_argument("--quant", nargs="*", default=["fp8_static", "fp8_row", "fp8_group", "int8_row"],
-                        help="quantized forms to measure ('--quant' alone: none)")
+    parser.add_argument("--quant", nargs="*", default=None,
+                        help="quantized forms to measure ('--quant' alone: fp8_static fp8_row fp8_group int8_row)")
     parser.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 128, 1024, 4096, 16384])
     parser.add_argument("--quick", action="store_true",
                         help="the quantized part only: fp8_row and fp8_group, H=8192, 1/1K/16K tokens, one round")
     args = parser.parse_args()
+    if args.quant == []:
+        args.quant = ["fp8_static", "fp8_row", "fp8_group", "int8_row"]
     if args.quick:
         args.no_op, args.sim, args.rounds = True, [], 1
         args.quant, args.quant_tokens, args.hidden = ["fp8_row", "fp8_group"], [1, 1024, 16384], [8192]
