@@ -190,16 +190,15 @@ def _scale_steps(a, qconst_ptr, OPS: tl.constexpr):
     """The dynamic scale's steps after the amax (``quant_epilogue.SCALE_*``; up to six, a nibble
     each, op ``i``'s constant at ``qconst[i]``), on fp32 values that hold the step's dtype."""
     for i in tl.static_range(6):
-        op: tl.constexpr = (OPS >> (4 * i)) & 15
-        if op == 1:  # * c (a division by c is * fp32(1 / c), as ATen's CUDA division by a scalar)
+        if (OPS >> (4 * i)) & 15 == 1:  # * c (a division by c is * fp32(1 / c), as ATen's CUDA division by a scalar)
             a = a * tl.load(qconst_ptr + i)
-        if op == 2:
+        if (OPS >> (4 * i)) & 15 == 2:
             a = tl.maximum(a, tl.load(qconst_ptr + i))
-        if op == 3:
+        if (OPS >> (4 * i)) & 15 == 3:
             a = tl.minimum(a, tl.load(qconst_ptr + i))
-        if op == 4:  # the step's result in a bf16 tensor
+        if (OPS >> (4 * i)) & 15 == 4:  # the step's result in a bf16 tensor
             a = _round_to_bf16(a)
-        if op == 5:
+        if (OPS >> (4 * i)) & 15 == 5:
             a = a.to(tl.float16).to(tl.float32)
     return a
 
@@ -218,20 +217,19 @@ def _code_steps(x, s, qconst_ptr, OPS: tl.constexpr):
     (``quant_epilogue.CODE_*``, a nibble each, op ``i``'s constant at ``qconst[8 + i]``), then
     round / clamps in fp32, then the cast to the code dtype (the last op)."""
     for i in tl.static_range(6):
-        op: tl.constexpr = (OPS >> (4 * i)) & 15
-        if op == 1:  # x / s, IEEE-rounded (eager's fp32 division)
+        if (OPS >> (4 * i)) & 15 == 1:  # x / s, IEEE-rounded (eager's fp32 division)
             x = tl.div_rn(x, s + tl.zeros_like(x))
-        if op == 2:  # x * reciprocal(s), each IEEE-rounded
+        if (OPS >> (4 * i)) & 15 == 2:  # x * reciprocal(s), each IEEE-rounded
             x = x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        if op == 3:  # round half to even (torch.round)
+        if (OPS >> (4 * i)) & 15 == 3:  # round half to even (torch.round)
             x = _round_half_even(x)
-        if op == 4:
+        if (OPS >> (4 * i)) & 15 == 4:
             x = tl.maximum(x, tl.load(qconst_ptr + 8 + i))
-        if op == 5:
+        if (OPS >> (4 * i)) & 15 == 5:
             x = tl.minimum(x, tl.load(qconst_ptr + 8 + i))
-        if op == 6:  # (clamped to +-448 before: no saturation is relied on)
+        if (OPS >> (4 * i)) & 15 == 6:  # (clamped to +-448 before: no saturation is relied on)
             x = _round_to_e4m3(x).to(tl.float8e4nv)
-        if op == 7:  # (integral values in [-128, 127] after round and clamps)
+        if (OPS >> (4 * i)) & 15 == 7:  # (integral values in [-128, 127] after round and clamps)
             x = x.to(tl.int8)
     return x
 
