@@ -2,8 +2,9 @@
 (tests/quant_interpreter_case.py): every carried form's codes and scales bit for bit against eager's
 quantization as ATen computes it on CUDA, and within one fp32 rounding of the scale against eager on
 the CPU, at a group of one rank and at two simulated ranks through every kernel (flat one-shot and
-two-shot, pipelined, Lamport), bf16 and fp16. Skipped where Triton is not installed. What the
-interpreter cannot show: the GPU's own casts and memory ordering (tests/gpu/test_quant_epilogue_gpu.py)."""
+two-shot, pipelined, Lamport), bf16 and fp16; and the quantizing kernel compiled ahead of time to
+sm_90 PTX (the interpreter compiles nothing). Skipped where Triton is not installed. What neither
+shows: the GPU's own casts and memory ordering (tests/gpu/test_quant_epilogue_gpu.py)."""
 
 from __future__ import annotations
 
