@@ -164,7 +164,7 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
     return plans
 
 
-def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: str | None) -> FusedAllReduceRMSNormSite:
+def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: Lowering | None) -> FusedAllReduceRMSNormSite:
     """``site``, with its quantization left outside the fused op where its lowering does not carry
     it (``runtime.quant_unsupported_reason``: the runtime's words; the CUDA kernel answers with its
     own check); the norm is fused all the same, and the site's kind says why."""
