@@ -329,7 +329,8 @@ def main() -> None:
             get = lambda n: quant[(hidden, tokens, form, n)]  # noqa: E731
             print(f"{form:>10} {hidden:>6} {tokens:>6} {get('inductor_quant'):9.4f} {get('weave_norm'):8.4f} "
                   f"{get('weave_quant'):8.4f} {get('weave_norm+inductor_quant'):8.4f}"
-                  f"   {get('weave_quant') / get('inductor_quant'):14.2f} {get('weave_quant') / get('weave_norm'):11.2f}")
+                  f"   {get('weave_quant') / get('inductor_quant'):14.2f}"
+                  f" {get('weave_quant') / get('weave_norm'):11.2f}")
     for r in rows:
         if r["part"] == "sim":
             print(f"sim world {r['world']} {r['variant']}: {r['ms']:.4f} ms, copy of the minimum bytes "

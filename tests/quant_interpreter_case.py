@@ -130,7 +130,8 @@ def run_ranks(world, algorithm, dtype, partials, residual, weight, epilogue, sta
 def e4m3_step(v: torch.Tensor) -> torch.Tensor:
     """The spacing of float8_e4m3fn at each |v| (subnormals below 2^-6 step 2^-9)."""
     a = v.abs()
-    return torch.where(a < 2.0**-6, torch.full_like(a, 2.0**-9), torch.exp2(torch.floor(torch.log2(a.clamp_min(2.0**-6))) - 3))
+    normal_step = torch.exp2(torch.floor(torch.log2(a.clamp_min(2.0**-6))) - 3)
+    return torch.where(a < 2.0**-6, torch.full_like(a, 2.0**-9), normal_step)
 
 
 def check_form(form, world, algorithm, dtype):
