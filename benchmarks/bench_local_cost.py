@@ -22,7 +22,20 @@ N ranks together (docs/cuda_kernel.md, "Local bytes"): one GPU's HBM serves ever
 so ``time / copy time`` is how far the kernels are from moving their minimum local bytes at copy
 speed (above 1: more bytes, or the bytes moved slower than a copy).
 
-Output: a table on stdout and ``<out>/bench_local_cost.csv`` (rows of both parts).
+``--quant [FORM...]`` (off by default; alone: the four forms below): the quantized op (issue 36) at
+a group of one rank, per form of
+``weavepass.testing.quant`` (fp8_static, fp8_row, fp8_group, int8_row), hidden size and token count:
+
+    inductor_quant      ``torch.compile`` of add + RMSNorm + the library's quantization
+    weave_norm          the fused norm alone (``fused_allreduce_rmsnorm_cuda``)
+    weave_quant         the fused norm + quantization (``fused_allreduce_rmsnorm_quant_cuda``)
+    weave_norm+inductor_quant  the fused norm, then the compiled quantization of its rows (what a
+                        site whose quantization stays outside runs)
+
+Targets (issue 36): weave_quant <= 1.0x inductor_quant from 1K tokens, <= 1.1x weave_norm.
+``--quick``: the quantized part only, fp8_row and fp8_group, H=8192, 1/1K/16K tokens, one round.
+
+Output: a table on stdout and ``<out>/bench_local_cost.csv`` (rows of every part).
 Run: ``python3 benchmarks/bench_local_cost.py --out $OUT`` (about 3 minutes on one H200), and
 ``--no-op --sim 8 --sim-tokens 2048`` for 8 ranks (``gpu_suite.sh`` step ``local`` runs both).
 """
@@ -106,6 +119,74 @@ def _op_rank(rank: int, world: int, args: dict) -> list[dict]:
                 print(f"row: {rows[-1]}", flush=True)
             p = res = src = dst = None  # free this size's buffers (the timed closures hold them too)
     return rows
+
+
+def _quant_rank(rank: int, world: int, args: dict) -> list[dict]:
+    """The ``--quant`` part (module docstring), in the one rank's process."""
+    import triton
+
+    from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda, fused_allreduce_rmsnorm_quant_cuda
+    from weavepass.testing.quant import ACT_QUANTS, STATIC_ACT_SCALE
+    from weavepass.testing.quant_steps import form_steps
+
+    group = dist.group.WORLD.group_name
+    scale = torch.tensor(STATIC_ACT_SCALE, dtype=torch.float32, device="cuda")
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
+    for form in args["quant"]:
+        quantize = ACT_QUANTS[form]
+        static = scale if form.startswith("fp8_static") else None
+        scale_steps, code_steps, group_size = form_steps(form, DTYPE)
+
+        def norm_quant(p, res, w, quantize=quantize):
+            normed, res_out = _add_rms_norm(p, res, w)
+            return (*quantize(normed.reshape(-1, normed.shape[-1]), scale), res_out)
+
+        inductor = torch.compile(norm_quant)
+        inductor_quant = torch.compile(lambda normed, quantize=quantize: quantize(normed, scale))
+        for hidden in args["hidden"]:
+            for tokens in args["tokens"]:
+                p = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
+                res = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=DTYPE)
+                w = 1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda", dtype=DTYPE)
+                for t in (p, res):
+                    torch._dynamo.mark_dynamic(t, 0)
+
+                def weave_quant(p=p, res=res, w=w, steps=(static, group_size, scale_steps, code_steps)):
+                    return fused_allreduce_rmsnorm_quant_cuda(p, res, w, EPS, group, DTYPE, *steps, False)
+
+                def weave_norm(p=p, res=res, w=w):
+                    return fused_allreduce_rmsnorm_cuda(p, res, w, EPS, group, DTYPE)
+
+                calls = {"inductor_quant": lambda p=p, res=res, w=w: inductor(p, res, w),
+                         "weave_norm": weave_norm, "weave_quant": weave_quant,
+                         "weave_norm+inductor_quant": lambda: inductor_quant(weave_norm()[0])}
+                # the fused codes dequantize to the fp32 rows within the format's error
+                codes, scales, _, _ = weave_quant()
+                want = _add_rms_norm(p.float(), res.float(), w.float())[0]
+                grouped = codes.float().reshape(tokens, -1, group_size or hidden)
+                back = (grouped * scales.reshape(tokens, -1, 1) if static is None else grouped * static)
+                back = back.reshape(tokens, hidden)
+                clip = FP8_STATIC_RANGE * STATIC_ACT_SCALE if static is not None else float("inf")
+                err = float((back - want.clamp(-clip, clip)).norm() / want.clamp(-clip, clip).norm())
+                if not err < 0.08:  # fp8 e4m3: 2^-4 relative per value at most; int8: less
+                    raise AssertionError(f"{form} H={hidden} T={tokens}: dequantized relative error {err}")
+                for fn in calls.values():
+                    fn()
+                per_round = {name: [] for name in calls}
+                for _ in range(args["rounds"]):
+                    for name, fn in calls.items():
+                        per_round[name].append(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+                for name, times in per_round.items():
+                    rows.append({"part": "quant", "world": 1, "hidden": hidden, "tokens": tokens,
+                                 "variant": f"{form} {name}", "ms": statistics.median(times),
+                                 "ms_rounds": " ".join(f"{t:.4f}" for t in times)})
+                    print(f"row: {rows[-1]}", flush=True)
+                del p, res
+    return rows
+
+
+FP8_STATIC_RANGE = 448.0
+"""Static codes saturate at +-448 scales: the dequantized rows are compared with the clipped rows."""
 
 
 def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None,
@@ -200,7 +281,17 @@ def main() -> None:
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
     parser.add_argument("--name", default="bench_local_cost", help="CSV file name (no suffix)")
     parser.add_argument("--ncu", action="store_true", help="only the calls to profile with ncu (see _ncu_rank)")
+    parser.add_argument("--quant", nargs="*", default=None,
+                        help="quantized forms to measure ('--quant' alone: fp8_static fp8_row fp8_group int8_row)")
+    parser.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 128, 1024, 4096, 16384])
+    parser.add_argument("--quick", action="store_true",
+                        help="the quantized part only: fp8_row and fp8_group, H=8192, 1/1K/16K tokens, one round")
     args = parser.parse_args()
+    if args.quant == []:
+        args.quant = ["fp8_static", "fp8_row", "fp8_group", "int8_row"]
+    if args.quick:
+        args.no_op, args.sim, args.rounds = True, [], 1
+        args.quant, args.quant_tokens, args.hidden = ["fp8_row", "fp8_group"], [1, 1024, 16384], [8192]
     from weavepass.testing import spawn
 
     sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep.split(",") if item]
@@ -209,6 +300,9 @@ def main() -> None:
         spawn(_ncu_rank, 1, "nccl", config, timeout_s=600.0)
         return
     rows = [] if args.no_op else spawn(_op_rank, 1, "nccl", config, timeout_s=1200.0)[0]
+    if args.quant:
+        quant_config = {**config, "quant": args.quant, "tokens": args.quant_tokens}
+        rows += spawn(_quant_rank, 1, "nccl", quant_config, timeout_s=1200.0)[0]
     if args.sim:
         print(f"simulated ranks {args.sim}, {args.sim_tokens} tokens", flush=True)
         rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout)
@@ -227,6 +321,16 @@ def main() -> None:
             print(f"{hidden:>6} {tokens:>6} " + " ".join(f"{get(n):12.4f}" for n in names)
                   + f"   {get('weave') / get('inductor'):14.2f} {get('weave') / get('floor'):12.2f}"
                   f" {get('weave_cap32') / get('inductor'):15.2f} {get('inductor') / get('floor'):15.2f}")
+    quant = {(r["hidden"], r["tokens"], *r["variant"].split(" ")): r["ms"] for r in rows if r["part"] == "quant"}
+    if quant:
+        print(f"{'form':>10} {'hidden':>6} {'tokens':>6} {'inductor':>9} {'w_norm':>8} {'w_quant':>8} {'w_n+i_q':>8}"
+              "   quant/inductor  quant/norm")
+        for hidden, tokens, form in dict.fromkeys(k[:3] for k in quant):
+            get = lambda n: quant[(hidden, tokens, form, n)]  # noqa: E731
+            print(f"{form:>10} {hidden:>6} {tokens:>6} {get('inductor_quant'):9.4f} {get('weave_norm'):8.4f} "
+                  f"{get('weave_quant'):8.4f} {get('weave_norm+inductor_quant'):8.4f}"
+                  f"   {get('weave_quant') / get('inductor_quant'):14.2f}"
+                  f" {get('weave_quant') / get('weave_norm'):11.2f}")
     for r in rows:
         if r["part"] == "sim":
             print(f"sim world {r['world']} {r['variant']}: {r['ms']:.4f} ms, copy of the minimum bytes "

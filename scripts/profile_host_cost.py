@@ -80,7 +80,7 @@ def main() -> None:
           "launch hooks:", runtime.launch_enter_hook, runtime.launch_exit_hook)
     n_out = torch.empty_like(p)
     o_out = torch.empty_like(p)
-    tensors = (p, r, w, n_out, o_out, n_out, w)  # inv_rms, bias: stand-ins (inference)
+    tensors = (p, r, w, n_out, o_out, n_out, w, w, w, w, w)  # inv_rms, bias, the quant epilogue: stand-ins
     call_args = (*tensors, *launch.tail, 1e-5)
     ptr_args = (*(t.data_ptr() for t in tensors), *launch.tail_ptrs, 1e-5)
     c = launch.compiled

@@ -41,6 +41,7 @@ from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
 from weavepass.testing.quant import ACT_QUANTS, FP8, FP8_MAX, FUSED_FORMS, QuantLinear
+from weavepass.testing.quant_steps import form_steps
 
 QUANT = "weave.fused_allreduce_rmsnorm_quant.default"
 FUSED = "weave.fused_allreduce_rmsnorm.default"
@@ -216,13 +217,39 @@ def test_chain_not_matched_when_the_matmul_scale_is_not_the_quantizations(fake_w
     assert site.quant_left.code is code and site.quant_left.reason.field(field[0]) == field[1]
 
 
-def test_cuda_lowering_keeps_the_quantization_outside(fake_world):
-    site = traced_site(site_fn(QuantLinear(torch.randn(N_OUT, H), "fp8_row"), fake_world),
-                       *site_inputs(torch.bfloat16))
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_cuda_lowering_carries_every_fused_form(fake_world, form):
+    linear = QuantLinear(torch.randn(N_OUT, H), form)
+    site = traced_site(site_fn(linear, fake_world), *site_inputs(torch.bfloat16), linear=linear)
+    quant = site.quant
+    # the programs the kernel tests and benchmarks call the op with are the graphs'
+    assert (quant.scale_steps, quant.code_steps, quant.group_size) == form_steps(form, torch.bfloat16)
+    planned = _plan_quant(site, "cuda_symm")  # (the kernel's form of it: runtime.cuda.quant_epilogue)
+    assert planned is site and planned.quant is quant and planned.quant_left is None
+    assert f"+ {LABELS[form]}" in planned.kind
+
+
+def _unclamped_fp8_row(group):
+    """A per-row fp8 cast without the clamp to +-448 (eager makes an overflow NaN)."""
+    w = torch.randn(N_OUT, H).to(FP8)
+
+    def linear(x):
+        rows = x.reshape(-1, H)
+        s = rows.abs().amax(-1, keepdim=True).to(torch.float32) / FP8_MAX
+        return torch._scaled_mm((rows.to(torch.float32) / s).to(FP8), w.t(), scale_a=s,
+                                scale_b=torch.ones(1, N_OUT), out_dtype=x.dtype)
+    return linear
+
+
+def test_cuda_lowering_keeps_a_form_it_does_not_carry_outside(fake_world):
+    site = traced_site(site_fn(_unclamped_fp8_row(fake_world), fake_world), *site_inputs(torch.bfloat16))
+    assert site.quant is not None  # the portable lowering carries it
     site = _plan_quant(site, "cuda_symm")
     assert site.quant is None and site.quant_left.code is ReasonCode.QUANT_LOWERING
-    assert site.quant_left.text == ("fp8 per-row quant stays outside the fused op: the CUDA kernel does "
-                                    "not carry it yet")
+    assert site.quant_left.text == (
+        "fp8 per-row quant stays outside the fused op: the CUDA kernel does not carry it: its codes are not "
+        "clamped to +-448 before the fp8 cast (eager makes an overflow NaN; the kernel rounds clamped values "
+        "only)")
     assert "+ fp8" not in site.kind and site.quant_left.text in site.kind
 
 

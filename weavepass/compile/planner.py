@@ -164,14 +164,19 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
     return plans
 
 
-def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: str | None) -> FusedAllReduceRMSNormSite:
+def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: Lowering | None) -> FusedAllReduceRMSNormSite:
     """``site``, with its quantization left outside the fused op where its lowering does not carry
-    it (``runtime.quant_unsupported_reason``: the runtime's words); the norm is fused all the same,
-    and the site's kind says why."""
+    it (``runtime.quant_unsupported_reason``: the runtime's words; the CUDA kernel answers with its
+    own check); the norm is fused all the same, and the site's kind says why."""
+    from weavepass.compile.patterns.rmsnorm import val
     from weavepass.runtime import quant_unsupported_reason
 
     quant = site.quant
     if quant is None or lowering is None:
         return site
-    cause = quant_unsupported_reason(lowering, quant.static, quant.group_size, quant.scale_steps, quant.code_steps)
+    scale = val(quant.static_scale) if quant.static else None
+    cause = quant_unsupported_reason(
+        lowering, quant.static, quant.group_size, quant.scale_steps, quant.code_steps,
+        out_dtype=site.norm.out_dtype, hidden=site.hidden, device=site.device,
+        static_scale=None if scale is None else (scale.dtype, scale.dim()), return_normed=quant.return_normed)
     return site if cause is None else site.without_quant(Reason.of(ReasonCode.QUANT_LOWERING, cause=cause))

@@ -27,7 +27,7 @@ cost stay as they are; the portable and the CUDA lowering carry it (``runtime.LA
 static_scale, group_size, scale_steps, code_steps, return_normed, lowering, workspace_tokens) ->
 (codes, scales, residual_out, normed)`` is the RMSNorm op followed by the FP8 / int8 quantization of
 its normed rows, as the graph wrote it (``weavepass.runtime.quant``); ``normed`` is empty unless
-``return_normed``. Only the portable lowering carries it (``runtime.QUANT_LOWERINGS``).
+``return_normed``. The portable and the CUDA lowering carry it (``runtime.QUANT_LOWERINGS``).
 
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and
 ``weave.join_async(normed, residual_out, inputs)`` are the token split's fused op on a second CUDA

@@ -114,22 +114,37 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
 
 
 _QUANT_LOWERINGS: dict[str, str] = {
-    "portable": "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
+    Lowering.PORTABLE: "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
+    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_quant_cuda",
 }
 QUANT_LOWERINGS = tuple(_QUANT_LOWERINGS)
-"""Lowerings that carry a quantized site (``weave.fused_allreduce_rmsnorm_quant``); a site planned
-on another keeps its quantization outside the fused op (the planner says so)."""
+"""Lowerings that carry a quantized site (``weave.fused_allreduce_rmsnorm_quant``): every one, each
+for the forms it answers for in ``quant_unsupported_reason`` (the CUDA kernel: the forms
+``runtime.cuda.support.cuda_quant_epilogue`` accepts); for another form the planner keeps the
+quantization outside the fused op and says so."""
+assert set(_QUANT_LOWERINGS) == set(Lowering)
 
 
-def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str,
-                             code_steps: str) -> str | None:
+def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str, code_steps: str, *,
+                             out_dtype: torch.dtype, hidden: int, device: torch.device,
+                             static_scale: tuple[torch.dtype, int] | None = None,
+                             return_normed: bool = False) -> str | None:
     """Why ``lowering`` cannot compute this quantization (``weavepass.runtime.quant``) in its fused
-    op, or None. The planner asks here: a lowering that gains a quantized kernel (CUDA: per-tensor,
-    per-row and per-group FP8 step programs) answers for itself, with no change on the compile side."""
-    if lowering in _QUANT_LOWERINGS:
-        return None
-    what = "the CUDA kernel" if lowering == "cuda_symm" else f"the {lowering!r} lowering"
-    return f"{what} does not carry it yet"
+    op, or None. The planner asks here: a lowering with a quantized kernel answers for itself (CUDA:
+    the forms ``runtime.cuda.support.cuda_quant_epilogue`` accepts for rows of ``out_dtype`` and
+    width ``hidden`` on ``device``; ``static_scale``: the static scale's ``(dtype, ndim)``)."""
+    if lowering not in _QUANT_LOWERINGS:
+        return f"the {str(lowering)!r} lowering does not carry it yet"
+    if lowering == Lowering.CUDA_SYMM:
+        from weavepass.runtime.cuda.support import cuda_quant_epilogue
+
+        if static and static_scale is None:
+            return "the CUDA kernel needs its static scale's dtype"
+        epilogue = cuda_quant_epilogue(out_dtype, hidden, device, static_scale if static else None, group_size,
+                                       scale_steps, code_steps, return_normed)
+        if isinstance(epilogue, str):
+            return f"the CUDA kernel does not carry it: {epilogue}"
+    return None
 
 
 def fused_allreduce_rmsnorm_quant(partial, residual, weight, eps, group_name, out_dtype, static_scale,
@@ -139,8 +154,11 @@ def fused_allreduce_rmsnorm_quant(partial, residual, weight, eps, group_name, ou
     normed)`` by the lowering named ``lowering`` (``weavepass.runtime.quant``)."""
     if lowering not in _QUANT_LOWERINGS:
         raise ValueError(f"weave lowering {lowering!r} does not carry a quantized site; "
-                         f"quantized sites need one of {QUANT_LOWERINGS}")
+                         f"quantized sites need one of {[str(n) for n in QUANT_LOWERINGS]}")
     module_name, attr = _QUANT_LOWERINGS[lowering].split(":")
     run = getattr(importlib.import_module(module_name), attr)
-    return run(partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size,
-               scale_steps, code_steps, return_normed)
+    args = (partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size, scale_steps,
+            code_steps, return_normed)
+    if lowering == Lowering.PORTABLE:  # no workspace
+        return run(*args)
+    return run(*args, max_workspace_tokens=workspace_tokens)

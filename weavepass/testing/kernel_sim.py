@@ -111,6 +111,8 @@ class SimulatedRanks:
         layer_norm: bool = False,
         bias: torch.Tensor | None = None,
         ranks=None,
+        quant=None,
+        static_scale: torch.Tensor | None = None,
     ) -> list[tuple[torch.Tensor, ...]]:
         """Every rank's ``(normed, residual_out)`` (``return_inv_rms``: plus the per-row inverse RMS,
         [T, 1] fp32; ``layer_norm``: a LayerNorm with an optional ``bias``) for the ranks' ``partials``
@@ -120,7 +122,11 @@ class SimulatedRanks:
         start its next call while another is still in this one (as real ranks do); the outputs are
         ready for the calling stream after ``wait_all``. ``ranks``: launch only these ranks' kernels
         (default: all); the others never come, so the launched ones give up after ``peer_timeout_s``
-        (the bounded-wait test, ``tests/gpu/peer_wait_case.py``)."""
+        (the bounded-wait test, ``tests/gpu/peer_wait_case.py``). ``quant``: a
+        ``runtime.cuda.quant_epilogue.QuantEpilogue`` (with ``static_scale`` for a static one): each
+        rank's outputs are then ``(normed, residual_out, codes [T, H], scales)``, scales ``[T, 1]``,
+        ``[T, H / g]`` per group or ``[1]`` (static); ``normed`` is written only if the epilogue
+        stores it."""
         world, hidden = self.world, self.hidden
         tokens = partials[0].shape[0]
         elem = partials[0].element_size()
@@ -141,11 +147,22 @@ class SimulatedRanks:
             residual_out = torch.empty_like(partial)
             inv_rms = torch.empty(tokens, 1, dtype=torch.float32, device=partial.device)
             outputs.append((normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out))
+            quant_args = (weight,) * 4
+            if quant is not None:
+                codes = torch.empty_like(partial, dtype=quant.code_dtype)
+                groups = hidden // quant.group_size if quant.group_size else 1
+                scales = torch.empty(1 if static_scale is not None else tokens * groups, dtype=quant.scale_dtype,
+                                     device=partial.device)
+                outputs[-1] = (normed, residual_out, codes,
+                               scales if static_scale is not None else scales.view(tokens, groups))
+                quant_args = (codes, scales, weight if static_scale is None else static_scale,
+                              quant.constants_tensor(partial.device))
             kernel, tail, rank_meta = kernel_arguments(
-                plan, self.workspaces[rank], hidden, residual is not None, elem, tokens, return_inv_rms, layer_norm)
+                plan, self.workspaces[rank], hidden, residual is not None, elem, tokens, return_inv_rms, layer_norm,
+                quant)
             b = weight if not layer_norm else torch.zeros_like(weight) if bias is None else bias
             launches.append((partial, partial if residual is None else residual, weight, normed, residual_out,
-                             inv_rms, b, *tail, eps))
+                             inv_rms, b, *quant_args, *tail, eps))
             meta.append(rank_meta)
         # Compile and load every rank's kernel before launching any: once rank 0's kernel runs it
         # waits for the others, and loading a module (CUDA's lazy loading defers it to first use)

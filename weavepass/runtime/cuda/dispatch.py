@@ -24,7 +24,8 @@ from weavepass.env import disable_multicast
 from weavepass.runtime.cuda import launcher
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.launcher import DirectLauncher
-from weavepass.runtime.cuda.support import cuda_unsupported_reason
+from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue
+from weavepass.runtime.cuda.support import cuda_quant_epilogue, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
     constant_vector,
@@ -35,6 +36,7 @@ from weavepass.runtime.cuda.workspace import (
 from weavepass.runtime.portable import (
     fused_allreduce_layernorm_portable,
     fused_allreduce_rmsnorm_portable,
+    fused_allreduce_rmsnorm_quant_portable,
     resolve_group,
     rows_per_rank,
 )
@@ -58,7 +60,8 @@ class _Launch(DirectLauncher):
     """Everything one call of a given signature needs besides its tensors: worked out on the first
     call (validation, plan, workspace, kernel) and reused, so a call costs two output allocations
     and one direct launch (``launcher.DirectLauncher``: the kernel's arguments are ``(partial,
-    residual, weight, normed, residual_out, inv_rms, bias, *tail, eps)``)."""
+    residual, weight, normed, residual_out, inv_rms, bias, codes, scales, static_scale, qconst,
+    *tail, eps)``; the last four are the quantized epilogue's, any tensor stands in without one)."""
 
     hidden: int = 0
     ones: torch.Tensor | None = None  # the weight of a norm without scale
@@ -67,6 +70,9 @@ class _Launch(DirectLauncher):
     contiguous: tuple = (True, True, True)  # whether partial, residual, weight are contiguous (no copy)
     same_dtype: bool = True  # whether out_dtype is partial's dtype
     on_stream: bool = False  # whether a call may launch on another stream without making it current
+    quant: QuantEpilogue | None = None  # the quantized epilogue (fused_allreduce_rmsnorm_quant_cuda)
+    qconst: torch.Tensor | None = None  # its constants on the device
+    normed_stand_in: torch.Tensor | None = None  # the normed pointer when the rows are not returned
 
 
 _PORTABLE = "portable"
@@ -160,7 +166,7 @@ def fused_allreduce_rmsnorm_cuda(
         w = weight if w_contiguous else weight.contiguous()
     # The bias: a LayerNorm's own (zeros without one); an RMSNorm reads none (the weight stands in).
     b = w if not layer_norm else launch.zeros if bias is None else bias if bias.is_contiguous() else bias.contiguous()
-    launch.launch((rows, res, w, normed, residual_out, inv_rms, b), (eps,), stream)
+    launch.launch((rows, res, w, normed, residual_out, inv_rms, b, w, w, w, w), (eps,), stream)
     return (normed, residual_out, inv_rms) if return_inv_rms else (normed, residual_out)
 
 
@@ -173,11 +179,88 @@ def fused_allreduce_layernorm_cuda(partial, residual, weight, bias, eps, group_n
                                         bias=bias, **overrides)
 
 
+
+def fused_allreduce_rmsnorm_quant_cuda(
+    partial: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+    static_scale: torch.Tensor | None,
+    group_size: int,
+    scale_steps: str,
+    code_steps: str,
+    return_normed: bool,
+    *,
+    max_workspace_tokens: int = DEFAULT_WORKSPACE_TOKENS,
+    **overrides,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CUDA lowering of ``weave.fused_allreduce_rmsnorm_quant``: the same kernels, whose norm
+    epilogue quantizes the rows it has just normalised (``kernels._quantize_rows``;
+    ``quant_epilogue`` says which forms, and how each rounds). Returns ``(codes, scales,
+    residual_out, normed)`` shaped as the portable lowering's: codes ``[..., H]`` (grouped:
+    ``[..., H/g, g]``), scales ``[..., 1]`` (grouped ``[..., H/g, 1]``; static: a copy of
+    ``static_scale``), ``normed`` empty unless ``return_normed``. A form the kernel does not carry,
+    and what ``fused_allreduce_rmsnorm_cuda`` cannot serve, run the portable lowering (warned once)."""
+    options = tuple(sorted(overrides.items())) if overrides else ()
+    key = (
+        "quant", partial.shape, partial.stride(), partial.dtype, partial.device,
+        None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
+        None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device),
+        group_name, out_dtype, max_workspace_tokens, options,
+        None if static_scale is None else (static_scale.shape, static_scale.dtype, static_scale.device),
+        group_size, scale_steps, code_steps, return_normed,
+    )
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        hidden = partial.shape[-1] if partial.dim() else 0
+        static = None if static_scale is None else (static_scale.dtype, static_scale.dim())
+        quant = cuda_quant_epilogue(out_dtype, hidden, partial.device, static, group_size, scale_steps, code_steps,
+                                    return_normed)
+        if isinstance(quant, QuantEpilogue) and static_scale is not None and (
+                static_scale.numel() != 1 or static_scale.device != partial.device):
+            quant = "the static scale is not one number on the partial sums' device"
+        launch = _prepare(partial, residual, weight, group_name, out_dtype, max_workspace_tokens,
+                          LaunchOverrides(**overrides), quant=quant)
+        if launch is not None:
+            _LAUNCHES[key] = launch
+    if not isinstance(launch, _Launch):  # unsupported or no workspace: the reason was warned once
+        return fused_allreduce_rmsnorm_quant_portable(partial, residual, weight, eps, group_name, out_dtype,
+                                                      static_scale, group_size, scale_steps, code_steps,
+                                                      return_normed)
+    quant = launch.quant
+    p_contiguous, r_contiguous, w_contiguous = launch.contiguous
+    rows = partial if p_contiguous else partial.contiguous()
+    lead = partial.shape[:-1]
+    hidden = launch.hidden
+    codes = torch.empty((*lead, hidden // group_size, group_size) if group_size else partial.shape,
+                        dtype=quant.code_dtype, device=partial.device)
+    if static_scale is not None:
+        scales = torch.empty_like(static_scale, memory_format=torch.contiguous_format)
+    else:
+        scales = torch.empty((*lead, hidden // group_size, 1) if group_size else (*lead, 1),
+                             dtype=quant.scale_dtype, device=partial.device)
+    residual_out = torch.empty_like(rows)
+    normed = torch.empty_like(rows, dtype=out_dtype) if return_normed else partial.new_empty((0,), dtype=out_dtype)
+    if launch.empty:
+        if static_scale is not None:
+            scales.copy_(static_scale)
+        return codes, scales, residual_out, normed
+    res = rows if residual is None else residual if r_contiguous else residual.contiguous()
+    w = launch.ones if weight is None else weight if w_contiguous else weight.contiguous()
+    static = w if static_scale is None else static_scale
+    launch.launch((rows, res, w, normed if return_normed else launch.normed_stand_in, residual_out, w, w,
+                   codes, scales, static, launch.qconst), (eps,))
+    return codes, scales, residual_out, normed
+
+
 def _prepare(
     partial, residual, weight, group_name, out_dtype, max_tokens: int, overrides: LaunchOverrides,
     return_inv_rms: bool = False,
     layer_norm: bool = False,
     bias=None,
+    quant: QuantEpilogue | str | None = None,
 ) -> _Launch | str | None:
     """Validate a new call signature and plan its launch. ``_PORTABLE`` when the kernel cannot
     serve it; None when no workspace fits now (not cached: the batch may fit later outside
@@ -191,6 +274,8 @@ def _prepare(
         bias.shape != (hidden,) or bias.device != partial.device
     ):
         reason = "bias is not a [hidden] tensor on partial's device"
+    if reason is None and isinstance(quant, str):
+        reason = f"the quantization of the normed rows: {quant}"
     if reason is not None:
         _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
         return _PORTABLE
@@ -215,29 +300,37 @@ def _prepare(
         return None  # not cached: outside capture a later call may allocate it
 
     kernel, tail, meta = kernel_arguments(plan, ws, hidden, residual is not None, elem, num_tokens,
-                                          return_inv_rms, layer_norm)
+                                          return_inv_rms, layer_norm, quant)
     ones = ones_weight(hidden, partial.dtype, partial.device) if weight is None else None
     zeros = constant_vector(hidden, partial.dtype, partial.device, 0.0) if layer_norm and bias is None else None
     contiguous = tuple(t is None or t.is_contiguous() for t in (partial, residual, weight))
     # Launching on a given stream without making it current is only for calls that queue nothing
     # but the kernel: no input copies (a strided bias is copied too), rows to launch on.
     on_stream = all(contiguous) and (bias is None or bias.is_contiguous()) and num_tokens > 0
-    return _Launch(kernel, (plan.num_ctas,), tail, meta, hidden=hidden, ones=ones, empty=num_tokens == 0,
-                   zeros=zeros, contiguous=contiguous, same_dtype=out_dtype == partial.dtype, on_stream=on_stream)
+    launch = _Launch(kernel, (plan.num_ctas,), tail, meta, hidden=hidden, ones=ones, empty=num_tokens == 0,
+                     zeros=zeros, contiguous=contiguous, same_dtype=out_dtype == partial.dtype, on_stream=on_stream)
+    if quant is not None:
+        launch.quant, launch.qconst = quant, quant.constants_tensor(partial.device)
+        launch.normed_stand_in = torch.empty(8, dtype=out_dtype, device=partial.device)  # never written
+    return launch
 
 
 def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: int, num_tokens: int,
-                     has_inv_rms: bool = False, layer_norm: bool = False):
+                     has_inv_rms: bool = False, layer_norm: bool = False, quant: QuantEpilogue | None = None):
     """``(kernel, tail, meta)`` of one call planned as ``plan`` on workspace ``ws``: the kernel runs
     as ``kernel[(plan.num_ctas,)](partial, residual, weight, normed, residual_out, inv_rms, bias,
-    *tail, eps, **meta)`` (also by ``weavepass.testing.kernel_sim``, on simulated workspaces)."""
+    codes, scales, static_scale, qconst, *tail, eps, **meta)`` (also by
+    ``weavepass.testing.kernel_sim``, on simulated workspaces). ``quant``: the quantized epilogue."""
     from weavepass.runtime.cuda import kernels
 
     world = ws.world
     meta = dict(
         RANK=ws.rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
         HAS_RESIDUAL=has_residual, HAS_INV_RMS=has_inv_rms, NORM=int(layer_norm), num_warps=plan.num_warps,
+        QUANT=0 if quant is None else quant.packed,
     )
+    if quant is not None:  # every step rounds as eager's separate ops do: no fused multiply-add
+        meta.update(enable_fp_fusion=False)
     if plan.lamport:
         meta.update(BITS=8 * element_size, FLAG_SLOT=lamport_flag_slot(world))
         tail = (ws.buffer, ws.pad, *ws.buffer_deltas, num_tokens, ws.lamport_offset, ws.lamport_slot_elements,

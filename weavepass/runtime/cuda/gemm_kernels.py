@@ -262,7 +262,8 @@ def reduce_scattered_rows_kernel(
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, w, eps, normed_ptr, normed_ptr, offs, local, mask, HIDDEN, False, 0)
+        _norm_rows(res, w, w, eps, normed_ptr, normed_ptr, offs, local, mask, normed_ptr, normed_ptr, normed_ptr,
+                   normed_ptr, HIDDEN, BLOCK_H, ROWS, False, 0, 0)  # (no quantized epilogue)
 
     # the last program to finish tells the peers this call's slot may be written again
     tl.debug_barrier()  # every thread's staging loads are done before the release

@@ -154,14 +154,20 @@ def _norm_rows(
     eps, normed_ptr, inv_rms_ptr, offs,
     row,  # [ROWS] row indices in [T]
     mask,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,  # the quantized epilogue (_quantize_rows)
     HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,  # 0: RMSNorm, 1: LayerNorm
+    QUANT: tl.constexpr,  # 0: none, else the packed quantization (runtime.cuda.quant_epilogue)
 ):
     """RMSNorm: ``normed = x * rsqrt(mean(x^2) + eps) * w`` over the last dim of ``x = fp32(res)``;
     LayerNorm: ``d = x - mean(x)``, ``normed = d * rsqrt(mean(d^2) + eps) * w + b`` (biased variance,
     ``reference.add_layernorm_local``'s order). Stored in the output's dtype; with ``HAS_INV_RMS``
-    also the per-row ``rsqrt(mean(x^2) + eps)`` (fp32; what a training graph saves for backward)."""
+    also the per-row ``rsqrt(mean(x^2) + eps)`` (fp32; what a training graph saves for backward).
+    With ``QUANT`` the rounded normed rows are also quantized (``_quantize_rows``), and stored
+    only if something else reads them."""
     x = res.to(tl.float32)
     if NORM == 1:
         x = tl.where(mask, x - (tl.sum(x, axis=1) / HIDDEN)[:, None], 0.0)  # padding stays 0
@@ -169,9 +175,129 @@ def _norm_rows(
     y = x * inv_rms[:, None] * w[None, :]
     if NORM == 1:
         y = y + b[None, :]
-    tl.store(normed_ptr + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
+    normed = y.to(normed_ptr.dtype.element_ty)
+    if QUANT == 0 or (QUANT >> 2) & 1 == 1:
+        tl.store(normed_ptr + offs, normed, mask=mask)
     if HAS_INV_RMS:
         tl.store(inv_rms_ptr + row, inv_rms, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+    if QUANT != 0:
+        _quantize_rows(normed.to(tl.float32), row, offs, mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                       HIDDEN, BLOCK_H, ROWS, QUANT)
+
+
+@triton.jit
+def _scale_steps(a, qconst_ptr, OPS: tl.constexpr):
+    """The dynamic scale's steps after the amax (``quant_epilogue.SCALE_*``; up to six, a nibble
+    each, op ``i``'s constant at ``qconst[i]``), on fp32 values that hold the step's dtype."""
+    for i in tl.static_range(6):
+        if (OPS >> (4 * i)) & 15 == 1:  # * c (a division by c is * fp32(1 / c), as ATen's CUDA division by a scalar)
+            a = a * tl.load(qconst_ptr + i)
+        if (OPS >> (4 * i)) & 15 == 2:
+            a = tl.maximum(a, tl.load(qconst_ptr + i))
+        if (OPS >> (4 * i)) & 15 == 3:
+            a = tl.minimum(a, tl.load(qconst_ptr + i))
+        if (OPS >> (4 * i)) & 15 == 4:  # the step's result in a bf16 tensor
+            a = _round_to_bf16(a)
+        if (OPS >> (4 * i)) & 15 == 5:
+            a = a.to(tl.float16).to(tl.float32)
+    return a
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 value, ties to even, still in fp32 (what the GPU's
+    cvt.rn.bf16.f32 gives; Triton's interpreter truncates, so the rounding is written out)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 32767 + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code_steps(x, s, qconst_ptr, OPS: tl.constexpr):
+    """The codes of ``x`` (fp32) with scale ``s`` (fp32, broadcast to ``x``): the division first
+    (``quant_epilogue.CODE_*``, a nibble each, op ``i``'s constant at ``qconst[8 + i]``), then
+    round / clamps in fp32, then the cast to the code dtype (the last op)."""
+    for i in tl.static_range(6):
+        if (OPS >> (4 * i)) & 15 == 1:  # x / s, IEEE-rounded (eager's fp32 division)
+            x = tl.div_rn(x, s + tl.zeros_like(x))
+        if (OPS >> (4 * i)) & 15 == 2:  # x * reciprocal(s), each IEEE-rounded
+            x = x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        if (OPS >> (4 * i)) & 15 == 3:  # round half to even (torch.round)
+            x = _round_half_even(x)
+        if (OPS >> (4 * i)) & 15 == 4:
+            x = tl.maximum(x, tl.load(qconst_ptr + 8 + i))
+        if (OPS >> (4 * i)) & 15 == 5:
+            x = tl.minimum(x, tl.load(qconst_ptr + 8 + i))
+        if (OPS >> (4 * i)) & 15 == 6:  # (clamped to +-448 before: no saturation is relied on)
+            x = _round_to_e4m3(x).to(tl.float8e4nv)
+        if (OPS >> (4 * i)) & 15 == 7:  # (integral values in [-128, 127] after round and clamps)
+            x = x.to(tl.int8)
+    return x
+
+
+@triton.jit
+def _round_half_even(x):
+    """``torch.round`` of fp32 ``x`` for ``|x| < 2^22`` (larger values only move within their own
+    magnitude, which the clamps that follow it in every carried form absorb): adding and removing
+    1.5 * 2^23 leaves no fraction bits, and IEEE addition rounds ties to even. Exact only if the add
+    is not contracted with a product before it: quantizing kernels compile with
+    ``enable_fp_fusion=False`` (``dispatch.kernel_arguments``)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32, ``|x| <= 448`` or NaN) rounded to the nearest float8 e4m3 value, ties to even,
+    still in fp32: the cast that follows is then exact whatever rounding mode it uses (Triton's
+    interpreter rounds fp32 -> fp8 wrongly; an exact value it converts right)."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.abs(x)
+    magnitude = a.to(tl.int32, bitcast=True)
+    # normals (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, rounding the 20 dropped ones to even
+    normal = ((magnitude + 524287 + ((magnitude >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = _round_half_even(a * 512.0) * 0.001953125  # multiples of 2^-9 (exact scalings)
+    r = tl.where(a < 0.015625, subnormal, normal)
+    return tl.where(bits < 0, -r, r)  # the sign bit, so -0.0 stays -0.0
+
+
+@triton.jit
+def _quantize_rows(
+    y,  # [ROWS, BLOCK_H] fp32 holding the normed rows rounded to the output dtype (padding 0)
+    row,  # [ROWS] row indices in [T]
+    offs, mask,  # the rows' element offsets and mask (the codes are [T, HIDDEN] like the rows)
+    codes_ptr,  # [T, HIDDEN] codes (fp8 e4m3 or int8)
+    scales_ptr,  # [T] (per row), [T, HIDDEN / GROUP] (per group) or [1] (a copy of the static scale)
+    static_scale_ptr,  # the static scale (one fp32), any pointer otherwise
+    qconst_ptr,  # fp32 [16]: the steps' constants (quant_epilogue.QuantEpilogue.constants)
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    QUANT: tl.constexpr,  # packed: mode, store-normed, group, scale ops, code ops (quant_epilogue)
+):
+    """The quantization the graph wrote after the norm (``weavepass.runtime.quant``), on rows that
+    are in registers: dynamic scale ``s = scale_steps(amax(|y|))`` per row or per group of
+    ``GROUP`` columns (or the static one), codes ``code_steps(y, s)``."""
+    MODE: tl.constexpr = QUANT & 3
+    GROUP_LOG2: tl.constexpr = (QUANT >> 3) & 31  # 0: per row
+    SCALE_OPS: tl.constexpr = (QUANT >> 8) & 16777215
+    CODE_OPS: tl.constexpr = (QUANT >> 32) & 16777215
+    row_ok = tl.max(mask.to(tl.int32), axis=1) > 0
+    if MODE == 1:  # static: one scale; the tile holding row 0 copies it out
+        s = tl.load(static_scale_ptr).to(tl.float32)
+        tl.store(codes_ptr + offs, _code_steps(y, s, qconst_ptr, CODE_OPS), mask=mask)
+        tl.store(scales_ptr + row * 0, s + tl.zeros([ROWS], tl.float32), mask=row_ok & (row == 0))
+    elif GROUP_LOG2 == 0:  # dynamic per row
+        s = _scale_steps(tl.max(tl.abs(y), axis=1), qconst_ptr, SCALE_OPS)
+        tl.store(codes_ptr + offs, _code_steps(y, s[:, None], qconst_ptr, CODE_OPS), mask=mask)
+        tl.store(scales_ptr + row.to(tl.int64), s.to(scales_ptr.dtype.element_ty), mask=row_ok)
+    else:  # dynamic per group of GROUP columns (GROUP divides HIDDEN; both BLOCK_H and GROUP powers of 2)
+        GROUP: tl.constexpr = 1 << GROUP_LOG2
+        y3 = tl.reshape(y, (ROWS, BLOCK_H // GROUP, GROUP))
+        s = _scale_steps(tl.max(tl.abs(y3), axis=2), qconst_ptr, SCALE_OPS)
+        q = tl.reshape(_code_steps(y3, s[:, :, None], qconst_ptr, CODE_OPS), (ROWS, BLOCK_H))
+        tl.store(codes_ptr + offs, q, mask=mask)
+        g = tl.arange(0, BLOCK_H // GROUP)
+        tl.store(scales_ptr + row.to(tl.int64)[:, None] * (HIDDEN // GROUP) + g[None, :],
+                 s.to(scales_ptr.dtype.element_ty), mask=row_ok[:, None] & (g < HIDDEN // GROUP)[None, :])
 
 
 @triton.jit
@@ -191,9 +317,13 @@ def _finalise_rows(
     end,  # one past its last row (rows at or beyond it are masked)
     local,  # [ROWS] row indices within the shard
     eps, w, b, cols, col_mask,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
     HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Step 5 for one tile of a peer's shard: copy its ``residual_out`` rows from the local recv
     buffer and normalise them into ``normed`` (both kernels finalise this way)."""
@@ -201,7 +331,9 @@ def _finalise_rows(
     offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
     res = tl.load(ws_ptr + recv_offset + offs, mask=mask, other=0.0)
     tl.store(residual_out_ptr + offs, res, mask=mask)
-    _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
+    _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask,
+               codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+               HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
 
 @triton.jit
@@ -246,6 +378,10 @@ def fused_allreduce_rmsnorm_kernel(
     residual_out_ptr,  # [T, HIDDEN] output, dtype(P)
     inv_rms_ptr,  # [T] fp32 output (only with HAS_INV_RMS; any pointer otherwise)
     bias_ptr,  # [HIDDEN] LayerNorm bias (only with NORM == 1; zeros without one; any pointer otherwise)
+    codes_ptr,  # [T, HIDDEN] codes (only with QUANT; any pointer otherwise; _quantize_rows)
+    scales_ptr,  # their scales (only with QUANT)
+    static_scale_ptr,  # the static scale (only with a static QUANT)
+    qconst_ptr,  # fp32 [16] the quantization's constants (only with QUANT)
     ws_ptr,  # this rank's symmetric workspace, dtype(P): staging at 0, recv at recv_offset
     pad_ptr,  # int32* this rank's symmetric signal pad
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,  # peer workspace address - local one, in elements
@@ -266,6 +402,7 @@ def fused_allreduce_rmsnorm_kernel(
     MAX_CTAS: tl.constexpr,  # signal slots per channel
     HAS_INV_RMS: tl.constexpr,  # also write the per-row inverse RMS (training graphs)
     NORM: tl.constexpr,  # 0: RMSNorm, 1: LayerNorm (_norm_rows)
+    QUANT: tl.constexpr,  # 0, or the packed quantization of the normed rows (_quantize_rows)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -318,7 +455,9 @@ def fused_allreduce_rmsnorm_kernel(
                 if dst != RANK:
                     delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
                     tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
-        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
+        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask,
+                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+               HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
     _block_barrier(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, 1, watch_addr, timeout_ns, RANK, WORLD,
                    MAX_CTAS)
@@ -332,7 +471,9 @@ def fused_allreduce_rmsnorm_kernel(
                 for tile in range(pid, num_tiles, num_programs):
                     local = tile * ROWS + rows
                     _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
-                                   local, eps, w, b, cols, col_mask, HIDDEN, HAS_INV_RMS, NORM)
+                                   local, eps, w, b, cols, col_mask,
+                                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                                   HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
 
 # ------------------------------------------------------------------ pipelined two-shot (large batches)
@@ -409,6 +550,7 @@ def _reduce_chunk(
     partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -418,6 +560,7 @@ def _reduce_chunk(
     HAS_RESIDUAL: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     start = RANK * shard_rows
     end = tl.minimum(start + shard_rows, num_tokens)
@@ -432,20 +575,25 @@ def _reduce_chunk(
                 delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
                 tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask, HIDDEN, HAS_INV_RMS, NORM)
+        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask,
+                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+               HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
 
 @triton.jit
 def _finalise_chunk(
     normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
     chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK_ROWS: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     for owner in tl.static_range(WORLD):
         if owner != RANK:
@@ -454,12 +602,15 @@ def _finalise_chunk(
             for k in tl.static_range(CHUNK_ROWS // ROWS):
                 local = chunk * CHUNK_ROWS + k * ROWS + rows
                 _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
-                               local, eps, w, b, cols, col_mask, HIDDEN, HAS_INV_RMS, NORM)
+                               local, eps, w, b, cols, col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                               HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
 
 @triton.jit
 def fused_allreduce_rmsnorm_pipelined_kernel(
-    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr, ws_ptr, pad_ptr,
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,  # the quantized epilogue, as in fused_allreduce_rmsnorm_kernel
+    ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7,
     num_tokens, shard_rows, recv_offset,
@@ -476,6 +627,7 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     MAX_CTAS: tl.constexpr,
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Two-shot, software-pipelined over chunks of ``CHUNK_ROWS`` rows (see the module docstring).
 
@@ -516,18 +668,21 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
         _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                       wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                       chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
-                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM)
+                      codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM, QUANT)
         if c > 0:
             _wait_counters(pad_ptr, 3, c, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
             _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                             chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
-                            rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM)
+                            rows, cols, col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                            RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM, QUANT)
         _signal_counters(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, more, RANK, WORLD, MAX_CTAS)
     if n > 0:
         _wait_counters(pad_ptr, 3, n, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
         _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                         pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
-                        rows, cols, col_mask, RANK, WORLD, HIDDEN, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM)
+                        rows, cols, col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                        RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM, QUANT)
         for peer in tl.static_range(WORLD):  # consume this call's counts (the peers' next call may
             if peer != RANK:  # already be adding: counters are exact, so subtracting keeps those)
                 tl.atomic_add(pad_ptr + (2 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")
@@ -558,7 +713,9 @@ def _empty_value(ROWS: tl.constexpr, BLOCK_H: tl.constexpr, dtype: tl.constexpr,
 
 @triton.jit
 def fused_allreduce_rmsnorm_lamport_kernel(
-    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr, ws_ptr, pad_ptr,
+    partial_ptr, residual_ptr, weight_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, bias_ptr,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,  # the quantized epilogue, as in fused_allreduce_rmsnorm_kernel
+    ws_ptr, pad_ptr,
     wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
     num_tokens,
     lamport_offset,  # element offset of the Lamport region in the workspace
@@ -575,6 +732,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
     FLAG_SLOT: tl.constexpr,  # pad slots: [FLAG_SLOT] = calls so far, [FLAG_SLOT + 1] = CTAs done
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One-shot without barriers, for decode-sized batches (Lamport's scheme, as in TensorRT-LLM's and
     FlashInfer's one-shot all-reduce).
@@ -643,7 +801,9 @@ def fused_allreduce_rmsnorm_lamport_kernel(
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, local, mask, HIDDEN, HAS_INV_RMS, NORM)
+        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, local, mask,
+                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+               HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
     # 3. the last program to finish advances the call counter (and resets the done count)
     tl.debug_barrier()
@@ -804,7 +964,8 @@ def reduce_pushed_rows_kernel(
             acc += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         res = acc.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, w, eps, normed_ptr, normed_ptr, offs, local, mask, HIDDEN, False, 0)
+        _norm_rows(res, w, w, eps, normed_ptr, normed_ptr, offs, local, mask, normed_ptr, normed_ptr, normed_ptr,
+                   normed_ptr, HIDDEN, BLOCK_H, ROWS, False, 0, 0)
 
     # the last program to finish hands the slot back to the peers
     tl.debug_barrier()  # every thread's staging loads are done before the release

@@ -68,3 +68,31 @@ def push_unsupported_reason(world: int) -> str | None:
                 f"(N-1) S = {world - 1} S bytes per rank, where two-shot moves 2 (N-1)/N S = "
                 f"{2 * (world - 1) / world:.2f} S")
     return None
+
+
+FP8_CAPABILITY = (8, 9)
+"""The oldest GPU with fp8 conversion instructions (Ada, sm_89)."""
+
+
+def cuda_quant_epilogue(
+    out_dtype: torch.dtype, hidden: int, device: torch.device, static_scale: tuple[torch.dtype, int] | None,
+    group_size: int, scale_steps: str, code_steps: str, return_normed: bool,
+):
+    """The kernel's form of a site's quantization (``quant_epilogue.QuantEpilogue``), or why the
+    CUDA lowering does not carry it (a string): a form the kernel has no program for, or fp8 codes
+    on a GPU older than sm_89. Asked by the planner (the quantization then stays outside the fused
+    op) and by each new call signature (then the call runs the portable lowering).
+    ``static_scale``: the static scale's ``(dtype, ndim)``; None for a dynamic scale."""
+    from weavepass.runtime.cuda.quant_epilogue import plan_quant_epilogue
+
+    epilogue = plan_quant_epilogue(out_dtype, hidden, static_scale, group_size, scale_steps, code_steps,
+                                   return_normed)
+    if isinstance(epilogue, str):
+        return epilogue
+    device = torch.device(device)
+    if epilogue.code_dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_CAPABILITY:
+            return (f"fp8 codes need a GPU of compute capability 8.9 or newer; this one is "
+                    f"{capability[0]}.{capability[1]}")
+    return epilogue

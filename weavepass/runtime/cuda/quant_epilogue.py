@@ -1,0 +1,200 @@
+"""Which quantizations the CUDA kernel carries in its norm epilogue, and their compile-time form.
+
+``weave.fused_allreduce_rmsnorm_quant`` carries the graph's own quantization steps as text
+(``weavepass.runtime.quant``). The kernel (``kernels._quantize_rows``) runs a fixed shape of
+program on the normed rows while they are in registers:
+
+    s = scale_ops(amax(|y|))      per row, per group of GROUP columns | the static scale (one fp32)
+    q = cast(code_ops(div(y, s)))  division in fp32, then round / clamps in fp32, cast to fp8 e4m3 or int8
+
+``plan_quant_epilogue`` reads the step text into that shape (``QuantEpilogue``: one packed
+constexpr and 16 fp32 constants) or says why the kernel does not carry it; then the site keeps the
+quantization outside the fused op (compile time) or the call runs the portable lowering (run time).
+
+Rounding, against eager on the same GPU (``quantize_rows`` on CUDA tensors):
+
+* every step computes in fp32 and rounds to the step's dtype, as ATen's CUDA kernels do
+  (``opmath``); a division by a number is a multiplication by its fp32 reciprocal, as ATen's CUDA
+  ``div`` by a scalar is (``BinaryDivTrueKernel.cu``), a tensor division and ``reciprocal`` are
+  IEEE-rounded (``tl.div_rn``), ``round`` is half-to-even, the fp8 cast rounds to nearest even. So
+  codes and scales equal eager's bit for bit on the GPU;
+* against eager on the CPU (the interpreter tests) a division by a number is IEEE-rounded there:
+  the scale may differ by one fp32 rounding, and a code by one step where it does;
+* a clamp's bound is taken in fp32 and the result rounded to the step's dtype (eager rounds the
+  bound to a bf16/fp16 tensor's dtype directly): the two differ only when the bound is hit, i.e.
+  for rows whose amax is below it (all-zero rows), and then at most by one rounding of the bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weavepass.runtime.quant import decode_steps
+
+# Scale ops (after the amax), a nibble each; constants at qconst[i].
+SCALE_MUL, SCALE_CLAMP_MIN, SCALE_CLAMP_MAX, SCALE_ROUND_BF16, SCALE_ROUND_FP16 = 1, 2, 3, 4, 5
+# Code ops, a nibble each; constants at qconst[8 + i].
+CODE_DIV, CODE_MUL_RECIPROCAL, CODE_ROUND, CODE_CLAMP_MIN, CODE_CLAMP_MAX, CODE_CAST_FP8, CODE_CAST_INT8 = range(1, 8)
+MAX_OPS = 6
+"""Ops per program (six nibbles of the packed constexpr)."""
+STATIC, DYNAMIC = 1, 2
+CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+_ROUND = {torch.bfloat16: SCALE_ROUND_BF16, torch.float16: SCALE_ROUND_FP16}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class QuantEpilogue:
+    """The quantization as ``kernels._quantize_rows`` runs it."""
+
+    packed: int
+    """The kernels' ``QUANT`` constexpr: bits 0-1 mode (1 static, 2 dynamic), bit 2 store the normed
+    rows too, bits 3-7 log2 of the group width (0: per row), bits 8-31 the scale ops, 32-55 the code
+    ops (a nibble each, first op lowest)."""
+    constants: tuple[float, ...]
+    """16 fp32 values: the scale ops' constants, then (from 8) the code ops'."""
+    code_dtype: torch.dtype
+    scale_dtype: torch.dtype
+    """The dynamic scales' dtype (the scale program's last dtype); static: the static scale's."""
+    group_size: int
+
+    def constants_tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.constants, dtype=torch.float32, device=device)
+
+
+def _f32(value: float) -> float:
+    return float(np.float32(value))
+
+
+def _reciprocal_f32(value: float) -> float:
+    """``fp32(1 / fp32(c))``: what ATen's CUDA division by the scalar ``c`` multiplies by."""
+    return float(np.float32(1.0) / np.float32(value))
+
+
+def _pack(ops: list[int]) -> int:
+    return sum(op << (4 * i) for i, op in enumerate(ops))
+
+
+def _scale_program(steps, out_dtype: torch.dtype) -> tuple[list[int], list[float], torch.dtype] | str:
+    """``abs`` and ``amax`` (in any float dtype that holds ``out_dtype`` exactly), then numbers."""
+    dtype, ops, consts, seen_abs, seen_amax = out_dtype, [], [], False, False
+    for name, arg in steps:
+        if not seen_amax:
+            if name == "convert" and arg in _FLOATS and torch.promote_types(arg, dtype) == arg:
+                dtype = arg  # a widening cast is exact
+            elif name == "abs":
+                seen_abs = True
+            elif name == "amax" and seen_abs:
+                seen_amax = True
+            else:
+                return f"its scale does not start as amax(|x|) (step {name!r})"
+            continue
+        if name == "convert":
+            if arg not in _FLOATS:
+                return f"its scale is cast to {arg}"
+            if torch.promote_types(arg, dtype) != arg:  # narrowing: a rounding
+                ops.append(_ROUND[arg])
+                consts.append(0.0)
+            dtype = arg
+            continue
+        if name in ("div", "mul"):
+            ops.append(SCALE_MUL)
+            consts.append(_reciprocal_f32(arg) if name == "div" else _f32(arg))
+        elif name in ("clamp_min", "clamp_max"):
+            ops.append(SCALE_CLAMP_MIN if name == "clamp_min" else SCALE_CLAMP_MAX)
+            consts.append(_f32(arg))
+        else:
+            return f"its scale has a step the kernel does not run ({name!r})"
+        if dtype in _ROUND:
+            ops.append(_ROUND[dtype])
+            consts.append(0.0)
+    if not seen_amax:
+        return "its scale has no amax"
+    return ops, consts, dtype
+
+
+def _code_program(steps, out_dtype: torch.dtype, scale_dtype: torch.dtype,
+                  scale_ndim: int) -> tuple[list[int], list[float], torch.dtype] | str:
+    """A widening cast, the division by the scale in fp32, round / clamps, the cast to the codes."""
+    dtype, ops, consts, lo, hi = out_dtype, [], [], None, None
+    for i, (name, arg) in enumerate(steps):
+        last = i == len(steps) - 1
+        if name == "convert" and last:
+            if arg not in CODE_DTYPES:
+                return f"its codes are {arg}, not fp8 e4m3 or int8"
+            if arg == torch.float8_e4m3fn and (lo is None or hi is None or lo < -FP8_MAX or hi > FP8_MAX):
+                return ("its codes are not clamped to +-448 before the fp8 cast (eager makes an "
+                        "overflow NaN; the kernel rounds clamped values only)")
+            ops.append(CODE_CAST_FP8 if arg == torch.float8_e4m3fn else CODE_CAST_INT8)
+            consts.append(0.0)
+            return ops, consts, arg
+        if name == "convert":
+            if arg not in _FLOATS or torch.promote_types(arg, dtype) != arg:
+                return f"its codes are cast to {arg} before the last step"
+            dtype = arg
+        elif name in ("div_scale", "mul_scale_reciprocal"):
+            if ops:
+                return "its division by the scale is not its first arithmetic step"
+            if name == "mul_scale_reciprocal" and scale_dtype != torch.float32:
+                return f"its scale's reciprocal is taken in {scale_dtype}"
+            x = torch.empty((2, 2), dtype=dtype, device="meta")
+            s = torch.empty((1,) * scale_ndim, dtype=scale_dtype, device="meta")
+            dtype = torch.result_type(x, s)
+            if dtype != torch.float32:
+                return f"it divides by the scale in {dtype}; the kernel divides in fp32"
+            ops.append(CODE_DIV if name == "div_scale" else CODE_MUL_RECIPROCAL)
+            consts.append(0.0)
+        elif not ops:
+            return f"its codes take step {name!r} before the division by the scale"
+        elif name == "round":
+            ops.append(CODE_ROUND)
+            consts.append(0.0)
+        elif name in ("clamp_min", "clamp_max"):
+            ops.append(CODE_CLAMP_MIN if name == "clamp_min" else CODE_CLAMP_MAX)
+            consts.append(_f32(arg))
+            lo = arg if name == "clamp_min" else lo
+            hi = arg if name == "clamp_max" else hi
+        else:
+            return f"its codes have a step the kernel does not run ({name!r})"
+    return "its codes end without a cast to fp8 or int8"
+
+
+def plan_quant_epilogue(
+    out_dtype: torch.dtype, hidden: int, static_scale: tuple[torch.dtype, int] | None, group_size: int,
+    scale_steps: str, code_steps: str, return_normed: bool,
+) -> QuantEpilogue | str:
+    """The kernel's form of a quantization (module docstring), or why it does not carry it.
+    ``static_scale``: the static scale's ``(dtype, ndim)``, or None for a dynamic one."""
+    if group_size:
+        if static_scale is not None:
+            return "a static scale per group"
+        if hidden % group_size or group_size & (group_size - 1) or not 2 <= group_size < 1 << 16:
+            return f"its groups of {group_size} are not a power of two dividing the hidden size {hidden}"
+    if static_scale is not None:
+        scale_dtype, scale_ndim = static_scale
+        if scale_dtype != torch.float32:
+            return f"its static scale is {scale_dtype}, not fp32"
+        scale_ops, scale_consts = [], []
+    else:
+        scale = _scale_program(decode_steps(scale_steps), out_dtype)
+        if isinstance(scale, str):
+            return scale
+        scale_ops, scale_consts, scale_dtype = scale
+        scale_ndim = 2
+    codes = _code_program(decode_steps(code_steps), out_dtype, scale_dtype, scale_ndim)
+    if isinstance(codes, str):
+        return codes
+    code_ops, code_consts, code_dtype = codes
+    if len(scale_ops) > MAX_OPS or len(code_ops) > MAX_OPS:
+        return f"it has more than {MAX_OPS} steps"
+    mode = STATIC if static_scale is not None else DYNAMIC
+    group_log2 = group_size.bit_length() - 1 if group_size else 0
+    packed = mode | int(return_normed) << 2 | group_log2 << 3 | _pack(scale_ops) << 8 | _pack(code_ops) << 32
+    constants = [0.0] * 16
+    constants[:len(scale_consts)] = scale_consts
+    constants[8:8 + len(code_consts)] = code_consts
+    return QuantEpilogue(packed, tuple(constants), code_dtype, scale_dtype, group_size)
