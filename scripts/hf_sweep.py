@@ -61,8 +61,7 @@ def run_one(family: str) -> dict:
     """Build, load, compile and compare one family (in this process and 2 spawned ranks)."""
     import torch  # noqa: F401
 
-    from weavepass.testing import spawn
-    from weavepass.testing import hf_catalogue, hf_models
+    from weavepass.testing import hf_catalogue, hf_models, spawn
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +170,8 @@ def main() -> int:
         from weavepass.testing.hf_catalogue import tp_families
 
         families = args.families or sorted(tp_families())
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_VEC_ISA_OK=os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "0"))
+        env = dict(os.environ, PYTHONPATH=str(ROOT),
+                   TORCHINDUCTOR_VEC_ISA_OK=os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "0"))
         for i, family in enumerate(families, 1):
             start = time.perf_counter()
             try:
@@ -197,7 +197,8 @@ def _progress(result: dict) -> str:
     for name, entry in result["strategies"].items():
         n = sum(g["all_reduces"] for g in entry["graphs"])
         fused = sum(g["all_reduces"] - g["left"] for g in entry["graphs"])
-        ok = "error" if entry["error"] else ("ok" if entry["rel_diff"] <= TOLERANCE else f"diff {entry['rel_diff']:.1e}")
+        diff = entry["rel_diff"]
+        ok = "error" if entry["error"] else ("ok" if diff <= TOLERANCE else f"diff {diff:.1e}")
         parts.append(f"{name} {fused}/{n} {ok}")
     return ", ".join(parts)
 

@@ -23,14 +23,24 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from test_patterns import (  # noqa: F401  (fake_world: the fake group every test here compiles on)
+    AR,
+    FUSED,
+    FUSED_LN,
+    WAIT,
+    H,
+    ar,
+    cohere_layer_norm,
+    compile_report,
+    fake_world,
+    inputs,
+    llama_norm,
+)
 
 import weavepass
 from weavepass import WeaveConfig
 from weavepass.compile.where import module_path, source_line
 from weavepass.report import WeaveReport
-from test_patterns import (  # noqa: F401  (fake_world: the fake group every test here compiles on)
-    AR, FUSED, FUSED_LN, H, WAIT, ar, cohere_layer_norm, compile_report, fake_world, inputs, llama_norm,
-)
 
 ADD = "aten.add.Tensor"
 

@@ -130,8 +130,8 @@ class WeaveBackend:
         graphs; ``options``: Inductor config entries). Unknown modes or options raise. A pass in
         ``options["post_grad_custom_pre_pass"]``, else in Inductor's global config, runs before
         weave's (``weavepass.inductor_pass``'s ``chain``)."""
-        from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling
         import torch._inductor.config
+        from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling
 
         from weavepass.inductor import CURRENT, make_pass
 

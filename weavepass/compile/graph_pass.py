@@ -27,9 +27,9 @@ from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies import STRATEGIES, Decision, GraphRewrite, Strategy, inductor_patches
 from weavepass.compile.strategies.base import ContractError, check_writes, snapshot
+from weavepass.compile.where import where
 from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
-from weavepass.compile.where import where
 from weavepass.tune.table import load_table
 
 log = logging.getLogger("weavepass")

@@ -25,7 +25,7 @@ from weavepass.compile.patterns.rmsnorm import is_target
 
 def _reads_a_sum(add: torch.fx.Node) -> bool:
     for arg in add.all_input_nodes:
-        while is_target(arg, VIEWS):
+        while is_target(arg, VIEWS) and isinstance(arg.args[0], torch.fx.Node):
             arg = arg.args[0]
         if is_target(arg, {WAIT}) and is_target(arg.args[0], ALL_REDUCES):
             return True

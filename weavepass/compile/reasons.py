@@ -410,7 +410,8 @@ MESSAGES: dict[ReasonCode, Message] = {
                                "and no norm follows the sum (a post-norm model norms each branch's output "
                                "before adding it to the residual stream, so its first sum, the embedding's, "
                                "is never normed)"),
-    ReasonCode.BIAS_NO_NORM: "a bias row ({bias}) is added to the sum, and no RMSNorm or LayerNorm reads the adds' result",
+    ReasonCode.BIAS_NO_NORM: ("a bias row ({bias}) is added to the sum, and no RMSNorm or LayerNorm reads the "
+                              "adds' result"),
     ReasonCode.BIAS_NO_RESIDUAL: ("a bias row ({bias}) is added to the sum, and no residual of the sum's shape: "
                                   "the fused op's residual would be the broadcast bias"),
     ReasonCode.BIAS_TREE_DTYPE: "{node} is added to the sum as {dtype}, not {expected} (type promotion is not fused)",

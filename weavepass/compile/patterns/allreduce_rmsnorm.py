@@ -31,8 +31,8 @@ from weavepass.compile.patterns.rmsnorm import (
     val,
 )
 from weavepass.compile.reasons import Reason, ReasonCode
-from weavepass.config import Lowering
 from weavepass.compile.where import module_path
+from weavepass.config import Lowering
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -650,7 +650,7 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     unfit = _unfit_all_reduce(ar)
     if unfit is not None:
         return RejectedAllReduce(ar, unfit)
-    group_name, partial = ar.args[2], _node(ar.args[0])
+    group_name = ar.args[2]
     assert isinstance(group_name, str)
     wait = next(iter(ar.users))
     scale = _scale_after_sum(ar, wait, order)

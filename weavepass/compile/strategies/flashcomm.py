@@ -334,8 +334,8 @@ class PortableFlashComm:
 
     def add_shared(self, site: FusedAllReduceRMSNormSite, shared: Node, stream_shard: Node) -> Node:
         """The op's residual ``x + r`` on the shard (``x`` replicated, ``r`` the carried stream):
-        ``x``'s rows for this rank's shard (a bias row ``[H]``: itself) plus the carried shard, rounded where the fuse path
-        rounds ``x + r``. The full-row ``x + r`` that ``prepare`` made (and its views of ``x``)
+        ``x``'s rows for this rank's shard (a bias row ``[H]``: itself) plus the carried shard, rounded
+        where the fuse path rounds ``x + r``. The full-row ``x + r`` that ``prepare`` made (and its views of ``x``)
         is replaced; it would otherwise make ``finish`` gather the stream for it."""
         folded = site.residual
         x_rows = folded.args[0]  # fold_inner_add builds add(views of x, r)
