@@ -125,6 +125,18 @@ quantization outside the fused op and says so."""
 assert set(_QUANT_LOWERINGS) == set(Lowering)
 
 
+CUDA_QUANT_EPILOGUE_VERIFIED = False
+"""Whether the planner puts quantized sites on the CUDA kernel's quantized epilogue. The kernel has a
+program for every fused form (``runtime.cuda.support.cuda_quant_epilogue``) and passes its interpreter
+tests, but on one H200 (2026-12-03) its codes for the fp8 static per-tensor form at a group of one
+rank differed from eager's quantization of the same rows (``tests/gpu/test_quant_epilogue_gpu.py``),
+and the other forms there were not reached; until that test passes on a GPU, the quantization stays
+outside the fused op on CUDA (the norm is fused), with this reason."""
+CUDA_QUANT_EPILOGUE_UNVERIFIED = (
+    "the CUDA kernel's quantized epilogue is not verified on a GPU yet (its fp8 static codes differed "
+    "from eager's on one H200)")
+
+
 def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str, code_steps: str, *,
                              out_dtype: torch.dtype, hidden: int, device: torch.device,
                              static_scale: tuple[torch.dtype, int] | None = None,
@@ -144,6 +156,8 @@ def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale
                                        scale_steps, code_steps, return_normed)
         if isinstance(epilogue, str):
             return f"the CUDA kernel does not carry it: {epilogue}"
+        if not CUDA_QUANT_EPILOGUE_VERIFIED:
+            return CUDA_QUANT_EPILOGUE_UNVERIFIED
     return None
 
 
