@@ -9,6 +9,7 @@ killed before and after its first compile.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -83,6 +84,27 @@ def test_a_mismatch_leaves_the_exchange_clean_for_the_next_compile():
     assert all("is reset (epoch 1)" in e and "no restart needed" in e for e in errors), errors
     assert _ranks([[fused, _line(3)], [fused, _line(3)]], store, exchanges) == [None, None]
     assert [x.groups["0"].offset for x in exchanges] == [2, 2]  # realigned: both at the same position
+
+
+class _PeerFailsDuringTheRead(dist.HashStore):
+    """Rank 1's plan is in the store when rank 0's wait sees it, and gone when rank 0 reads it: rank 1's
+    check failed in between (its note written, the epoch moved, its plan deleted), which a TCPStore
+    answers with an empty value (CI, 2026-12-03: a JSONDecodeError instead of the mismatch)."""
+
+    def get(self, key):
+        if key == "weavepass/plan/0/0/1/0":
+            self.set("weavepass/plan/0/failed/1", '[0, "rank 1 saw other collectives"]')
+            self.add("weavepass/plan/0/epoch", 1)
+            return b""
+        return super().get(key)
+
+
+def test_a_plan_deleted_between_the_wait_and_the_read_is_the_peers_failure():
+    store = _PeerFailsDuringTheRead()
+    store.set("weavepass/plan/0/0/1/0", json.dumps([["a", "weave.fused(float32[8, 16])", 0]]))
+    with pytest.raises(PlanMismatchError, match="rank 1's plan check failed while rank 0 read its plan.*"
+                                                "rank 1 saw other collectives"):
+        PlanExchange().check(store, "0", 0, [0, 1], [("a", "weave.fused(float32[4, 16])")], 0, 5.0)
 
 
 def test_a_rank_that_raised_alone_realigns_through_the_epoch():

@@ -103,10 +103,14 @@ def test_reduced_sum_added_to_itself_is_left_alone():
 
 
 def test_broadcast_residual_is_left_alone():
-    def f(x, w, r, weight):
+    def row(x, w, r, weight):  # a 1-D [H] row: taken as a bias row, with no residual to carry it
         return norm(ar(x @ w) + r[0], weight)
 
-    assert_left_alone(graph_report(f, *inputs()), ReasonCode.RESIDUAL_BROADCAST)
+    def rows(x, w, r, weight):  # [1, H]: broadcast over the tokens
+        return norm(ar(x @ w) + r[:1], weight)
+
+    assert_left_alone(graph_report(row, *inputs()), ReasonCode.BIAS_NO_RESIDUAL)
+    assert_left_alone(graph_report(rows, *inputs()), ReasonCode.RESIDUAL_BROADCAST)
 
 
 def test_promoting_residual_add_is_left_alone():

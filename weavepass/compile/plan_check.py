@@ -332,7 +332,13 @@ class PlanExchange:
             key = _key(group_name, state.epoch, peer, stream.end)
             limit = first_timeout_s if stream.end == 0 else timeout_s
             self._wait(store, group_name, state, me, peer, key, limit, start, mine, stream)
-            chunk = json.loads(store.get(key))
+            raw = store.get(key)
+            if not raw:  # it was there at the wait and gone at the read: the peer's check failed and
+                # cleared its plan (``_fail``); a TCPStore then answers the read with an empty value
+                raise PlanMismatchError(
+                    f"weavepass: rank {peer}'s plan check failed while rank {me} read its plan on group "
+                    f"{group_name!r}: {_failure_note(store, group_name, peer)}")
+            chunk = json.loads(raw)
             if int(store.add(key + "/read", 1)) >= len(ranks) - 1:  # every peer has read it
                 _delete(store, key)
                 _delete(store, key + "/read")
