@@ -35,6 +35,7 @@ from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.runtime.reference import add_rmsnorm_local
 from weavepass.testing import fake_process_group
+from weavepass.testing.distributed import check_plans_in_threads
 
 H = 64
 
@@ -710,28 +711,7 @@ def second_site(n1, h1, w2, g2):
 def _streams(per_rank: list[list[list[tuple[str, str]]]]) -> list[str | None]:
     """Each rank's ``PlanMismatchError`` text (None: the check passed) for ranks that compiled
     several graphs each, checked in order, ranks checking concurrently."""
-    store = dist.HashStore()
-    errors: list[str | None] = [None] * len(per_rank)
-    crashed: list[BaseException] = []  # a thread's exception is only a warning: re-raised here
-
-    def check(rank: int) -> None:
-        exchange = PlanExchange()
-        try:
-            for index, lines in enumerate(per_rank[rank]):
-                exchange.check(store, "0", rank, list(range(len(per_rank))), lines, index, timeout_s=10.0)
-        except PlanMismatchError as error:
-            errors[rank] = str(error)
-        except Exception as error:  # noqa: BLE001
-            crashed.append(error)
-
-    threads = [threading.Thread(target=check, args=(rank,)) for rank in range(len(per_rank))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if crashed:
-        raise crashed[0]
-    return errors
+    return check_plans_in_threads(per_rank, timeout_s=10.0)
 
 
 @pytest.mark.parametrize("check_replicated", [False, True])

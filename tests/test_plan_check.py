@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -22,8 +21,14 @@ import torch.distributed._functional_collectives as funcol
 
 import weavepass
 from weavepass import WeaveConfig
-from weavepass.compile.plan_check import PeerGoneError, PlanExchange, PlanMismatchError, _heartbeat_key
-from weavepass.testing.distributed import spawn
+from weavepass.compile.plan_check import (
+    PeerGoneError,
+    PlanExchange,
+    PlanMismatchError,
+    _heartbeat_key,
+    check_plan_across_ranks,
+)
+from weavepass.testing.distributed import check_plans_in_threads, spawn
 
 H = 16
 
@@ -32,42 +37,14 @@ def _line(rows: int) -> list[tuple[str, str]]:
     return [("all_reduce", f"_c10d_functional.all_reduce(float32[{rows}, {H}], 'sum', '0')")]
 
 
-def _ranks(per_rank, store=None, exchanges=None, **limits) -> list[str | None]:
-    """Each simulated rank checks its graphs (lists of lines) in order, ranks concurrently; returns
-    each rank's error text (None: all passed). ``exchanges`` carries state across calls."""
-    store = store if store is not None else dist.HashStore()
-    exchanges = exchanges if exchanges is not None else [PlanExchange() for _ in per_rank]
-    errors: list[str | None] = [None] * len(per_rank)
-    crashed: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            for index, lines in enumerate(per_rank[rank]):
-                exchanges[rank].check(store, "0", rank, list(range(len(per_rank))), lines, index,
-                                      limits.get("timeout_s", 5.0))
-        except PlanMismatchError as error:
-            errors[rank] = f"{type(error).__name__}: {error}"
-        except Exception as error:  # noqa: BLE001  (a thread's exception is only a warning)
-            crashed.append(error)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(per_rank))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if crashed:
-        raise crashed[0]
-    return errors
-
-
 def test_a_recompile_on_one_rank_passes_and_the_next_graph_still_lines_up():
     """Rank 1 compiles graph A twice (a stride guard failed on rank 1 only), rank 0 once; then both
     compile B. Before: rank 1 waited for rank 0's second graph and failed after the timeout; rank
     1's B then sat one position after rank 0's."""
     a, b = _line(4), _line(8)
-    assert _ranks([[a, b], [a, a, b]], timeout_s=10.0) == [None, None]
+    assert check_plans_in_threads([[a, b], [a, a, b]], timeout_s=10.0) == [None, None]
     # It can still fail: a recompile with other collectives on one rank is not a recompile of A.
-    errors = _ranks([[a], [a, _line(5)]], timeout_s=0.5)
+    errors = check_plans_in_threads([[a], [a, _line(5)]], timeout_s=0.5)
     assert errors[0] is None and "rank 0 published no plan for this point within 0.5 s" in errors[1], errors
     assert "float32[5, 16]" in errors[1] and "float32[4, 16]" in errors[1], errors  # both ranks' plans
 
@@ -79,10 +56,10 @@ def test_a_mismatch_leaves_the_exchange_clean_for_the_next_compile():
     store, exchanges = dist.HashStore(), [PlanExchange(), PlanExchange()]
     split = [("a", "weave.fused(float32[4, 16])"), ("b", "weave.fused(float32[4, 16])")]
     fused = [("a", "weave.fused(float32[8, 16])")]
-    errors = _ranks([[split], [fused]], store, exchanges)
+    errors = check_plans_in_threads([[split], [fused]], store, exchanges)
     assert all(e and "would run different collectives" in e for e in errors), errors
     assert all("is reset (epoch 1)" in e and "no restart needed" in e for e in errors), errors
-    assert _ranks([[fused, _line(3)], [fused, _line(3)]], store, exchanges) == [None, None]
+    assert check_plans_in_threads([[fused, _line(3)], [fused, _line(3)]], store, exchanges) == [None, None]
     assert [x.groups["0"].offset for x in exchanges] == [2, 2]  # realigned: both at the same position
 
 
@@ -111,9 +88,9 @@ def test_a_rank_that_raised_alone_realigns_through_the_epoch():
     """Rank 0 gives up on a silent rank 1 (timeout) and moves the epoch; rank 1 later compiles the
     retried graph in the new epoch at position 0, as rank 0 does: both pass."""
     store, exchanges = dist.HashStore(), [PlanExchange(), PlanExchange()]
-    errors = _ranks([[_line(4)], []], store, exchanges, timeout_s=0.3)
+    errors = check_plans_in_threads([[_line(4)], []], store, exchanges, timeout_s=0.3)
     assert "rank 1 published no plan" in errors[0] and errors[1] is None, errors
-    assert _ranks([[_line(4)], [_line(4)]], store, exchanges) == [None, None]
+    assert check_plans_in_threads([[_line(4)], [_line(4)]], store, exchanges) == [None, None]
 
 
 def test_store_keys_stay_bounded_over_50_recompiles():
@@ -123,7 +100,7 @@ def test_store_keys_stay_bounded_over_50_recompiles():
     counts = []
     for step in range(50):
         rows = [step + 1, step + 1 if step % 10 else step + 100]
-        _ranks([[_line(rows[0])], [_line(rows[1])]], store, exchanges)
+        check_plans_in_threads([[_line(rows[0])], [_line(rows[1])]], store, exchanges)
         counts.append(store.num_keys())
     assert max(counts) <= 6, counts  # epoch + 2 failure notes + at most a chunk and its read count
     assert exchanges[0].groups["0"].epoch == 5  # five mismatches, each recovered from
@@ -187,7 +164,6 @@ def _job_rank(rank, world):
     """Issue 31's three probes in one world, in order; the last leaves the ranks out of step."""
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from weavepass.compile.plan_check import check_plan_across_ranks
 
     out = {}
     # 1. At step 2 rank 1's activations arrive column-major: Dynamo recompiles on rank 1 only.
@@ -261,7 +237,6 @@ def _dead_peer_rank(rank, world, when):
     traced with fake tensors and checked as the pass checks them (no Inductor compile: fast)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from weavepass.compile.plan_check import check_plan_across_ranks
 
     def graph(rows):
         return make_fx(lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD), tracing_mode="fake")(

@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -153,3 +154,38 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[dist.ProcessG
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def check_plans_in_threads(per_rank: list[list[list[tuple[str, str]]]], store: Any = None,
+                           exchanges: list[Any] | None = None, timeout_s: float = 5.0) -> list[str | None]:
+    """The cross-rank plan check with one thread per simulated rank: rank ``r`` checks the graphs
+    ``per_rank[r]`` (each a list of ``(name, line)`` collective lines) in order, ranks concurrently,
+    over ``store`` (a fresh ``HashStore`` by default). Returns each rank's ``PlanMismatchError``
+    text (None: every check passed); any other exception in a thread is re-raised here (a thread's
+    exception is otherwise only a warning). ``exchanges`` (one ``PlanExchange`` per rank) carries
+    state across calls."""
+    from weavepass.compile.plan_check import PlanExchange, PlanMismatchError
+
+    store = store if store is not None else dist.HashStore()
+    exchanges = exchanges if exchanges is not None else [PlanExchange() for _ in per_rank]
+    ranks = list(range(len(per_rank)))
+    errors: list[str | None] = [None] * len(per_rank)
+    crashed: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            for index, lines in enumerate(per_rank[rank]):
+                exchanges[rank].check(store, "0", rank, ranks, lines, index, timeout_s)
+        except PlanMismatchError as error:
+            errors[rank] = f"{type(error).__name__}: {error}"
+        except Exception as error:  # noqa: BLE001
+            crashed.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if crashed:
+        raise crashed[0]
+    return errors
