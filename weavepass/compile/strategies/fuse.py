@@ -54,6 +54,10 @@ class FuseStrategy(Strategy):
             if plan.code is not ReasonCode.NONE:  # a fallback is a warning; the cuda_symm copy is information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING
                 said.setdefault((level, plan.reason.render()), []).append(record.node)
+            if plan.epilogue.code is not ReasonCode.NONE:  # a forced matmul op refused is a warning
+                refused = plan.matmul is None and rewrite.config.gemm_epilogue == "force"
+                level = logging.WARNING if refused else logging.INFO
+                said.setdefault((level, plan.epilogue.render()), []).append(record.node)
         for (level, reason), nodes in said.items():  # one line per reason, not one per site
             where = nodes[0] if len(nodes) == 1 else (
                 f"graph {rewrite.report.graph_index}: {len(nodes)} site(s) ({', '.join(nodes)})")
@@ -62,4 +66,8 @@ class FuseStrategy(Strategy):
             checked = insert_checks(rewrite.graph, rewrite.fused)
             rewrite.report.add_note(f"check_replicated: the residual and norm weight of {checked} "
                                     "site(s) are compared across ranks on every call")
+        for plan in rewrite.plans:  # after the checks, which read the fused op's arguments
+            if plan.matmul is not None:  # weave.matmul_reduce_scatter_rmsnorm (WeaveConfig.gemm_epilogue)
+                name = plan.site.all_reduce.name
+                rewrite.fused[name] = plan.matmul.absorb(rewrite.graph, rewrite.fused[name])
         return False
