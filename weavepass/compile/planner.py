@@ -131,18 +131,19 @@ def choose_lowering(
     return wanted, CUDA_COPY if wanted is Lowering.CUDA_SYMM else NO_REASON
 
 
-def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: Lowering | None,
-                         config: WeaveConfig) -> tuple[RowParallelMatmul | None, Reason]:
+def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, mode: str, *,
+                         overlap: str = "off") -> tuple[RowParallelMatmul | None, Reason]:
     """``(matmul, reason)``: the row-parallel matmul that ``site``'s op on ``lowering`` takes in
-    (``WeaveConfig.gemm_epilogue``), or None and why not. In order: the site's form (an RMSNorm
-    inference site without quantization), its producer (``find_row_parallel_matmul``), the token
-    split (it rewrites fused ops), then under ``auto`` the measurement (none exists yet: the op's
-    GEMM is not shown at least as fast as the plain matmul anywhere), under ``force`` whether the
-    lowering carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the
-    config only: every rank decides the same."""
+    under ``WeaveConfig.gemm_epilogue`` = ``mode``, or None and why not (``NONE``: ``mode`` is
+    ``"off"`` or there is no lowering). In order: the site's form (an RMSNorm inference site without
+    quantization), its producer (``find_row_parallel_matmul``), the token split (``overlap``: it
+    rewrites fused ops), then under ``auto`` the measurement (none exists yet: the op's GEMM is not
+    shown at least as fast as the plain matmul anywhere), under ``force`` whether the lowering
+    carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the config only:
+    every rank decides the same. FlashComm asks too, for its sharded form (``lowering``: its
+    form's)."""
     from weavepass.runtime import matmul_unsupported_reason
 
-    mode = config.gemm_epilogue
     if mode == "off" or lowering is None:
         return None, NO_REASON
     refused = site_form_reason(site)
@@ -151,8 +152,8 @@ def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: Lowering | N
     found = find_row_parallel_matmul(site)
     if isinstance(found, Reason):
         return None, found
-    if config.overlap != "off":
-        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, overlap=config.overlap)
+    if overlap != "off":
+        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, overlap=overlap)
     if mode == "auto":
         return None, Reason.of(ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(lowering))
     cause = matmul_unsupported_reason(lowering)
@@ -199,7 +200,7 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
             if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
                 lowering, reason = None, decision.reason
             site = _plan_quant(site, lowering)
-            matmul, epilogue = choose_gemm_epilogue(site, lowering, config)
+            matmul, epilogue = choose_gemm_epilogue(site, lowering, config.gemm_epilogue, overlap=config.overlap)
             plans.append(SitePlan(site, lowering, reason, decision, matmul, epilogue))
     return plans
 

@@ -132,7 +132,7 @@ def matmul_unsupported_reason(lowering: str) -> str | None:
         return None
     if lowering == Lowering.CUDA_SYMM:
         return CUDA_MATMUL_NOT_WIRED
-    return f"the {str(lowering)!r} lowering does not carry it"
+    return "no kernel of the op runs there"
 
 
 def _matmul_kernel(lowering: str, shard: bool):

@@ -112,6 +112,10 @@ def find_row_parallel_matmul(site: FusedAllReduceRMSNormSite) -> RowParallelMatm
         return Reason.of(ReasonCode.GEMM_EPILOGUE_MATMUL_BIAS, module=module, matmul=mm.name)
     if mm.target is not aten.mm.default:
         return Reason.of(ReasonCode.GEMM_EPILOGUE_NOT_MM, module=module, matmul=mm.name, op=str(mm.target))
+    shape = list(_val(mm).shape)
+    if shape[-1] != site.hidden:
+        return Reason.of(ReasonCode.GEMM_EPILOGUE_MATMUL_SHAPE, module=module, matmul=mm.name, shape=shape,
+                         hidden=site.hidden)
     chain = [mm, *reversed(views)]
     for node, reader in zip(chain, [*chain[1:], site.all_reduce]):
         others = [user.name for user in node.users if user is not reader]
