@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.node import Argument
 
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
@@ -57,7 +59,7 @@ class RowParallelMatmul:
         through views) by ``weave.matmul_reduce_scatter_rmsnorm`` on ``x`` and ``mat2``; returns the
         new op. Its ``[T, H]`` outputs go through this matmul's views and the fused op's own (the
         ``views_to_add`` ``replace_with`` replayed) to the fused op's output shapes."""
-        args = arguments(fused)
+        args = cast("dict[str, Argument]", arguments(fused))  # a call's arguments are FX arguments
         partial_in = _arg(fused, 0)
         own_views = _views_between(self.partial, partial_in)
         hidden = int(_val(self.mm).shape[-1])
