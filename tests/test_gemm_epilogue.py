@@ -26,6 +26,8 @@ Tolerances (``_check_ops``), and why:
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,9 +113,16 @@ def rows(tokens=5, k=K, seed=0, dtype=torch.bfloat16):
 # ---------------------------------------------------------------- graph level (fake group)
 
 
-def test_row_parallel_matmuls_move_into_the_op(fake_world):
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "gemm_epilogue" in r.getMessage()]
+
+
+def test_row_parallel_matmuls_move_into_the_op(fake_world, caplog):
     plain = model_report(WeaveConfig())
-    graph = model_report(WeaveConfig(gemm_epilogue="force"))
+    with caplog.at_level(logging.INFO, logger="weavepass"):
+        graph = model_report(WeaveConfig(gemm_epilogue="force"))
+    assert not _warnings(caplog)  # the embedding's sum has no matmul to move: information, not a warning
     assert plain.ops_after[FUSED] == MATMUL_SITES + 1 and plain.ops_after[OP] == 0
     assert graph.ops_after[OP] == MATMUL_SITES and graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0
     assert graph.ops_after[MM] == plain.ops_after[MM] - MATMUL_SITES
@@ -134,9 +143,11 @@ def test_auto_keeps_the_fused_op_and_says_why(fake_world):
     assert codes == [[ReasonCode.GEMM_EPILOGUE_NO_MATMUL]] + [[ReasonCode.GEMM_EPILOGUE_UNMEASURED]] * MATMUL_SITES
 
 
-def test_the_token_split_keeps_the_matmul_outside(fake_world):
-    graph = model_report(WeaveConfig(gemm_epilogue="force", overlap="force"))
+def test_the_token_split_keeps_the_matmul_outside(fake_world, caplog):
+    with caplog.at_level(logging.INFO, logger="weavepass"):
+        graph = model_report(WeaveConfig(gemm_epilogue="force", overlap="force"))
     assert graph.ops_after[OP] == 0
+    assert len(_warnings(caplog)) == 1 and f"{MATMUL_SITES} site(s)" in _warnings(caplog)[0]  # asked, not done
     assert [r.codes[-1] for r in graph.records[1:]] == [ReasonCode.GEMM_EPILOGUE_SPLIT] * MATMUL_SITES
 
 
@@ -203,6 +214,19 @@ def test_where_the_matmul_stays_outside(fake_world, make, code, field):
 def _read_twice(x, w, r, nw, group):
     p = F.linear(x, w)
     return llama_norm(funcol.all_reduce(p, "sum", group) + r, nw), p * 2
+
+
+def test_a_matmul_whose_rows_are_not_the_tokens(fake_world):
+    """``x @ w^T`` of width H/2 viewed as ``[T/2, H]`` rows: the sum is the matmul's, but its rows
+    are not the site's tokens."""
+    def f(x, w, r, nw):
+        return llama_norm(funcol.all_reduce(F.linear(x, w).view(-1, H), "sum", fake_world) + r, nw)
+
+    x, w, r, nw = rows(tokens=6)
+    (site,) = traced_sites(f, x, w[: H // 2], r[:3], nw)
+    found = find_row_parallel_matmul(site)
+    assert isinstance(found, Reason) and found.code is ReasonCode.GEMM_EPILOGUE_MATMUL_SHAPE
+    assert found.field("shape") == [6, H // 2] and found.field("hidden") == H
 
 
 def test_a_bias_moved_onto_the_residual_leaves_a_plain_matmul(fake_world):
@@ -319,8 +343,29 @@ def _check_model(rank, world, dtype, config, kind="portable"):
     return outputs[0], graph.ops_after[OP] + graph.ops_after[SHARD_OP]
 
 
+def _check_symbolic(rank, world):
+    """One site compiled with a symbolic token count, run at 7 and 10 tokens (one graph): the outputs
+    against the reference on every rank's partials (``OP_TOL``: the fp32 sum's order)."""
+    backend = weavepass.make_backend(WeaveConfig(gemm_epilogue="force"))
+    torch._dynamo.reset()
+    compiled = torch.compile(_o_proj(dist.group.WORLD), backend=backend, fullgraph=True)
+    for tokens in (7, 10):
+        x, mat2, r, nw = _rank_inputs(rank, tokens, torch.bfloat16)
+        for t in (x, r):
+            torch._dynamo.mark_dynamic(t, 0)
+        with torch.no_grad():
+            normed, h = compiled(x, mat2.t(), r, nw)
+        partials = [torch.mm(*_rank_inputs(peer, tokens, torch.bfloat16)[:2]) for peer in range(world)]
+        ref_normed, ref_res = fused_allreduce_rmsnorm_reference(partials, r, nw, 1e-6, torch.bfloat16)
+        torch.testing.assert_close(h, ref_res, **OP_TOL[torch.bfloat16])
+        torch.testing.assert_close(normed, ref_normed, **OP_TOL[torch.bfloat16])
+    (graph,) = backend.report.graphs
+    return graph.ops_after[OP]
+
+
 def _numbers_rank(rank, world):
     checked = _check_ops(rank, world)
+    symbolic = _check_symbolic(rank, world) if world == 3 else None
     dtype = torch.bfloat16 if world == 2 else torch.float16
     plain, _ = _check_model(rank, world, dtype, WeaveConfig())
     out, replaced = _check_model(rank, world, dtype, WeaveConfig(gemm_epilogue="force"))
@@ -328,12 +373,13 @@ def _numbers_rank(rank, world):
     flashcomm = None
     if world == 2:  # the sharded form: the fused op's math on the shard, not the graph's own norm ops
         _, flashcomm = _check_model(rank, world, dtype, WeaveConfig(gemm_epilogue="force", **FLASHCOMM))
-    return checked, replaced, flashcomm
+    return checked, replaced, flashcomm, symbolic
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_numbers_against_eager_and_the_reference(world):
     results = spawn(_numbers_rank, world, "gloo")
-    for checked, replaced, flashcomm in results:
+    for checked, replaced, flashcomm, symbolic in results:
         assert len(checked) == 9 and replaced == MATMUL_SITES
         assert flashcomm == (MATMUL_SITES if world == 2 else None)
+        assert symbolic == (1 if world == 3 else None)

@@ -162,6 +162,13 @@ def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, 
     return found, Reason.of(ReasonCode.GEMM_EPILOGUE, mode=mode, matmul=found.mm.name)
 
 
+def gemm_epilogue_warns(reason: Reason, mode: str) -> bool:
+    """Whether a site's ``GEMM_EPILOGUE*`` reason is a warning: a matmul that ``"force"`` asked to
+    move stays outside. A site whose sum no matmul makes (an embedding's) is information."""
+    return mode == "force" and reason.code not in (
+        ReasonCode.NONE, ReasonCode.GEMM_EPILOGUE, ReasonCode.GEMM_EPILOGUE_NO_MATMUL)
+
+
 def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> Reason | None:
     """``INDUCTOR_CUDAGRAPHS`` when Inductor wraps this graph in CUDA-graph trees, the graph has
     CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops

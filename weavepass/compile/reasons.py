@@ -117,7 +117,7 @@ class ReasonCode(enum.Enum):
     GEMM_EPILOGUE = "gemm_epilogue"
     """Information: the site's row-parallel matmul (``matmul``) runs inside the op."""
     GEMM_EPILOGUE_NO_MATMUL = "gemm_epilogue_no_matmul"
-    """The sum is not a matmul's output (``producer``: what produces it)."""
+    """The sum is not a matmul's output through views (``producer``: the first node that is not a view)."""
     GEMM_EPILOGUE_MERGED_SUMS = "gemm_epilogue_merged_sums"
     """The site adds other all_reduces' sums into its collective: the partial is a sum of products."""
     GEMM_EPILOGUE_SCALED = "gemm_epilogue_scaled"
@@ -128,8 +128,6 @@ class ReasonCode(enum.Enum):
     """The matmul's output (``shape``) is not ``[tokens, hidden]`` rows (``hidden``)."""
     GEMM_EPILOGUE_MATMUL_BIAS = "gemm_epilogue_matmul_bias"
     """The matmul adds a bias inside it (``addmm``), which the op does not take."""
-    GEMM_EPILOGUE_NOT_A_VIEW = "gemm_epilogue_not_a_view"
-    """A node (``node``, ``op``) between the matmul and the all_reduce is not a view."""
     GEMM_EPILOGUE_MATMUL_READ = "gemm_epilogue_matmul_read"
     """The matmul's output (or a view of it, ``node``) is read elsewhere too (``readers``)."""
     GEMM_EPILOGUE_SITE_FORM = "gemm_epilogue_site_form"
@@ -541,8 +539,6 @@ MESSAGES: dict[ReasonCode, Message] = {
         "{matmul}'s output is {shape}, not rows of the hidden size {hidden}"),
     ReasonCode.GEMM_EPILOGUE_MATMUL_BIAS: _not_a_replaceable_matmul(
         "{matmul} adds a bias inside the matmul (addmm), which the op does not take"),
-    ReasonCode.GEMM_EPILOGUE_NOT_A_VIEW: _not_a_replaceable_matmul(
-        "{node} ({op}) between the matmul and the all_reduce is not a view"),
     ReasonCode.GEMM_EPILOGUE_MATMUL_READ: _not_a_replaceable_matmul(
         "{node}, the matmul's output, is also read by {readers}"),
     ReasonCode.GEMM_EPILOGUE_SITE_FORM: ("gemm_epilogue: the matmul op fuses an RMSNorm inference site "

@@ -60,7 +60,8 @@ class RowParallelMatmul:
         new op. Its ``[T, H]`` outputs go through this matmul's views and the fused op's own (the
         ``views_to_add`` ``replace_with`` replayed) to the fused op's output shapes."""
         args = cast("dict[str, Argument]", arguments(fused))  # a call's arguments are FX arguments
-        partial_in = _arg(fused, 0)
+        partial_in = args["partial"]
+        assert isinstance(partial_in, Node), fused
         own_views = _views_between(self.partial, partial_in)
         hidden = int(_val(self.mm).shape[-1])
         residual = args["residual"]

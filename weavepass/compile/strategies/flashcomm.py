@@ -47,7 +47,13 @@ from torch.fx import Graph, Node
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals, prepare
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.patterns.row_matmul import RowParallelMatmul
-from weavepass.compile.planner import SitePlan, choose_gemm_epilogue, group_size, inductor_cudagraphs_on
+from weavepass.compile.planner import (
+    SitePlan,
+    choose_gemm_epilogue,
+    gemm_epilogue_warns,
+    group_size,
+    inductor_cudagraphs_on,
+)
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 from weavepass.compile.tokens import TokenCount
@@ -386,7 +392,7 @@ class PortableFlashComm:
         unquantized = site.without_quant(Reason(ReasonCode.QUANT_FLASHCOMM))
         matmul, reason = choose_gemm_epilogue(unquantized, self.matmul_lowering, self.config.gemm_epilogue)
         if reason.code is not ReasonCode.NONE and matmul is None:
-            level = logging.WARNING if self.config.gemm_epilogue == "force" else logging.INFO
+            level = logging.WARNING if gemm_epilogue_warns(reason, self.config.gemm_epilogue) else logging.INFO
             log.log(level, "weavepass: FlashComm: %s: %s", site.all_reduce.name, reason)
         return matmul, reason.render()
 

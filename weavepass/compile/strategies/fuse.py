@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
+from weavepass.compile.planner import gemm_epilogue_warns
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.replication import insert_checks
 from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
@@ -54,9 +55,9 @@ class FuseStrategy(Strategy):
             if plan.code is not ReasonCode.NONE:  # a fallback is a warning; the cuda_symm copy is information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING
                 said.setdefault((level, plan.reason.render()), []).append(record.node)
-            if plan.epilogue.code is not ReasonCode.NONE:  # a forced matmul op refused is a warning
-                refused = plan.matmul is None and rewrite.config.gemm_epilogue == "force"
-                level = logging.WARNING if refused else logging.INFO
+            if plan.epilogue.code is not ReasonCode.NONE:
+                level = logging.WARNING if gemm_epilogue_warns(plan.epilogue, rewrite.config.gemm_epilogue) \
+                    else logging.INFO
                 said.setdefault((level, plan.epilogue.render()), []).append(record.node)
         for (level, reason), nodes in said.items():  # one line per reason, not one per site
             where = nodes[0] if len(nodes) == 1 else (
