@@ -540,7 +540,7 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.GEMM_EPILOGUE_MATMUL_BIAS: _not_a_replaceable_matmul(
         "{matmul} adds a bias inside the matmul (addmm), which the op does not take"),
     ReasonCode.GEMM_EPILOGUE_MATMUL_READ: _not_a_replaceable_matmul(
-        "{node}, the matmul's output, is also read by {readers}"),
+        "{node} (the matmul's output or a view of it) is also read by {readers}"),
     ReasonCode.GEMM_EPILOGUE_SITE_FORM: ("gemm_epilogue: the matmul op fuses an RMSNorm inference site "
                                          "without quantization; this one is {form}: the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_UNMEASURED: (
