@@ -136,7 +136,8 @@ def test_every_hot_op_is_installed_as_its_own_kernel():
     assert sorted(op._opname for op in HOT_OP_KERNELS) == [  # the quantized op joined them (issue 36)
         "fused_allreduce_layernorm", "fused_allreduce_layernorm_async", "fused_allreduce_rmsnorm",
         "fused_allreduce_rmsnorm_async", "fused_allreduce_rmsnorm_push_async", "fused_allreduce_rmsnorm_quant",
-        "fused_allreduce_rmsnorm_train", "join_async",
+        "fused_allreduce_rmsnorm_train", "join_async", "matmul_reduce_scatter_rmsnorm",
+        "matmul_reduce_scatter_rmsnorm_shard",
     ]
     for op, path in HOT_OP_KERNELS.items():
         module_name, attr = path.split(":")

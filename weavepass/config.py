@@ -42,6 +42,7 @@ LOWERINGS = ("auto", *(lowering.value for lowering in Lowering))
 OVERLAP_MODES = ("off", "auto", "force")
 OVERLAP_COMM_MODES = ("fused", "push")
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
+GEMM_EPILOGUE_MODES = ("off", "auto", "force")
 _LONGEST_WAIT_S = timedelta.max.days * 86400.0  # what timedelta(seconds=...) still takes
 # Field annotations are strings (``from __future__ import annotations``); every field is one of these.
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"bool": bool, "int": int, "float": (int, float), "str": str}
@@ -166,6 +167,18 @@ class WeaveConfig:
     ``"none"`` (not passed; torch_npu then uses ``"ai_cpu"``). A mode the chip does not take turns
     the fused ops off with the reason (``weavepass.runtime.npu.CHIPS``)."""
 
+    gemm_epilogue: str = "off"
+    """Run the row-parallel matmul that produces a site's partial sum (o_proj, down_proj) inside the
+    fused op: ``weave.matmul_reduce_scatter_rmsnorm`` (docs/gemm_epilogue.md), matmul ->
+    reduce_scatter -> add + RMSNorm -> all_gather on the portable lowering; with FlashComm, its
+    sharded form keeps the norm's rows on the shard. ``"off"``: never. ``"force"``: every site
+    whose sum is a plain ``mm`` (through views) and whose lowering carries the op; the others keep
+    the fused op, with the reason in the report (the CUDA lowering does not carry it yet: its
+    scatter-epilogue kernels are not wired to a symmetric workspace). ``"auto"``: only where a
+    measured table says the op's GEMM is at least as fast as the plain matmul; no table has
+    measured it yet, so ``"auto"`` keeps the fused op everywhere and says so. Not with the token
+    split (``overlap``), which rewrites fused ops: its sites keep the matmul outside."""
+
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's
     ``uuid()``, so results stay correct, but a cache hit skips the pass and the explain report then
@@ -213,6 +226,10 @@ class WeaveConfig:
         if self.overlap_comm not in OVERLAP_COMM_MODES:
             raise ValueError(
                 f"WeaveConfig.overlap_comm must be one of {OVERLAP_COMM_MODES}, got {self.overlap_comm!r}"
+            )
+        if self.gemm_epilogue not in GEMM_EPILOGUE_MODES:
+            raise ValueError(
+                f"WeaveConfig.gemm_epilogue must be one of {GEMM_EPILOGUE_MODES}, got {self.gemm_epilogue!r}"
             )
         if self.mmrs_comm_mode not in MMRS_COMM_MODES:
             raise ValueError(

@@ -242,7 +242,7 @@ class WeavePass(CustomGraphPass):
         for plan in plans:
             site = plan.site
             matmul = site.matmul.name if site.matmul is not None else ""
-            reasons = [plan.reason] if plan.code is not ReasonCode.NONE else []
+            reasons = [r for r in (plan.reason, plan.epilogue) if r.code is not ReasonCode.NONE]
             records[position[site.all_reduce]] = AllReduceRecord(
                 site.all_reduce.name, True, reasons, site.kind, "", matmul, where=where(site.all_reduce)
             )

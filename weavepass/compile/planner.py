@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 import torch.distributed as dist
 
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
+from weavepass.compile.patterns.row_matmul import RowParallelMatmul, find_row_parallel_matmul, site_form_reason
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.tuned import TunedDecision, tuned_decision
@@ -41,6 +42,13 @@ class SitePlan:
     tuned: TunedDecision | None = None
     """The tuning table's call for the whole graph (``overlap="auto"``), the same on every plan of
     it; None where no table was asked (no site to rewrite, another overlap mode, no table)."""
+    matmul: RowParallelMatmul | None = None
+    """The row-parallel matmul the fused op takes in (``WeaveConfig.gemm_epilogue``,
+    ``choose_gemm_epilogue``): the site becomes ``weave.matmul_reduce_scatter_rmsnorm``. None: the
+    plain fused op (or nothing, without a lowering)."""
+    epilogue: Reason = NO_REASON
+    """Why the matmul is (``GEMM_EPILOGUE``) or is not taken in (``GEMM_EPILOGUE_*``); ``NONE``
+    with ``gemm_epilogue="off"`` or without a lowering."""
 
 
 def group_size(group_name: str) -> int | None:
@@ -123,6 +131,44 @@ def choose_lowering(
     return wanted, CUDA_COPY if wanted is Lowering.CUDA_SYMM else NO_REASON
 
 
+def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, mode: str, *,
+                         overlap: str = "off") -> tuple[RowParallelMatmul | None, Reason]:
+    """``(matmul, reason)``: the row-parallel matmul that ``site``'s op on ``lowering`` takes in
+    under ``WeaveConfig.gemm_epilogue`` = ``mode``, or None and why not (``NONE``: ``mode`` is
+    ``"off"`` or there is no lowering). In order: the site's form (an RMSNorm inference site without
+    quantization), its producer (``find_row_parallel_matmul``), the token split (``overlap``: it
+    rewrites fused ops), then under ``auto`` the measurement (none exists yet: the op's GEMM is not
+    shown at least as fast as the plain matmul anywhere), under ``force`` whether the lowering
+    carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the config only:
+    every rank decides the same. FlashComm asks too, for its sharded form (``lowering``: its
+    form's)."""
+    from weavepass.runtime import matmul_unsupported_reason
+
+    if mode == "off" or lowering is None:
+        return None, NO_REASON
+    refused = site_form_reason(site)
+    if refused is not None:
+        return None, refused
+    found = find_row_parallel_matmul(site)
+    if isinstance(found, Reason):
+        return None, found
+    if overlap != "off":
+        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, overlap=overlap)
+    if mode == "auto":
+        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(lowering))
+    cause = matmul_unsupported_reason(lowering)
+    if cause is not None:
+        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_LOWERING, mode=mode, lowering=str(lowering), cause=cause)
+    return found, Reason.of(ReasonCode.GEMM_EPILOGUE, mode=mode, matmul=found.mm.name)
+
+
+def gemm_epilogue_warns(reason: Reason, mode: str) -> bool:
+    """Whether a site's ``GEMM_EPILOGUE*`` reason is a warning: a matmul that ``"force"`` asked to
+    move stays outside. A site whose sum no matmul makes (an embedding's) is information."""
+    return mode == "force" and reason.code not in (
+        ReasonCode.NONE, ReasonCode.GEMM_EPILOGUE, ReasonCode.GEMM_EPILOGUE_NO_MATMUL)
+
+
 def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> Reason | None:
     """``INDUCTOR_CUDAGRAPHS`` when Inductor wraps this graph in CUDA-graph trees, the graph has
     CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops
@@ -160,7 +206,9 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
             decision = tuned() if lowering is not None else None
             if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
                 lowering, reason = None, decision.reason
-            plans.append(SitePlan(_plan_quant(site, lowering), lowering, reason, decision))
+            site = _plan_quant(site, lowering)
+            matmul, epilogue = choose_gemm_epilogue(site, lowering, config.gemm_epilogue, overlap=config.overlap)
+            plans.append(SitePlan(site, lowering, reason, decision, matmul, epilogue))
     return plans
 
 

@@ -113,6 +113,32 @@ class ReasonCode(enum.Enum):
     was patched into Inductor without ``WeavePass.inductor_settings()``): ``strategy``, and
     ``settings``, ``(key, needed, this compile's)`` each."""
 
+    # -- The GEMM-epilogue lowering (``WeaveConfig.gemm_epilogue``, ``patterns/row_matmul.py``): per site
+    GEMM_EPILOGUE = "gemm_epilogue"
+    """Information: the site's row-parallel matmul (``matmul``) runs inside the op."""
+    GEMM_EPILOGUE_NO_MATMUL = "gemm_epilogue_no_matmul"
+    """The sum is not a matmul's output through views (``producer``: the first node that is not a view)."""
+    GEMM_EPILOGUE_MERGED_SUMS = "gemm_epilogue_merged_sums"
+    """The site adds other all_reduces' sums into its collective: the partial is a sum of products."""
+    GEMM_EPILOGUE_SCALED = "gemm_epilogue_scaled"
+    """The sum is scaled (``factor``), and the scale moves onto the matmul's output."""
+    GEMM_EPILOGUE_NOT_MM = "gemm_epilogue_not_mm"
+    """The matmul (``matmul``) is not a 2-D ``aten.mm`` (``op``)."""
+    GEMM_EPILOGUE_MATMUL_SHAPE = "gemm_epilogue_matmul_shape"
+    """The matmul's output (``shape``) is not ``[tokens, hidden]`` rows (``hidden``)."""
+    GEMM_EPILOGUE_MATMUL_BIAS = "gemm_epilogue_matmul_bias"
+    """The matmul adds a bias inside it (``addmm``), which the op does not take."""
+    GEMM_EPILOGUE_MATMUL_READ = "gemm_epilogue_matmul_read"
+    """The matmul's output (or a view of it, ``node``) is read elsewhere too (``readers``)."""
+    GEMM_EPILOGUE_SITE_FORM = "gemm_epilogue_site_form"
+    """The op fuses an RMSNorm inference site without quantization; this site is ``form``."""
+    GEMM_EPILOGUE_UNMEASURED = "gemm_epilogue_unmeasured"
+    """``auto``: no measurement says the op's GEMM is at least as fast as the plain matmul."""
+    GEMM_EPILOGUE_LOWERING = "gemm_epilogue_lowering"
+    """The site's lowering (``lowering``) does not carry the op (``cause``: the runtime's words)."""
+    GEMM_EPILOGUE_SPLIT = "gemm_epilogue_split"
+    """The token split (``overlap``) rewrites fused ops: the matmul stays outside."""
+
     # -- Per graph (strategy decisions)
     NO_SITES = "no_sites"
     MIXED_GROUPS = "mixed_groups"
@@ -365,6 +391,15 @@ TRAINING_TEXT = (
 
 
 
+def _not_a_replaceable_matmul(detail: str) -> Callable[[dict[str, object]], str]:
+    """The sentence of a ``GEMM_EPILOGUE_*`` code that says why the sum's producer is not a matmul
+    the lowering can replace, ``detail`` a template over the reason's fields."""
+    def render(fields: dict[str, object]) -> str:
+        return ("gemm_epilogue: the sum is not produced by a matmul the lowering can replace: "
+                f"{fields['module'] or 'no module metadata'}: {detail.format(**fields)}")
+    return render
+
+
 def _inductor_settings(fields: dict[str, object]) -> str:
     settings = fields["settings"]
     assert isinstance(settings, tuple)
@@ -492,6 +527,30 @@ MESSAGES: dict[ReasonCode, Message] = {
                                  "after FlashComm gathers them, as before"),
     ReasonCode.QUANT_SPLIT: ("the token split does not carry quantized sites ({sites}: their fused ops "
                              "return codes and scales)"),
+    ReasonCode.GEMM_EPILOGUE: "gemm_epilogue={mode!r}: the row-parallel matmul {matmul} runs inside the op",
+    ReasonCode.GEMM_EPILOGUE_NO_MATMUL: _not_a_replaceable_matmul("it is {producer}"),
+    ReasonCode.GEMM_EPILOGUE_MERGED_SUMS: _not_a_replaceable_matmul(
+        "the site adds other all_reduces' sums into its collective, so each rank's partial is a sum of "
+        "products"),
+    ReasonCode.GEMM_EPILOGUE_SCALED: _not_a_replaceable_matmul(
+        "the sum is scaled by {factor}, which moves onto the matmul's output"),
+    ReasonCode.GEMM_EPILOGUE_NOT_MM: _not_a_replaceable_matmul("{matmul} is {op}, not a 2-D aten.mm"),
+    ReasonCode.GEMM_EPILOGUE_MATMUL_SHAPE: _not_a_replaceable_matmul(
+        "{matmul}'s output is {shape}, not rows of the hidden size {hidden}"),
+    ReasonCode.GEMM_EPILOGUE_MATMUL_BIAS: _not_a_replaceable_matmul(
+        "{matmul} adds a bias inside the matmul (addmm), which the op does not take"),
+    ReasonCode.GEMM_EPILOGUE_MATMUL_READ: _not_a_replaceable_matmul(
+        "{node} (the matmul's output or a view of it) is also read by {readers}"),
+    ReasonCode.GEMM_EPILOGUE_SITE_FORM: ("gemm_epilogue: the matmul op fuses an RMSNorm inference site "
+                                         "without quantization; this one is {form}: the matmul stays outside"),
+    ReasonCode.GEMM_EPILOGUE_UNMEASURED: (
+        "gemm_epilogue='auto' moves the matmul into the op only where a measured table says the op's GEMM "
+        "is at least as fast as the plain matmul ({lowering} lowering), and none has measured it yet "
+        "(docs/gemm_epilogue.md): the matmul stays outside"),
+    ReasonCode.GEMM_EPILOGUE_LOWERING: ("gemm_epilogue={mode!r}: the {lowering} lowering does not carry the "
+                                        "matmul op: {cause}; the matmul stays outside"),
+    ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the token split (overlap={overlap!r}) rewrites fused ops, "
+                                     "so the matmul stays outside for it to cut the site"),
     ReasonCode.TUNED_NO_REWRITE: "{text}",
     ReasonCode.TUNED_FUSE_ONLY: "{text}",
     ReasonCode.TUNED_SPLIT: "{text}",

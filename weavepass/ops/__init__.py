@@ -29,6 +29,13 @@ static_scale, group_size, scale_steps, code_steps, return_normed, lowering, work
 its normed rows, as the graph wrote it (``weavepass.runtime.quant``); ``normed`` is empty unless
 ``return_normed``. The portable and the CUDA lowering carry it (``runtime.QUANT_LOWERINGS``).
 
+``weave.matmul_reduce_scatter_rmsnorm(x, mat2, residual, weight, eps, group_name, out_dtype, lowering,
+workspace_tokens) -> (normed, residual_out)`` is the RMSNorm op with the row-parallel matmul that
+makes its partial sum (``x @ mat2``) inside it (``WeaveConfig.gemm_epilogue``, docs/gemm_epilogue.md);
+``weave.matmul_reduce_scatter_rmsnorm_shard(<the same>, rows_per_rank, lowering, workspace_tokens)``
+is its form for FlashComm's sharded stream (the rows stay on their owner). The portable lowering
+carries both (``runtime.MATMUL_LOWERINGS``).
+
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and
 ``weave.join_async(normed, residual_out, inputs)`` are the token split's fused op on a second CUDA
 stream and its join: the calling stream waits for the op there, and the join's reads of the op's
@@ -193,6 +200,45 @@ FUSED_ALLREDUCE_RMSNORM_QUANT = define_hot_op(
 (``weavepass.runtime.quant``: ``static_scale`` or the dynamic ``scale_steps``, per group of
 ``group_size`` or per row, then ``code_steps``). Returns ``(codes, scales, residual_out, normed)``;
 ``normed`` is empty unless ``return_normed`` (something besides the quantization reads it)."""
+MATMUL_SCHEMA_ARGS = (
+    "Tensor x, Tensor mat2, Tensor? residual, Tensor? weight, float eps, str group_name, ScalarType out_dtype"
+)
+
+
+def _fake_matmul(x: torch.Tensor, mat2: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                 eps: float, group_name: str, out_dtype: torch.dtype, *_: object) -> Fake:
+    rows = (x.shape[0], mat2.shape[1])
+    return x.new_empty(rows, dtype=out_dtype), x.new_empty(rows)
+
+
+def _fake_matmul_shard(x: torch.Tensor, mat2: torch.Tensor, residual: torch.Tensor | None,
+                       weight: torch.Tensor | None, eps: float, group_name: str, out_dtype: torch.dtype,
+                       rows_per_rank: int, *_: object) -> Fake:
+    rows = (rows_per_rank, mat2.shape[1])
+    return x.new_empty(rows, dtype=out_dtype), x.new_empty(rows)
+
+
+MATMUL_REDUCE_SCATTER_RMSNORM = define_hot_op(
+    "matmul_reduce_scatter_rmsnorm",
+    f"({MATMUL_SCHEMA_ARGS}, str lowering, int workspace_tokens) -> (Tensor, Tensor)",
+    "weavepass.runtime:matmul_reduce_scatter_rmsnorm", _fake_matmul,
+)
+"""``weave.matmul_reduce_scatter_rmsnorm``: the RMSNorm op with the row-parallel matmul that makes
+its partial sum inside it (``WeaveConfig.gemm_epilogue``): ``x [T, K] @ mat2 [K, H]`` (``mat2`` as
+``aten.mm`` takes it: the transposed linear weight) is each rank's partial, rounded to ``x.dtype``
+as the matmul's output was; then the fused op's math (``weavepass.runtime.reference``). ``residual``
+holds ``T x H`` elements in row order (None: no residual add). Returns ``(normed, residual_out)``,
+both ``[T, H]``."""
+MATMUL_REDUCE_SCATTER_RMSNORM_SHARD = define_hot_op(
+    "matmul_reduce_scatter_rmsnorm_shard",
+    f"({MATMUL_SCHEMA_ARGS}, int rows_per_rank, str lowering, int workspace_tokens) -> (Tensor, Tensor)",
+    "weavepass.runtime:matmul_reduce_scatter_rmsnorm_shard", _fake_matmul_shard,
+)
+"""``weave.matmul_reduce_scatter_rmsnorm_shard``: the same for FlashComm's sharded residual stream:
+the partials' rows zero-padded to ``rows_per_rank x N``, this rank's ``rows_per_rank`` rows of
+their sum, ``residual`` (None, or this rank's ``[rows_per_rank, H]`` shard of the stream) added and
+the rows normalised there. Returns ``(normed, residual_out)``, both ``[rows_per_rank, H]``: nothing
+is gathered."""
 ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC, FUSED_ALLREDUCE_LAYERNORM_ASYNC)
 """The split's async fused ops: ``JOIN_ASYNC`` on both outputs and the inputs comes before the first
 read of either output."""

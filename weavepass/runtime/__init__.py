@@ -113,6 +113,51 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
                **overrides)
 
 
+_MATMUL_LOWERINGS: dict[str, tuple[str, str]] = {
+    Lowering.PORTABLE: ("weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_portable",
+                        "weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_shard_portable"),
+}
+MATMUL_LOWERINGS = tuple(_MATMUL_LOWERINGS)
+"""Lowerings that carry ``weave.matmul_reduce_scatter_rmsnorm`` and its sharded form: the portable
+one. (The CUDA kernels exist, ``runtime.cuda.gemm``, but nothing gives them a symmetric workspace or
+gathers the owners' rows yet: ``matmul_unsupported_reason``.)"""
+CUDA_MATMUL_NOT_WIRED = (
+    "the scatter-epilogue GEMM and its reduce (runtime/cuda/gemm.py) are not wired to a symmetric "
+    "workspace yet, and nothing gathers the owners' rows back (docs/gemm_epilogue.md)")
+
+
+def matmul_unsupported_reason(lowering: str) -> str | None:
+    """Why ``lowering`` cannot run ``weave.matmul_reduce_scatter_rmsnorm`` (and its sharded form), or None."""
+    if lowering in _MATMUL_LOWERINGS:
+        return None
+    if lowering == Lowering.CUDA_SYMM:
+        return CUDA_MATMUL_NOT_WIRED
+    return "no kernel of the op runs there"
+
+
+def _matmul_kernel(lowering: str, shard: bool):
+    cause = matmul_unsupported_reason(lowering)
+    if cause is not None:
+        raise ValueError(f"weave lowering {lowering!r} does not carry the matmul op: {cause}; it needs one "
+                         f"of {[str(n) for n in MATMUL_LOWERINGS]}")
+    module_name, attr = _MATMUL_LOWERINGS[lowering][shard].split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def matmul_reduce_scatter_rmsnorm(x, mat2, residual, weight, eps, group_name, out_dtype, lowering,
+                                  workspace_tokens):
+    """The kernel of ``weave.matmul_reduce_scatter_rmsnorm``: ``(normed, residual_out)`` ``[T, H]``
+    of ``x @ mat2``'s sum over ranks by the lowering named ``lowering``."""
+    return _matmul_kernel(lowering, False)(x, mat2, residual, weight, eps, group_name, out_dtype)
+
+
+def matmul_reduce_scatter_rmsnorm_shard(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank,
+                                        lowering, workspace_tokens):
+    """The kernel of ``weave.matmul_reduce_scatter_rmsnorm_shard``: this rank's ``[rows_per_rank, H]``
+    rows of ``(normed, residual_out)`` (FlashComm's sharded stream)."""
+    return _matmul_kernel(lowering, True)(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank)
+
+
 _QUANT_LOWERINGS: dict[str, str] = {
     Lowering.PORTABLE: "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
     Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_quant_cuda",

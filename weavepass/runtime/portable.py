@@ -139,10 +139,7 @@ def _reduce_scatter_rows(partial, residual, group_name):
     num_tokens = rows.shape[0]
     per_rank = rows_per_rank(num_tokens, world)
 
-    padded = rows.new_zeros((per_rank * world, hidden), dtype=accumulation_dtype(partial.dtype))
-    padded[:num_tokens] = rows
-    shard = padded.new_empty((per_rank, hidden))
-    _reduce_scatter(shard, padded, group=group)
+    shard = _reduce_scatter_padded(rows, per_rank, group)
 
     shard_residual = None
     if residual is not None:
@@ -151,6 +148,54 @@ def _reduce_scatter_rows(partial, residual, group_name):
         if hi > lo:
             shard_residual[: hi - lo] = residual.reshape(-1, hidden)[lo:hi]
     return group, shard, shard_residual
+
+
+def _reduce_scatter_padded(rows: torch.Tensor, per_rank: int, group) -> torch.Tensor:
+    """This rank's ``per_rank`` rows ``[per_rank, H]`` of the sum over ranks of ``rows`` ``[T, H]``,
+    each rank's rows zero-padded to ``per_rank x N``; summed in ``accumulation_dtype``, in rank order
+    as the group's reduce_scatter adds."""
+    hidden = rows.shape[-1]
+    padded = rows.new_zeros((per_rank * group.size(), hidden), dtype=accumulation_dtype(rows.dtype))
+    padded[: rows.shape[0]] = rows
+    shard = padded.new_empty((per_rank, hidden))
+    _reduce_scatter(shard, padded, group=group)
+    return shard
+
+
+def matmul_reduce_scatter_rmsnorm_portable(
+    x: torch.Tensor,
+    mat2: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """The portable kernel of ``weave.matmul_reduce_scatter_rmsnorm``: the partial ``x [T, K] @
+    mat2 [K, H]`` (``torch.mm``, rounded to ``x.dtype`` as the graph's matmul rounded it), then
+    ``fused_allreduce_rmsnorm_portable``: reduce_scatter in fp32 -> add + RMSNorm on this rank's
+    ``ceil(T / N)`` rows -> one all_gather. Returns ``(normed, residual_out)``, both ``[T, H]``."""
+    return fused_allreduce_rmsnorm_portable(torch.mm(x, mat2), residual, weight, eps, group_name, out_dtype)
+
+
+def matmul_reduce_scatter_rmsnorm_shard_portable(
+    x: torch.Tensor,
+    mat2: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group_name: str,
+    out_dtype: torch.dtype,
+    rows_per_rank: int,
+) -> tuple[torch.Tensor, ...]:
+    """The portable kernel of ``weave.matmul_reduce_scatter_rmsnorm_shard`` (FlashComm's sharded
+    stream): the partial ``x @ mat2`` as above, its rows zero-padded to ``rows_per_rank x N`` and
+    reduce-scattered in fp32, then ``residual`` (this rank's ``[rows_per_rank, H]`` shard, or None)
+    added and the shard normalised (``reference.add_rmsnorm_local``). Returns ``(normed,
+    residual_out)``, both ``[rows_per_rank, H]``; padding rows stay zero."""
+    partial = torch.mm(x, mat2)
+    shard = _reduce_scatter_padded(partial, rows_per_rank, resolve_group(group_name))
+    return add_rmsnorm_local(shard, residual, weight, eps, out_dtype, partial.dtype)
 
 
 def _gather_rows(local: list[torch.Tensor], num_tokens: int, group) -> list[torch.Tensor]:

@@ -46,12 +46,25 @@ from torch.fx import Graph, Node
 
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals, prepare
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
-from weavepass.compile.planner import SitePlan, group_size, inductor_cudagraphs_on
+from weavepass.compile.patterns.row_matmul import RowParallelMatmul
+from weavepass.compile.planner import (
+    SitePlan,
+    choose_gemm_epilogue,
+    gemm_epilogue_warns,
+    group_size,
+    inductor_cudagraphs_on,
+)
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 from weavepass.compile.tokens import TokenCount
-from weavepass.config import WeaveConfig
-from weavepass.ops import FLASHCOMM_SHARD_ROWS, NPU_ADD_RMS_NORM, NPU_ALL_GATHER_MM, NPU_MM_REDUCE_SCATTER
+from weavepass.config import Lowering, WeaveConfig
+from weavepass.ops import (
+    FLASHCOMM_SHARD_ROWS,
+    MATMUL_REDUCE_SCATTER_RMSNORM_SHARD,
+    NPU_ADD_RMS_NORM,
+    NPU_ALL_GATHER_MM,
+    NPU_MM_REDUCE_SCATTER,
+)
 from weavepass.runtime import npu, symm_mem_matmul
 
 log = logging.getLogger("weavepass")
@@ -243,6 +256,9 @@ class PortableFlashComm:
     ``add_rmsnorm``, ``gather_normed``). ``FORMS`` picks one per graph, once."""
 
     kind = "portable"
+    matmul_lowering: str = Lowering.PORTABLE
+    """Where ``weave.matmul_reduce_scatter_rmsnorm_shard`` would run on this form's device
+    (``WeaveConfig.gemm_epilogue``; ``runtime.matmul_unsupported_reason`` says whether it can)."""
 
     def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         self.graph = graph
@@ -293,9 +309,11 @@ class PortableFlashComm:
         # Where the op goes, as a position in the graph as it was: ``prepare`` may put a new node
         # there (the one wait of merged sums without a residual add), and moves late inputs up.
         point = self.position[site.insertion_point()]
+        matmul, epilogue_note = self.epilogue_matmul(site)  # (read before ``prepare`` changes the site)
         site = prepare(site, self.graph)  # a shared expert's x is now in the op's residual x + r
         with self.graph.inserting_before(site.insertion_point()):
-            shard, label, notes = self.reduce_scatter(site)
+            shard, label, notes = self.reduce_scatter(site) if matmul is None else (None, "gemm_epilogue", [])
+            notes += [epilogue_note]
             residual = None
             if site.add is not None:
                 residual = self.carried_shard.get(_through_views(stream_in))
@@ -303,7 +321,10 @@ class PortableFlashComm:
                     residual = self.shard_rows(site.residual, site.hidden)
                 elif shared is not None:
                     residual = self.add_shared(site, shared, residual)
-            normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
+            if matmul is None:
+                normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
+            else:
+                normed, carried, norm_note = self.matmul_norm_shard(site, matmul, residual)
             notes.append(norm_note)
             self.flush()
             gathered, gather_note = self.gather_normed(site, normed, point)
@@ -363,6 +384,29 @@ class PortableFlashComm:
         scattered = self.call(c10d.reduce_scatter_tensor.default, self.pad_rows(rows), "sum",
                               d.world_size, d.group_name)
         return self.call(c10d.wait_tensor.default, scattered), "portable", notes
+
+    def epilogue_matmul(self, site: FusedAllReduceRMSNormSite) -> tuple[RowParallelMatmul | None, str]:
+        """The matmul ``weave.matmul_reduce_scatter_rmsnorm_shard`` takes in for ``site`` (as the
+        finder matched it), and the report's note on it ("" with ``gemm_epilogue="off"``). The
+        quantization of a site stays outside under FlashComm, so it does not count against it."""
+        unquantized = site.without_quant(Reason(ReasonCode.QUANT_FLASHCOMM))
+        matmul, reason = choose_gemm_epilogue(unquantized, self.matmul_lowering, self.config.gemm_epilogue)
+        if reason.code is not ReasonCode.NONE and matmul is None:
+            level = logging.WARNING if gemm_epilogue_warns(reason, self.config.gemm_epilogue) else logging.INFO
+            log.log(level, "weavepass: FlashComm: %s: %s", site.all_reduce.name, reason)
+        return matmul, reason.render()
+
+    def matmul_norm_shard(self, site: FusedAllReduceRMSNormSite, matmul: RowParallelMatmul,
+                          residual: Node | None) -> tuple[Node, Node, str]:
+        """``(normed [R, H], new stream value [R, H], note)``: the matmul, its reduce_scatter and
+        the add + RMSNorm of the shard in one ``weave.matmul_reduce_scatter_rmsnorm_shard`` (the
+        fused op's math, not the graph's norm ops)."""
+        d, norm = self.d, site.norm
+        fused = self.call(MATMUL_REDUCE_SCATTER_RMSNORM_SHARD, matmul.x, matmul.mat2, residual, norm.weight,
+                          norm.eps, d.group_name, norm.out_dtype, d.rows_per_rank, str(self.matmul_lowering),
+                          self.config.cuda_workspace_tokens)
+        self.dead.update([*matmul.views, matmul.mm])
+        return self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1), ""
 
     def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
         """Why this form cannot fuse ``mm`` with its reduce_scatter (None: it can)."""
@@ -443,6 +487,7 @@ class NpuFlashComm(PortableFlashComm):
     matmul (``weavepass.runtime.npu``), each where the chip's rules take the site."""
 
     kind = "npu"
+    matmul_lowering = "npu"
 
     def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         super().__init__(graph, decision, config)
@@ -537,6 +582,7 @@ class CudaFlashComm(PortableFlashComm):
     matmul (``weavepass.runtime.symm_mem_matmul``), where they take the site."""
 
     kind = "cuda"
+    matmul_lowering = Lowering.CUDA_SYMM
 
     def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         super().__init__(graph, decision, config)

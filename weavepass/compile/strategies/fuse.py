@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM
+from weavepass.compile.planner import gemm_epilogue_warns
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.replication import insert_checks
 from weavepass.compile.strategies.base import Decision, GraphRewrite, Strategy
@@ -54,6 +55,10 @@ class FuseStrategy(Strategy):
             if plan.code is not ReasonCode.NONE:  # a fallback is a warning; the cuda_symm copy is information
                 level = logging.INFO if plan.code is ReasonCode.CUDA_COPY else logging.WARNING
                 said.setdefault((level, plan.reason.render()), []).append(record.node)
+            if plan.epilogue.code is not ReasonCode.NONE:
+                level = logging.WARNING if gemm_epilogue_warns(plan.epilogue, rewrite.config.gemm_epilogue) \
+                    else logging.INFO
+                said.setdefault((level, plan.epilogue.render()), []).append(record.node)
         for (level, reason), nodes in said.items():  # one line per reason, not one per site
             where = nodes[0] if len(nodes) == 1 else (
                 f"graph {rewrite.report.graph_index}: {len(nodes)} site(s) ({', '.join(nodes)})")
@@ -62,4 +67,8 @@ class FuseStrategy(Strategy):
             checked = insert_checks(rewrite.graph, rewrite.fused)
             rewrite.report.add_note(f"check_replicated: the residual and norm weight of {checked} "
                                     "site(s) are compared across ranks on every call")
+        for plan in rewrite.plans:  # after the checks, which read the fused op's arguments
+            if plan.matmul is not None:  # weave.matmul_reduce_scatter_rmsnorm (WeaveConfig.gemm_epilogue)
+                name = plan.site.all_reduce.name
+                rewrite.fused[name] = plan.matmul.absorb(rewrite.graph, rewrite.fused[name])
         return False
