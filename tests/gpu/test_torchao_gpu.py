@@ -26,6 +26,7 @@ from gpu_cases import Case, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu
 import weavepass
 from weavepass.testing.harness import check_against_eager
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
+from weavepass.testing.quant import linears_as_modules
 from weavepass.testing.shared_gpu import rank_device
 
 WORLD = gpu_world()
@@ -39,28 +40,6 @@ pytestmark = [
                        reason="torchao's float8 config needs CUDA sm_89+"),
 ]
 
-READS_NORM = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-"""The column-parallel linears that read a norm's output (``testing.models``): what torchao quantizes."""
-
-
-def as_linear_modules(model: torch.nn.Module) -> int:
-    """torchao quantizes ``nn.Linear`` modules; the reference model keeps its weights as parameters
-    read with ``F.linear`` (``testing.models.linear`` also calls a module). Give the linears that
-    read a norm's output an ``nn.Linear`` holding the same weight; returns how many."""
-    count = 0
-    for module in list(model.modules()):
-        for name in READS_NORM:
-            weight = module._parameters.get(name)
-            if weight is None:
-                continue
-            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            linear.weight = weight
-            delattr(module, name)
-            setattr(module, name, linear)
-            count += 1
-    return count
-
-
 def _rank(rank: int, world: int, batch: int, seq: int) -> dict:
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
@@ -69,7 +48,7 @@ def _rank(rank: int, world: int, batch: int, seq: int) -> dict:
     device = rank_device(rank)
     group = dist.group.WORLD
     model = build_tp_model(cfg, rank, world, group, device=device)
-    linears = as_linear_modules(model)
+    linears = linears_as_modules(model)
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     quantized = sum(type(m.weight).__name__ == "Float8Tensor" for m in model.modules()
                     if isinstance(m, torch.nn.Linear))
