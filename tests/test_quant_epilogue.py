@@ -218,9 +218,9 @@ def test_chain_not_matched_when_the_matmul_scale_is_not_the_quantizations(fake_w
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
-def test_cuda_kernel_has_a_program_for_every_fused_form_but_the_planner_waits_for_the_gpu(fake_world, form):
+def test_cuda_kernel_carries_every_fused_form(fake_world, form, monkeypatch):
+    import weavepass.runtime as runtime
     from weavepass.compile.patterns.rmsnorm import val
-    from weavepass.runtime import CUDA_QUANT_EPILOGUE_UNVERIFIED
     from weavepass.runtime.cuda.support import cuda_quant_epilogue
 
     linear = QuantLinear(torch.randn(N_OUT, H), form)
@@ -233,11 +233,17 @@ def test_cuda_kernel_has_a_program_for_every_fused_form_but_the_planner_waits_fo
                                    None if scale is None else (scale.dtype, scale.dim()), quant.group_size,
                                    quant.scale_steps, quant.code_steps, quant.return_normed)
     assert not isinstance(epilogue, str), epilogue  # the kernel's form of it: runtime.cuda.quant_epilogue
-    # ... but its codes have not matched eager's on a GPU yet (runtime.CUDA_QUANT_EPILOGUE_VERIFIED)
+    # verified on a GPU (tests/gpu/test_quant_epilogue_gpu.py): the planner fuses the quantization
+    assert runtime.CUDA_QUANT_EPILOGUE_VERIFIED
+    planned = _plan_quant(site, "cuda_symm")
+    assert planned.quant is quant and planned.quant_left is None
+    assert f"+ {LABELS[form]}" in planned.kind and "stays outside" not in planned.kind
+    # the gate still works: an unverified kernel keeps the quantization outside, with the reason
+    monkeypatch.setattr(runtime, "CUDA_QUANT_EPILOGUE_VERIFIED", False)
     planned = _plan_quant(site, "cuda_symm")
     assert planned.quant is None and planned.quant_left.code is ReasonCode.QUANT_LOWERING
-    assert planned.quant_left.reason.field("cause") == CUDA_QUANT_EPILOGUE_UNVERIFIED
-    assert f"+ {LABELS[form]}" not in planned.kind
+    assert planned.quant_left.reason.field("cause") == runtime.CUDA_QUANT_EPILOGUE_UNVERIFIED
+    assert f"+ {LABELS[form]}" not in planned.kind and "stays outside" in planned.kind
 
 
 def _unclamped_fp8_row(group):

@@ -170,16 +170,19 @@ quantization outside the fused op and says so."""
 assert set(_QUANT_LOWERINGS) == set(Lowering)
 
 
-CUDA_QUANT_EPILOGUE_VERIFIED = False
-"""Whether the planner puts quantized sites on the CUDA kernel's quantized epilogue. The kernel has a
-program for every fused form (``runtime.cuda.support.cuda_quant_epilogue``) and passes its interpreter
-tests, but on one H200 (2026-12-03) its codes for the fp8 static per-tensor form at a group of one
-rank differed from eager's quantization of the same rows (``tests/gpu/test_quant_epilogue_gpu.py``),
-and the other forms there were not reached; until that test passes on a GPU, the quantization stays
-outside the fused op on CUDA (the norm is fused), with this reason."""
+CUDA_QUANT_EPILOGUE_VERIFIED = True
+"""Whether the planner puts quantized sites on the CUDA kernel's quantized epilogue (False: the
+quantization stays outside the fused op on CUDA, the norm is fused, with the reason below). True since
+``tests/gpu/test_quant_epilogue_gpu.py`` passed whole on one H200 (2026-12-03, torch 2.11, Triton 3.6,
+branch h36g on main b1b0d03 with the fix of the fp8 sign of zero): every carried form (fp8 static
+``x / s`` and ``x * reciprocal(s)``, per row (vLLM's and torchao's spellings), per group of 128, int8
+per row) at a group of one rank (bf16 H=8192 at 1 / 1024 / 4099 tokens, fp16 H=4096) and on 2 and 4
+simulated ranks through every kernel, codes and scales bit for bit against eager's quantization of the
+kernel's own rows on the GPU, and the op's CUDA lowering at a group of one (docs/cuda_kernel.md).
+Not run there yet: 2 real GPUs, ``SHARED=1``."""
 CUDA_QUANT_EPILOGUE_UNVERIFIED = (
-    "the CUDA kernel's quantized epilogue is not verified on a GPU yet (its fp8 static codes differed "
-    "from eager's on one H200)")
+    "the CUDA kernel's quantized epilogue is not verified on a GPU (runtime.CUDA_QUANT_EPILOGUE_VERIFIED "
+    "is False)")
 
 
 def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str, code_steps: str, *,

@@ -139,3 +139,26 @@ class QuantLinear(nn.Module):
             scale_b = self.w_scale if self.w_scale.ndim == 0 else self.w_scale.t()
             return torch._scaled_mm(q, self.w_codes.t(), scale_a=s, scale_b=scale_b, out_dtype=dtype)
         return y.to(dtype)
+
+
+READS_NORM = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""The column-parallel linears of ``testing.models`` that read a norm's output."""
+
+
+def linears_as_modules(model: nn.Module) -> int:
+    """Give the linears that read a norm's output (``READS_NORM``) an ``nn.Linear`` holding the same
+    weight, so that a library that quantizes ``nn.Linear`` modules (torchao's ``quantize_``) finds
+    them; the reference model keeps them as parameters (``testing.models.linear`` calls either).
+    Returns how many were replaced."""
+    count = 0
+    for module in list(model.modules()):
+        for name in READS_NORM:
+            weight = module._parameters.get(name)
+            if weight is None:
+                continue
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = weight
+            delattr(module, name)
+            setattr(module, name, linear)
+            count += 1
+    return count

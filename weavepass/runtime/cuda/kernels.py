@@ -256,7 +256,10 @@ def _round_to_e4m3(x):
     normal = ((magnitude + 524287 + ((magnitude >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     subnormal = _round_half_even(a * 512.0) * 0.001953125  # multiples of 2^-9 (exact scalings)
     r = tl.where(a < 0.015625, subnormal, normal)
-    return tl.where(bits < 0, -r, r)  # the sign bit, so -0.0 stays -0.0
+    # The sign bit put back with integer ops, so that a negative value that rounds to zero is -0.0
+    # (code 0x80), as eager's cast gives: Triton 3.6 compiles a float ``-r`` as ``0 - r``, which
+    # is +0.0 for r = +0.0 (the mismatch of the first GPU run, docs/cuda_kernel.md).
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
