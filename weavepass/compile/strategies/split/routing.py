@@ -49,7 +49,7 @@ from weavepass.compile.reasons import Reason, ReasonCode
 
 from .base import Unsupported, norm_dim, op_name, val
 from .rules import VIEWS, along, rank_of, register, rule_for
-from .state import Analysis, input_token_dim
+from .state import Analysis, TokenDims, input_token_dim
 from .symbolic import hint, shape
 
 aten = torch.ops.aten
@@ -145,7 +145,7 @@ def _experts_of(node: Node) -> int | None:
     return hint(source.shape[norm_dim(dim, source.dim())])
 
 
-def routed_dims(node: Node, info: Analysis):
+def routed_dims(node: Node, info: Analysis) -> TokenDims:
     """The token dim(s) of an op of a routing block, and its role (``info.roles``)."""
     name = _grouped_mm_name(node)
     if name is not None:

@@ -24,14 +24,14 @@ from weavepass.ops import arguments
 
 from .attention import ATTENTION, attention_dims
 from .base import Unsupported, norm_dim, op_name, val
-from .state import Analysis, input_token_dim
+from .state import Analysis, TokenDims, input_token_dim
 from .symbolic import hint, shape
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
-Rule = Callable[[Node, "Analysis"], object]
+Rule = Callable[[Node, Analysis], TokenDims]
 
 _RULES: dict[object, Rule] = {}
 
