@@ -54,6 +54,13 @@ def as_optional_node(value: object, node: Node, where: str) -> Node | None:
     return None if value is None else as_node(value, node, where)
 
 
+def as_str(value: object, node: Node, where: str) -> str:
+    """``value`` (``where`` of ``node``) as the str it must be (a group name)."""
+    if not isinstance(value, str):
+        raise unexpected(node, where, value, "a str")
+    return value
+
+
 def arg_node(node: Node, index: int, name: str | None = None) -> Node:
     """``node``'s argument ``index`` (or keyword ``name``), a tensor: its node."""
     return as_node(arg(node, index, name), node, _where(index, name))
