@@ -84,9 +84,13 @@ def arg_ints(node: Node, index: int, name: str | None = None) -> list[int]:
 
 def arg_list(node: Node, index: int, name: str | None = None) -> list[Argument]:
     """``node``'s argument ``index`` (or keyword ``name``), a list (of nodes, sizes, ...)."""
-    value = arg(node, index, name)
+    return as_list(arg(node, index, name), node, _where(index, name))
+
+
+def as_list(value: object, node: Node, where: str) -> list[Argument]:
+    """``value`` (``where`` of ``node``) as the list (or tuple) it must be, as a new list."""
     if not isinstance(value, (list, tuple)):
-        raise unexpected(node, _where(index, name), value, "a list")
+        raise unexpected(node, where, value, "a list")
     return list(value)
 
 

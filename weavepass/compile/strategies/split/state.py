@@ -54,6 +54,13 @@ class Analysis:
     """attention masks (inputs) whose hiding of half B's keys from half A's queries is checked only
     at run time (sequence mode: ``attention.emit_keys_hidden_check``), in graph order"""
 
+    def dim(self, node: Node) -> int:
+        """The token dim of ``node``, a token tensor (one output, not a size)."""
+        d = self.token[node]
+        if not isinstance(d, int):
+            raise unexpected(node, "token dim", d, "an int (a token tensor)")
+        return d
+
 
 def input_token_dim(node: Node, info: Analysis) -> int:
     """The token dim of ``node``'s first argument, the one most rules map to the output; a token

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import Argument, map_arg
+from torch.fx.node import Argument, Target, map_arg
 
 from weavepass.compile.fx_args import as_node
 from weavepass.compile.reasons import Reason, ReasonCode
@@ -124,7 +124,7 @@ class Cut:
         return (0, cut) if half == "A" else (cut, torch.iinfo(torch.int64).max)
 
 
-def emit_new(graph: Graph, target: Callable[..., Any], args: tuple[Argument, ...],
+def emit_new(graph: Graph, target: Target, args: tuple[Argument, ...],
              kwargs: dict[str, Argument] | None = None) -> Node | int:
     """A new node of ``graph`` computing ``target(*args)``, or the plain int when it computes a number.
 
@@ -132,6 +132,8 @@ def emit_new(graph: Graph, target: Callable[..., Any], args: tuple[Argument, ...
     and Inductor rejects graph nodes whose value is a plain int, so those are folded into their
     users' arguments. (The one-size ``auto`` window used to pin it; it no longer compares a
     symbolic count at all, but guards from the model itself can still pin one.)"""
+    if isinstance(target, str):  # (a node's target type allows a str: a method or module name)
+        raise TypeError(f"weavepass internal error: emit_new({target!r}): not a function or an op")
     kwargs = kwargs or {}
     args_v, kwargs_v = map_arg(args, lambda n: n.meta["val"]), map_arg(kwargs, lambda n: n.meta["val"])
     value = _fake_call(target, args_v, kwargs_v)
