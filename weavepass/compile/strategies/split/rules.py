@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.fx import Node
@@ -38,9 +39,12 @@ _RULES: dict[object, Rule] = {}
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def register(*targets) -> Callable[[Rule], Rule]:
+R = TypeVar("R", bound=Rule)
+
+
+def register(*targets: object) -> Callable[[R], R]:
     """Decorator: the rule gives the token dim of every op in ``targets``."""
-    def add(rule: Rule) -> Rule:
+    def add(rule: R) -> R:
         for target in targets:
             if target in _RULES:
                 raise ValueError(f"two token-dim rules for {target}")
