@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from weavepass.compile.fx_args import as_optional_node, as_str
 from weavepass.ops import CHECK_REPLICATED, arguments
 
 
@@ -17,12 +18,17 @@ def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int
     for site, node in fused.items():
         # By name: the LayerNorm op has a bias after the weight.
         args = arguments(node)
-        residual, weight, group_name = args["residual"], args["weight"], args["group_name"]
-        bias = args.get("bias")  # the LayerNorm op's
-        target_index, x = (1, residual) if residual is not None else (2, weight)
-        if x is None:  # no residual and no weight: nothing assumed replicated but a bias
-            target_index, x = (3, bias) if bias is not None else (None, None)
-        if x is None:
+        residual = as_optional_node(args["residual"], node, "residual")
+        weight = as_optional_node(args["weight"], node, "weight")
+        bias = as_optional_node(args.get("bias"), node, "bias")  # the LayerNorm op's
+        group_name = as_str(args["group_name"], node, "group_name")
+        if residual is not None:
+            target_index, x = 1, residual
+        elif weight is not None:
+            target_index, x = 2, weight
+        elif bias is not None:  # no residual and no weight: nothing assumed replicated but a bias
+            target_index, x = 3, bias
+        else:
             continue
         other = weight if target_index == 1 else None
         name = {1: "residual", 2: "norm weight", 3: "norm bias"}[target_index]
@@ -31,8 +37,8 @@ def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int
                 CHECK_REPLICATED, (x, other, name, site, group_name, bias if target_index != 3 else None),
             )
         check.meta["val"] = torch.empty_like(x.meta["val"])
-        args = list(node.args)
-        args[target_index] = check
-        node.args = tuple(args)
+        new_args = list(node.args)
+        new_args[target_index] = check
+        node.args = tuple(new_args)
         checked += 1
     return checked

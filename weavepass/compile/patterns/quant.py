@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.fx_args import arg_node, tensor, unexpected
 from weavepass.compile.patterns.rmsnorm import CONVERTS, RMS_NORM, _convert_dtype, is_target, val
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.runtime.quant import encode_steps
@@ -96,7 +98,7 @@ class QuantMatch:
 
     @property
     def code_dtype(self) -> torch.dtype:
-        return _tensor(self.codes[0]).dtype
+        return tensor(self.codes[0]).dtype
 
     @property
     def static_scale(self) -> Node | None:
@@ -108,7 +110,7 @@ class QuantMatch:
         return _label(self.code_dtype, self.static, self.group_size) + others
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[Node | None, int, str, str]:
         """Chains with equal keys compute the same codes and scales."""
         return (self.static_scale, self.group_size, self.scale_steps, self.code_steps)
 
@@ -122,21 +124,7 @@ def _label(dtype: torch.dtype, static: bool, group_size: int, global_amax: bool 
     return f"{fmt} per-group-of-{group_size} quant" if group_size else f"{fmt} per-row quant"
 
 
-def _input(node: Node, index: int = 0) -> Node:
-    """``node.args[index]``, which the walk has checked is a node."""
-    arg = node.args[index]
-    assert isinstance(arg, Node), arg
-    return arg
-
-
-def _tensor(node: Node) -> torch.Tensor:
-    """The fake tensor of a node the walk has checked carries one."""
-    value = val(node)
-    assert value is not None, node
-    return value
-
-
-def _scalar(arg) -> bool:
+def _scalar(arg: object) -> bool:
     return isinstance(arg, (int, float)) and not isinstance(arg, bool)
 
 
@@ -198,11 +186,11 @@ def _op_name(node: Node) -> str:
     return str(getattr(node.target, "_opname", None) or getattr(node.target, "__name__", node.target))
 
 
-def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list, Node, Node, list[Node]]:
+def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list[tuple[str, object]], Node, Node, list[Node]]:
     """From the cast to the code dtype back to a start: ``(steps, start, scale, nodes)``."""
-    steps: list[tuple[str, object]] = [("convert", _tensor(codes).dtype)]
+    steps: list[tuple[str, object]] = [("convert", tensor(codes).dtype)]
     nodes, scale = [codes], None
-    n = _input(codes)
+    n = arg_node(codes, 0)
     while n not in starts:
         nodes.append(n)
         dtype = _convert_dtype(n) if is_target(n, CONVERTS) else None
@@ -223,20 +211,20 @@ def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list, Node, Node, list[
             recip = next(a for a in n.args[:2] if isinstance(a, Node) and is_target(a, {aten.reciprocal.default}))
             steps.append(("mul_scale_reciprocal", None))
             nodes.append(recip)
-            scale = _input(recip)
-            n = _input(n, 1) if n.args[0] is recip else _input(n)
+            scale = arg_node(recip, 0)
+            n = arg_node(n, 1) if n.args[0] is recip else arg_node(n, 0)
             continue
         elif is_target(n, {aten.mul.Tensor}) and scale is None:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNPROVEN_INVERSE, node=n.name))
         else:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNKNOWN_STEP, node=n.name, op=_op_name(n)))
-        n = _input(n)
+        n = arg_node(n, 0)
     if scale is None:
         raise _NotQuant(Reason.of(ReasonCode.QUANT_NO_SCALE, node=codes.name))
     return list(reversed(steps)), n, scale, list(reversed(nodes))
 
 
-def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
+def _walk_scale(scale: Node, start: Node) -> tuple[list[tuple[str, object]], list[Node], bool]:
     """From the dynamic scale back to ``start``: ``(steps, nodes, global_amax)``."""
     steps: list[tuple[str, object]] = []
     nodes: list[Node] = []
@@ -258,7 +246,7 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
         elif is_target(n, {aten.amax.default}):
             dims = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else []
             keep = bool(n.args[2]) if len(n.args) > 2 else False
-            ndim = _tensor(_input(n)).ndim
+            ndim = tensor(arg_node(n, 0)).ndim
             if dims not in ([-1], [ndim - 1]) or not keep:
                 global_amax = True
             steps.append(("amax", None))
@@ -267,25 +255,28 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list, list[Node], bool]:
             steps.append(("amax", None))
         else:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNKNOWN_STEP, node=n.name, op=_op_name(n)))
-        n = _input(n)
+        n = arg_node(n, 0)
     return list(reversed(steps)), list(reversed(nodes)), global_amax
 
 
-def _source(node: Node, reads) -> Node:
+def _source(node: Node, reads: Collection[object]) -> Node:
     while is_target(node, reads):
-        node = _input(node)
+        node = arg_node(node, 0)
     return node
 
 
-def _arg(node: Node, name: str):
+def _arg(node: Node, name: str) -> object:
     """Argument ``name`` of an OpOverload call, by schema name (positional or keyword)."""
-    for i, argument in enumerate(node.target._schema.arguments):
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        raise unexpected(node, "target", target, "an OpOverload")
+    for i, argument in enumerate(target._schema.arguments):
         if argument.name == name:
             return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
     raise KeyError(name)
 
 
-def _terminal_readers(node: Node, reads) -> list[tuple[Node, Node]]:
+def _terminal_readers(node: Node, reads: Collection[object]) -> list[tuple[Node, Node]]:
     """``(reader, operand)`` for every reader of ``node`` past the ops in ``reads``."""
     found = []
     for user in node.users:
@@ -326,7 +317,7 @@ def _check_consumers(codes: Node, scale: Node) -> list[Node] | Reason:
 
 def _match_codes(codes: Node, normed: Node, rows: torch.Size) -> QuantMatch | QuantLeftOutside:
     starts = _starts(normed)
-    dtype = _tensor(codes).dtype
+    dtype = tensor(codes).dtype
     try:
         code_steps, start, scale, code_nodes = _walk_codes(codes, set(starts))
     except _NotQuant as why:
@@ -344,13 +335,13 @@ def _match_codes(codes: Node, normed: Node, rows: torch.Size) -> QuantMatch | Qu
     label = _label(dtype, static, group, global_amax)
     if global_amax:
         return QuantLeftOutside(label, Reason(ReasonCode.QUANT_GLOBAL_SCALE))
-    if static and (val(scale) is None or _tensor(scale).numel() != 1):
+    if static and (val(scale) is None or tensor(scale).numel() != 1):
         return QuantLeftOutside(label, Reason.of(ReasonCode.QUANT_STATIC_NOT_SCALAR, node=scale.name))
     views: list[Node] = []
     n = start
     while n is not normed:  # the row and group views from the normed rows to the start
         views.insert(0, n)
-        n = _input(n)
+        n = arg_node(n, 0)
     chain = [*views, *scale_nodes, *code_nodes]
     for node in set(chain) - {codes, scale, *views}:
         outside = [u for u in node.users if u not in chain]
@@ -360,9 +351,9 @@ def _match_codes(codes: Node, normed: Node, rows: torch.Size) -> QuantMatch | Qu
     consumers = _check_consumers(codes, scale)
     if isinstance(consumers, Reason):
         return QuantLeftOutside(label, consumers)
-    hidden = _tensor(normed).shape[-1]
+    hidden = tensor(normed).shape[-1]
     op_codes = [*rows, hidden // group, group] if group else [*rows, hidden]
-    shape = list(_tensor(codes).shape)
+    shape = list(tensor(codes).shape)
     if shape != op_codes and not all(isinstance(d, int) for d in (*shape, *op_codes)):
         return QuantLeftOutside(label, Reason.of(ReasonCode.QUANT_SYMBOLIC_VIEW, rows=list(rows),
                                                  shape=shape[:-1]))
@@ -428,7 +419,7 @@ def replace_outputs(quant: QuantMatch, graph: Graph, fused: Node) -> list[Node]:
         with graph.inserting_after(fused):
             out = graph.call_function(operator.getitem, (fused, index))
         new.append(out)
-        shape = list(_tensor(old).shape)
+        shape = list(tensor(old).shape)
         if list(fused.meta["val"][index].shape) != shape:  # (static sizes: ``_match_codes``)
             with graph.inserting_after(out):
                 out = graph.call_function(aten.view.default, (out, shape))

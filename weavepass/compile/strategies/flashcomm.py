@@ -38,12 +38,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.node import Argument
 
+from weavepass.compile.fx_args import arg_node, as_node, tensor
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals, prepare
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.patterns.row_matmul import RowParallelMatmul
@@ -98,7 +101,10 @@ class FlashCommDecision(Decision):
 
     @property
     def num_tokens(self) -> int:
-        return self.tokens.static
+        static = self.tokens.static
+        if static is None:  # (``decide_flashcomm`` takes static counts only)
+            raise ValueError("FlashComm needs a static token count")
+        return static
 
     @property
     def padded_tokens(self) -> int:
@@ -116,7 +122,7 @@ def _carried(site: FusedAllReduceRMSNormSite) -> Node:
 
 def _through_views(node: Node) -> Node:
     while is_target(node, VIEWS):
-        node = node.args[0]
+        node = arg_node(node, 0)
     return node
 
 
@@ -150,29 +156,30 @@ def decide_flashcomm(plans: list[SitePlan], config: WeaveConfig) -> FlashCommDec
         return no(ReasonCode.GROUP_UNKNOWN, group=first.group_name)
     if world < config.min_world_size:
         return no(ReasonCode.GROUP_TOO_SMALL, size=world, min_world_size=config.min_world_size)
-    tokens = None
+    tokens: TokenCount | None = None
     for plan in plans:
         site = plan.site
         count = TokenCount.of(site.partial)
-        if count.symbolic:
+        if count.static is None:  # symbolic
             return no(ReasonCode.SYMBOLIC_TOKENS, site, site=site.all_reduce.name)
         if site.hidden != first.hidden or (tokens is not None and count.static != tokens.static):
             assert tokens is not None
             return no(ReasonCode.UNEQUAL_SITES, site, site=site.all_reduce.name, tokens=count.static,
                       hidden=site.hidden, first_tokens=tokens.static, first_hidden=first.hidden)
         tokens = count
-        if val(site.norm.input).dim() < 2:
+        if tensor(site.norm.input).dim() < 2:
             # The norm's ops index the dims of a 1-D value (F.layer_norm's var_mean over [0]);
             # replayed on [R, H] shard rows, dim 0 is the token dim: a mean over tokens.
             return no(ReasonCode.NO_TOKEN_DIM, site, site=site.all_reduce.name,
-                      shape=list(val(site.norm.input).shape))
+                      shape=list(tensor(site.norm.input).shape))
+    assert tokens is not None and tokens.static is not None  # (plans is not empty; every count is static)
     if tokens.static < config.flashcomm_min_prefill_tokens:
         return no(ReasonCode.TOO_FEW_TOKENS, tokens=tokens.static, min_tokens=config.flashcomm_min_prefill_tokens)
     for before, plan in zip(plans, plans[1:]):
         site, prev = plan.site, before.site
-        if site.add is None:
+        stream_in = site.residual  # (None exactly when the site has no residual add)
+        if site.add is None or stream_in is None:
             return no(ReasonCode.NO_RESIDUAL_ADD, site, previous=prev.all_reduce.name, site=site.all_reduce.name)
-        stream_in = site.residual
         if _through_views(stream_in) is not _carried(prev):
             return no(ReasonCode.STREAM_BROKEN, site, previous=prev.all_reduce.name, site=site.all_reduce.name,
                       residual=stream_in.name, stream=_carried(prev).name)
@@ -230,21 +237,22 @@ def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | 
         return "no matmul produces the partial sum"
     if mm.target not in (aten.mm.default, aten.addmm.default):
         return f"the partial sum comes from {mm.target}, not a 2-D mm"
-    chain, node = [], site.partial
+    chain: list[Node] = []
+    node = site.partial
     while node is not mm:
         if not is_target(node, VIEWS):  # e.g. a Granite scale moved onto the partial: not dropped
             return f"{node.name} ({node.target}) between the matmul and the all_reduce is not a view"
         if len(node.users) != 1:
             return f"{node.name} between the matmul and the all_reduce has other users"
         chain.append(node)
-        node = node.args[0]
+        node = arg_node(node, 0)
     if len(site.partial.users) != 1 or len(mm.users) != 1:
         return "the matmul output has other users"
-    if tuple(val(mm).shape) != (tokens, site.hidden):
-        return f"the matmul output is {tuple(val(mm).shape)}, not [tokens, hidden]"
+    if tuple(tensor(mm).shape) != (tokens, site.hidden):
+        return f"the matmul output is {tuple(tensor(mm).shape)}, not [tokens, hidden]"
     if mm.target is aten.addmm.default:
-        return _Matmul(mm, mm.args[1], mm.args[2], mm.args[0], [*chain, mm])
-    return _Matmul(mm, mm.args[0], mm.args[1], None, [*chain, mm])
+        return _Matmul(mm, arg_node(mm, 1), arg_node(mm, 2), arg_node(mm, 0), [*chain, mm])
+    return _Matmul(mm, arg_node(mm, 0), arg_node(mm, 1), None, [*chain, mm])
 
 
 class PortableFlashComm:
@@ -271,7 +279,7 @@ class PortableFlashComm:
 
     # -- small graph helpers (insert at the current insertion point, fake values set later)
 
-    def call(self, target, *args, **kwargs) -> Node:
+    def call(self, target: Callable[..., Any], *args: Argument, **kwargs: Argument) -> Node:
         node = self.graph.call_function(target, args, kwargs)
         self.new_nodes.append(node)
         return node
@@ -285,13 +293,13 @@ class PortableFlashComm:
         missing = self.d.padded_tokens - self.d.num_tokens
         return rows if missing == 0 else self.call(aten.constant_pad_nd.default, rows, [0, 0, 0, missing], 0.0)
 
-    def gather_rows(self, shard: Node, shape) -> Node:
+    def gather_rows(self, shard: Node, shape: Sequence[int]) -> Node:
         """``[R, H]`` shards -> all_gather -> drop padding rows -> reshape to ``shape``."""
         d = self.d
         full = self.call(c10d.all_gather_into_tensor.default, shard, d.world_size, d.group_name)
         return self.unpad_rows(self.call(c10d.wait_tensor.default, full), shape)
 
-    def unpad_rows(self, full: Node, shape) -> Node:
+    def unpad_rows(self, full: Node, shape: Sequence[int]) -> Node:
         """Gathered ``[T_pad, H]`` rows -> drop padding rows -> reshape to ``shape``."""
         d = self.d
         if d.padded_tokens != d.num_tokens:
@@ -312,16 +320,19 @@ class PortableFlashComm:
         matmul, epilogue_note = self.epilogue_matmul(site)  # (read before ``prepare`` changes the site)
         site = prepare(site, self.graph)  # a shared expert's x is now in the op's residual x + r
         with self.graph.inserting_before(site.insertion_point()):
+            shard: Node | None
             shard, label, notes = self.reduce_scatter(site) if matmul is None else (None, "gemm_epilogue", [])
             notes += [epilogue_note]
-            residual = None
+            residual: Node | None = None
             if site.add is not None:
-                residual = self.carried_shard.get(_through_views(stream_in))
+                stream = as_node(stream_in, site.add, "residual")  # (a residual add has one)
+                residual = self.carried_shard.get(_through_views(stream))
                 if residual is None:  # the first site: a residual from outside the stream
-                    residual = self.shard_rows(site.residual, site.hidden)
+                    residual = self.shard_rows(as_node(site.residual, site.add, "residual"), site.hidden)
                 elif shared is not None:
                     residual = self.add_shared(site, shared, residual)
             if matmul is None:
+                assert shard is not None  # (reduce_scatter's rows: no matmul took the site)
                 normed, carried, norm_note = self.add_rmsnorm(site, shard, residual)
             else:
                 normed, carried, norm_note = self.matmul_norm_shard(site, matmul, residual)
@@ -342,10 +353,11 @@ class PortableFlashComm:
         self.dead.update([_carried(site), *site.views_to_add, site.wait, site.all_reduce])
         # Views of the stream that only this site's add read (``h.view(T, H) + sum``): nothing
         # reads the stream through them now, so ``finish`` gathers nothing for them.
-        view = stream_in
-        while is_target(view, VIEWS) and all(user in self.dead for user in view.users):
-            self.dead.add(view)
-            view = view.args[0]
+        stream_view = stream_in
+        while stream_view is not None and is_target(stream_view, VIEWS) \
+                and all(user in self.dead for user in stream_view.users):
+            self.dead.add(stream_view)
+            stream_view = arg_node(stream_view, 0)
         return label, [n for n in notes if n]
 
     def shard_rows(self, full: Node, hidden: int) -> Node:
@@ -358,23 +370,24 @@ class PortableFlashComm:
         ``x``'s rows for this rank's shard (a bias row ``[H]``: itself) plus the carried shard, rounded
         where the fuse path rounds ``x + r``. The full-row ``x + r`` that ``prepare`` made (and its views of ``x``)
         is replaced; it would otherwise make ``finish`` gather the stream for it."""
-        folded = site.residual
-        x_rows = folded.args[0]  # fold_inner_add builds add(views of x, r)
+        folded = as_node(site.residual, site.all_reduce, "residual")  # (``shared``: a residual add's)
+        x_rows = arg_node(folded, 0)  # fold_inner_add builds add(views of x, r)
         self.dead.add(folded)
-        if val(x_rows).dim() == 1:  # bias rows ([H], ``SumTree``): the same for every token
+        if tensor(x_rows).dim() == 1:  # bias rows ([H], ``SumTree``): the same for every token
             return self.call(aten.add.Tensor, x_rows, stream_shard)
         while x_rows is not shared and is_target(x_rows, VIEWS):  # (a ``SumTree``'s sum of terms: x itself)
             self.dead.add(x_rows)
-            x_rows = x_rows.args[0]
+            x_rows = arg_node(x_rows, 0)
         return self.call(aten.add.Tensor, self.shard_rows(x_rows, site.hidden), stream_shard)
 
     def reduce_scatter(self, site: FusedAllReduceRMSNormSite) -> tuple[Node, str, list[str]]:
         """The site's reduced rows ``[R, H]``: fused with the producer matmul where possible."""
-        d, notes = self.d, []
+        d = self.d
+        notes: list[str] = []
         if self.config.enable_mmrs_fusion:
             mm = _producer_matmul(site, d.num_tokens)
             reason = mm if isinstance(mm, str) else self.mmrs_unsupported_reason(mm)
-            if reason is None:
+            if reason is None and not isinstance(mm, str):
                 out, label = self.matmul_reduce_scatter(self.pad_rows(mm.x), mm)
                 self.dead.update(mm.chain)
                 return out, label, notes
@@ -431,7 +444,7 @@ class PortableFlashComm:
         the graph's own, which may count from the front (a decomposed ``F.layer_norm`` on
         ``[B, S, H]`` takes ``var_mean`` over dim 2)."""
         norm = site.norm
-        rank = val(norm.input).dim()  # >= 2: decide_flashcomm refuses a 1-D norm input
+        rank = tensor(norm.input).dim()  # >= 2: decide_flashcomm refuses a 1-D norm input
         shape = [1] * (rank - 2) + [self.d.rows_per_rank, site.hidden]
         env = {norm.input: x if rank == 2 else self.call(aten.view.default, x, shape)}
         for node in sorted({*norm.nodes, norm.output}, key=self.position.__getitem__):
@@ -447,14 +460,14 @@ class PortableFlashComm:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when a fused
         all_gather + matmul took over every consumer. ``point``: the site's position
         (``rewrite_site``); a matmul weight computed after it is not read."""
-        return self.gather_rows(normed, val(site.norm.output).shape), ""
+        return self.gather_rows(normed, tensor(site.norm.output).shape), ""
 
     def weight_before(self, mm: Node, point: int) -> Node | None:
         """``mm``'s weight as a node the fused op at ``point`` can read, or None (computed later)."""
-        w = mm.args[1]
+        w = arg_node(mm, 1)
         if self.position.get(w, point) < point:
             return w
-        if is_target(w, {aten.permute.default, aten.t.default}) and self.position.get(w.args[0], point) < point:
+        if is_target(w, {aten.permute.default, aten.t.default}) and self.position.get(arg_node(w, 0), point) < point:
             return self.graph.node_copy(w)  # a transposed weight defined after the norm: move it up
         return None
 
@@ -465,7 +478,7 @@ class PortableFlashComm:
         for original, shard in self.carried_shard.items():
             if any(u not in self.dead for u in original.users):
                 with self.graph.inserting_before(original):
-                    full = self.gather_rows(shard, val(original).shape)
+                    full = self.gather_rows(shard, tensor(original).shape)
                     self.flush()
                 original.replace_all_uses_with(full, delete_user_cb=lambda u: u not in self.dead)
         for node in reversed(list(self.graph.nodes)):
@@ -494,27 +507,34 @@ class NpuFlashComm(PortableFlashComm):
         # The chip and comm_mode of the NPU fused ops, read once per graph.
         self.npu_target = npu.fused_comm_target(config.mmrs_comm_mode) if config.enable_mmrs_fusion else None
 
+    def fused_target(self) -> npu.FusedCommTarget:
+        """The chip and comm_mode of the fused ops, read in ``__init__`` with ``enable_mmrs_fusion``
+        (the fused ops are asked for only then)."""
+        if self.npu_target is None:
+            raise RuntimeError("weavepass internal error: an NPU fused op without enable_mmrs_fusion")
+        return self.npu_target
+
     def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
         operands = _operands_reason(mm)
         if operands is not None:
             return operands
-        xv, wv = val(mm.x), val(mm.w)
+        xv, wv = tensor(mm.x), tensor(mm.w)  # (checked by ``_operands_reason``)
         padded = self.d.padded_tokens != self.d.num_tokens
         x_shape = (self.d.padded_tokens, *xv.shape[1:])
         x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
         return npu.matmul_comm_unsupported_reason(
-            npu.MMRS, self.npu_target, x_shape, x_stride, xv.dtype, tuple(wv.shape),
+            npu.MMRS, self.fused_target(), x_shape, x_stride, xv.dtype, tuple(wv.shape),
             tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None)
 
     def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
         d = self.d
         return self.call(NPU_MM_REDUCE_SCATTER, x, mm.w, d.group_name, d.world_size,
-                         self.npu_target.comm_mode), "npu_mmrs"
+                         self.fused_target().comm_mode), "npu_mmrs"
 
     def add_rmsnorm(self, site: FusedAllReduceRMSNormSite, shard: Node,
                     residual: Node | None) -> tuple[Node, Node, str]:
         norm = site.norm
-        weight_dtype = val(norm.weight).dtype if norm.weight is not None else None
+        weight_dtype = tensor(norm.weight).dtype if norm.weight is not None else None
         reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
                                                      residual is not None, norm.kind == LAYER_NORM)
         if reason is None:
@@ -533,10 +553,10 @@ class NpuFlashComm(PortableFlashComm):
             return found
         log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
                  site.all_reduce.name, found)
-        return self.gather_rows(normed, val(site.norm.output).shape), \
+        return self.gather_rows(normed, tensor(site.norm.output).shape), \
             f"all_gather+matmul not fused: {found}"
 
-    def npu_all_gather_mm(self, site, normed: Node, point: int) -> tuple[Node, str] | str:
+    def npu_all_gather_mm(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node, str] | str:
         """Gather the normed shard through ``npu_all_gather_base_mm`` with the first
         ``[tokens, hidden] @ w`` reader: ``(gathered rows for the other readers, note)``, or why not.
 
@@ -544,30 +564,30 @@ class NpuFlashComm(PortableFlashComm):
         """
         d, out = self.d, site.norm.output
         rows_shape = (d.num_tokens, site.hidden)
-        candidates = [(user, None) for user in out.users]
+        candidates: list[tuple[Node, Node | None]] = [(user, None) for user in out.users]
         candidates += [(reader, view) for view in out.users if is_target(view, VIEWS)
                        for reader in view.users]
         first_reason = None
         for mm, view in candidates:
             rows = out if view is None else view
             if not (is_target(mm, {aten.mm.default}) and mm.args[0] is rows
-                    and tuple(val(rows).shape) == rows_shape):
+                    and tuple(tensor(rows).shape) == rows_shape):
                 continue
             wv, xv = val(mm.args[1]), val(normed)
             reason = "the matmul operands have no tensor metadata" if wv is None or xv is None else \
                 npu.matmul_comm_unsupported_reason(
-                    npu.AGMM, self.npu_target, tuple(xv.shape), tuple(xv.stride()), xv.dtype,
+                    npu.AGMM, self.fused_target(), tuple(xv.shape), tuple(xv.stride()), xv.dtype,
                     tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False)
             w = self.weight_before(mm, point) if reason is None else None
             if w is None:
                 first_reason = first_reason or reason or f"the weight of {mm.name} is computed after the norm"
                 continue
             fused = self.call(NPU_ALL_GATHER_MM, normed, w, d.group_name,
-                              d.world_size, self.npu_target.comm_mode)
+                              d.world_size, self.fused_target().comm_mode)
             product = self.call(operator.getitem, fused, 0)
             if d.padded_tokens != d.num_tokens:
                 product = self.call(aten.slice.Tensor, product, 0, 0, d.num_tokens)
-            gathered = self.unpad_rows(self.call(operator.getitem, fused, 1), val(out).shape)
+            gathered = self.unpad_rows(self.call(operator.getitem, fused, 1), tensor(out).shape)
             self.flush()
             mm.replace_all_uses_with(product)
             self.dead.add(mm)
@@ -586,7 +606,7 @@ class CudaFlashComm(PortableFlashComm):
 
     def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         super().__init__(graph, decision, config)
-        self.symm_reason = None
+        self.symm_reason: str | None = None
         if config.enable_mmrs_fusion:
             self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
                 symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
@@ -597,7 +617,7 @@ class CudaFlashComm(PortableFlashComm):
             return operands
         if self.symm_reason is not None:
             return self.symm_reason
-        x_shape = (self.d.padded_tokens, *val(mm.x).shape[1:])
+        x_shape = (self.d.padded_tokens, *tensor(mm.x).shape[1:])  # (checked by ``_operands_reason``)
         return symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
             x_shape, self.d.world_size, mm.bias is not None)
 
@@ -613,22 +633,24 @@ class CudaFlashComm(PortableFlashComm):
             return None, "consumers: fused_all_gather_matmul"
         log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
                  site.all_reduce.name, reason)
-        return self.gather_rows(normed, val(site.norm.output).shape), f"all_gather+matmul not fused: {reason}"
+        return self.gather_rows(normed, tensor(site.norm.output).shape), f"all_gather+matmul not fused: {reason}"
 
-    def all_gather_matmul(self, site, normed: Node, point: int) -> str | None:
+    def all_gather_matmul(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> str | None:
         """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
         d, out = self.d, site.norm.output
         rows_shape = (d.num_tokens, site.hidden)
-        mms, views = [], []
+        mms: list[Node] = []
+        views: list[Node] = []
         for user in out.users:
-            if is_target(user, VIEWS) and val(user) is not None and tuple(val(user).shape) == rows_shape:
+            user_val = val(user)
+            if is_target(user, VIEWS) and user_val is not None and tuple(user_val.shape) == rows_shape:
                 views.append(user)
                 readers = [(reader, user) for reader in user.users]
             else:
                 readers = [(user, out)]
             for reader, rows in readers:
                 if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
-                        and tuple(val(rows).shape) == rows_shape):
+                        and tuple(tensor(rows).shape) == rows_shape):
                     return f"{reader.name} ({reader.target}) reads the normed rows, not a [tokens, hidden] mm"
                 mms.append(reader)
         if not mms:
@@ -675,7 +697,7 @@ class FlashCommStrategy(Strategy):
     writes = frozenset({"sites", "records", "notes"})
     takes_graph = True
 
-    def inductor_patches(self, config: WeaveConfig) -> dict:
+    def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
         # FlashComm takes static token counts only: exactly the graphs where Inductor's shape
         # padding (fx_passes/pad_mm.py) may pad a producer matmul's token rows, and slice them off
         # before the all_reduce, when a benchmark on this GPU finds that faster. The matmul-
@@ -706,7 +728,9 @@ class FlashCommStrategy(Strategy):
         level = logging.INFO if decision.code in _EXPECTED_DECLINES else logging.WARNING
         log.log(level, "weavepass: graph %d: FlashComm not used: %s", report.graph_index, decision.reason)
 
-    def apply(self, rewrite: GraphRewrite, decision: FlashCommDecision) -> bool:
+    def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
+        if not isinstance(decision, FlashCommDecision):  # (``decide`` said yes with one)
+            raise TypeError(f"FlashComm applied with {type(decision).__name__}, not its own decision")
         graph, plans, config, report = rewrite.graph, rewrite.plans, rewrite.config, rewrite.report
         records = {r.node: r for r in report.records}
         kind = device_kind(plans[0].site.device)

@@ -15,7 +15,7 @@ from .base import Unsupported
 from .routing import check_block, routed, routed_dims
 from .rules import rule_for, site_dims
 from .scores import score_dims
-from .state import Analysis
+from .state import Analysis, TokenDims
 from .symbolic import Cut, shape
 
 aten = torch.ops.aten
@@ -58,7 +58,7 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
     return info
 
 
-def token_dims(node: Node, info: Analysis) -> object:
+def token_dims(node: Node, info: Analysis) -> TokenDims:
     """The token dim(s) of ``node``'s output, from its inputs' (or ``Unsupported``)."""
     if any(a in info.keys for a in node.all_input_nodes):
         return score_dims(node, info)

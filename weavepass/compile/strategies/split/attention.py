@@ -11,11 +11,14 @@ by log-sum-exp (``merge_by_lse``); with one, B's rows of the mask over ``cat(K_A
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 from torch.fx import Node
+from torch.fx.node import Argument, Target
 
+from weavepass.compile.fx_args import arg, arg_node, node_list
 from weavepass.compile.reasons import Reason, ReasonCode
 
 from .base import Unsupported, val
@@ -28,13 +31,18 @@ class HalfEmitter(Protocol):
     node for a half, and emitting nodes into it."""
 
     merged: dict[tuple[Node, str], Node]
-    checked_masks: set[tuple[Node, str]]
+    checked_masks: set[tuple[Node, str | None]]
 
-    def emit(self, target: object, args: tuple[object, ...], kwargs: dict[str, object] | None = None) -> Node: ...
+    def emit(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Argument] | None = None) -> Node:
+        """A new node computing a tensor (or tensors)."""
 
     def read(self, node: Node, half: str) -> Node: ...
 
-    def bounds(self, node: Node, dim: int, half: str) -> tuple[object, object]: ...
+    def bounds(self, node: Node, dim: int, half: str) -> tuple[Node | int, Node | int]: ...
+
+
+EmitNode = Callable[..., Node]
+"""``HalfEmitter.emit``: ``emit(target, args, kwargs=None)``, a new node computing a tensor."""
 
 
 aten = torch.ops.aten
@@ -45,7 +53,7 @@ CUDA_FLASH = aten._scaled_dot_product_flash_attention.default
 CUDA_EFFICIENT = aten._scaled_dot_product_efficient_attention.default
 CUDA_CUDNN = aten._scaled_dot_product_cudnn_attention.default
 # attention op -> (index of the mask/bias argument or None, index of is_causal)
-ATTENTION = {
+ATTENTION: dict[object, tuple[int | None, int]] = {
     CPU_FLASH: (None, 4),  # mask is the keyword ``attn_mask``
     CUDA_FLASH: (None, 4),
     CUDA_EFFICIENT: (3, 6),
@@ -53,11 +61,11 @@ ATTENTION = {
 }
 
 
-def attention_dims(node: Node, info: Analysis) -> tuple:
+def attention_dims(node: Node, info: Analysis) -> tuple[int | None, ...]:
     """The token-dim rule of the ops of ``ATTENTION``: q, k and v carry tokens in the batch dim
     (batch mode) or the sequence dim (sequence mode); only output 0 may be read."""
     input_token_dim(node, info)
-    q, k, v = node.args[:3]
+    q, k, v = arg_node(node, 0), arg_node(node, 1), arg_node(node, 2)
     dims = {info.token.get(t) for t in (q, k, v)}
     mask = _mask(node.target, node.args, node.kwargs)
     dropout_index = 3 if node.target in (CPU_FLASH, CUDA_FLASH) else 5
@@ -72,7 +80,7 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
     if dims != {expected}:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_QKV_DIMS, node=node.name, dims=dims, expected=expected))
     causal_index = ATTENTION[node.target][1]
-    causal = node.args[causal_index] if len(node.args) > causal_index else node.kwargs.get("is_causal", False)
+    causal = arg(node, causal_index, "is_causal", False)
     if info.cut.mode == "sequence" and mask is None and not causal:
         # Half A runs before half B's keys exist: only attention in which no query of A sees a key
         # of B (causal, or a mask that says so) can be cut inside a sequence.
@@ -94,13 +102,14 @@ def attention_dims(node: Node, info: Analysis) -> tuple:
     return (expected,) + (None,) * (len(val(node)) - 1)
 
 
-def emit_attention(rw: HalfEmitter, node: Node, half: str, args, kwargs) -> Node:
+def emit_attention(rw: HalfEmitter, node: Node, half: str, args: tuple[Argument, ...],
+                   kwargs: dict[str, Argument]) -> Node:
     """``half``'s copy of attention ``node`` over a cut sequence; ``args`` and ``kwargs`` are
     ``node``'s, read for ``half``."""
     causal_index = ATTENTION[node.target][1]
     mask = _mask(node.target, args, kwargs)
     causal = bool(args[causal_index]) if len(args) > causal_index else bool(kwargs.get("is_causal", False))
-    q, k_half, v_half = args[:3]
+    q, k_half, v_half = node_list(args[:3], node, f"half {half}'s argument")
     scale = kwargs.get("scale")
     if half == "A":
         if isinstance(mask, Node):  # queries [0, sA) x keys [0, sA)
@@ -115,13 +124,13 @@ def emit_attention(rw: HalfEmitter, node: Node, half: str, args, kwargs) -> Node
         # square, so upper-left and lower-right alignment agree). Two calls of the graph's own
         # attention op, combined by their log-sum-exps: the same kernel as before the split, no
         # bias tensor, no concatenated K/V, and masked blocks are skipped, not computed.
-        k_a, v_a = rw.read(node.args[1], "A"), rw.read(node.args[2], "A")
+        k_a, v_a = rw.read(arg_node(node, 1), "A"), rw.read(arg_node(node, 2), "A")
         prefix = attend(rw.emit, node.target, q, k_a, v_a, False, scale)
         own = attend(rw.emit, node.target, q, k_half, v_half, causal, scale)
         rw.merged[(node, half)] = merge_by_lse(rw.emit, prefix, own, val(q).dtype)
         return own[0]  # placeholder copy: the one reader (output 0) takes the merged value
-    k = rw.emit(aten.cat.default, ([rw.read(node.args[1], "A"), k_half], 2))
-    v = rw.emit(aten.cat.default, ([rw.read(node.args[2], "A"), v_half], 2))
+    k = rw.emit(aten.cat.default, ([rw.read(arg_node(node, 1), "A"), k_half], 2))
+    v = rw.emit(aten.cat.default, ([rw.read(arg_node(node, 2), "A"), v_half], 2))
     bias = _mask_rows_keys(rw, mask, "B")  # explicit masks exclude is_causal (SDPA's rule)
     if node.target is CPU_FLASH:
         return rw.emit(CPU_FLASH, (q, k, v, 0.0, False), {"attn_mask": bias, "scale": scale})
@@ -139,7 +148,8 @@ HIDDEN_KEYS_MESSAGE = (
 )
 
 
-def emit_keys_hidden_check(rw: HalfEmitter, mask: Node, row_dim: int | None, key_dim: int, blocks: str) -> None:
+def emit_keys_hidden_check(rw: HalfEmitter, mask: Node, row_dim: int | None, key_dim: int,
+                           blocks: str | None) -> None:
     """Half A leaves out half B's keys, which is right only if ``mask`` hides every key of B from
     every query of A (a causal or sliding-window mask). The mask is an input, not known at compile
     time: emit a run-time assertion (once per mask) that its block ``[A's rows, B's keys]`` hides
@@ -168,7 +178,8 @@ def emit_keys_hidden_check(rw: HalfEmitter, mask: Node, row_dim: int | None, key
     rw.emit(aten._assert_async.msg, (hidden, HIDDEN_KEYS_MESSAGE))
 
 
-def attend(emit, target, q: Node, k: Node, v: Node, causal: bool, scale) -> tuple[Node, Node]:
+def attend(emit: EmitNode, target: object, q: Node, k: Node, v: Node, causal: bool,
+           scale: Argument) -> tuple[Node, Node]:
     """``target`` (an attention op of ``ATTENTION``) without mask: (output, log-sum-exp as
     ``[B, H, Sq, 1]`` fp32)."""
     if target is CPU_FLASH:
@@ -190,7 +201,7 @@ def attend(emit, target, q: Node, k: Node, v: Node, causal: bool, scale) -> tupl
     return out, emit(aten.unsqueeze.default, (lse, 3))
 
 
-def merge_by_lse(emit, first: tuple[Node, Node], second: tuple[Node, Node], dtype) -> Node:
+def merge_by_lse(emit: EmitNode, first: tuple[Node, Node], second: tuple[Node, Node], dtype: torch.dtype) -> Node:
     """Softmax attention over the union of two disjoint key sets, from each set's output and
     log-sum-exp: ``(o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``, in fp32."""
     (o1, l1), (o2, l2) = first, second
@@ -206,7 +217,7 @@ def merge_by_lse(emit, first: tuple[Node, Node], second: tuple[Node, Node], dtyp
     return emit(prims.convert_element_type.default, (out, dtype))
 
 
-def _mask(target, args, kwargs):
+def _mask(target: object, args: Sequence[Argument], kwargs: Mapping[str, Argument]) -> Argument:
     """The mask/bias argument of attention op ``target`` called with ``args``, ``kwargs`` (or None)."""
     mask_index = ATTENTION[target][0]
     if mask_index is None:
@@ -226,17 +237,18 @@ def _mask_rows_keys(rw: HalfEmitter, mask: Node, half: str) -> Node:
     return out
 
 
-def _additive(emit, allowed: Node, dtype: torch.dtype) -> Node:
+def _additive(emit: EmitNode, allowed: Node, dtype: torch.dtype) -> Node:
     """A boolean mask (True: may attend) as an additive bias of ``dtype``."""
     zero = emit(aten.full.default, ([], 0.0), dict(dtype=dtype, device=val(allowed).device))
     ninf = emit(aten.full.default, ([], float("-inf")), dict(dtype=dtype, device=val(allowed).device))
     return emit(aten.where.self, (allowed, zero, ninf))
 
 
-def _with_mask(target, args, kwargs, mask):
+def _with_mask(target: object, args: tuple[Argument, ...], kwargs: dict[str, Argument],
+               mask: Argument) -> tuple[tuple[Argument, ...], dict[str, Argument]]:
     mask_index = ATTENTION[target][0]
     if mask_index is None:
         return args, {**kwargs, "attn_mask": mask}
-    args = list(args)
-    args[mask_index] = mask
-    return tuple(args), kwargs
+    new_args = list(args)
+    new_args[mask_index] = mask
+    return tuple(new_args), kwargs

@@ -14,8 +14,9 @@ import operator
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import map_arg
+from torch.fx.node import Argument, Target, map_arg
 
+from weavepass.compile.fx_args import arg_node, as_list, unexpected
 from weavepass.config import WeaveConfig
 from weavepass.ops import (
     ASYNC_FUSED_OPS,
@@ -52,17 +53,28 @@ class Rewrite:
         self.info = info
         self.config = config
         self.push = push
-        self.copies: dict[str, dict[Node, Node]] = {h: {} for h in HALVES}
+        # (a size's copy may be an int: ``emit_size``)
+        self.copies: dict[str, dict[Node, Node | int]] = {h: {} for h in HALVES}
         self.joined_ops: set[Node] = set()  # async ops whose join_async is emitted
-        self.slices: dict[tuple, Node] = {}
+        self.slices: dict[tuple[Node, int, str], Node] = {}
         self.joins: dict[Node, Node] = {}  # attention's k^T and v over both halves (half B)
-        self.merged: dict[tuple, Node] = {}  # (attention node, half) -> its output 0, already merged
-        self.checked_masks: set[tuple] = set()  # (mask, how it hides): its [A rows, B keys] block asserted hidden
-        self.block_consts: dict[tuple, Node] = {}  # (routing block constant, half) -> its copy
-        self.split_point = None
+        self.merged: dict[tuple[Node, str], Node] = {}  # (attention node, half) -> its output 0, already merged
+        # (mask, how it hides): its [A rows, B keys] block asserted hidden
+        self.checked_masks: set[tuple[Node, str | None]] = set()
+        self.block_consts: dict[tuple[Node, str], Node] = {}  # (routing block constant, half) -> its copy
+        self.split_point: Node | int | None = None
 
-    def emit(self, target, args, kwargs=None) -> Node | int:
+    def emit_size(self, target: Target, args: tuple[Argument, ...],
+                  kwargs: dict[str, Argument] | None = None) -> Node | int:
+        """A new node computing a size, or the int it folds to (``emit_new``)."""
         return emit_new(self.graph, target, args, kwargs)
+
+    def emit(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Argument] | None = None) -> Node:
+        """A new node computing a tensor (or tensors): never folded to an int."""
+        node = emit_new(self.graph, target, args, kwargs)
+        if not isinstance(node, Node):
+            raise TypeError(f"weavepass internal error: {target} computed the int {node}, not a tensor")
+        return node
 
     def run(self) -> None:
         info, sites = self.info, self.info.sites
@@ -70,7 +82,7 @@ class Rewrite:
         while anchor.op != "output" and anchor.target is operator.getitem and anchor.args[0] is sites[-1]:
             anchor = anchor.next
         with self.graph.inserting_before(anchor):
-            self.split_point = info.cut.emit_split_point(self.emit)
+            self.split_point = info.cut.emit_split_point(self.emit_size)
             by_segment: dict[int, list[Node]] = {}
             for node in info.region:
                 if node in info.token and node not in sites:
@@ -99,9 +111,11 @@ class Rewrite:
         for node in info.block_consts:  # read by the block only, whose nodes are gone
             self.graph.erase_node(node)
 
-    def bounds(self, node: Node, dim: int, half: str) -> tuple:
+    def bounds(self, node: Node, dim: int, half: str) -> tuple[Node | int, Node | int]:
         """``(start, end)`` of ``half`` along token dim ``dim`` of ``node``."""
-        return self.info.cut.emit_bounds(self.emit, self.split_point, node, dim, half)
+        if self.split_point is None:
+            raise RuntimeError("Rewrite.bounds before run() emitted the split point")
+        return self.info.cut.emit_bounds(self.emit_size, self.split_point, node, dim, half)
 
     def slice(self, node: Node, dim: int, half: str) -> Node:
         """``half`` of token-free ``node`` along ``dim`` (emitted once)."""
@@ -120,8 +134,10 @@ class Rewrite:
     def read(self, node: Node, half: str) -> Node:
         """``node``'s copy for ``half``; an async fused op's output is joined first (once per op)."""
         copy = self.copies[half][node]
-        if copy.target is operator.getitem and copy.args[0].target in ASYNC_FUSED_OPS:
-            fork = copy.args[0]
+        if not isinstance(copy, Node):
+            raise unexpected(node, f"half {half}'s copy", copy, "a node")
+        fork = arg_node(copy, 0) if copy.target is operator.getitem else None
+        if fork is not None and fork.target in ASYNC_FUSED_OPS:
             if fork not in self.joined_ops:
                 self.joined_ops.add(fork)
                 outputs = [self.output(fork, i) for i in (0, 1)]
@@ -147,7 +163,7 @@ class Rewrite:
         key_sliced = info.key_sliced.get(node, {}) if half == "A" else {}
         all_keys = info.key_operands.get(node, {}) if half == "B" else {}
 
-        def arg(a):
+        def arg(a: Node) -> Node:
             if a in all_keys:  # attention's k^T or v, over A's keys and B's
                 return self.joined(a, all_keys[a])
             if a in info.token:
@@ -165,9 +181,9 @@ class Rewrite:
             return a
 
         if node.target is operator.getitem and (node.args[0], half) in self.merged:
-            self.copies[half][node] = self.merged[(node.args[0], half)]  # output 0, the only one read
+            self.copies[half][node] = self.merged[(arg_node(node, 0), half)]  # output 0, the only one read
             return
-        args, kwargs = map_arg((node.args, node.kwargs), arg)
+        args, kwargs = map_arg(node.args, arg), map_arg(node.kwargs, arg)
         target = node.target
         if node in info.sites:
             if self.push:  # one staging slot per half: a slot is reused only after its join
@@ -178,18 +194,18 @@ class Rewrite:
                 target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if layer_norm else FUSED_ALLREDUCE_RMSNORM_ASYNC
                 args = (*args, self.config.overlap_comm_ctas)
         elif target in VIEWS:
-            size = half_view_size(node, info.token[node], args[1])
+            size = half_view_size(node, info.dim(node), args[1])
             if node in info.keys:  # the half's key count, from the scores it views
-                size[info.keys[node]] = self.emit(aten.sym_size.int, (args[0], info.keys[node.args[0]]))
+                size[info.keys[node]] = self.emit_size(aten.sym_size.int, (args[0], info.keys[arg_node(node, 0)]))
             args = (args[0], size, *args[2:])
         elif target is aten.expand.default:
-            size = list(args[1])
-            for dim in (info.token[node], info.keys.get(node)):
+            size = as_list(args[1], node, "argument 1")
+            for dim in (info.dim(node), info.keys.get(node)):
                 if dim is not None:
                     size[dim] = -1  # keep the half's own size, whatever the cut
             args = (args[0], size, *args[2:])
         elif target is aten.sym_size.int:
-            self.copies[half][node] = self.copies["A"][node] if half == "B" else self.emit(target, args)
+            self.copies[half][node] = self.copies["A"][node] if half == "B" else self.emit_size(target, args)
             return
         elif target in ATTENTION and info.cut.mode == "sequence":
             self.copies[half][node] = emit_attention(self, node, half, args, kwargs)

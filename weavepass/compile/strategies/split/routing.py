@@ -44,12 +44,15 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.fx import Node
+from torch.fx.node import Argument
 
+from weavepass.compile.fx_args import arg, arg_int, arg_list, arg_node, as_node, unexpected
 from weavepass.compile.reasons import Reason, ReasonCode
 
+from .attention import HalfEmitter
 from .base import Unsupported, norm_dim, op_name, val
 from .rules import VIEWS, along, rank_of, register, rule_for
-from .state import Analysis, input_token_dim
+from .state import Analysis, TokenDims, input_token_dim
 from .symbolic import hint, shape
 
 aten = torch.ops.aten
@@ -117,7 +120,7 @@ def routed(node: Node, info: Analysis) -> bool:
 def sort_by_expert(node: Node, info: Analysis) -> tuple[int, int]:
     """``sort`` along the token dim: the keys must be the experts of a ``topk`` (flattened token x
     top-k pairs); values become ``Rows`` in the sort's order, indices ``Positions`` into the pairs."""
-    x = node.args[0]
+    x = arg_node(node, 0)
     experts = _experts_of(x)
     if experts is None or val(x).dim() != 1 or x in info.roles:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SORT_TOKEN_DIM, node=node.name, op=op_name(node.target)))
@@ -134,18 +137,20 @@ def _experts_of(node: Node) -> int | None:
     """How many experts ``node``'s values index, when they are a ``topk``'s indices over the last
     dim (through views and casts to an integer dtype); else None."""
     while node.target in VIEWS or node.target in CASTS:
-        node = node.args[0]
+        node = arg_node(node, 0)
         if val(node).is_floating_point():
             return None
-    if node.target is not operator.getitem or node.args[1] != 1 or node.args[0].target is not aten.topk.default:
+    if node.target is not operator.getitem or node.args[1] != 1:
         return None
-    topk = node.args[0]
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    source = val(topk.args[0])
+    topk = arg_node(node, 0)
+    if topk.target is not aten.topk.default:
+        return None
+    dim = arg_int(topk, 2, "dim", -1)
+    source = val(arg_node(topk, 0))
     return hint(source.shape[norm_dim(dim, source.dim())])
 
 
-def routed_dims(node: Node, info: Analysis):
+def routed_dims(node: Node, info: Analysis) -> TokenDims:
     """The token dim(s) of an op of a routing block, and its role (``info.roles``)."""
     name = _grouped_mm_name(node)
     if name is not None:
@@ -154,15 +159,18 @@ def routed_dims(node: Node, info: Analysis):
     inputs = [a for a in node.all_input_nodes if a in info.roles]
     counts = [a for a in inputs if isinstance(info.roles[a], Counts)]
     if counts:
-        return _counts_op(node, info, counts)
+        _counts_op(node, info, counts)
+        return None  # counts carry no tokens
     if target is aten.index.Tensor:
         return _gather(node, info)
     if target in (aten.index_put.default, aten.index_add.default):
         return _scatter(node, info)
     if target is aten.histc.default:
-        return _histogram(node, info)
-    if target is operator.getitem and isinstance(info.roles[node.args[0]], tuple):
-        info.roles[node] = info.roles[node.args[0]][node.args[1]]
+        _histogram(node, info)
+        return None
+    source_role = info.roles[arg_node(node, 0)] if target is operator.getitem else None
+    if isinstance(source_role, tuple):
+        info.roles[node] = source_role[arg_int(node, 1)]
         return rule_for(target)(node, info)
     positions = [a for a in inputs if isinstance(info.roles[a], Positions)]
     if positions:
@@ -170,7 +178,7 @@ def routed_dims(node: Node, info: Analysis):
     return _row_op(node, info)
 
 
-def _row_op(node: Node, info: Analysis):
+def _row_op(node: Node, info: Analysis) -> TokenDims:
     """Per-row math on rows in one sort's order."""
     target = node.target
     pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
@@ -186,11 +194,15 @@ def _row_op(node: Node, info: Analysis):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_FREE_EXPERT_ROWS, node=node.name, op=op_name(target),
                                     lined_up=lined_up))
     if target in VIEWS:
-        x = node.args[0]
-        if shape(node)[dims] != shape(x)[info.token[x]]:
+        x = arg_node(node, 0)
+        if not isinstance(dims, int):  # (a view's rule gives one token dim)
+            raise unexpected(node, "token dim", dims, "an int")
+        if shape(node)[dims] != shape(x)[info.dim(x)]:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_VIEW_REGROUPS_EXPERT_ROWS, node=node.name))
     keys = [info.roles[a] for a in node.all_input_nodes if a in info.roles]
-    if target in CASTS and len(keys) == 1 and keys[0].keys and val(node).dtype in EXACT_KEYS:
+    # (rows only: a node reading positions or counts is ``_position_op``'s or ``_counts_op``'s)
+    if target in CASTS and len(keys) == 1 and isinstance(keys[0], Rows) and keys[0].keys \
+            and val(node).dtype in EXACT_KEYS:
         info.roles[node] = keys[0]  # a cast of the sorted keys that holds every expert index exactly
     elif order is not None:
         info.roles[node] = Rows(order)
@@ -210,6 +222,8 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
     """Floor division of pair positions by ``c`` (pair -> token: ``perm // k``), where the cut
     falls on a multiple of ``c`` so that the half-local quotient is the half-local token."""
     role = info.roles[pos]
+    if not isinstance(role, Positions):  # (``routed_dims`` picked ``pos`` for its role)
+        raise unexpected(pos, "role", role, "Positions")
     c = node.args[1] if len(node.args) > 1 else None
     floor = (node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor") \
         or node.target is aten.floor_divide.default  # on integers: a floor too
@@ -218,15 +232,17 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
             and role.space % units == 0 and (role.space // units) % c == 0):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_ROW_POSITIONS_ARITHMETIC, node=node.name, op=op_name(node.target)))
     info.roles[node] = Positions(role.order, None, role.space // c, bijection=False)
-    return info.token[pos]
+    return info.dim(pos)
 
 
-def _counts_op(node: Node, info: Analysis, counts: list[Node]):
+def _counts_op(node: Node, info: Analysis, counts: list[Node]) -> None:
     """The cumsum of the counts (the offsets), and casts: still counts of the same sort."""
     role = info.roles[counts[0]]
+    if not isinstance(role, Counts):  # (``routed_dims`` picked ``counts`` for their role)
+        raise unexpected(counts[0], "role", role, "Counts")
     cast = node.target in CASTS and node.args[0] is counts[0]
     cumsum = node.target is aten.cumsum.default and node.args[0] is counts[0] \
-        and norm_dim(node.args[1], 1) == 0 and not role.cumulative and val(node.args[0]).dim() == 1
+        and norm_dim(arg_int(node, 1), 1) == 0 and not role.cumulative and val(node.args[0]).dim() == 1
     if (cast or cumsum) and val(node).dtype not in EXACT_KEYS:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_COUNTS_DTYPE, node=node.name, op=op_name(node.target),
                                     dtype=val(node).dtype))
@@ -236,12 +252,14 @@ def _counts_op(node: Node, info: Analysis, counts: list[Node]):
     raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_EXPERT_COUNTS, node=node.name, op=op_name(node.target)))
 
 
-def _histogram(node: Node, info: Analysis):
+def _histogram(node: Node, info: Analysis) -> None:
     """``histc(keys, E, 0, E - 1)``: every expert's own bin, counted from the sorted keys."""
-    x = node.args[0]
+    x = arg_node(node, 0)
     role = info.roles.get(x)
     bins, low, high = (list(node.args[1:]) + [100, 0, 0][len(node.args) - 1:])[:3]
-    if not (isinstance(role, Rows) and role.keys and bins == role.experts and low == 0 and high == bins - 1):
+    # (``bins`` is an int by histc's schema; the keys of a sort have their sort as order)
+    if not (isinstance(role, Rows) and role.keys and role.order is not None and isinstance(bins, int)
+            and bins == role.experts and low == 0 and high == bins - 1):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_HISTC_BINS, node=node.name))
     info.roles[node] = Counts(role.order, cumulative=False)
     return None
@@ -255,10 +273,10 @@ def _grouped_mm_name(node: Node) -> str | None:
 
 def _grouped_mm(node: Node, info: Analysis, name: str) -> int:
     """Rows in a sort's order times their experts' weights, grouped by that sort's offsets."""
-    rows, weights = node.args[:2]
-    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
-    rows_role, offs_role = info.roles.get(rows), info.roles.get(offs)
+    rows, weights = arg_node(node, 0), arg_node(node, 1)
+    offs = arg(node, 2, "offs")
+    bias = arg(node, 3, "bias")
+    rows_role, offs_role = info.roles.get(rows), info.roles.get(offs) if isinstance(offs, Node) else None
     if not (isinstance(rows_role, Rows) and rows_role.order is not None and info.token.get(rows) == 0
             and val(rows).dim() == 2 and val(weights).dim() == 3 and weights not in info.token and bias is None
             and isinstance(offs_role, Counts) and offs_role.cumulative and offs_role.sort is rows_role.order):
@@ -270,17 +288,17 @@ def _grouped_mm(node: Node, info: Analysis, name: str) -> int:
 def _gather(node: Node, info: Analysis) -> int:
     """``x[index]`` along dim 0: by positions (rows of ``x`` moved into the positions' order), or
     a token-free ``x`` (an expert's bias) looked up per row by the row's values."""
-    x, indices = node.args
-    if len(indices) != 1 or not isinstance(indices[0], Node):
+    x, indices = arg_node(node, 0), arg_list(node, 1)
+    index = indices[0] if len(indices) == 1 else None
+    if not isinstance(index, Node):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_SEVERAL_DIMS, node=node.name))
-    (index,) = indices
     pos = info.roles.get(index)
     if isinstance(pos, Positions):
         if info.token.get(x) != 0 or _order(x, info) != pos.points or shape(x)[0] != pos.space:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_GATHER_OTHER_ROWS, node=node.name, x=x.name))
-        role = info.roles.get(x, Rows(None))
-        role = replace(role, order=pos.order, bijection=role.bijection and pos.bijection) \
-            if isinstance(role, Positions) else Rows(pos.order)
+        x_role = info.roles.get(x, Rows(None))
+        role: Rows | Positions = replace(x_role, order=pos.order, bijection=x_role.bijection and pos.bijection) \
+            if isinstance(x_role, Positions) else Rows(pos.order)
     elif x not in info.token and index in info.token and not isinstance(pos, Counts) and val(index).dim() == 1:
         role = Rows(_order(index, info))
     else:
@@ -295,29 +313,32 @@ def _scatter(node: Node, info: Analysis) -> int:
     rows of ``values`` (in the positions' own order) written to the rows the positions name. The
     target is a block constant rebuilt per half, or rows in that order; without accumulation the
     positions must be a permutation, so that every row is written (``empty`` holds garbage)."""
+    index: Argument
     if node.target is aten.index_put.default:
-        target, indices, values = node.args[:3]
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        target, values = arg_node(node, 0), arg_node(node, 2)
+        indices = arg_list(node, 1)
+        accumulate = arg(node, 3, "accumulate", False)
         index = indices[0] if len(indices) == 1 else None
     else:
-        target, dim, index, values = node.args[:4]
+        target, dim, index, values = arg_node(node, 0), arg_int(node, 1), arg_node(node, 2), arg_node(node, 3)
         accumulate = True
         if norm_dim(dim, val(target).dim()) != 0:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_ADD_DIM, node=node.name))
-    pos = info.roles.get(index)
+    pos = info.roles.get(index) if isinstance(index, Node) else None
     what = f"{node.name} ({op_name(node.target)})"
     if not isinstance(pos, Positions):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_NOT_BY_POSITIONS, what=what))
-    rows = shape(index)[0]
+    rows = shape(as_node(index, node, "index"))[0]
     if not accumulate and not (pos.bijection and rows == pos.space):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_NOT_PERMUTATION, what=what))
     _block_target(node, target, pos, info, what)
+    role: Rows | Positions
     if _is_block_const(values, ARANGES, rows, info):
         info.block_consts.setdefault(values, set()).add(node)
         role = Positions(pos.points, pos.order, rows, bijection=True)  # the inverse permutation
     elif info.token.get(values) == 0 and _order(values, info) == pos.order and shape(values)[0] == rows:
-        role = info.roles.get(values, Rows(None))
-        role = replace(role, order=pos.points) if isinstance(role, Positions) else Rows(pos.points)
+        values_role = info.roles.get(values, Rows(None))
+        role = replace(values_role, order=pos.points) if isinstance(values_role, Positions) else Rows(pos.points)
     else:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_VALUES_ORDER, what=what))
     if isinstance(role, Positions) and accumulate:
@@ -335,14 +356,14 @@ def _block_target(node: Node, target: Node, pos: Positions, info: Analysis, what
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SCATTER_TARGET, what=what))
 
 
-def _is_block_const(node, targets: tuple, rows: int, info: Analysis) -> bool:
+def _is_block_const(node: Argument, targets: tuple[object, ...], rows: int, info: Analysis) -> bool:
     """A token-free ``empty``/``zeros``/``full`` of ``rows`` rows, or ``arange(rows)`` (from 0 by 1),
     read only by the block's scatters (``check_block``): rebuilt per half with the half's rows."""
     if not isinstance(node, Node) or node.target not in targets or node in info.token:
         return False
     if node.target in ARANGES:
         return _arange_length(node) == rows
-    size = node.args[0][0]
+    size = arg_list(node, 0)[0]
     return isinstance(size, int) and size == rows
 
 
@@ -382,16 +403,18 @@ def check_block(info: Analysis) -> None:
                                         readers=', '.join(others)))
 
 
-def emit_block_const(rw, node: Node, half: str) -> Node:
+def emit_block_const(rw: HalfEmitter, node: Node, half: str) -> Node:
     """``half``'s copy of block constant ``node``: its row count cut like a token dim."""
     size = val(node).shape[0]
     start, end = rw.bounds(node, 0, half)
+    if not isinstance(start, int) or not isinstance(end, int):  # (``check_block``: no symbolic cut)
+        raise unexpected(node, f"half {half}'s rows", (start, end), "static bounds")
     rows = end - start if half == "A" else size - start
     args = list(node.args)
     if node.target is aten.arange.start_step:
         args[1] = rows
     else:
-        args[0] = rows if node.target in ARANGES else [rows, *args[0][1:]]
+        args[0] = rows if node.target in ARANGES else [rows, *arg_list(node, 0)[1:]]
     with val(node).fake_mode:  # no tensor argument to find the mode from: the original's
         return rw.emit(node.target, tuple(args), node.kwargs)
 
@@ -404,6 +427,8 @@ def _sort(node: Node, info: Analysis) -> tuple[int, int]:
     routing that groups the token-expert pairs by expert is taken, as a block (``routing``)."""
     default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
     dim = node.kwargs.get("dim", default)
+    if not isinstance(dim, int):
+        raise unexpected(node, "argument dim", dim, "an int")
     if norm_dim(dim, rank_of(node)) == input_token_dim(node, info):
         return sort_by_expert(node, info)
     d = along(node, info, dim)

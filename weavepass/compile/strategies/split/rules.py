@@ -15,32 +15,48 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import torch
 from torch.fx import Node
+from torch.fx.node import Argument
 
+from weavepass.compile.fx_args import (
+    arg,
+    arg_int,
+    arg_ints,
+    arg_list,
+    arg_node,
+    as_list,
+    as_node,
+    as_optional_node,
+    tensor,
+)
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.ops import arguments
 
 from .attention import ATTENTION, attention_dims
 from .base import Unsupported, norm_dim, op_name, val
-from .state import Analysis, input_token_dim
+from .state import Analysis, TokenDims, input_token_dim
 from .symbolic import hint, shape
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
-Rule = Callable[[Node, "Analysis"], object]
+Rule = Callable[[Node, Analysis], TokenDims]
 
 _RULES: dict[object, Rule] = {}
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def register(*targets) -> Callable[[Rule], Rule]:
+R = TypeVar("R", bound=Rule)
+
+
+def register(*targets: object) -> Callable[[R], R]:
     """Decorator: the rule gives the token dim of every op in ``targets``."""
-    def add(rule: Rule) -> Rule:
+    def add(rule: R) -> R:
         for target in targets:
             if target in _RULES:
                 raise ValueError(f"two token-dim rules for {target}")
@@ -49,7 +65,7 @@ def register(*targets) -> Callable[[Rule], Rule]:
     return add
 
 
-def rule_for(target) -> Rule:
+def rule_for(target: object) -> Rule:
     """The token-dim rule of ``target``: its registered rule, the broadcast rule for an op tagged
     pointwise, else a rule that refuses it."""
     rule = _RULES.get(target)
@@ -60,7 +76,7 @@ def rule_for(target) -> Rule:
     return _no_rule
 
 
-def _no_rule(node: Node, info: Analysis):
+def _no_rule(node: Node, info: Analysis) -> NoReturn:
     input_token_dim(node, info)  # a token tensor in another argument is named as such first
     raise Unsupported(Reason.of(ReasonCode.SPLIT_NO_RULE, node=node.name, op=op_name(node.target)))
 
@@ -70,10 +86,11 @@ def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
     tokens where its input does. The first site's inputs come from outside the region and are
     sliced; every later site's residual must come from an earlier site."""
     args = arguments(node)
-    partial, residual = args["partial"], args["residual"]
+    partial = as_node(args["partial"], node, "partial")
+    residual = as_optional_node(args["residual"], node, "residual")
     first = node is info.sites[0]
     if partial in info.token:
-        dim = info.token[partial]
+        dim = info.dim(partial)
     elif first:
         dim = info.cut.entry_dim
     else:
@@ -93,8 +110,8 @@ def site_dims(node: Node, info: Analysis) -> tuple[int, int]:
 # ---- structure: outputs of multi-output ops, sizes ------------------------------------------------
 
 @register(operator.getitem)
-def _output(node: Node, info: Analysis):
-    source, index = node.args
+def _output(node: Node, info: Analysis) -> int | None:
+    source, index = arg_node(node, 0), arg_int(node, 1)
     dims = info.token[source]
     if not isinstance(dims, tuple) or dims[index] is None:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_OUTPUT_NOT_SPLIT, node=node.name, index=index, source=source.name))
@@ -102,8 +119,8 @@ def _output(node: Node, info: Analysis):
 
 
 @register(aten.sym_size.int)
-def _size(node: Node, info: Analysis):
-    if node.args[1] == info.token[node.args[0]]:
+def _size(node: Node, info: Analysis) -> None:
+    if node.args[1] == info.token[arg_node(node, 0)]:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_READS_TOKEN_SIZE, node=node.name))
     return None  # a shared size: computed from half A's copy
 
@@ -118,13 +135,13 @@ def broadcast_dims(node: Node, info: Analysis) -> int:
     input that lines up with the tokens is sliced per half; one of size 1 there is shared."""
     out = val(node)
     rank = out.dim()
-    tensors = node.args[0] if node.target is aten.cat.default else node.all_input_nodes
-    tensors = [t for t in tensors if isinstance(t, Node) and isinstance(val(t), torch.Tensor)]
-    dims = {info.token[t] - val(t).dim() + rank for t in tensors if t in info.token}
+    inputs = arg_list(node, 0) if node.target is aten.cat.default else node.all_input_nodes
+    tensors = [t for t in inputs if isinstance(t, Node) and isinstance(val(t), torch.Tensor)]
+    dims: set[int] = {info.dim(t) - val(t).dim() + rank for t in tensors if t in info.token}
     if len(dims) != 1:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_INPUT_DIMS_DIFFER, node=node.name, dims=sorted(dims)))
     d = dims.pop()
-    if node.target is aten.cat.default and norm_dim(node.args[1] if len(node.args) > 1 else 0, rank) == d:
+    if node.target is aten.cat.default and norm_dim(arg_int(node, 1, default=0), rank) == d:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_CAT_TOKEN_DIM, node=node.name))
     full = hint(out.shape[d])
     for t in tensors:
@@ -147,8 +164,8 @@ def _copy(node: Node, info: Analysis) -> int:
 
 
 @register(aten.copy_.default)
-def _copy_in_place(node: Node, info: Analysis):
-    raise Unsupported(Reason.of(ReasonCode.SPLIT_IN_PLACE_WRITE, node=node.name, target=node.args[0].name))
+def _copy_in_place(node: Node, info: Analysis) -> NoReturn:
+    raise Unsupported(Reason.of(ReasonCode.SPLIT_IN_PLACE_WRITE, node=node.name, target=arg_node(node, 0).name))
 
 
 @register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
@@ -157,7 +174,7 @@ def _indexed(node: Node, info: Analysis) -> int:
     """Same-rank tensors lined up like an elementwise op, indexed along ``dim`` (arg 1). These ops
     do not broadcast: an index or source shorter than the output in the token dim (1 included)
     reads or writes the first rows only, which for half B are not the whole's first rows."""
-    d = _lined_up_along(node, info, node.args[1])
+    d = _lined_up_along(node, info, arg_int(node, 1))
     tensors = [t for t in node.all_input_nodes if isinstance(val(t), torch.Tensor)] + [node]
     sizes = {t.name: hint(val(t).shape[d]) for t in tensors}
     if len(set(sizes.values())) != 1:
@@ -171,7 +188,7 @@ def _index_select(node: Node, info: Analysis) -> int:
     """Rows of ``self`` along ``dim`` (arg 1) picked by a 1-d index: the output keeps ``self``'s
     token dim. An index computed from tokens (an embedding-like lookup) would put the tokens in
     ``dim``, which the elementwise alignment cannot see: refused."""
-    x, dim, index = node.args[:3]
+    dim, index = arg_int(node, 1), arg_node(node, 2)
     if index in info.token:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_INDEX_FROM_TOKENS, node=node.name, index=index.name))
     d = input_token_dim(node, info)
@@ -183,7 +200,7 @@ def _index_select(node: Node, info: Analysis) -> int:
 @register(aten.slice_scatter.default)
 def _slice_scattered(node: Node, info: Analysis) -> int:
     """``src`` written into a slice of ``self`` along ``dim`` (arg 2; functionalised ``x[..., a:b] = y``)."""
-    return _lined_up_along(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+    return _lined_up_along(node, info, arg_int(node, 2, "dim", 0))
 
 
 def _lined_up_along(node: Node, info: Analysis, dim: int) -> int:
@@ -205,7 +222,7 @@ def _view(node: Node, info: Analysis) -> int:
 def view_dim(node: Node, d: int, info: Analysis) -> int:
     """The output dim a reshape maps token dim ``d`` to: same elements before it, and both halves
     still a whole number of rows there."""
-    src, dst = shape(node.args[0]), shape(node)
+    src, dst = shape(arg_node(node, 0)), shape(node)
     prefix = 1
     for i in range(d):
         prefix *= src[i]
@@ -225,37 +242,37 @@ def view_dim(node: Node, d: int, info: Analysis) -> int:
     raise Unsupported(Reason.of(ReasonCode.SPLIT_VIEW_MOVES_CUT, node=node.name, src=src, dst=dst))
 
 
-def half_view_size(node: Node, token_dim: int, size) -> list:
+def half_view_size(node: Node, token_dim: int, size: Argument) -> list[Argument]:
     """A view's size list for one half: ``-1`` at the token dim, so the half's own size is
     inferred whatever the cut. A view can infer only one entry, so an entry the model itself left
     to inference (HF: ``view(*input_shape, -1, head_dim)``) is written out from the view's output,
     where it is the same for both halves."""
     out = val(node).shape
-    size = list(size)
-    for i, entry in enumerate(size):
+    half_size = as_list(size, node, "size")
+    for i, entry in enumerate(half_size):
         if i != token_dim and isinstance(entry, int) and entry == -1:
             if not isinstance(out[i], int):
                 raise Unsupported(Reason.of(ReasonCode.SPLIT_VIEW_SYMBOLIC_SIZE, node=node.name, size=out[i]))
-            size[i] = out[i]
-    size[token_dim] = -1
-    return size
+            half_size[i] = out[i]
+    half_size[token_dim] = -1
+    return half_size
 
 
 def rank_of(node: Node) -> int:
-    return val(node.args[0]).dim()
+    return tensor(arg_node(node, 0)).dim()
 
 
 @register(aten.unsqueeze.default)
 def _unsqueeze(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    return d + (norm_dim(node.args[1], rank_of(node) + 1) <= d)
+    return d + (norm_dim(arg_int(node, 1), rank_of(node) + 1) <= d)
 
 
 @register(aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-    dims = [norm_dim(i, rank_of(node)) for i in dims]
+    squeezed = arg_ints(node, 1) if isinstance(node.args[1], (list, tuple)) else [arg_int(node, 1)]
+    dims = [norm_dim(i, rank_of(node)) for i in squeezed]
     if d in dims:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SQUEEZES_TOKEN_DIM, node=node.name))
     return d - sum(i < d for i in dims)
@@ -264,13 +281,13 @@ def _squeeze(node: Node, info: Analysis) -> int:
 @register(aten.permute.default)
 def _permute(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    return [norm_dim(p, rank_of(node)) for p in node.args[1]].index(d)
+    return [norm_dim(p, rank_of(node)) for p in arg_ints(node, 1)].index(d)
 
 
 @register(aten.transpose.int)
 def _transpose(node: Node, info: Analysis) -> int:
     d = input_token_dim(node, info)
-    a, b = norm_dim(node.args[1], rank_of(node)), norm_dim(node.args[2], rank_of(node))
+    a, b = norm_dim(arg_int(node, 1), rank_of(node)), norm_dim(arg_int(node, 2), rank_of(node))
     return b if d == a else a if d == b else d
 
 
@@ -282,7 +299,7 @@ def _t(node: Node, info: Analysis) -> int:
 @register(aten.expand.default)
 def _expand(node: Node, info: Analysis) -> int:
     """New leading dims come first; the rewrite writes ``-1`` at the token dim."""
-    return input_token_dim(node, info) + len(node.args[1]) - rank_of(node)
+    return input_token_dim(node, info) + len(arg_list(node, 1)) - rank_of(node)
 
 
 # ---- slicing: any dim but the token dim ------------------------------------------------------------
@@ -298,18 +315,18 @@ def _sliced_dim(node: Node, info: Analysis, dim: int) -> tuple[int, int]:
 
 @register(aten.slice.Tensor)
 def _slice(node: Node, info: Analysis) -> int:
-    return _sliced_dim(node, info, node.args[1])[0]
+    return _sliced_dim(node, info, arg_int(node, 1))[0]
 
 
 @register(aten.select.int)
 def _select(node: Node, info: Analysis) -> int:
-    d, dim = _sliced_dim(node, info, node.args[1])
+    d, dim = _sliced_dim(node, info, arg_int(node, 1))
     return d - (dim < d)
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default)
-def _split(node: Node, info: Analysis) -> tuple:
-    d, _ = _sliced_dim(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+def _split(node: Node, info: Analysis) -> tuple[int, ...]:
+    d, _ = _sliced_dim(node, info, arg_int(node, 2, "dim", 0))
     return tuple(d for _ in val(node))
 
 
@@ -320,8 +337,8 @@ def _reduction(node: Node, info: Analysis) -> int:
     """Over any dims but the token dim: a reduction over tokens mixes the halves."""
     d = input_token_dim(node, info)
     args, rank = node.args, rank_of(node)
-    dims = [norm_dim(i, rank) for i in (args[1] if len(args) > 1 and args[1] else range(rank))]
-    keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
+    dims = [norm_dim(i, rank) for i in (arg_ints(node, 1) if len(args) > 1 and args[1] else range(rank))]
+    keep = arg(node, 2, "keepdim", False)
     if d in dims:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_REDUCES_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     return d if keep else d - sum(i < d for i in dims)
@@ -352,12 +369,12 @@ def along(node: Node, info: Analysis, dim: int) -> int:
 
 @register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.cumsum.default)
 def _along_dim_arg(node: Node, info: Analysis) -> int:
-    return along(node, info, node.args[1])
+    return along(node, info, arg_int(node, 1))
 
 
 @register(aten.topk.default)
 def _topk(node: Node, info: Analysis) -> tuple[int, int]:
-    d = along(node, info, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1))
+    d = along(node, info, arg_int(node, 2, "dim", -1))
     return d, d
 
 
@@ -387,11 +404,11 @@ def _rows(node: Node, info: Analysis) -> int:
     """Tokens are the rows of the left operand (``addmm``: the bias comes first, added like an
     elementwise op's input: a bias with one row per token is sliced per half)."""
     addmm = node.target is aten.addmm.default
-    a, b = node.args[1:3] if addmm else node.args[:2]
+    a, b = (arg_node(node, 1), arg_node(node, 2)) if addmm else (arg_node(node, 0), arg_node(node, 1))
     if info.token.get(a) != 0 or b in info.token or (addmm and node.args[0] in info.token):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKENS_NOT_ROWS, node=node.name, op=op_name(node.target)))
-    if addmm and val(node.args[0]).dim() == 2 and shape(node.args[0])[0] != 1:
-        info.sliced.setdefault(node, {})[node.args[0]] = 0
+    if addmm and val(node.args[0]).dim() == 2 and shape(arg_node(node, 0))[0] != 1:
+        info.sliced.setdefault(node, {})[arg_node(node, 0)] = 0
     return 0
 
 

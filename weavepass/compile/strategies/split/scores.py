@@ -22,9 +22,13 @@ reading a score tensor is refused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.fx import Node
+from torch.fx.node import Argument
 
+from weavepass.compile.fx_args import arg, arg_int, arg_ints, arg_list, arg_node, as_node
 from weavepass.compile.reasons import Reason, ReasonCode
 
 from .base import Unsupported, norm_dim, op_name, val
@@ -47,7 +51,7 @@ where they hold 0 (a ``mean`` divides by the key count, an ``amin`` is the hidde
 def scores_bmm(node: Node, info: Analysis) -> int:
     """``q @ k^T`` over a cut sequence: q's tokens are the rows (dim 1), k^T's the columns (dim 2);
     the product's rows are the queries, its columns the keys."""
-    a, b = node.args
+    a, b = arg_node(node, 0), arg_node(node, 1)
     if info.token.get(a) != 1 or info.token.get(b) != 2 or a in info.keys or b in info.keys:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_BMM_CUT_SEQUENCE, node=node.name))
     info.keys[node] = 2
@@ -67,23 +71,24 @@ def score_dims(node: Node, info: Analysis) -> int:
         return _elementwise(node, info)
     if x not in info.keys:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_ARGUMENT_POSITION, node=node.name, op=op_name(target)))
-    d, k, rank = info.token[x], info.keys[x], val(x).dim()
+    x = as_node(x, node, "argument 0")
+    d, k, rank = info.dim(x), info.keys[x], val(x).dim()
     if target in VIEWS:
         return _view(node, info, d, k)
     if target is aten.expand.default:
-        shift = len(node.args[1]) - rank
+        shift: int = len(arg_list(node, 1)) - rank
         info.keys[node] = k + shift
         return d + shift
     if target in _REDUCTIONS:
-        dims = [norm_dim(i, rank) for i in node.args[1]] if len(node.args) > 1 and node.args[1] else []
-        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        dims = [norm_dim(i, rank) for i in arg_ints(node, 1)] if len(node.args) > 1 and node.args[1] else []
+        keep = arg(node, 2, "keepdim", False)
         if dims != [k] or not keep:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_REDUCED_OTHER_DIMS, node=node.name, op=op_name(target)))
         if _hidden_as(x, info, {}) != _UNCHANGED_BY_HIDDEN_KEYS.get(target):
             raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_REDUCED_OVER_KEYS, node=node.name, op=op_name(target)))
         return d
     if target in _SOFTMAX:
-        if norm_dim(node.args[1], rank) != k:
+        if norm_dim(arg_int(node, 1), rank) != k:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_SCORES_OTHER_DIM, node=node.name, op=op_name(target)))
         info.keys[node] = k
         return d
@@ -91,7 +96,7 @@ def score_dims(node: Node, info: Analysis) -> int:
 
 
 def _probs_times_values(node: Node, info: Analysis) -> int:
-    a, b = node.args
+    a, b = arg_node(node, 0), arg_node(node, 1)
     if info.keys.get(a) != 2 or info.token.get(a) != 1 or info.token.get(b) != 1 or b in info.keys:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_PROBABILITIES_TIMES_NOT_VALUES, node=node.name))
     if _hidden_as(a, info, {}) != "zero":
@@ -104,7 +109,7 @@ def _probs_times_values(node: Node, info: Analysis) -> int:
 _KEEP = (*VIEWS, aten.expand.default, *_ELEMENTWISE)
 
 
-def _hidden_as(node: Node, info: Analysis, seen: dict) -> str | None:
+def _hidden_as(node: Node, info: Analysis, seen: dict[Node, str | None]) -> str | None:
     """What score tensor ``node`` holds for a key the mask hides (the mask is checked at run time to
     hide half B's keys from half A's queries, which half A leaves out): ``"low"`` after the mask
     (the dtype's lowest value, or -inf), ``"zero"`` after the softmax (``exp`` of it, divided or
@@ -173,7 +178,7 @@ def _elementwise(node: Node, info: Analysis) -> int:
     return d
 
 
-def mask_blocks(node: Node, mask: Node, keys: dict) -> str | None:
+def mask_blocks(node: Node, mask: Node, keys: Mapping[Node, int]) -> str | None:
     """How ``mask``, lined up with the keys, hides a key from a query in ``node`` (``keys``: the
     score tensors, ``info.keys``): ``"additive"`` (a float added to the scores: the dtype's lowest
     value or -inf hides), ``"false"`` (``where(mask, scores, low)``: False hides), ``"true"``
@@ -194,7 +199,7 @@ def mask_blocks(node: Node, mask: Node, keys: dict) -> str | None:
     return None
 
 
-def _hides(fill, dtype: torch.dtype) -> bool:
+def _hides(fill: Argument, dtype: torch.dtype) -> bool:
     """Whether ``fill`` is a constant that takes a score out of the softmax: a ``full`` of at most
     ``dtype``'s lowest value (-inf included)."""
     if not isinstance(fill, Node) or fill.target not in (aten.full.default, aten.scalar_tensor.default):
@@ -209,7 +214,7 @@ def _batched_rows(node: Node, info: Analysis) -> int:
     """Batched over the tokens (dim 0 of both operands: whole sequences x heads in batch mode, or
     one product per token), whose batch entries are independent; or, over a cut sequence,
     attention's ``q @ k^T`` (``scores``)."""
-    a, b = node.args
+    a, b = arg_node(node, 0), arg_node(node, 1)
     if info.token.get(a) is None:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_CONTRACTS_TOKEN_DIM, node=node.name, op=op_name(node.target)))
     if info.token.get(a) == 0 and info.token.get(b) == 0:

@@ -9,11 +9,16 @@ from dataclasses import dataclass, field
 
 from torch.fx import Node
 
+from weavepass.compile.fx_args import unexpected
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import GemmShape
 
 from .base import Unsupported, op_name
 from .symbolic import Cut
+
+TokenDims = int | tuple[int | None, ...] | None
+"""A node's token dim: an int; for an op with several outputs a tuple with one entry per output
+(None: that output carries no tokens); None for a token-free value (a size)."""
 
 
 @dataclass
@@ -24,7 +29,7 @@ class Analysis:
     sites: list[Node]
     """the fused sites, in graph order"""
     region: list[Node] = field(default_factory=list)
-    token: dict[Node, object] = field(default_factory=dict)
+    token: dict[Node, TokenDims] = field(default_factory=dict)
     """token node -> its token dim (int), or a tuple of dims (None: not a token tensor) for tuples"""
     sliced: dict[Node, dict[Node, int]] = field(default_factory=dict)
     """token node -> {token-free input that must be sliced: the dim to slice}"""
@@ -49,6 +54,13 @@ class Analysis:
     """attention masks (inputs) whose hiding of half B's keys from half A's queries is checked only
     at run time (sequence mode: ``attention.emit_keys_hidden_check``), in graph order"""
 
+    def dim(self, node: Node) -> int:
+        """The token dim of ``node``, a token tensor (one output, not a size)."""
+        d = self.token[node]
+        if not isinstance(d, int):
+            raise unexpected(node, "token dim", d, "an int (a token tensor)")
+        return d
+
 
 def input_token_dim(node: Node, info: Analysis) -> int:
     """The token dim of ``node``'s first argument, the one most rules map to the output; a token
@@ -57,4 +69,6 @@ def input_token_dim(node: Node, info: Analysis) -> int:
     d = info.token.get(x) if isinstance(x, Node) else None
     if d is None:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION, node=node.name, op=op_name(node.target)))
+    if isinstance(d, tuple):  # (an op with several outputs is read through getitems only)
+        raise unexpected(node, "argument 0", x, "a node with one output")
     return d

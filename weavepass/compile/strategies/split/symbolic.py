@@ -12,11 +12,13 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import map_arg
+from torch.fx.node import Argument, Target, map_arg
 
+from weavepass.compile.fx_args import as_node
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import size_hint
 from weavepass.compile.wave_model import device_wave_model, split_mode
@@ -67,7 +69,7 @@ class Cut:
 
     @classmethod
     def of(cls, first_site: Node) -> Cut:
-        partial = arguments(first_site)["partial"]
+        partial = as_node(arguments(first_site)["partial"], first_site, "partial")
         value = val(partial)
         if value.dim() == 3:
             batch, seq = value.shape[0], value.shape[1]
@@ -86,7 +88,7 @@ class Cut:
             raise Unsupported(Reason.of(ReasonCode.SPLIT_UNITS_DO_NOT_DIVIDE, size=size, units=units, mode=self.mode))
         return size // units * self.first
 
-    def emit_split_point(self, emit: Emit):
+    def emit_split_point(self, emit: Emit) -> Node | int:
         """Half A's number of units: an int, or a SymInt node for a symbolic token count
         (``units // 2``; tokens rounded down to a GEMM row tile when there are 2+ tiles)."""
         if not isinstance(self.units, torch.SymInt):
@@ -100,13 +102,14 @@ class Cut:
         small = emit(torch.sym_min, (half, tile - 1))
         return emit(torch.sym_max, (tiles, small))
 
-    def emit_units(self, emit: Emit):
+    def emit_units(self, emit: Emit) -> Node | int:
         """The number of units: an int, or a SymInt node read from the first site's input."""
         if not isinstance(self.units, torch.SymInt):
             return self.units
         return emit(aten.sym_size.int, (self.partial, 0 if self.mode == "batch" else self.entry_dim))
 
-    def emit_bounds(self, emit: Emit, split_point, node: Node, dim: int, half: str) -> tuple:
+    def emit_bounds(self, emit: Emit, split_point: Node | int, node: Node, dim: int,
+                    half: str) -> tuple[Node | int, Node | int]:
         """``(start, end)`` of ``half`` along token dim ``dim`` of ``node`` (full size there);
         ``split_point`` is what ``emit_split_point`` emitted."""
         size = val(node).shape[dim]
@@ -121,15 +124,18 @@ class Cut:
         return (0, cut) if half == "A" else (cut, torch.iinfo(torch.int64).max)
 
 
-def emit_new(graph: Graph, target, args, kwargs=None) -> Node | int:
+def emit_new(graph: Graph, target: Target, args: tuple[Argument, ...],
+             kwargs: dict[str, Argument] | None = None) -> Node | int:
     """A new node of ``graph`` computing ``target(*args)``, or the plain int when it computes a number.
 
     Size arithmetic on a symbolic token count that guards have pinned to one value yields ints,
     and Inductor rejects graph nodes whose value is a plain int, so those are folded into their
     users' arguments. (The one-size ``auto`` window used to pin it; it no longer compares a
     symbolic count at all, but guards from the model itself can still pin one.)"""
+    if isinstance(target, str):  # (a node's target type allows a str: a method or module name)
+        raise TypeError(f"weavepass internal error: emit_new({target!r}): not a function or an op")
     kwargs = kwargs or {}
-    args_v, kwargs_v = map_arg((args, kwargs), lambda n: n.meta["val"])
+    args_v, kwargs_v = map_arg(args, lambda n: n.meta["val"]), map_arg(kwargs, lambda n: n.meta["val"])
     value = _fake_call(target, args_v, kwargs_v)
     if type(value) is int:
         return value
@@ -138,7 +144,7 @@ def emit_new(graph: Graph, target, args, kwargs=None) -> Node | int:
     return node
 
 
-def _fake_call(target, args, kwargs):
+def _fake_call(target: Callable[..., Any], args: tuple[Argument, ...], kwargs: dict[str, Argument]) -> object:
     from torch._guards import detect_fake_mode
 
     mode = detect_fake_mode([a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)])

@@ -1,0 +1,107 @@
+"""Typed reads of FX node arguments and example values.
+
+torch types every ``node.args`` / ``node.kwargs`` entry as ``Argument``, a union of all a graph can
+hold (nodes, numbers, lists, dtypes, ...). A matcher knows more: it has checked the op, so argument
+0 of a ``view`` is a node and argument 1 of a ``transpose.int`` an int. These accessors say so to
+the type checker and check it when the graph is read. A graph that is not what the matcher
+expected raises ``UnexpectedArgument``: an internal error (the matcher and the op's schema
+disagree), never a silently wrong read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.fx import Node
+from torch.fx.node import Argument
+
+
+class UnexpectedArgument(TypeError):
+    """An op's argument (or example value) is not what the matcher reading it checked for: a bug
+    in weavepass, or a torch whose op schema changed, not a problem of the user's model."""
+
+
+def unexpected(node: Node, where: str, value: object, expected: str) -> UnexpectedArgument:
+    """The error to raise when ``where`` of ``node`` (``"argument 1"``, ``'meta["val"]'``) is
+    ``value`` where the matcher checked for ``expected``."""
+    return UnexpectedArgument(
+        f"weavepass internal error: {where} of node {node.name} ({node.target}) is {value!r} "
+        f"({type(value).__name__}), where {expected} was expected; please report this with the "
+        "graph (WEAVE_DUMP_GRAPHS)")
+
+
+def _where(index: int, name: str | None) -> str:
+    return f"argument {index}" + (f" ({name})" if name else "")
+
+
+def arg(node: Node, index: int, name: str | None = None, default: Argument = None) -> Argument:
+    """``node``'s argument at position ``index``; else keyword ``name``; else ``default``."""
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, default) if name is not None else default
+
+
+def as_node(value: object, node: Node, where: str) -> Node:
+    """``value`` (``where`` of ``node``: ``"argument 0"``, ``"partial"``) as the node it must be."""
+    if not isinstance(value, Node):
+        raise unexpected(node, where, value, "a node")
+    return value
+
+
+def as_optional_node(value: object, node: Node, where: str) -> Node | None:
+    """``value`` (``where`` of ``node``) as a node or None (an optional tensor argument)."""
+    return None if value is None else as_node(value, node, where)
+
+
+def as_str(value: object, node: Node, where: str) -> str:
+    """``value`` (``where`` of ``node``) as the str it must be (a group name)."""
+    if not isinstance(value, str):
+        raise unexpected(node, where, value, "a str")
+    return value
+
+
+def arg_node(node: Node, index: int, name: str | None = None) -> Node:
+    """``node``'s argument ``index`` (or keyword ``name``), a tensor: its node."""
+    return as_node(arg(node, index, name), node, _where(index, name))
+
+
+def arg_int(node: Node, index: int, name: str | None = None, default: int | None = None) -> int:
+    """``node``'s argument ``index`` (or keyword ``name``, else ``default``), an int (a dim)."""
+    value = arg(node, index, name, default)
+    if not isinstance(value, int):
+        raise unexpected(node, _where(index, name), value, "an int")
+    return value
+
+
+def arg_ints(node: Node, index: int, name: str | None = None) -> list[int]:
+    """``node``'s argument ``index`` (or keyword ``name``), a list of ints (dims)."""
+    value = arg(node, index, name)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) for v in value):
+        raise unexpected(node, _where(index, name), value, "a list of ints")
+    return [v for v in value if isinstance(v, int)]
+
+
+def arg_list(node: Node, index: int, name: str | None = None) -> list[Argument]:
+    """``node``'s argument ``index`` (or keyword ``name``), a list (of nodes, sizes, ...)."""
+    return as_list(arg(node, index, name), node, _where(index, name))
+
+
+def as_list(value: object, node: Node, where: str) -> list[Argument]:
+    """``value`` (``where`` of ``node``) as the list (or tuple) it must be, as a new list."""
+    if not isinstance(value, (list, tuple)):
+        raise unexpected(node, where, value, "a list")
+    return list(value)
+
+
+def node_list(values: Sequence[object], node: Node, where: str) -> list[Node]:
+    """``values`` (``where`` of ``node``), a list of tensors: their nodes."""
+    return [as_node(v, node, f"{where}[{i}]") for i, v in enumerate(values)]
+
+
+def tensor(node: Node) -> torch.Tensor:
+    """``node``'s example value (``meta["val"]``), which the matcher has checked is a tensor."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise unexpected(node, 'meta["val"]', value, "a tensor")
+    return value
