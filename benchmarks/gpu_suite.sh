@@ -80,6 +80,13 @@
 #              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
 #              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
 #              for the `nvidia-h200` kind, not yet timed on the device
+#   auto       issue 33: python -m weavepass.tune --world 1 in reduce-overhead mode (70b_tp8sim, 8b_tp2,
+#              2K-16K, 2 layers) merged with the built-in table's default-mode entries into
+#              $OUT/tuning_table_w1.json, then bench_overlap at those cells (2 layers) with
+#              inductor, weave_auto, inductor_cg, weave_auto_cg deciding from that table: its "auto
+#              check" lines say whether auto is <= Inductor of the same mode at every cell; one GPU
+#              (WORLD=1), about 6 minutes: STEPS=auto WORLD=1 OUT=$OUT bash benchmarks/gpu_suite.sh
+#              (AUTO_TABLE=path: verify that table instead of measuring one)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
@@ -147,7 +154,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -237,6 +244,27 @@ wanted local && step bench_local_cost "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --sim 2 4
 wanted local && step bench_local_cost_sim8 "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-tokens 2048 --name bench_local_cost_sim8
+# Issue 33 (c): the reduce-overhead entries of the tuning table, then auto against Inductor per mode.
+AUTO_SHAPES="70b_tp8sim 8b_tp2"
+AUTO_TOKENS="2048 4096 8192 16384"
+if wanted auto; then
+  if [ "$WORLD" != 1 ]; then
+    echo "=== auto: the built-in table is world 1; run with WORLD=1 (one GPU)" | tee -a "$LOG"
+  else
+    if [ -z "${AUTO_TABLE:-}" ]; then
+      step tune_reduce_overhead "${TUNE_TIMEOUT_S:-300}" python3 -m weavepass.tune --world 1 --shape $AUTO_SHAPES \
+          --tokens $AUTO_TOKENS --layers 2 --modes reduce-overhead \
+          --out "$OUT/tuning_cg_w1.json" --source "weavepass reduce-overhead entries (one H200, group of one rank, commit ${WEAVEPASS_COMMIT:-unknown})"
+      step tune_merge 60 python3 -m weavepass.tune --merge weavepass/tune/builtin_table.json \
+          "$OUT/tuning_cg_w1.json" --out "$OUT/tuning_table_w1.json"
+      AUTO_TABLE="$OUT/tuning_table_w1.json"
+      [ -f "$AUTO_TABLE" ] || { echo "=== auto: no merged table; verifying the built-in one" | tee -a "$LOG"; AUTO_TABLE=builtin; }
+    fi
+    step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world 1 \
+        --name bench_overlap_auto_tp1 --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
+        --variants inductor,weave_auto,inductor_cg,weave_auto_cg --tuning-table "$AUTO_TABLE"
+  fi
+fi
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
 wanted overlap && with_shapes overlap "$OVERLAP_SHAPES" && step bench_overlap "${OVERLAP_TIMEOUT_S:-${ALONE_LIMIT:-240}}" \

@@ -119,6 +119,23 @@ def test_overlap_report_hidden_fraction(tmp_path):
     assert hidden == {"inductor": "", "no_comm": "", "weave_overlap": "0.75", "eager": ""}
 
 
+def test_overlap_report_ratio_to_the_same_mode(tmp_path, capsys):
+    """``vs_mode`` divides by Inductor of the variant's own compile mode: ``weave_auto_cg`` by
+    ``inductor_cg``, ``weave_auto`` by ``inductor``; the auto check flags a slower auto."""
+    _, bench_overlap, _ = _benchmarks()
+    rows = [{"shape": "tiny", "variant": v, "sequences": 1, "tokens": 16, "ms": ms}
+            for v, ms in (("inductor", 10.0), ("weave_auto", 9.0), ("inductor_cg", 8.0), ("weave_auto_cg", 8.8))]
+    bench_overlap.report(rows, tmp_path, layers=1)
+    with open(tmp_path / "bench_overlap.csv") as f:
+        got = {r["variant"]: (float(r["vs_inductor"]), float(r["vs_mode"])) for r in csv.DictReader(f)}
+    assert got["weave_auto"] == pytest.approx((0.9, 0.9))
+    assert got["weave_auto_cg"] == pytest.approx((0.88, 1.1))
+    assert got["inductor_cg"] == pytest.approx((0.8, 1.0))
+    check = capsys.readouterr().out.split("auto check")[1]
+    assert "weave_auto  1 seq     16 tokens: 0.900x inductor  ok" in check
+    assert "weave_auto_cg  1 seq     16 tokens: 1.100x inductor_cg  SLOWER" in check
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_p2p_bound_slots(world):
     """Every rank stores ``2 S / N`` elements into each peer, each sender into its own slot of the
