@@ -80,6 +80,12 @@
 #              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
 #              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
 #              for the `nvidia-h200` kind, not yet timed on the device
+#   simsweep   issue 33 (a), the profile of the simulated ranks: 2 and 4 ranks at 8192 tokens on 8, 16
+#              and 32 CTAs per rank (the rule's kernel and tile), 2 ranks flat instead of pipelined, each
+#              against a copy of the minimum bytes on the whole GPU and a grid-stride copy on the
+#              ranks' CTAs; then 8 ranks at 8192 tokens (pipelined, 16 CTAs) with
+#              CUDA_DEVICE_MAX_CONNECTIONS=32 (8 rank streams; the default 8 hardware queues may
+#              serialise two ranks' kernels); one GPU, about 3 minutes
 #   auto       issue 33: python -m weavepass.tune --world 1 in reduce-overhead mode (70b_tp8sim, 8b_tp2,
 #              2K-16K, 2 layers) merged with the built-in table's default-mode entries into
 #              $OUT/tuning_table_w1.json, then bench_overlap at those cells (2 layers) with
@@ -154,7 +160,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,simsweep,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -244,6 +250,14 @@ wanted local && step bench_local_cost "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --sim 2 4
 wanted local && step bench_local_cost_sim8 "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-tokens 2048 --name bench_local_cost_sim8
+wanted simsweep && step bench_local_cost_sim_sweep "${SWEEP_TIMEOUT_S:-200}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --sim-ctas 8 16 32 --name bench_local_cost_sweep
+wanted simsweep && step bench_local_cost_sim_flat "${SWEEP_TIMEOUT_S:-200}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 --sim-ctas 32 --sim-pipelined off \
+    --name bench_local_cost_flat
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192 "${SIM8_TIMEOUT_S:-100}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-ctas 16 --sim-timeout 15 \
+    --name bench_local_cost_sim8_8192
 # Issue 33 (c): the reduce-overhead entries of the tuning table, then auto against Inductor per mode.
 AUTO_SHAPES="70b_tp8sim 8b_tp2"
 AUTO_TOKENS="2048 4096 8192 16384"
