@@ -80,6 +80,9 @@
 #              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
 #              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
 #              for the `nvidia-h200` kind, not yet timed on the device
+#   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
+#              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
+#              measured against the wave model's prediction; one GPU, well under a minute
 #   simsweep   issue 33 (a), the profile of the simulated ranks: 2 and 4 ranks at 8192 tokens on 8, 16
 #              and 32 CTAs per rank (the rule's kernel and tile), 2 ranks flat instead of pipelined, each
 #              against a copy of the minimum bytes on the whole GPU and a grid-stride copy on the
@@ -160,7 +163,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,simsweep,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,splitcost,simsweep,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -250,6 +253,7 @@ wanted local && step bench_local_cost "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --sim 2 4
 wanted local && step bench_local_cost_sim8 "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-tokens 2048 --name bench_local_cost_sim8
+wanted splitcost && step bench_split_cost "${SPLITCOST_TIMEOUT_S:-120}" python3 benchmarks/bench_split_cost.py --out "$OUT"
 wanted simsweep && step bench_local_cost_sim_sweep "${SWEEP_TIMEOUT_S:-200}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --sim-ctas 8 16 32 --name bench_local_cost_sweep
 wanted simsweep && step bench_local_cost_sim_flat "${SWEEP_TIMEOUT_S:-200}" \
