@@ -253,6 +253,8 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
             t_kernel = triton.testing.do_bench(graph.replay, warmup=5, rep=reps, return_mode="median")
             t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=reps, return_mode="median")
             n = src.numel()
+            if n + world * ctas * 32768 >= 2**31:  # the copy's int32 offsets and loop bound
+                raise ValueError(f"grid copy of {n} elements needs int64 offsets")
             t_grid = triton.testing.do_bench(
                 lambda: grid_copy[(world * ctas,)](src, dst, n, BLOCK=32768, num_warps=16),
                 warmup=5, rep=reps, return_mode="median")
