@@ -262,7 +262,9 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
                          "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, "
                                     f"{plan.rows_per_tile} rows x {plan.num_warps} warps", "ms": t_kernel,
                          "floor_ms": t_copy, "min_bytes_per_rank": local_bytes_per_rank(world, tokens, hidden, elem),
-                         "vs_floor": t_kernel / t_copy, "grid_copy_ms": t_grid, "vs_grid_copy": t_kernel / t_grid})
+                         "vs_floor": t_kernel / t_copy, "grid_copy_ms": t_grid, "vs_grid_copy": t_kernel / t_grid,
+                         "regs": getattr(sim.last_compiled, "n_regs", ""),
+                         "spills": getattr(sim.last_compiled, "n_spills", "")})
             print(f"row: {rows[-1]}", flush=True)
             graph = src = dst = None  # free them (the timed closure holds src and dst too)
         del sim, partials
@@ -349,7 +351,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
                      ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",
-                      "min_bytes_per_rank", "vs_floor", "grid_copy_ms", "vs_grid_copy"])
+                      "min_bytes_per_rank", "vs_floor", "grid_copy_ms", "vs_grid_copy", "regs", "spills"])
     print(f"wrote {path}")
     ops = {(r["hidden"], r["tokens"], r["variant"]): r["ms"] for r in rows if r["part"] == "op"}
     if ops:
@@ -375,7 +377,8 @@ def main() -> None:
         if r["part"] == "sim":
             print(f"sim world {r['world']} {r['variant']}: {r['ms']:.4f} ms, copy of the minimum bytes "
                   f"{r['floor_ms']:.4f} ms, ratio {r['vs_floor']:.2f}; on the ranks' {r['variant'].split()[1]} x "
-                  f"{r['world']} CTAs {r['grid_copy_ms']:.4f} ms, ratio {r['vs_grid_copy']:.2f}")
+                  f"{r['world']} CTAs {r['grid_copy_ms']:.4f} ms, ratio {r['vs_grid_copy']:.2f}; "
+                  f"{r['regs']} registers, {r['spills']} spilled")
 
 
 if __name__ == "__main__":
