@@ -208,11 +208,11 @@ def _grid_copy_kernel():
 
 
 def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None,
-              peer_timeout_s: float = 30.0, ctas_list=None, tiles_kib=None, pipelined=None) -> list[dict]:
-    """Each world's kernels by the rule at ``min(32, 128 // world)`` CTAs per rank, or at every CTA
-    count of ``ctas_list`` x tile of ``tiles_kib`` (KiB; None: the rule's) x ``pipelined``
-    (None: the rule's), against a device copy of the minimum bytes on the whole GPU and a grid-stride
-    copy of them on the ranks' CTAs together."""
+              peer_timeout_s: float = 30.0, configs=None, pipelined=None) -> list[dict]:
+    """Each world's kernels by the rule at ``min(32, 128 // world)`` CTAs per rank, or at every
+    ``(CTAs, tile KiB, warps)`` of ``configs`` (a None field: the rule's) with ``pipelined`` (None:
+    the rule's), against a device copy of the minimum bytes on the whole GPU and a grid-stride copy
+    of them on the ranks' CTAs together."""
     import triton
 
     from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
@@ -229,9 +229,9 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
         want_n, want_r = _add_rms_norm(sum(q.float() for q in partials).to(DTYPE).float(), residual.float(),
                                        weight.float())
         # all ranks resident (128 CTAs in all); 32 is the kernels' cap (signal slots per channel)
-        grids = [c for c in (ctas_list or [min(32, 128 // world)]) if c * world <= 128 and c <= 32]
-        for ctas, tile_kib in [(c, t) for c in grids for t in (tiles_kib or [None])]:
-            overrides = LaunchOverrides(num_ctas=ctas, num_warps=num_warps, pipelined=pipelined,
+        cases = [(c or min(32, 128 // world), t, w or num_warps) for c, t, w in (configs or [(None, None, None)])]
+        for ctas, tile_kib, warps in [case for case in cases if case[0] * world <= 128 and case[0] <= 32]:
+            overrides = LaunchOverrides(num_ctas=ctas, num_warps=warps, pipelined=pipelined,
                                         tile_elements=None if tile_kib is None else (tile_kib << 10) // elem)
             plan = choose_launch_plan(tokens, hidden, elem, world, overrides)
             outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
@@ -312,10 +312,9 @@ def main() -> None:
     parser.add_argument("--sim-timeout", type=float, default=30.0, help="seconds a simulated rank waits for a peer")
     parser.add_argument("--sim-warps", type=int, default=None,
                         help="warps per CTA of the simulated kernels (default: the rule's)")
-    parser.add_argument("--sim-ctas", type=int, nargs="+", default=None,
-                        help="CTAs per simulated rank to sweep (default: min(32, 128 / world), the rule's cap)")
-    parser.add_argument("--sim-tile-kib", type=int, nargs="+", default=None,
-                        help="tile sizes (KiB) to sweep for the simulated kernels (default: the rule's)")
+    parser.add_argument("--sim-configs", nargs="+", default=None, metavar="CTAS:KIB:WARPS",
+                        help="simulated launches to sweep: CTAs per rank, tile KiB, warps per CTA ('-' or "
+                             "empty: the rule's; default: the rule at min(32, 128 / world) CTAs)")
     parser.add_argument("--sim-pipelined", choices=("rule", "on", "off"), default="rule",
                         help="the simulated two-shot kernel: the rule's choice, pipelined or flat")
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
@@ -346,8 +345,10 @@ def main() -> None:
     if args.sim:
         print(f"simulated ranks {args.sim}, {args.sim_tokens} tokens", flush=True)
         pipelined = {"rule": None, "on": True, "off": False}[args.sim_pipelined]
-        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout,
-                          args.sim_ctas, args.sim_tile_kib, pipelined)
+        configs = None if not args.sim_configs else [
+            tuple(int(x) if x not in ("", "-") else None for x in (item.split(":") + ["", "", ""])[:3])
+            for item in args.sim_configs]
+        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout, configs, pipelined)
     os.makedirs(args.out, exist_ok=True)
     path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
                      ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",

@@ -83,14 +83,15 @@
 #   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
 #              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
 #              measured against the wave model's prediction; one GPU, well under a minute
-#   simsweep   issue 33 (a), the profile of the simulated ranks: 2 and 4 ranks at 8192 tokens on 16
-#              and 32 CTAs per rank with 16, 32 and 64 KiB tiles (the rule's warps: 8, 8, 16; the rule
-#              takes 64 KiB there, whose 128-register cap at 16 warps spills, docs/cuda_kernel.md), each
-#              against a copy of the minimum bytes on the whole GPU and a grid-stride copy on the
-#              ranks' CTAs; then 8 ranks at 8192 tokens (pipelined, 16 CTAs), 16 KiB tiles and then
-#              the rule's 64 KiB, each in its own process with CUDA_DEVICE_MAX_CONNECTIONS=32 (8 rank
-#              streams on the default 8 hardware queues may serialise two ranks' kernels); one GPU,
-#              about 3 minutes
+#   simsweep   issue 33 (a), the profile of the simulated ranks: 2 and 4 ranks at 8192 tokens, the
+#              rule's pipelined kernel on 32 and 16 CTAs per rank, tiles of 64 KiB x 16 warps (the
+#              rule's), 32 KiB x 16 and x 8, 16 KiB x 16 and x 8 (the rule's 64 KiB tile spills at 16
+#              warps: scripts/kernel_resources.py), each against a copy of the minimum bytes on the
+#              whole GPU and a grid-stride copy on the ranks' CTAs, with the kernel's registers and
+#              spills; then 8 ranks at 8192 tokens (pipelined, 16 CTAs): 16 KiB tiles x 16 and x 8
+#              warps, then the rule's 64 KiB in a process of its own, each with
+#              CUDA_DEVICE_MAX_CONNECTIONS=32 (8 rank streams on the default 8 hardware queues may
+#              serialise two ranks' kernels); one GPU, about 3 minutes
 #   auto       issue 33: python -m weavepass.tune --world 1 in reduce-overhead mode (70b_tp8sim, 8b_tp2,
 #              2K-16K, 2 layers) merged with the built-in table's default-mode entries into
 #              $OUT/tuning_table_w1.json, then bench_overlap at those cells (2 layers) with
@@ -257,13 +258,14 @@ wanted local && step bench_local_cost_sim8 "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-tokens 2048 --name bench_local_cost_sim8
 wanted splitcost && step bench_split_cost "${SPLITCOST_TIMEOUT_S:-120}" python3 benchmarks/bench_split_cost.py --out "$OUT"
 wanted simsweep && step bench_local_cost_sim_sweep "${SWEEP_TIMEOUT_S:-200}" \
-    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --sim-ctas 16 32 --sim-tile-kib 16 32 64 \
-    --name bench_local_cost_sweep
-for kib in 16 64; do
-  wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_${kib}k "${SIM8_TIMEOUT_S:-90}" \
-      python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-ctas 16 --sim-tile-kib $kib \
-      --sim-timeout 15 --name bench_local_cost_sim8_8192_${kib}k
-done
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --name bench_local_cost_sweep \
+    --sim-configs 32:64:16 16:64:16 32:32:16 32:32:8 32:16:16 32:16:8
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192 "${SIM8_TIMEOUT_S:-90}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:16:16 16:16:8 \
+    --sim-timeout 15 --name bench_local_cost_sim8_8192
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_rule "${SIM8_TIMEOUT_S:-90}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16 \
+    --sim-timeout 15 --name bench_local_cost_sim8_8192_rule
 # Issue 33 (c): the reduce-overhead entries of the tuning table, then auto against Inductor per mode.
 AUTO_SHAPES="70b_tp8sim 8b_tp2"
 AUTO_TOKENS="2048 4096 8192 16384"
