@@ -36,6 +36,10 @@ same processes:
                    ``--tuning-table PATH`` decided from a table of ``python -m weavepass.tune``
                    (default: the built-in table, which has only world-1 entries)
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
+    inductor_splitcfg, inductor_splitcfg_cg
+                   inductor (inductor_cg) compiled with the Inductor settings every weave compile with
+                   ``overlap`` other than "off" carries (``split.inductor_config_patches()``), also
+                   when ``auto`` then leaves the graph unrewritten: what those settings alone cost
     weave_overlap_smN  (N in 8, 16, 32) weave_overlap with the fused kernel on N CTAs and N SMs
                    carved out of every cuBLAS matmul (``torch._C._set_sm_carveout_experimental``),
                    so the GEMMs never hold the SMs the communication needs (an experiment)
@@ -105,7 +109,7 @@ from weavepass.tune.shapes import SHAPES, VOCAB_PER_RANK, build_model  # shared 
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_overlap_push",
             "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_auto_cg",
             "weave_overlap_push_cg",
-            "inductor_nccl_symm",
+            "inductor_nccl_symm", "inductor_splitcfg", "inductor_splitcfg_cg",
             "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32")
 CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
 # Variants that need CUDA: Inductor CUDA graphs, CTA counts of the CUDA kernel, SM carve-out, NCCL.
@@ -115,6 +119,7 @@ CUDA_ONLY = {
     "weave_fuse_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_auto_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "inductor_splitcfg_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_push": "the push kernels are CUDA's (elsewhere the op is weave_overlap's)",
     "weave_overlap_push_cg": 'mode="reduce-overhead" records CUDA graphs',
     "inductor_nccl_symm": "NCCL symmetric-memory windows need NCCL on CUDA",
@@ -127,6 +132,7 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
     """Variant name -> a function that compiles (or wraps) the model for that variant
     (``tuning_table``: weave_auto's ``WeaveConfig.tuning_table``)."""
     from weavepass.backend import WeaveBackend
+    from weavepass.compile.strategies.split import inductor_config_patches
 
     def weave(mode=None, **config):
         return lambda: torch.compile(model, backend=WeaveBackend(weave_config(**config)), mode=mode)
@@ -148,6 +154,9 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
         "weave_overlap_push_cg": weave("reduce-overhead", overlap="force", overlap_comm="push",
                                        allow_inductor_cudagraphs=True),
         "inductor_nccl_symm": lambda: torch.compile(model),  # wrapped per size in _run_rank
+        "inductor_splitcfg": lambda: torch.compile(model, options=inductor_config_patches()),
+        "inductor_splitcfg_cg": lambda: torch.compile(  # (mode="reduce-overhead" is this option; both not allowed)
+            model, options={**inductor_config_patches(), "triton.cudagraphs": True}),
     }
     for name, sms in CARVEOUT.items():
         made[name] = weave(overlap="force", overlap_comm_ctas=sms)

@@ -284,7 +284,7 @@ if wanted auto; then
     fi
     step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world 1 \
         --name bench_overlap_auto_tp1 --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
-        --variants inductor,weave_auto,inductor_cg,weave_auto_cg --tuning-table "$AUTO_TABLE"
+        --variants "${AUTO_VARIANTS:-inductor,weave_auto,inductor_cg,weave_auto_cg}" --tuning-table "$AUTO_TABLE"
   fi
 fi
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
