@@ -91,13 +91,15 @@
 #              spills; then 8 ranks at 8192 tokens (pipelined, 16 CTAs): 16 KiB tiles x 16 and x 8
 #              warps, then the rule's 64 KiB in a process of its own, each with
 #              CUDA_DEVICE_MAX_CONNECTIONS=32 (8 rank streams on the default 8 hardware queues may
-#              serialise two ranks' kernels); one GPU, about 3 minutes
+#              serialise two ranks' kernels); one GPU. On 2026-12-03 the sweep took 103 s; the first
+#              8-rank call did not finish in 40 s (8 ranks = 8 kernel compiles: RANK is a constexpr),
+#              hence 240 s each now
 #   auto       issue 33: python -m weavepass.tune --world 1 in reduce-overhead mode (70b_tp8sim, 8b_tp2,
 #              2K-16K, 2 layers) merged with the built-in table's default-mode entries into
 #              $OUT/tuning_table_w1.json, then bench_overlap at those cells (2 layers) with
 #              inductor, weave_auto, inductor_cg, weave_auto_cg deciding from that table: its "auto
 #              check" lines say whether auto is <= Inductor of the same mode at every cell; one GPU
-#              (WORLD=1), about 6 minutes: STEPS=auto WORLD=1 OUT=$OUT bash benchmarks/gpu_suite.sh
+#              (WORLD=1), 166 s on 2026-12-03: STEPS=auto WORLD=1 OUT=$OUT bash benchmarks/gpu_suite.sh
 #              (AUTO_TABLE=path: verify that table instead of measuring one)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
@@ -260,10 +262,10 @@ wanted splitcost && step bench_split_cost "${SPLITCOST_TIMEOUT_S:-120}" python3 
 wanted simsweep && step bench_local_cost_sim_sweep "${SWEEP_TIMEOUT_S:-200}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --name bench_local_cost_sweep \
     --sim-configs 32:64:16 16:64:16 32:32:16 32:32:8 32:16:16 32:16:8
-wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192 "${SIM8_TIMEOUT_S:-90}" \
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192 "${SIM8_TIMEOUT_S:-240}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:16:16 16:16:8 \
     --sim-timeout 15 --name bench_local_cost_sim8_8192
-wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_rule "${SIM8_TIMEOUT_S:-90}" \
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_rule "${SIM8_TIMEOUT_S:-240}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16 \
     --sim-timeout 15 --name bench_local_cost_sim8_8192_rule
 # Issue 33 (c): the reduce-overhead entries of the tuning table, then auto against Inductor per mode.
