@@ -35,7 +35,9 @@
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
 # the fused, flashcomm and hf steps refuse a world of 1.
 # Issue 33 on 2 GPUs (kind nvidia-h200-x2; what a group of one cannot show: the fraction of the
-# communication hidden once the local cost is gone), one call each:
+# communication hidden once the local cost is gone, and a world-2 tuning table), one call each:
+#     WORLD=2 STEPS=auto OUT=$OUT bash benchmarks/gpu_suite.sh     ($OUT/tuning_table_w2.json: a table holds
+#                                   one world size, so it ships beside the built-in world-1 table, not in it)
 #     WORLD=2 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=2 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh   (without --quick: the _cg variants too)
 # SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests and kernel steps share one GPU
@@ -94,13 +96,13 @@
 #              serialise two ranks' kernels); one GPU. On 2026-12-03 the sweep took 103 s; the first
 #              8-rank call did not finish in 40 s (8 ranks = 8 kernel compiles: RANK is a constexpr),
 #              hence 240 s each now
-#   auto       issue 33: python -m weavepass.tune --world 1 in reduce-overhead mode (70b_tp8sim, 8b_tp2,
-#              2K-16K, 2 layers) merged with the built-in table's default-mode entries into
-#              $OUT/tuning_table_w1.json, then bench_overlap at those cells (2 layers) with
-#              inductor, weave_auto, inductor_cg, weave_auto_cg deciding from that table: its "auto
-#              check" lines say whether auto is <= Inductor of the same mode at every cell; one GPU
-#              (WORLD=1), 166 s on 2026-12-03: STEPS=auto WORLD=1 OUT=$OUT bash benchmarks/gpu_suite.sh
-#              (AUTO_TABLE=path: verify that table instead of measuring one)
+#   auto       issue 33: python -m weavepass.tune (70b_tp8sim, 8b_tp2, 2K-16K, 2 layers) into
+#              $OUT/tuning_table_w<WORLD>.json (WORLD=1: reduce-overhead only, merged with the built-in
+#              table's default-mode entries; else both modes at WORLD ranks), then bench_overlap at
+#              those cells (2 layers) with inductor, weave_auto, inductor_cg, weave_auto_cg deciding
+#              from that table: its "auto check" lines say whether auto is <= Inductor of the same
+#              mode at every cell. WORLD=1 took 166 s on one H200 (2026-12-03); WORLD=2 is not timed
+#              (AUTO_TABLE=path: verify that table instead of measuring one; AUTO_VARIANTS)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
@@ -268,26 +270,34 @@ wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_819
 wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_rule "${SIM8_TIMEOUT_S:-240}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16 \
     --sim-timeout 15 --name bench_local_cost_sim8_8192_rule
-# Issue 33 (c): the reduce-overhead entries of the tuning table, then auto against Inductor per mode.
+# Issue 33 (c): a tuning table for both compile modes, then auto against Inductor per mode. At WORLD=1
+# only the reduce-overhead entries are measured and merged with the built-in table's default-mode
+# ones; at WORLD=N > 1 both modes are measured at N ranks (the table auto needs there: the built-in
+# one is world 1).
 AUTO_SHAPES="70b_tp8sim 8b_tp2"
 AUTO_TOKENS="2048 4096 8192 16384"
 if wanted auto; then
-  if [ "$WORLD" != 1 ]; then
-    echo "=== auto: the built-in table is world 1; run with WORLD=1 (one GPU)" | tee -a "$LOG"
-  else
-    if [ -z "${AUTO_TABLE:-}" ]; then
+  if [ -z "${AUTO_TABLE:-}" ]; then
+    AUTO_TABLE="$OUT/tuning_table_w$WORLD.json"
+    if [ "$WORLD" = 1 ]; then
       step tune_reduce_overhead "${TUNE_TIMEOUT_S:-300}" python3 -m weavepass.tune --world 1 --shape $AUTO_SHAPES \
           --tokens $AUTO_TOKENS --layers 2 --modes reduce-overhead \
           --out "$OUT/tuning_cg_w1.json" --source "weavepass reduce-overhead entries (one H200, group of one rank, commit ${WEAVEPASS_COMMIT:-unknown})"
       step tune_merge 60 python3 -m weavepass.tune --merge weavepass/tune/builtin_table.json \
-          "$OUT/tuning_cg_w1.json" --out "$OUT/tuning_table_w1.json"
-      AUTO_TABLE="$OUT/tuning_table_w1.json"
-      [ -f "$AUTO_TABLE" ] || { echo "=== auto: no merged table; verifying the built-in one" | tee -a "$LOG"; AUTO_TABLE=builtin; }
+          "$OUT/tuning_cg_w1.json" --out "$AUTO_TABLE"
+    else
+      step tune_w$WORLD "${TUNE_TIMEOUT_S:-420}" python3 -m weavepass.tune --world "$WORLD" --shape $AUTO_SHAPES \
+          --tokens $AUTO_TOKENS --layers 2 --modes default reduce-overhead --out "$AUTO_TABLE" \
+          --source "weavepass table measured at world $WORLD (commit ${WEAVEPASS_COMMIT:-unknown})"
     fi
-    step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world 1 \
-        --name bench_overlap_auto_tp1 --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
-        --variants "${AUTO_VARIANTS:-inductor,weave_auto,inductor_cg,weave_auto_cg}" --tuning-table "$AUTO_TABLE"
+    if [ ! -f "$AUTO_TABLE" ]; then
+      echo "=== auto: no table was written; verifying the built-in one" | tee -a "$LOG"
+      AUTO_TABLE=builtin
+    fi
   fi
+  step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" \
+      --name "bench_overlap_auto$TP" --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
+      --variants "${AUTO_VARIANTS:-inductor,weave_auto,inductor_cg,weave_auto_cg}" --tuning-table "$AUTO_TABLE"
 fi
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
