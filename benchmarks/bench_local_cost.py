@@ -207,6 +207,16 @@ def _grid_copy_kernel():
     return grid_copy
 
 
+def sim_config(text: str) -> tuple[int | None, int | None, int | None]:
+    """``"CTAS:KIB:WARPS"`` -> ``(ctas, tile KiB, warps)``; a field that is ``-``, empty or missing
+    is None (the launch rule's choice)."""
+    fields = (text.split(":") + ["", "", ""])[:3]
+    if len(text.split(":")) > 3:
+        raise ValueError(f"--sim-configs: {text!r} is not CTAS:KIB:WARPS")
+    ctas, kib, warps = (None if f in ("", "-") else int(f) for f in fields)
+    return ctas, kib, warps
+
+
 def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None,
               peer_timeout_s: float = 30.0, configs=None, pipelined=None) -> list[dict]:
     """Each world's kernels by the rule at ``min(32, 128 // world)`` CTAs per rank, or at every
@@ -345,9 +355,7 @@ def main() -> None:
     if args.sim:
         print(f"simulated ranks {args.sim}, {args.sim_tokens} tokens", flush=True)
         pipelined = {"rule": None, "on": True, "off": False}[args.sim_pipelined]
-        configs = None if not args.sim_configs else [
-            tuple(int(x) if x not in ("", "-") else None for x in (item.split(":") + ["", "", ""])[:3])
-            for item in args.sim_configs]
+        configs = None if not args.sim_configs else [sim_config(item) for item in args.sim_configs]
         rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout, configs, pipelined)
     os.makedirs(args.out, exist_ok=True)
     path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
