@@ -189,14 +189,47 @@ FP8_STATIC_RANGE = 448.0
 """Static codes saturate at +-448 scales: the dequantized rows are compared with the clipped rows."""
 
 
+def _grid_copy_kernel():
+    """A grid-stride copy on a fixed number of CTAs (64 KiB per step, 16 warps): what moving the
+    same bytes costs on the SMs the simulated kernels hold (the ``grid_copy_ms`` column)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grid_copy(src, dst, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    return grid_copy
+
+
+def sim_config(text: str) -> tuple[int | None, int | None, int | None]:
+    """``"CTAS:KIB:WARPS"`` -> ``(ctas, tile KiB, warps)``; a field that is ``-``, empty or missing
+    is None (the launch rule's choice)."""
+    fields = (text.split(":") + ["", "", ""])[:3]
+    if len(text.split(":")) > 3:
+        raise ValueError(f"--sim-configs: {text!r} is not CTAS:KIB:WARPS")
+    ctas, kib, warps = (None if f in ("", "-") else int(f) for f in fields)
+    return ctas, kib, warps
+
+
 def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None,
-              peer_timeout_s: float = 30.0) -> list[dict]:
+              peer_timeout_s: float = 30.0, configs=None, pipelined=None) -> list[dict]:
+    """Each world's kernels by the rule at ``min(32, 128 // world)`` CTAs per rank, or at every
+    ``(CTAs, tile KiB, warps)`` of ``configs`` (a None field: the rule's) with ``pipelined`` (None:
+    the rule's), against a device copy of the minimum bytes on the whole GPU and a grid-stride copy
+    of them on the ranks' CTAs together."""
     import triton
 
     from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
     from weavepass.testing.kernel_sim import SimulatedRanks
 
     rows, elem = [], 2
+    grid_copy = _grid_copy_kernel()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for world in worlds:
         sim = SimulatedRanks(world, hidden, tokens, DTYPE, peer_timeout_s=peer_timeout_s)
@@ -205,8 +238,11 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
         weight = torch.ones(hidden, device="cuda", dtype=DTYPE)
         want_n, want_r = _add_rms_norm(sum(q.float() for q in partials).to(DTYPE).float(), residual.float(),
                                        weight.float())
-        for ctas in (min(32, 128 // world),):  # all ranks resident; 32 is the kernels' cap
-            overrides = LaunchOverrides(num_ctas=ctas, num_warps=num_warps)
+        # all ranks resident (128 CTAs in all); 32 is the kernels' cap (signal slots per channel)
+        cases = [(c or min(32, 128 // world), t, w or num_warps) for c, t, w in (configs or [(None, None, None)])]
+        for ctas, tile_kib, warps in [case for case in cases if case[0] * world <= 128 and case[0] <= 32]:
+            overrides = LaunchOverrides(num_ctas=ctas, num_warps=warps, pipelined=pipelined,
+                                        tile_elements=None if tile_kib is None else (tile_kib << 10) // elem)
             plan = choose_launch_plan(tokens, hidden, elem, world, overrides)
             outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
             for normed, res_out in outs:
@@ -226,11 +262,19 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
             dst = torch.empty_like(src)
             t_kernel = triton.testing.do_bench(graph.replay, warmup=5, rep=reps, return_mode="median")
             t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=reps, return_mode="median")
+            n = src.numel()
+            if n + world * ctas * 32768 >= 2**31:  # the copy's int32 offsets and loop bound
+                raise ValueError(f"grid copy of {n} elements needs int64 offsets")
+            t_grid = triton.testing.do_bench(
+                lambda: grid_copy[(world * ctas,)](src, dst, n, BLOCK=32768, num_warps=16),
+                warmup=5, rep=reps, return_mode="median")
             rows.append({"part": "sim", "world": world, "hidden": hidden, "tokens": tokens,
                          "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, "
                                     f"{plan.rows_per_tile} rows x {plan.num_warps} warps", "ms": t_kernel,
                          "floor_ms": t_copy, "min_bytes_per_rank": local_bytes_per_rank(world, tokens, hidden, elem),
-                         "vs_floor": t_kernel / t_copy})
+                         "vs_floor": t_kernel / t_copy, "grid_copy_ms": t_grid, "vs_grid_copy": t_kernel / t_grid,
+                         "regs": getattr(sim.last_compiled, "n_regs", ""),
+                         "spills": getattr(sim.last_compiled, "n_spills", "")})
             print(f"row: {rows[-1]}", flush=True)
             graph = src = dst = None  # free them (the timed closure holds src and dst too)
         del sim, partials
@@ -278,6 +322,11 @@ def main() -> None:
     parser.add_argument("--sim-timeout", type=float, default=30.0, help="seconds a simulated rank waits for a peer")
     parser.add_argument("--sim-warps", type=int, default=None,
                         help="warps per CTA of the simulated kernels (default: the rule's)")
+    parser.add_argument("--sim-configs", nargs="+", default=None, metavar="CTAS:KIB:WARPS",
+                        help="simulated launches to sweep: CTAs per rank, tile KiB, warps per CTA ('-' or "
+                             "empty: the rule's; default: the rule at min(32, 128 / world) CTAs)")
+    parser.add_argument("--sim-pipelined", choices=("rule", "on", "off"), default="rule",
+                        help="the simulated two-shot kernel: the rule's choice, pipelined or flat")
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
     parser.add_argument("--name", default="bench_local_cost", help="CSV file name (no suffix)")
     parser.add_argument("--ncu", action="store_true", help="only the calls to profile with ncu (see _ncu_rank)")
@@ -305,11 +354,13 @@ def main() -> None:
         rows += spawn(_quant_rank, 1, "nccl", quant_config, timeout_s=1200.0)[0]
     if args.sim:
         print(f"simulated ranks {args.sim}, {args.sim_tokens} tokens", flush=True)
-        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout)
+        pipelined = {"rule": None, "on": True, "off": False}[args.sim_pipelined]
+        configs = None if not args.sim_configs else [sim_config(item) for item in args.sim_configs]
+        rows += _sim_rows(args.sim, args.sim_tokens, 8192, 100, args.sim_warps, args.sim_timeout, configs, pipelined)
     os.makedirs(args.out, exist_ok=True)
     path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
                      ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",
-                      "min_bytes_per_rank", "vs_floor"])
+                      "min_bytes_per_rank", "vs_floor", "grid_copy_ms", "vs_grid_copy", "regs", "spills"])
     print(f"wrote {path}")
     ops = {(r["hidden"], r["tokens"], r["variant"]): r["ms"] for r in rows if r["part"] == "op"}
     if ops:
@@ -334,7 +385,9 @@ def main() -> None:
     for r in rows:
         if r["part"] == "sim":
             print(f"sim world {r['world']} {r['variant']}: {r['ms']:.4f} ms, copy of the minimum bytes "
-                  f"{r['floor_ms']:.4f} ms, ratio {r['vs_floor']:.2f}")
+                  f"{r['floor_ms']:.4f} ms, ratio {r['vs_floor']:.2f}; on the ranks' {r['variant'].split()[1]} x "
+                  f"{r['world']} CTAs {r['grid_copy_ms']:.4f} ms, ratio {r['vs_grid_copy']:.2f}; "
+                  f"{r['regs']} registers, {r['spills']} spilled")
 
 
 if __name__ == "__main__":

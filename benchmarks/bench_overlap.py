@@ -36,13 +36,17 @@ same processes:
                    ``--tuning-table PATH`` decided from a table of ``python -m weavepass.tune``
                    (default: the built-in table, which has only world-1 entries)
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
+    inductor_splitcfg, inductor_splitcfg_cg
+                   inductor (inductor_cg) compiled with the Inductor settings every weave compile with
+                   ``overlap`` other than "off" carries (``split.inductor_config_patches()``), also
+                   when ``auto`` then leaves the graph unrewritten: what those settings alone cost
     weave_overlap_smN  (N in 8, 16, 32) weave_overlap with the fused kernel on N CTAs and N SMs
                    carved out of every cuBLAS matmul (``torch._C._set_sm_carveout_experimental``),
                    so the GEMMs never hold the SMs the communication needs (an experiment)
-    inductor_cg, weave_fuse_cg, weave_overlap_cg
-                   the same as inductor, weave_fuse and weave_overlap with mode="reduce-overhead"
-                   (Inductor CUDA graphs: no host cost per kernel; one graph recorded per size).
-                   (weave rewrites there by default, ``allow_inductor_cudagraphs``)
+    inductor_cg, weave_fuse_cg, weave_overlap_cg, weave_auto_cg
+                   the same as inductor, weave_fuse, weave_overlap and weave_auto with
+                   mode="reduce-overhead" (Inductor CUDA graphs: no host cost per kernel; one graph
+                   recorded per size). (weave rewrites there by default, ``allow_inductor_cudagraphs``)
     inductor_nccl_symm
                    inductor, run with every allocation in a MemPool on NCCL's allocator that is
                    registered as symmetric windows (``ProcessGroupNCCL.register_mem_pool(pool,
@@ -52,6 +56,10 @@ same processes:
                    pool, which cannot be a window pool. If this torch cannot register windows the
                    variant prints what failed and is skipped; the first call's NCCL kernel names
                    are printed (``ncclSymk...`` proves the symmetric path).
+
+``vs_mode`` in the CSV (and ``auto check`` below the table) is a variant's time over Inductor's in
+the same compile mode (``inductor_cg`` for the ``_cg`` variants, ``inductor`` for the others): what
+``overlap="auto"`` promises is ``weave_auto <= inductor`` and ``weave_auto_cg <= inductor_cg``.
 
 ``hidden`` in the table and CSV is the fraction of the removable communication a weave variant
 hides: ``(inductor - variant) / (inductor - no_comm)`` (1 = as fast as without communication,
@@ -99,8 +107,9 @@ from timing import interleaved_ms, progress_bar, times_ms  # benchmarks/timing.p
 from weavepass.tune.shapes import SHAPES, VOCAB_PER_RANK, build_model  # shared with python -m weavepass.tune
 
 VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c8", "weave_overlap_push",
-            "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_overlap_push_cg",
-            "inductor_nccl_symm",
+            "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_auto_cg",
+            "weave_overlap_push_cg",
+            "inductor_nccl_symm", "inductor_splitcfg", "inductor_splitcfg_cg",
             "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32")
 CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
 # Variants that need CUDA: Inductor CUDA graphs, CTA counts of the CUDA kernel, SM carve-out, NCCL.
@@ -109,6 +118,8 @@ CUDA_ONLY = {
     "inductor_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_fuse_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "weave_auto_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "inductor_splitcfg_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_push": "the push kernels are CUDA's (elsewhere the op is weave_overlap's)",
     "weave_overlap_push_cg": 'mode="reduce-overhead" records CUDA graphs',
     "inductor_nccl_symm": "NCCL symmetric-memory windows need NCCL on CUDA",
@@ -121,6 +132,7 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
     """Variant name -> a function that compiles (or wraps) the model for that variant
     (``tuning_table``: weave_auto's ``WeaveConfig.tuning_table``)."""
     from weavepass.backend import WeaveBackend
+    from weavepass.compile.strategies.split import inductor_config_patches
 
     def weave(mode=None, **config):
         return lambda: torch.compile(model, backend=WeaveBackend(weave_config(**config)), mode=mode)
@@ -137,9 +149,14 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
         "inductor_cg": lambda: torch.compile(model, mode="reduce-overhead"),
         "weave_fuse_cg": weave("reduce-overhead", overlap="off", allow_inductor_cudagraphs=True),
         "weave_overlap_cg": weave("reduce-overhead", overlap="force", allow_inductor_cudagraphs=True),
+        "weave_auto_cg": weave("reduce-overhead", overlap="auto", tuning_table=tuning_table,
+                               allow_inductor_cudagraphs=True),
         "weave_overlap_push_cg": weave("reduce-overhead", overlap="force", overlap_comm="push",
                                        allow_inductor_cudagraphs=True),
         "inductor_nccl_symm": lambda: torch.compile(model),  # wrapped per size in _run_rank
+        "inductor_splitcfg": lambda: torch.compile(model, options=inductor_config_patches()),
+        "inductor_splitcfg_cg": lambda: torch.compile(  # (mode="reduce-overhead" is this option; both not allowed)
+            model, options={**inductor_config_patches(), "triton.cudagraphs": True}),
     }
     for name, sms in CARVEOUT.items():
         made[name] = weave(overlap="force", overlap_comm_ctas=sms)
@@ -321,6 +338,11 @@ def hidden_fraction(ms: float, inductor: float | None, no_comm: float | None) ->
     return (inductor - ms) / (inductor - no_comm)
 
 
+def mode_baseline(variant: str) -> str:
+    """The Inductor variant compiled in ``variant``'s mode: ``inductor_cg`` for ``*_cg``."""
+    return "inductor_cg" if variant.endswith("_cg") else "inductor"
+
+
 def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap") -> None:
     """Table on stdout, CSV and a PNG normalised to the ``inductor`` variant."""
     out.mkdir(parents=True, exist_ok=True)
@@ -329,10 +351,13 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
         key = (r["shape"], r["sequences"], r["tokens"])
         ref = by_key.get((key[0], "inductor", *key[1:]))
         r["vs_inductor"] = r["ms"] / ref if ref else float("nan")
+        mode_ref = by_key.get((key[0], mode_baseline(r["variant"]), *key[1:]))
+        r["vs_mode"] = r["ms"] / mode_ref if mode_ref else float("nan")
         frac = hidden_fraction(r["ms"], ref, by_key.get((key[0], "no_comm", *key[1:])))
         r["hidden"] = "" if frac is None or not r["variant"].startswith("weave") else round(frac, 4)
     csv_path = write_csv(out / f"{name}.csv", rows,
-                         ["shape", "world", "variant", "sequences", "tokens", "ms", "vs_inductor", "hidden"])
+                         ["shape", "world", "variant", "sequences", "tokens", "ms", "vs_inductor", "vs_mode",
+                          "hidden"])
     print(f"wrote {csv_path}")
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = sorted({(r["shape"], r["sequences"], r["tokens"]) for r in rows})
@@ -348,6 +373,13 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
                 cell += f" [{r['hidden']:+.0%}]"
             cells.append(cell)
         print(f"{shape:>10} {seqs:>4} {tokens:>6} " + " ".join(f"{c:>28}" for c in cells))
+    autos = [r for r in rows if r["variant"] in ("weave_auto", "weave_auto_cg") and r["vs_mode"] == r["vs_mode"]]
+    if autos:
+        print("auto check (time / Inductor in the same compile mode; overlap='auto' promises <= 1.00):")
+        for r in sorted(autos, key=lambda r: (r["shape"], r["variant"], r["sequences"], r["tokens"])):
+            verdict = "ok" if r["vs_mode"] <= 1.0 else "SLOWER"
+            print(f"  {r['shape']:>10} {r['variant']:>13} {r['sequences']:>2} seq {r['tokens']:>6} tokens: "
+                  f"{r['vs_mode']:.3f}x {mode_baseline(r['variant'])}  {verdict}")
     _plot(rows, table, variants, keys, out, layers, name)
 
 

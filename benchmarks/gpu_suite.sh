@@ -35,7 +35,9 @@
 # rewrites cost without the communication they hide (benchmarks/report.py model_world_size), and
 # the fused, flashcomm and hf steps refuse a world of 1.
 # Issue 33 on 2 GPUs (kind nvidia-h200-x2; what a group of one cannot show: the fraction of the
-# communication hidden once the local cost is gone), one call each:
+# communication hidden once the local cost is gone, and a world-2 tuning table), one call each:
+#     WORLD=2 STEPS=auto OUT=$OUT bash benchmarks/gpu_suite.sh     ($OUT/tuning_table_w2.json: a table holds
+#                                   one world size, so it ships beside the built-in world-1 table, not in it)
 #     WORLD=2 STEPS=fused OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #     WORLD=2 STEPS=overlap OUT=$OUT bash benchmarks/gpu_suite.sh   (without --quick: the _cg variants too)
 # SHARED=1 (with the one-GPU kind): the WORLD ranks of the tests and kernel steps share one GPU
@@ -80,6 +82,27 @@
 #              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
 #              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
 #              for the `nvidia-h200` kind, not yet timed on the device
+#   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
+#              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
+#              measured against the wave model's prediction; one GPU, well under a minute
+#   simsweep   issue 33 (a), the profile of the simulated ranks: 2 and 4 ranks at 8192 tokens, the
+#              rule's pipelined kernel on 32 and 16 CTAs per rank, tiles of 64 KiB x 16 warps (the
+#              rule's), 32 KiB x 16 and x 8, 16 KiB x 16 and x 8 (the rule's 64 KiB tile spills at 16
+#              warps: scripts/kernel_resources.py), each against a copy of the minimum bytes on the
+#              whole GPU and a grid-stride copy on the ranks' CTAs, with the kernel's registers and
+#              spills; then 8 ranks at 8192 tokens (pipelined, 16 CTAs): 16 KiB tiles x 16 and x 8
+#              warps, then the rule's 64 KiB in a process of its own, each with
+#              CUDA_DEVICE_MAX_CONNECTIONS=32 (8 rank streams on the default 8 hardware queues may
+#              serialise two ranks' kernels); one GPU. On 2026-12-03 the sweep took 103 s; the first
+#              8-rank call did not finish in 40 s (8 ranks = 8 kernel compiles: RANK is a constexpr),
+#              hence 240 s each now
+#   auto       issue 33: python -m weavepass.tune (70b_tp8sim, 8b_tp2, 2K-16K, 2 layers) into
+#              $OUT/tuning_table_w<WORLD>.json (WORLD=1: reduce-overhead only, merged with the built-in
+#              table's default-mode entries; else both modes at WORLD ranks), then bench_overlap at
+#              those cells (2 layers) with inductor, weave_auto, inductor_cg, weave_auto_cg deciding
+#              from that table: its "auto check" lines say whether auto is <= Inductor of the same
+#              mode at every cell. WORLD=1 took 166 s on one H200 (2026-12-03); WORLD=2 is not timed
+#              (AUTO_TABLE=path: verify that table instead of measuring one; AUTO_VARIANTS)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
@@ -147,7 +170,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,splitcost,simsweep,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -237,6 +260,45 @@ wanted local && step bench_local_cost "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --sim 2 4
 wanted local && step bench_local_cost_sim8 "${LOCAL_TIMEOUT_S:-300}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-tokens 2048 --name bench_local_cost_sim8
+wanted splitcost && step bench_split_cost "${SPLITCOST_TIMEOUT_S:-120}" python3 benchmarks/bench_split_cost.py --out "$OUT"
+wanted simsweep && step bench_local_cost_sim_sweep "${SWEEP_TIMEOUT_S:-200}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --name bench_local_cost_sweep \
+    --sim-configs 32:64:16 16:64:16 32:32:16 32:32:8 32:16:16 32:16:8
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192 "${SIM8_TIMEOUT_S:-240}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:16:16 16:16:8 \
+    --sim-timeout 15 --name bench_local_cost_sim8_8192
+wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_rule "${SIM8_TIMEOUT_S:-240}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16 \
+    --sim-timeout 15 --name bench_local_cost_sim8_8192_rule
+# Issue 33 (c): a tuning table for both compile modes, then auto against Inductor per mode. At WORLD=1
+# only the reduce-overhead entries are measured and merged with the built-in table's default-mode
+# ones; at WORLD=N > 1 both modes are measured at N ranks (the table auto needs there: the built-in
+# one is world 1).
+AUTO_SHAPES="70b_tp8sim 8b_tp2"
+AUTO_TOKENS="2048 4096 8192 16384"
+if wanted auto; then
+  if [ -z "${AUTO_TABLE:-}" ]; then
+    AUTO_TABLE="$OUT/tuning_table_w$WORLD.json"
+    if [ "$WORLD" = 1 ]; then
+      step tune_reduce_overhead "${TUNE_TIMEOUT_S:-300}" python3 -m weavepass.tune --world 1 --shape $AUTO_SHAPES \
+          --tokens $AUTO_TOKENS --layers 2 --modes reduce-overhead \
+          --out "$OUT/tuning_cg_w1.json" --source "weavepass reduce-overhead entries (one H200, group of one rank, commit ${WEAVEPASS_COMMIT:-unknown})"
+      step tune_merge 60 python3 -m weavepass.tune --merge weavepass/tune/builtin_table.json \
+          "$OUT/tuning_cg_w1.json" --out "$AUTO_TABLE"
+    else
+      step tune_w$WORLD "${TUNE_TIMEOUT_S:-420}" python3 -m weavepass.tune --world "$WORLD" --shape $AUTO_SHAPES \
+          --tokens $AUTO_TOKENS --layers 2 --modes default reduce-overhead --out "$AUTO_TABLE" \
+          --source "weavepass table measured at world $WORLD (commit ${WEAVEPASS_COMMIT:-unknown})"
+    fi
+    if [ ! -f "$AUTO_TABLE" ]; then
+      echo "=== auto: no table was written; verifying the built-in one" | tee -a "$LOG"
+      AUTO_TABLE=builtin
+    fi
+  fi
+  step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" \
+      --name "bench_overlap_auto$TP" --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
+      --variants "${AUTO_VARIANTS:-inductor,weave_auto,inductor_cg,weave_auto_cg}" --tuning-table "$AUTO_TABLE"
+fi
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
 wanted overlap && with_shapes overlap "$OVERLAP_SHAPES" && step bench_overlap "${OVERLAP_TIMEOUT_S:-${ALONE_LIMIT:-240}}" \

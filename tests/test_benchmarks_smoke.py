@@ -119,6 +119,41 @@ def test_overlap_report_hidden_fraction(tmp_path):
     assert hidden == {"inductor": "", "no_comm": "", "weave_overlap": "0.75", "eager": ""}
 
 
+def test_overlap_report_ratio_to_the_same_mode(tmp_path, capsys):
+    """``vs_mode`` divides by Inductor of the variant's own compile mode: ``weave_auto_cg`` by
+    ``inductor_cg``, ``weave_auto`` by ``inductor``; the auto check flags a slower auto."""
+    _, bench_overlap, _ = _benchmarks()
+    rows = [{"shape": "tiny", "variant": v, "sequences": 1, "tokens": 16, "ms": ms}
+            for v, ms in (("inductor", 10.0), ("weave_auto", 9.0), ("inductor_cg", 8.0), ("weave_auto_cg", 8.8))]
+    bench_overlap.report(rows, tmp_path, layers=1)
+    with open(tmp_path / "bench_overlap.csv") as f:
+        got = {r["variant"]: (float(r["vs_inductor"]), float(r["vs_mode"])) for r in csv.DictReader(f)}
+    assert got["weave_auto"] == pytest.approx((0.9, 0.9))
+    assert got["weave_auto_cg"] == pytest.approx((0.88, 1.1))
+    assert got["inductor_cg"] == pytest.approx((0.8, 1.0))
+    check = capsys.readouterr().out.split("auto check")[1]
+    assert "weave_auto  1 seq     16 tokens: 0.900x inductor  ok" in check
+    assert "weave_auto_cg  1 seq     16 tokens: 1.100x inductor_cg  SLOWER" in check
+
+
+def test_local_cost_sim_configs_and_minimum_bytes():
+    """``--sim-configs`` items, and the two-shot minimum local bytes per rank of docs/cuda_kernel.md
+    (5.5 S at 2 ranks, 6.25 S at 4, 6.625 S at 8; 4 S at a group of one)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_local_cost
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert bench_local_cost.sim_config("32:64:16") == (32, 64, 16)
+    assert bench_local_cost.sim_config("16") == (16, None, None)
+    assert bench_local_cost.sim_config("-:16:") == (None, 16, None)
+    with pytest.raises(ValueError):
+        bench_local_cost.sim_config("1:2:3:4")
+    s = 100 * 8192 * 2
+    assert [bench_local_cost.local_bytes_per_rank(n, 100, 8192, 2) / s for n in (1, 2, 4, 8)] == \
+        pytest.approx([4.0, 5.5, 6.25, 6.625])
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_p2p_bound_slots(world):
     """Every rank stores ``2 S / N`` elements into each peer, each sender into its own slot of the

@@ -125,7 +125,8 @@ class WeaveConfig:
 
     overlap_comm_ctas: int = 0
     """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
-    half's compute (0: the kernel's own launch rule, up to 32), or of the push kernel with
+    half's compute (0: the kernel's own launch rule: up to 32 CTAs on 2+ ranks, one CTA per 16 KiB
+    tile, uncapped, on a group of one rank; launch_plan.py), or of the push kernel with
     ``overlap_comm="push"`` (0: 16). Fewer CTAs leave more SMs to the GEMMs and make the
     communication itself slower."""
 

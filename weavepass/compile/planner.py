@@ -90,7 +90,8 @@ def unprofitable_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering, con
 
 
 CUDA_COPY = Reason(ReasonCode.CUDA_COPY)
-"""Said on every ``cuda_symm`` site: one extra read of the partial per site (docs/cuda_kernel.md)."""
+"""Said on every ``cuda_symm`` site (information): the kernel reads the partial once, pushing the
+peers' rows into their workspaces; no copy pass (docs/cuda_kernel.md, "Local cost")."""
 
 INDUCTOR_CUDAGRAPHS = Reason(ReasonCode.INDUCTOR_CUDAGRAPHS)
 """Said on every CUDA site of a graph Inductor wraps in CUDA-graph trees when the config forbids it."""

@@ -105,7 +105,8 @@ class ReasonCode(enum.Enum):
     PORTABLE_FALLBACK = "portable_fallback"
     """``cuda_symm`` was asked for but cannot run: portable instead."""
     CUDA_COPY = "cuda_copy"
-    """Information only: the CUDA kernel copies the partial sums into its workspace."""
+    """Information only: the CUDA kernel reads the partial sums from the matmul's output once (it
+    stores the peers' rows into their workspaces, the reduce-scatter's transfer; no copy pass)."""
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
     INDUCTOR_SETTINGS = "inductor_settings"
@@ -381,8 +382,9 @@ INDUCTOR_CUDAGRAPHS_TEXT = (
     "WeaveConfig.allow_inductor_cudagraphs is False"
 )
 
-CUDA_COPY_TEXT = ("the kernel copies the partial sums into the symmetric workspace (the producing "
-                  "matmul does not write there directly)")
+CUDA_COPY_TEXT = ("the CUDA kernel reads the partial sums once, from the producing matmul's output: it "
+                  "stores the peers' rows into their symmetric workspaces (the reduce-scatter's "
+                  "transfer) and reduces its own rows in place, with no copy pass")
 
 TRAINING_TEXT = (
     "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "

@@ -65,6 +65,8 @@ class SimulatedRanks:
         self.pads = [torch.zeros(lamport_flag_slot(world) + 2, dtype=torch.int32, device="cuda")
                      for _ in range(world)]
         self.streams = [torch.cuda.Stream() for _ in range(world)]
+        self.last_compiled = None
+        """The last kernel ``run`` compiled (Triton's ``CompiledKernel``), for its resource usage."""
         padding = [0] * (MAX_WORLD - world)
         self.workspaces = []
         for r in range(world):
@@ -172,6 +174,7 @@ class SimulatedRanks:
             compiled = kernel.warmup(*launches[rank], grid=(plan.num_ctas,), **meta[rank])
             if hasattr(compiled, "_init_handles"):
                 compiled._init_handles()
+            self.last_compiled = compiled  # its n_regs / n_spills: benchmarks/bench_local_cost.py
         for rank in range(world) if ranks is None else ranks:
             stream = self.streams[rank]
             stream.wait_stream(caller)

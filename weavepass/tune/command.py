@@ -147,6 +147,9 @@ def _versions() -> dict[str, str]:
         pass
     if torch.version.cuda:
         versions["cuda"] = torch.version.cuda
+    if os.environ.get("WEAVEPASS_COMMIT"):  # a copy without its own git metadata (the device's) says it
+        versions["weavepass"] = os.environ["WEAVEPASS_COMMIT"]
+        return versions
     try:
         here = Path(__file__).resolve().parent
         commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -100,8 +100,9 @@ def fused_allreduce_rmsnorm_cuda(
     ``layer_norm``: a LayerNorm with an optional ``bias`` instead of the RMSNorm
     (``fused_allreduce_layernorm_cuda``).
 
-    The partial sums are copied (pushed by the kernel) into the peers' symmetric staging buffers;
-    writing the producing matmul straight into symmetric memory is a later optimisation. Outputs are
+    The kernel reads the partial sums once: the peers' rows are pushed into their symmetric staging
+    buffers (the reduce-scatter's transfer), this rank's own rows are reduced in place (no copy pass;
+    docs/cuda_kernel.md, "Local cost", says what writing the matmul into the workspace would save). Outputs are
     fresh tensors, never views of the workspace, which the next call reuses. Unsupported inputs and
     batches larger than ``max_workspace_tokens`` (the op call's ``workspace_tokens``) run the portable
     lowering instead, with a one-time warning. A norm without weight (``weight=None``) scales by 1.

@@ -1,0 +1,90 @@
+"""Registers, stack (spills) and the width of global loads/stores of the two-shot CUDA kernels,
+compiled for sm_90 on a machine WITHOUT a GPU (Triton's compiler and its bundled ``cuobjdump``).
+
+    python scripts/kernel_resources.py [--worlds 2 4 8] [--tiles 4:16 1:8 ...] [--hidden 8192]
+
+A tile is ``ROWS:WARPS`` (rows of ``hidden`` bf16 per tile, warps per CTA); the launch rule's
+choices are in ``weavepass/runtime/cuda/launch_plan.py``. Per kernel it prints ``REG`` (registers per
+thread), ``STACK`` (bytes of local memory per thread: spills), and the counts of 128-bit global
+loads/stores and local loads/stores (``LDL``/``STL``) in the SASS. The GPU machine's Triton may
+allocate differently: this is a lead, ``bench_local_cost.py --sim`` reads the compiled kernel's
+registers and spills there (docs/cuda_kernel.md, "What holds the N-rank kernels back").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from weavepass.runtime.cuda import kernels
+from weavepass.runtime.cuda.launch_plan import MAX_CTAS
+
+POINTERS = {"inv_rms_ptr": "*fp32", "pad_ptr": "*i32", "scales_ptr": "*fp32", "static_scale_ptr": "*fp32",
+            "qconst_ptr": "*fp32"}
+ADDRESS_DELTAS = {"recv_offset"} | {f"wd{i}" for i in range(8)} | {f"pd{i}" for i in range(8)}
+INT64 = ADDRESS_DELTAS | {"watch_addr", "timeout_ns"}
+SASS = {"LDG.E.128": "LDG.E.128", "STG.E.128": "STG.E.128", "LDL": "LDL", "STL": "STL"}
+
+
+def compile_sm90(fn, constants: dict, num_warps: int):
+    """``fn`` compiled for sm_90 with the dispatcher's argument types (bf16 tensors, 16-divisible
+    pointers and address deltas, as ``dispatch.kernel_arguments`` passes them)."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[(i,)] = "constexpr", constants[name]
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = POINTERS.get(name, "*bf16")
+        else:
+            signature[name] = "i64" if name in INT64 else "fp32" if name == "eps" else "i32"
+        if name.endswith("_ptr") or name in ADDRESS_DELTAS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def resources(compiled) -> str:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
+        sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    fields = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+    counts = " ".join(f"{name} {len(re.findall(re.escape(pattern), sass))}" for name, pattern in SASS.items())
+    return f"{fields}  {counts}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tiles", nargs="+", default=["4:16", "1:8"], help="ROWS:WARPS per tile")
+    parser.add_argument("--hidden", type=int, default=8192)
+    args = parser.parse_args()
+    block_h = 1 << (args.hidden - 1).bit_length()
+    for world in args.worlds:
+        for tile in args.tiles:
+            rows, warps = (int(x) for x in tile.split(":"))
+            base = dict(RANK=0, WORLD=world, HIDDEN=args.hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=True,
+                        MAX_CTAS=MAX_CTAS, HAS_INV_RMS=False, NORM=0, QUANT=0)
+            cases = {
+                "pipelined": (kernels.fused_allreduce_rmsnorm_pipelined_kernel,
+                              dict(base, CHUNK_ROWS=2 * rows, PUSH_ROWS=2 * rows)),
+                "flat": (kernels.fused_allreduce_rmsnorm_kernel, dict(base, ONE_SHOT=False)),
+            }
+            for name, (fn, constants) in cases.items():
+                print(f"{name:>9} world {world} tile {rows} rows x {warps} warps: "
+                      f"{resources(compile_sm90(fn, constants, warps))}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
