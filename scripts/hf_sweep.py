@@ -5,10 +5,12 @@ every strategy on 2 gloo ranks against eager; regenerates the table of docs/mode
     python scripts/hf_sweep.py gpt_neox minimax           # some families; the others' rows stay
     python scripts/hf_sweep.py --table-only               # rewrite docs/models.md from the results
 
-Each family runs in its own process (``--one``) with a timeout: it writes a tiny random checkpoint
-(``hf_catalogue.save_tiny``), spawns 2 gloo ranks that load it with ``tp_plan="auto"``, trace it
-once and compile the graphs fuse-only, with the token split forced and with FlashComm forced
-(``hf_models.CONFIGS``), each against the same graphs run eagerly. Results go to
+Each family runs in its own 2 processes, gloo ranks forked from this one once it has imported
+and warmed torch, transformers and Inductor (``warm_up``), stopped after a timeout: rank 0 writes
+a tiny random checkpoint (``hf_catalogue.save_tiny``), both load it with ``tp_plan="auto"``,
+trace it once and compile the graphs fuse-only, with the token split forced and with FlashComm
+forced (``hf_models.CONFIGS``), each against the same graphs run eagerly. A line per family shows
+the progress. Results go to
 docs/hf_sweep.json (merged by family, so a partial run updates its rows), and the table between
 the sweep markers of docs/models.md is regenerated from that file.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,26 +58,50 @@ def _summary(runs_per_rank: list[dict]) -> dict:
     return out
 
 
-def run_one(family: str) -> dict:
-    """Build, load, compile and compare one family (in this process and 2 spawned ranks)."""
-    import torch  # noqa: F401
+def warm_up() -> None:
+    """Import and warm what every family's ranks need, once: the ranks are forked from this process
+    (``spawn(start_method="fork")``), so each starts with torch, transformers, Dynamo and Inductor
+    loaded and initialised instead of paying for it (about 1.5 s of imports per process and 2-3 s of
+    Inductor's first compile per rank). No parallel torch op runs here and Inductor compiles in
+    this process (``compile_threads=1``): no threads or pools for the forked ranks to inherit."""
+    import torch
+    import torch._inductor.config
+    import transformers
 
-    from weavepass.testing import hf_catalogue, hf_models, spawn
+    from weavepass.backend import WeaveBackend
+    from weavepass.testing import hf_models
+
+    transformers.logging.set_verbosity_error()
+    torch._inductor.config.compile_threads = 1
+    backend = WeaveBackend(hf_models.CONFIGS["fuse"])  # (imports the pass's modules: a checkout edited
+    with torch.no_grad():                               # during the sweep does not mix into it)
+        torch.compile(lambda x: torch.nn.functional.rms_norm(x + 1, (8,)), backend=backend)(torch.ones(2, 8))
+    torch._dynamo.reset()
+
+
+def run_one(family: str, timeout_s: float) -> dict:
+    """One family on 2 gloo ranks forked from this process (rank 0 builds the tiny checkpoint; both
+    load it, trace it once and compile it with every strategy against eager:
+    ``hf_models.run_catalogue_family``), stopped after ``timeout_s``."""
+    from weavepass.testing import hf_models, spawn
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            hf_catalogue.save_tiny(family, tmp)
-        except Exception as error:
-            return dict(family=family, status="build_failed", reason=f"{type(error).__name__}: {error}"[:400],
+            per_rank = spawn(hf_models.run_catalogue_family, 2, "gloo", family, tmp, hf_models.CONFIGS,
+                             timeout_s=timeout_s, start_method="fork")
+        except TimeoutError:
+            return dict(family=family, status="timeout", reason=f"still running after {timeout_s:.0f} s",
                         seconds=round(time.perf_counter() - start, 1))
-        try:
-            per_rank = spawn(hf_models.run_families, 2, "gloo", {family: tmp}, hf_models.CONFIGS, timeout_s=1200)
         except Exception:
             return dict(family=family, status="error", reason=traceback.format_exc()[-1500:],
                         seconds=round(time.perf_counter() - start, 1))
-    strategies = _summary([rank[family] for rank in per_rank])
-    return dict(family=family, status="ok", strategies=strategies, seconds=round(time.perf_counter() - start, 1))
+    seconds = round(time.perf_counter() - start, 1)
+    if "build_error" in per_rank[0]:
+        return dict(family=family, status="build_failed", reason=per_rank[0]["build_error"][:400], seconds=seconds)
+    phases = {name: round(t, 1) for name, t in per_rank[0]["phases"].items()}
+    return dict(family=family, status="ok", strategies=_summary([rank["runs"] for rank in per_rank]),
+                phases=phases, seconds=seconds)
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -157,35 +182,26 @@ def write_table(results: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("families", nargs="*", help="model types (default: every family with a TP plan)")
-    parser.add_argument("--one", help="run one family in this process and print its result as JSON")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per family (default 600)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per family (default 300)")
     parser.add_argument("--table-only", action="store_true", help="only regenerate docs/models.md")
     args = parser.parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(run_one(args.one)))
-        return 0
+    sys.path.insert(0, str(ROOT))  # this checkout's weavepass
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # (as scripts/test.sh: compiles faster)
 
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if not args.table_only:
         from weavepass.testing.hf_catalogue import tp_families
 
         families = args.families or sorted(tp_families())
-        env = dict(os.environ, PYTHONPATH=str(ROOT),
-                   TORCHINDUCTOR_VEC_ISA_OK=os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "0"))
+        sweep_start = time.perf_counter()
+        warm_up()
+        print(f"warmed up in {time.perf_counter() - sweep_start:.0f} s", flush=True)
         for i, family in enumerate(families, 1):
-            start = time.perf_counter()
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--one", family], capture_output=True, text=True,
-                                      timeout=args.timeout, env=env, cwd=ROOT)
-                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                result = json.loads(line[7:]) if line else dict(
-                    family=family, status="error", reason=(proc.stderr or proc.stdout)[-1500:])
-            except subprocess.TimeoutExpired:
-                result = dict(family=family, status="timeout", reason=f"still running after {args.timeout:.0f} s")
-            results[family] = result
+            result = results[family] = run_one(family, args.timeout)
             RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-            print(f"[{i}/{len(families)}] {family}: {_progress(result)} ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
+            elapsed = time.perf_counter() - sweep_start
+            print(f"[{i}/{len(families)}] {family}: {_progress(result)} ({result['seconds']:.0f} s; "
+                  f"{elapsed / 60:.1f} min so far)", flush=True)
     write_table(results)
     return 0
 

@@ -50,7 +50,8 @@ OVERRIDES: dict[str, dict] = {
     "bamba": dict(attn_layer_indices=[1]),
     "falcon_h1": dict(mamba_d_ssm=128),  # (its layers are all hybrid: Mamba and attention in each)
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
-    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=8,
+    # (one layer per block: a Mamba, an MoE, an attention and an MLP layer, as its default)
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=16),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
@@ -93,7 +94,8 @@ def tiny_config(model_type: str):
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # MLA: the rotary part's size
         fields["head_dim"] = fields["qk_rope_head_dim"]
     layer_types = getattr(default, "layer_types", None)
-    if isinstance(layer_types, list) and "layer_types" not in fields and not _derived(config_class, "layer_types"):
+    named = {"layer_types", getattr(config_class, "attribute_map", {}).get("layer_types", "layer_types")}
+    if isinstance(layer_types, list) and not named & set(fields) and not _derived(config_class, "layer_types"):
         # one layer of each kind the model has (a hybrid's attention and linear-attention layers)
         kinds = list(dict.fromkeys(layer_types))
         n = fields.get("num_hidden_layers", 2)

@@ -102,6 +102,39 @@ def run_families(rank: int, world: int, paths: dict[str, str], configs: dict[str
     return runs
 
 
+def run_catalogue_family(rank: int, world: int, model_type: str, path: str,
+                         configs: dict[str, WeaveConfig]) -> dict:
+    """On one rank of the sweep (scripts/hf_sweep.py): rank 0 writes ``model_type``'s tiny
+    checkpoint to ``path`` (``hf_catalogue.save_tiny``) while the other ranks wait; every rank then
+    loads it and runs every config (``run_families``' work for one family).
+
+    Returns ``{"build_error": text}`` when the checkpoint cannot be built (on every rank), else
+    ``{"runs": {config name: FamilyRun}, "phases": {"build", "load", "trace": seconds}}``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    start = time.perf_counter()
+    error = [None]
+    if rank == 0:
+        try:
+            save_tiny(model_type, path)
+        except Exception as exc:
+            error = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        return {"build_error": error[0]}
+    phases = {"build": time.perf_counter() - start}
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    mesh = init_device_mesh("cpu", (world,))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    start = time.perf_counter()
+    model = load_tp(path, mesh)
+    phases["load"] = time.perf_counter() - start
+    runs = _run_family(model, ids, configs, phases)
+    return {"runs": runs, "phases": phases}
+
+
 def _run_bf16(path, mesh, ids) -> FamilyRun:
     """The bf16 model compiled fuse-only vs eager bf16, both against the fp32 model: the fused op
     rounds at other points than eager (``check_against_eager`` says how much that may cost)."""
@@ -124,9 +157,11 @@ def _run_bf16(path, mesh, ids) -> FamilyRun:
     return run
 
 
-def _run_family(model, ids, configs) -> dict[str, FamilyRun]:
+def _run_family(model, ids, configs, phases: dict[str, float] | None = None) -> dict[str, FamilyRun]:
     """Dynamo traces the model once; every config compiles the same graphs (what ``backend="weave"``
-    receives), and each compiled graph is checked against the graph run eagerly on the same inputs."""
+    receives), and each compiled graph is checked against the graph run eagerly on the same inputs
+    (run once per graph: every config compares with the same eager outputs). ``phases["trace"]``:
+    the trace's seconds."""
     from weavepass.backend import WeaveBackend
 
     captured = []
@@ -135,20 +170,23 @@ def _run_family(model, ids, configs) -> dict[str, FamilyRun]:
         captured.append((gm, list(example_inputs)))
         return gm.forward
 
+    start = time.perf_counter()
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=capture)(ids)
+        eager = [gm(*inputs) for gm, inputs in captured]
+    if phases is not None:
+        phases["trace"] = time.perf_counter() - start
     runs = {}
     for config_name, config in configs.items():
         run = runs[config_name] = FamilyRun(rel_diff=0.0)
         backend = WeaveBackend(config)
         start = time.perf_counter()
         try:
-            for gm, inputs in captured:
+            for (gm, inputs), expected in zip(captured, eager, strict=True):
                 with torch.no_grad():
-                    eager = gm(*inputs)
                     compiled = backend(copy.deepcopy(gm), inputs)(*inputs)
-                run.rel_diff = max(run.rel_diff, _rel_diff(compiled, eager))
+                run.rel_diff = max(run.rel_diff, _rel_diff(compiled, expected))
         except Exception:
             run.error = traceback.format_exc()
         run.seconds = time.perf_counter() - start
