@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -94,7 +95,7 @@ def run_one(family: str, timeout_s: float) -> dict:
             return dict(family=family, status="timeout", reason=f"still running after {timeout_s:.0f} s",
                         seconds=round(time.perf_counter() - start, 1))
         except Exception:
-            return dict(family=family, status="error", reason=traceback.format_exc()[-1500:],
+            return dict(family=family, status="error", reason=_error_text(traceback.format_exc()),
                         seconds=round(time.perf_counter() - start, 1))
     seconds = round(time.perf_counter() - start, 1)
     if "build_error" in per_rank[0]:
@@ -104,6 +105,22 @@ def run_one(family: str, timeout_s: float) -> dict:
                 phases=phases, seconds=seconds)
 
 
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unsupported|Exit|Interrupt)\w*(: |$)")
+
+
+def _error_text(text: str) -> str:
+    """A traceback as what the table shows: its first exception's line and the message lines that
+    follow it (the first failed rank's, inside the spawn's error; a peer's broken pipe comes
+    later), then the traceback's end."""
+    lines = (text.split("\n--- rank ", 1)[1] if "\n--- rank " in text else text).splitlines()
+    heads = [i for i, line in enumerate(lines) if _EXCEPTION.match(line)]
+    if not heads:
+        return text[-1500:]
+    first = heads[0]
+    end = next((i for i in range(first + 1, len(lines)) if not lines[i].strip()), len(lines))
+    return "\n".join(lines[first:min(end, first + 4)])[:600] + "\n---\n" + text[-1500:]
+
+
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(text.split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -111,7 +128,7 @@ def _short(text: str, limit: int = 300) -> str:
 
 def _result_cell(entry: dict, strategy: str) -> str:
     if entry["error"]:
-        return f"**error**: {_short(entry['error'].strip().splitlines()[-1], 150)}"
+        return f"**error**: {_short(_error_text(entry['error']).split(chr(10) + '---')[0], 150)}"
     mark = "equal eager" if entry["rel_diff"] <= TOLERANCE else f"**differs** ({entry['rel_diff']:.1e})"
     if not entry["ranks_agree"]:
         mark += "; **ranks decided differently**"
@@ -125,7 +142,8 @@ def _result_cell(entry: dict, strategy: str) -> str:
 def _row(result: dict) -> str:
     family = result["family"]
     if result["status"] != "ok":
-        return f"| {family} | | | {result['status']}: {_short(result['reason'], 300)} | | |"
+        reason = result["reason"].split("\n---\n")[0]  # (an error's exception, without its traceback)
+        return f"| {family} | | | {result['status']}: {_short(reason, 300)} | | |"
     fuse = result["strategies"]["fuse"]
     sites = sum(g["all_reduces"] for g in fuse["graphs"])
     fused = sum(g["all_reduces"] - g["left"] for g in fuse["graphs"])
@@ -208,7 +226,7 @@ def main() -> int:
 
 def _progress(result: dict) -> str:
     if result["status"] != "ok":
-        return f"{result['status']}: {_short(result['reason'], 120)}"
+        return f"{result['status']}: {_short(result['reason'].split(chr(10) + '---')[0], 160)}"
     parts = []
     for name, entry in result["strategies"].items():
         n = sum(g["all_reduces"] for g in entry["graphs"])

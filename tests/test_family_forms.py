@@ -162,6 +162,77 @@ def test_routed_experts_sum_over_experts_joins_the_shared_experts_all_reduce():
     assert "all_reduce is summed with all_reduce_1's sum into one all_reduce" in graph.note, graph.note
 
 
+def qwen3_next(x, w, r, weight, b, b2):
+    """Qwen3-Next's MoE: the shared expert's all_reduce gated per token by ``sigmoid(gate(x))``
+    (``[T, 1]``, replicated), added to the routed experts' all_reduce, then to the residual."""
+    t = x.shape[0]
+    shared = torch.sigmoid(x @ w[:, :1]) * ar(x @ w.flip(0))
+    h = (ar(x @ w) + shared).view(1, t, H) + r.view(1, t, H)
+    return llama_norm(h, weight), h
+
+
+def granite_hybrid(x, w, r, weight, b, b2):
+    """GraniteMoeHybrid's MoE: the experts' sum viewed ``[1, T, H]``, plus the replicated shared
+    MLP's output, the two scaled by ``residual_multiplier`` and added to the residual."""
+    t = x.shape[0]
+    shared = (x @ w.flip(0)).view(1, t, H)  # (the shared MLP is not sharded in the TP plan)
+    h = r.view(1, t, H) + (ar(x @ w).view(1, t, H) + shared) * 0.22
+    return llama_norm(h, weight), h
+
+
+def test_gated_shared_expert_joins_the_routed_experts_all_reduce():
+    """``S_routed + g * S_shared`` with ``g`` a replicated per-token gate: one all_reduce of
+    ``p_routed + g * p_shared`` (``g`` moves onto the shared expert's partial)."""
+    graph = compile_report(qwen3_next, *inputs(), *biases())
+    assert graph.ops_before[AR] == 2 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after["aten.sigmoid.default"] == 1
+    (record,) = graph.records
+    assert record.node == "all_reduce_1" and "summed with all_reduce (mul, its sum scaled by sigmoid" in record.kind
+    assert "all_reduce is summed with all_reduce_1's sum into one all_reduce" in graph.note, graph.note
+    # the gate's product now on the partial, the partials' sum, the residual add inside the op
+    assert (graph.ops_before[ADD], graph.ops_after[ADD]) == (3, 1), graph.ops_after
+
+
+def test_gate_from_a_partial_or_a_product_of_sums_is_not_merged():
+    """A gate computed from a rank's own partial differs between ranks, and a product of two sums
+    is not linear in either: neither moves onto a partial."""
+    def rank_local_gate(x, w, r, weight, b, b2):
+        p = x @ w
+        h = (ar(p) + torch.sigmoid(p[:, :1]) * ar(x @ w.flip(0))) + r
+        return llama_norm(h, weight), h
+
+    def product(x, w, r, weight, b, b2):
+        h = (ar(x @ w) + ar(x @ w) * ar(x @ w.flip(0))) + r
+        return llama_norm(h, weight), h
+
+    graph = compile_report(rank_local_gate, *inputs(), *biases())
+    assert graph.ops_after[AR] == 2 and graph.ops_after[FUSED] == 0, graph.records
+    assert "computed from the all_reduce's own partial sum (mm), which differs between ranks" in graph.records[0].reason
+    graph = compile_report(product, *inputs(), *biases())
+    assert graph.ops_after[AR] == 2 and graph.ops_after[FUSED] == 1, graph.records  # the first sum: x = S2 * S3
+    assert not any("summed with" in r.kind for r in graph.records), graph.records
+
+
+def test_scale_of_a_sum_plus_a_replicated_term_is_distributed():
+    """``r + (S + s) * c``: the scale is distributed (``S * c + s * c``), hoisted onto the partial,
+    and ``s * c`` moves onto the residual: the site is fused, no all_reduce is left."""
+    graph = compile_report(granite_hybrid, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    (record,) = graph.records
+    assert record.kind.startswith("residual, sum scaled by 0.22, the scale of (sum + x) distributed"), record.kind
+    # (S + s) * c + r: the scales of S and s, and s * c + r are left (the op adds the sum)
+    assert (graph.ops_after["aten.mul.Tensor"], graph.ops_after[ADD]) == (2, 1), graph.ops_after
+
+
+def test_scale_of_a_sum_that_reaches_no_norm_is_not_distributed():
+    def f(x, w, r, weight, b, b2):
+        return (ar(x @ w) + r) * 0.5
+
+    graph = compile_report(f, *inputs(), *biases())
+    assert graph.ops_after == graph.ops_before
+    assert graph.ops_after["aten.mul.Tensor"] == 1 and not graph.records[0].matched
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -43,7 +43,6 @@ OVERRIDES: dict[str, dict] = {
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25,
                     logits_scaling=8.0),
     "cohere": dict(logit_scale=0.5),
-    "deepseek_v3": dict(num_key_value_heads=4),
     "gpt_neox": dict(rotary_pct=0.25),
     "phi": dict(partial_rotary_factor=0.5),
     # hybrids: one attention layer among the 2 (a cache of Mamba layers only has no sequence length)
@@ -93,6 +92,8 @@ def tiny_config(model_type: str):
             fields[name] = value
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # MLA: the rotary part's size
         fields["head_dim"] = fields["qk_rope_head_dim"]
+    if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # MLA: each head its own key/value
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
     layer_types = getattr(default, "layer_types", None)
     named = {"layer_types", getattr(config_class, "attribute_map", {}).get("layer_types", "layer_types")}
     if isinstance(layer_types, list) and not named & set(fields) and not _derived(config_class, "layer_types"):
