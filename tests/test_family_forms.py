@@ -8,6 +8,10 @@
   h * beta``).
 * Llama4: the routed experts' sum ``all_reduce(p).view(E, T, H).sum(0)`` added to the shared
   expert's all_reduce: one all_reduce of ``p.view(E, T, H).sum(0) + p_shared``.
+* Qwen3-Next: the shared expert's sum gated per token (``sigmoid(gate(x)) * S_shared``) added to the
+  routed experts' sum: one all_reduce of ``p + g * p_shared``.
+* GraniteMoeHybrid: ``r + (S + s) * c`` (the experts' sum plus the replicated shared MLP, scaled):
+  the scale is distributed, hoisted onto the partial, and ``s * c`` moves onto the residual.
 * Every record names where in the model its all_reduce is (``weavepass.compile.where``).
 
 Graph-level tests compile on a fake group of 2 (``test_patterns``'s helpers); the numbers are
@@ -165,9 +169,8 @@ def test_routed_experts_sum_over_experts_joins_the_shared_experts_all_reduce():
 def qwen3_next(x, w, r, weight, b, b2):
     """Qwen3-Next's MoE: the shared expert's all_reduce gated per token by ``sigmoid(gate(x))``
     (``[T, 1]``, replicated), added to the routed experts' all_reduce, then to the residual."""
-    t = x.shape[0]
-    shared = torch.sigmoid(x @ w[:, :1]) * ar(x @ w.flip(0))
-    h = (ar(x @ w) + shared).view(1, t, H) + r.view(1, t, H)
+    shared = torch.sigmoid(x[:, :1]) * ar(x @ w.flip(0))  # (the gate reads the replicated input)
+    h = (ar(x @ w) + shared) + r
     return llama_norm(h, weight), h
 
 
@@ -175,7 +178,7 @@ def granite_hybrid(x, w, r, weight, b, b2):
     """GraniteMoeHybrid's MoE: the experts' sum viewed ``[1, T, H]``, plus the replicated shared
     MLP's output, the two scaled by ``residual_multiplier`` and added to the residual."""
     t = x.shape[0]
-    shared = (x @ w.flip(0)).view(1, t, H)  # (the shared MLP is not sharded in the TP plan)
+    shared = torch.cat([x, x], -1).view(1, t, H)  # (replicated: the shared MLP is not sharded)
     h = r.view(1, t, H) + (ar(x @ w).view(1, t, H) + shared) * 0.22
     return llama_norm(h, weight), h
 
@@ -284,28 +287,31 @@ def test_module_path_and_source_line_of_hand_made_metadata():
 
 def biased_stack(x, w, r, weight, b, b2):
     """An embedding-like sum, then a StarCoder2 and a GPT-NeoX layer (its MLP reads a second,
-    unfused LayerNorm of the stream): the stream runs from site to site (4 all_reduces, 3 sites)."""
+    unfused LayerNorm of the stream) and a Qwen3-Next MoE: the stream runs from site to site (6
+    all_reduces, 4 sites)."""
     e = ar(x @ w)
     n0 = llama_norm(e, weight)
     n1, h1 = starcoder2(n0[:, :32], w, e, weight, b, b2)
-    return neox_layer(n1[:, :32], torch.nn.functional.layer_norm(h1, (H,))[:, :32], w, h1, weight, b, b2)
+    n2, h2 = neox_layer(n1[:, :32], torch.nn.functional.layer_norm(h1, (H,))[:, :32], w, h1, weight, b, b2)
+    return qwen3_next(n2[:, :32], w, h2, weight, b, b2)
 
 
 def stream_stack(x, w, r, weight, b, b2):
     """``biased_stack``, then a Llama4 MoE layer: FlashComm keeps the stream sharded throughout
-    (6 all_reduces, 4 sites)."""
+    (8 all_reduces, 5 sites)."""
     n2, h2 = biased_stack(x, w, r, weight, b, b2)
     return llama4(n2[:, :32], w, h2, weight, b, b2)
 
 
 def scaled_stack(x, w, r, weight, b, b2):
     """``stream_stack`` and then MiniMax's scaled residual (its ``residual * alpha`` is not the
-    stream: FlashComm refuses it), 7 all_reduces, 5 sites."""
+    stream: FlashComm refuses it) and a GraniteMoeHybrid MoE, 10 all_reduces, 7 sites."""
     n3, h3 = stream_stack(x, w, r, weight, b, b2)
-    return minimax(n3[0, :, :32], w, h3[0], weight, b, b2)
+    n4, h4 = minimax(n3[0, :, :32], w, h3[0], weight, b, b2)
+    return granite_hybrid(n4[0, :, :32], w, h4[0], weight, b, b2)
 
 
-STACKS = {"fuse": (scaled_stack, 5), "split": (biased_stack, 3), "flashcomm": (stream_stack, 4)}
+STACKS = {"fuse": (scaled_stack, 7), "split": (biased_stack, 4), "flashcomm": (stream_stack, 5)}
 """The graph each strategy compiles and its site count: the split has no rule for the experts'
 ``bmm`` of this Llama4 stand-in (a batch of experts), and FlashComm needs the stream carried."""
 

@@ -52,6 +52,8 @@ OVERRIDES: dict[str, dict] = {
     # (one layer per block: a Mamba, an MoE, an attention and an MLP layer, as its default)
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=16),
+    # (its default config has no RoPE parameters, which its model reads per layer type)
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 
