@@ -100,6 +100,9 @@ def run_one(family: str, timeout_s: float) -> dict:
     seconds = round(time.perf_counter() - start, 1)
     if "build_error" in per_rank[0]:
         return dict(family=family, status="build_failed", reason=per_rank[0]["build_error"][:400], seconds=seconds)
+    failed = next((rank["model_error"] for rank in per_rank if "model_error" in rank), None)
+    if failed is not None:  # (before weave: loading, tracing or running the graphs eagerly)
+        return dict(family=family, status="model_failed", reason=_error_text(failed), seconds=seconds)
     phases = {name: round(t, 1) for name, t in per_rank[0]["phases"].items()}
     return dict(family=family, status="ok", strategies=_summary([rank["runs"] for rank in per_rank]),
                 phases=phases, seconds=seconds)

@@ -37,6 +37,9 @@ FAMILIES: dict[str, str] = {
     # view (MiniMax), the routed experts' sum over experts (Llama4), post-norm (OLMo3, Exaone4)
     "gpt_neox": "gpt_neox", "gptj": "gptj", "phi": "phi", "codegen": "codegen", "starcoder2": "starcoder2",
     "minimax": "minimax", "llama4": "llama4_text", "olmo3": "olmo3", "exaone4": "exaone4",
+    # a gated shared expert's sum (Qwen3-Next), a scaled MoE output (GraniteMoeHybrid); both hybrids
+    # of attention and linear-attention / Mamba layers
+    "qwen3_next": "qwen3_next", "granitemoehybrid": "granitemoehybrid",
 }
 
 CONFIGS: dict[str, WeaveConfig] = {
@@ -129,10 +132,13 @@ def run_catalogue_family(rank: int, world: int, model_type: str, path: str,
     mesh = init_device_mesh("cpu", (world,))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     start = time.perf_counter()
-    model = load_tp(path, mesh)
-    phases["load"] = time.perf_counter() - start
-    runs = _run_family(model, ids, configs, phases)
-    return {"runs": runs, "phases": phases}
+    try:
+        model = load_tp(path, mesh)
+        phases["load"] = time.perf_counter() - start
+        captured, eager = _trace(model, ids, phases)
+    except Exception:
+        return {"model_error": traceback.format_exc()}
+    return {"runs": _compile_all(captured, eager, configs), "phases": phases}
 
 
 def _run_bf16(path, mesh, ids) -> FamilyRun:
@@ -157,13 +163,17 @@ def _run_bf16(path, mesh, ids) -> FamilyRun:
     return run
 
 
-def _run_family(model, ids, configs, phases: dict[str, float] | None = None) -> dict[str, FamilyRun]:
+def _run_family(model, ids, configs) -> dict[str, FamilyRun]:
     """Dynamo traces the model once; every config compiles the same graphs (what ``backend="weave"``
     receives), and each compiled graph is checked against the graph run eagerly on the same inputs
-    (run once per graph: every config compares with the same eager outputs). ``phases["trace"]``:
-    the trace's seconds."""
-    from weavepass.backend import WeaveBackend
+    (run once per graph: every config compares with the same eager outputs)."""
+    captured, eager = _trace(model, ids)
+    return _compile_all(captured, eager, configs)
 
+
+def _trace(model, ids, phases: dict[str, float] | None = None) -> tuple[list, list]:
+    """The graphs Dynamo hands a backend for ``model(ids)``, with their example inputs, and each
+    graph's eager outputs; ``phases["trace"]``: the seconds this took."""
     captured = []
 
     def capture(gm, example_inputs):
@@ -177,6 +187,13 @@ def _run_family(model, ids, configs, phases: dict[str, float] | None = None) -> 
         eager = [gm(*inputs) for gm, inputs in captured]
     if phases is not None:
         phases["trace"] = time.perf_counter() - start
+    return captured, eager
+
+
+def _compile_all(captured: list, eager: list, configs: dict[str, WeaveConfig]) -> dict[str, FamilyRun]:
+    """Every config compiles every captured graph, checked against its eager outputs."""
+    from weavepass.backend import WeaveBackend
+
     runs = {}
     for config_name, config in configs.items():
         run = runs[config_name] = FamilyRun(rel_diff=0.0)
