@@ -236,6 +236,18 @@ def test_scale_of_a_sum_that_reaches_no_norm_is_not_distributed():
     assert graph.ops_after["aten.mul.Tensor"] == 1 and not graph.records[0].matched
 
 
+def test_rms_norm_written_with_pow():
+    """Gemma3n's and Gemma4's RMSNorm: ``x * torch.pow(mean(x^2) + eps, -0.5)`` is an RMSNorm."""
+    def f(x, w, r, weight, b, b2):
+        h = ar(x @ w) + r
+        hf = h.float()
+        return (hf * torch.pow(hf.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * weight.float()).type_as(h), h
+
+    graph = compile_report(f, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0, graph.records
+    assert graph.ops_after["aten.pow.Tensor_Scalar"] == 0, graph.ops_after
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

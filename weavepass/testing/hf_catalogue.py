@@ -52,6 +52,8 @@ OVERRIDES: dict[str, dict] = {
     # (one layer per block: a Mamba, an MoE, an attention and an MLP layer, as its default)
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=16),
+    # (its 2 layers cannot share key/value caches: its default shares the last 15 of 35)
+    "gemma3n_text": dict(num_kv_shared_layers=0),
     # (its default config has no RoPE parameters, which its model reads per layer type)
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
@@ -87,7 +89,7 @@ def tiny_config(model_type: str):
     config_class = CONFIG_MAPPING[model_type]
     default = config_class()
     fields = {k: v for k, v in {**SMALL, **OVERRIDES.get(model_type, {})}.items()
-              if hasattr(default, k) and not _derived(config_class, k)}
+              if _has(default, k) and not _derived(config_class, k)}
     for name, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 1)):
         token = getattr(default, name, None)
         if isinstance(token, int) and token >= VOCAB or isinstance(token, list) and any(t >= VOCAB for t in token):
@@ -104,6 +106,15 @@ def tiny_config(model_type: str):
         n = fields.get("num_hidden_layers", 2)
         fields["layer_types"] = (kinds + layer_types[len(kinds):])[:n] if len(kinds) < n else kinds[:n]
     return config_class(**fields)
+
+
+def _has(config, name: str) -> bool:
+    """``config`` has the field ``name`` (a per-layer field of a heterogeneous config, which refuses
+    a global read, counts: the value given is every layer's)."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # (transformers' AmbiguousGlobalPerLayerAttributeError)
+        return True
 
 
 def _derived(config_class, name: str) -> bool:
