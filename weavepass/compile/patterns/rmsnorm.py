@@ -42,6 +42,7 @@ import torch
 from torch.fx import Node
 
 from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.where import where
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -489,4 +490,7 @@ def match_rmsnorm(x: Node) -> RMSNormMatch | Reason:
         if found is not None:
             return found
     first = next(iter(x.users), None)
-    return Reason.of(ReasonCode.NO_NORM, first_user=f"{first.target}" if first is not None else "nothing")
+    if first is None:
+        return Reason.of(ReasonCode.NO_NORM, first_user="nothing", place="")
+    place = where(first)  # (the model's code that reads the value: what the user recognises)
+    return Reason.of(ReasonCode.NO_NORM, first_user=f"{first.target}", place=f" in {place}" if place else "")
