@@ -184,7 +184,7 @@ def _trace(model, ids, phases: dict[str, float] | None = None) -> tuple[list, li
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=capture)(ids)
-        eager = [gm(*inputs) for gm, inputs in captured]
+        eager = [gm(*_fresh(inputs)) for gm, inputs in captured]
     if phases is not None:
         phases["trace"] = time.perf_counter() - start
     return captured, eager
@@ -202,13 +202,19 @@ def _compile_all(captured: list, eager: list, configs: dict[str, WeaveConfig]) -
         try:
             for (gm, inputs), expected in zip(captured, eager, strict=True):
                 with torch.no_grad():
-                    compiled = backend(copy.deepcopy(gm), inputs)(*inputs)
+                    compiled = backend(copy.deepcopy(gm), inputs)(*_fresh(inputs))
                 run.rel_diff = max(run.rel_diff, _rel_diff(compiled, expected))
         except Exception:
             run.error = traceback.format_exc()
         run.seconds = time.perf_counter() - start
         run.graphs = backend.report.graphs
     return runs
+
+
+def _fresh(inputs: list) -> list:
+    """A copy of a graph's inputs for one run: a graph that writes into an input (a cache buffer,
+    ``copy_``) would otherwise hand the next run other values than the first one had."""
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
 def _rel_diff(compiled, eager) -> float:
