@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,6 +172,9 @@ def write_table(results: dict) -> None:
 
     missing = sorted(set(tp_families()) - set(results))
     built = [r for r in results.values() if r["status"] == "ok"]
+    counts = Counter(r["status"] for r in results.values() if r["status"] != "ok")
+    statuses = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none failed"
+    seconds = sum(r.get("seconds", 0) for r in results.values())
     full = sum(1 for r in built if not r["strategies"]["fuse"]["error"]
                and all(g["left"] == 0 for g in r["strategies"]["fuse"]["graphs"]))
     lines = [
@@ -178,9 +182,12 @@ def write_table(results: dict) -> None:
         "",
         f"{len(results)} of the {len(results) + len(missing)} families with a TP plan and a causal-LM class "
         f"(transformers {transformers.__version__}) swept; {len(built)} built and run, "
-        f"{full} of them with every all_reduce fused. \"sites\": all_reduces in the fuse-only run's "
-        "graphs; \"fused\": those replaced by a fused op (a merged sum counts as fused). Results: "
-        f"compiled vs the same graph run eagerly, fp32, within {TOLERANCE} of the output's magnitude.",
+        f"{full} of them with every all_reduce fused; {statuses}. \"sites\": all_reduces in the "
+        "fuse-only run's graphs; \"fused\": those replaced by a fused op (a merged sum counts as fused). "
+        f"Results: compiled vs the same graph run eagerly, fp32, within {TOLERANCE} of the output's "
+        "magnitude. `build_failed`: the tiny checkpoint cannot be built from the config's defaults; "
+        "`model_failed`: the model loaded with its own TP plan fails before weave sees it (eager fails "
+        f"too). The families' own times add up to {seconds / 60:.0f} min.",
         "",
         "| family | sites | fused | kept, and why (fuse-only) | fuse | split forced | FlashComm forced |",
         "|---|---|---|---|---|---|---|",

@@ -18,7 +18,7 @@ VOCAB = 128
 """Every tiny checkpoint's vocabulary (``hf_models`` draws its token ids below it)."""
 
 SMALL = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
     # MoE: 4 experts of 32, 2 per token; a shared expert of 48
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -52,6 +52,9 @@ OVERRIDES: dict[str, dict] = {
     # (one layer per block: a Mamba, an MoE, an attention and an MLP layer, as its default)
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=16),
+    # (its default config has no layer types: a short convolution layer and an attention layer; its
+    # first layer is dense, the second MoE)
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     # (its 2 layers cannot share key/value caches: its default shares the last 15 of 35)
     "gemma3n_text": dict(num_kv_shared_layers=0),
     # (its default config has no RoPE parameters, which its model reads per layer type)
