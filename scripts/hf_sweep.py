@@ -144,7 +144,7 @@ def _result_cell(entry: dict, strategy: str) -> str:
 
 
 def _row(result: dict) -> str:
-    family = result["family"]
+    family = result["family"] + (" (again)" if result.get("rerun") else "")
     if result["status"] != "ok":
         reason = result["reason"].split("\n---\n")[0]  # (an error's exception, without its traceback)
         return f"| {family} | | | {result['status']}: {_short(reason, 300)} | | |"
@@ -175,6 +175,8 @@ def write_table(results: dict) -> None:
     counts = Counter(r["status"] for r in results.values() if r["status"] != "ok")
     statuses = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none failed"
     seconds = sum(r.get("seconds", 0) for r in results.values())
+    again = (" \"(again)\": the row is from a later run of that family (docs/models.md says why)."
+             if any(r.get("rerun") for r in results.values()) else "")
     full = sum(1 for r in built if not r["strategies"]["fuse"]["error"]
                and all(g["left"] == 0 for g in r["strategies"]["fuse"]["graphs"]))
     lines = [
@@ -187,7 +189,7 @@ def write_table(results: dict) -> None:
         f"Results: compiled vs the same graph run eagerly, fp32, within {TOLERANCE} of the output's "
         "magnitude. `build_failed`: the tiny checkpoint cannot be built from the config's defaults; "
         "`model_failed`: the model loaded with its own TP plan fails before weave sees it (eager fails "
-        f"too). The families' own times add up to {seconds / 60:.0f} min.",
+        f"too). The families' own times add up to {seconds / 60:.0f} min." + again,
         "",
         "| family | sites | fused | kept, and why (fuse-only) | fuse | split forced | FlashComm forced |",
         "|---|---|---|---|---|---|---|",
