@@ -18,8 +18,8 @@ VOCAB = 128
 """Every tiny checkpoint's vocabulary (``hf_models`` draws its token ids below it)."""
 
 SMALL = dict(
-    vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
     # MoE: 4 experts of 32, 2 per token; a shared expert of 48
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=48, n_shared_experts=1,
