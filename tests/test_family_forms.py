@@ -236,6 +236,26 @@ def test_scale_of_a_sum_that_reaches_no_norm_is_not_distributed():
     assert graph.ops_after["aten.mul.Tensor"] == 1 and not graph.records[0].matched
 
 
+def test_scale_computed_after_the_sum_from_earlier_values_moves_up():
+    """MiniCPM3's embedding: ``embed(ids) * self.embed_scale.to(dtype)``, the scale a buffer
+    converted after the embedding's all_reduce: the computation moves before the all_reduce and
+    the scale onto the partial. A scale computed from the sum itself stays."""
+    def minicpm3(x, w, r, weight, b, b2):
+        h = ar(x @ w) * (b[0].float() * 2).to(x.dtype)  # (a 0-d value of a replicated input)
+        return llama_norm(h, weight), h
+
+    def from_the_sum(x, w, r, weight, b, b2):
+        s = ar(x @ w)
+        h = s * s[0, 0]
+        return llama_norm(h, weight), h
+
+    graph = compile_report(minicpm3, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0, graph.records
+    assert graph.records[0].kind.startswith("no-residual, sum scaled by "), graph.records[0].kind
+    graph = compile_report(from_the_sum, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 0 and graph.ops_after[AR] == 1, graph.records
+
+
 def test_rms_norm_written_with_pow():
     """Gemma3n's and Gemma4's RMSNorm: ``x * torch.pow(mean(x^2) + eps, -0.5)`` is an RMSNorm."""
     def f(x, w, r, weight, b, b2):

@@ -236,10 +236,14 @@ class ScaledSum:
     mul: Node
     factor: Node | int | float
     late_factor: bool
-    """``c`` is a constant made after the all_reduce (Gemma's ``full([], sqrt(H))``): moved up."""
+    """``c`` is computed after the all_reduce from values that exist before it (Gemma's constant
+    ``full([], sqrt(H))``, MiniCPM3's ``embed_scale.to(dtype)`` of a buffer): moved up."""
     views: tuple[Node, ...] = ()
     """row views between the wait and ``mul`` (MiniMax: ``[T, H] -> [B, S, H]``, then ``* beta``),
     each read only by the next: after the hoist, the first of ``views_to_add``."""
+    late_nodes: tuple[Node, ...] = ()
+    """with ``late_factor``: the nodes after the all_reduce that compute ``c`` (``c`` last), in
+    graph order: moved before the all_reduce."""
 
     @property
     def text(self) -> str:
@@ -465,7 +469,8 @@ def hoist_scale(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllReduce
     mul, partial, factor = site.scale.mul, site.partial, site.scale.factor
     if site.scale.late_factor:
         assert isinstance(factor, Node)
-        site.all_reduce.prepend(factor)
+        for node in site.scale.late_nodes or (factor,):
+            site.all_reduce.prepend(node)
     assert callable(mul.target)  # the finder matched it as a call_function of a mul op
     with graph.inserting_before(site.all_reduce):
         scaled = graph.call_function(mul.target, (partial, factor))
@@ -1068,18 +1073,34 @@ def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> ScaledSum 
         return None
     factor = mul.args[1] if mul.args[0] is end else mul.args[0]
     late = False
+    late_nodes: list[Node] = []
     if isinstance(factor, Node):
         fv = val(factor)
-        # After the all_reduce only as a constant (Gemma's ``full([], sqrt(H))``): it moves up.
+        # After the all_reduce only as a pure computation of earlier values (Gemma's constant
+        # ``full([], sqrt(H))``, MiniCPM3's ``embed_scale.to(dtype)``): it moves up.
         late = order[factor] > order[ar]
-        if fv is None or fv.numel() != 1 or (late and (factor.op != "call_function" or factor.all_input_nodes)):
+        if fv is None or fv.numel() != 1 or (late and not _movable_above(factor, ar, order, late_nodes)):
             return None
     elif isinstance(factor, bool) or not isinstance(factor, (int, float)):
         return None
     mv, wv = val(mul), val(end)
     if mv is None or wv is None or mv.shape != wv.shape or mv.dtype != wv.dtype:
         return None
-    return ScaledSum(mul, factor, late, tuple(views))
+    late_nodes.sort(key=order.__getitem__)
+    return ScaledSum(mul, factor, late, tuple(views), tuple(late_nodes))
+
+
+def _movable_above(node: Node, ar: Node, order: dict[Node, int], moved: list[Node]) -> bool:
+    """``node`` (after ``ar``) and what it reads after ``ar`` are computations of values that
+    exist before ``ar`` (no collective, wait or in-place op among them): collected into ``moved``."""
+    if order[node] < order[ar] or node in moved:
+        return True
+    target = node.target
+    if node.op != "call_function" or is_target(node, ALL_REDUCES | {WAIT}) \
+            or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+        return False
+    moved.append(node)
+    return all(_movable_above(arg, ar, order, moved) for arg in node.all_input_nodes)
 
 
 def _checked(site: FusedAllReduceRMSNormSite,
