@@ -101,6 +101,10 @@ def tiny_config(model_type: str):
         fields["head_dim"] = fields["qk_rope_head_dim"]
     if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # MLA: each head its own key/value
         fields["num_key_value_heads"] = fields["num_attention_heads"]
+    text = getattr(default, "text_config", None)  # a composite config (Llama4's): its text model tiny
+    if "text_config" not in fields and getattr(text, "model_type", None) in CONFIG_MAPPING \
+            and text.model_type != model_type:
+        fields["text_config"] = tiny_config(text.model_type).to_dict()
     layer_types = getattr(default, "layer_types", None)
     named = {"layer_types", getattr(config_class, "attribute_map", {}).get("layer_types", "layer_types")}
     if isinstance(layer_types, list) and not named & set(fields) and not _derived(config_class, "layer_types"):
