@@ -5,10 +5,12 @@ every strategy on 2 gloo ranks against eager; regenerates the table of docs/mode
     python scripts/hf_sweep.py gpt_neox minimax           # some families; the others' rows stay
     python scripts/hf_sweep.py --table-only               # rewrite docs/models.md from the results
 
-Each family runs in its own process (``--one``) with a timeout: it writes a tiny random checkpoint
-(``hf_catalogue.save_tiny``), spawns 2 gloo ranks that load it with ``tp_plan="auto"``, trace it
-once and compile the graphs fuse-only, with the token split forced and with FlashComm forced
-(``hf_models.CONFIGS``), each against the same graphs run eagerly. Results go to
+Each family runs in its own 2 processes, gloo ranks forked from this one once it has imported
+and warmed torch, transformers and Inductor (``warm_up``), stopped after a timeout: rank 0 writes
+a tiny random checkpoint (``hf_catalogue.save_tiny``), both load it with ``tp_plan="auto"``,
+trace it once and compile the graphs fuse-only, with the token split forced and with FlashComm
+forced (``hf_models.CONFIGS``), each against the same graphs run eagerly. A line per family shows
+the progress. Results go to
 docs/hf_sweep.json (merged by family, so a partial run updates its rows), and the table between
 the sweep markers of docs/models.md is regenerated from that file.
 """
@@ -18,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import re
 import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,26 +60,69 @@ def _summary(runs_per_rank: list[dict]) -> dict:
     return out
 
 
-def run_one(family: str) -> dict:
-    """Build, load, compile and compare one family (in this process and 2 spawned ranks)."""
-    import torch  # noqa: F401
+def warm_up() -> None:
+    """Import and warm what every family's ranks need, once: the ranks are forked from this process
+    (``spawn(start_method="fork")``), so each starts with torch, transformers, Dynamo and Inductor
+    loaded and initialised instead of paying for it (about 1.5 s of imports per process and 2-3 s of
+    Inductor's first compile per rank). No parallel torch op runs here and Inductor compiles in
+    this process (``compile_threads=1``): no threads or pools for the forked ranks to inherit."""
+    import torch
+    import torch._inductor.config
+    import transformers
 
-    from weavepass.testing import hf_catalogue, hf_models, spawn
+    from weavepass.backend import WeaveBackend
+    from weavepass.testing import hf_models
+
+    transformers.logging.set_verbosity_error()
+    torch._inductor.config.compile_threads = 1
+    backend = WeaveBackend(hf_models.CONFIGS["fuse"])  # (imports the pass's modules: a checkout edited
+    with torch.no_grad():                               # during the sweep does not mix into it)
+        torch.compile(lambda x: torch.nn.functional.rms_norm(x + 1, (8,)), backend=backend)(torch.ones(2, 8))
+    torch._dynamo.reset()
+
+
+def run_one(family: str, timeout_s: float) -> dict:
+    """One family on 2 gloo ranks forked from this process (rank 0 builds the tiny checkpoint; both
+    load it, trace it once and compile it with every strategy against eager:
+    ``hf_models.run_catalogue_family``), stopped after ``timeout_s``."""
+    from weavepass.testing import hf_models, spawn
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            hf_catalogue.save_tiny(family, tmp)
-        except Exception as error:
-            return dict(family=family, status="build_failed", reason=f"{type(error).__name__}: {error}"[:400],
+            per_rank = spawn(hf_models.run_catalogue_family, 2, "gloo", family, tmp, hf_models.CONFIGS,
+                             timeout_s=timeout_s, start_method="fork")
+        except TimeoutError:
+            return dict(family=family, status="timeout", reason=f"still running after {timeout_s:.0f} s",
                         seconds=round(time.perf_counter() - start, 1))
-        try:
-            per_rank = spawn(hf_models.run_families, 2, "gloo", {family: tmp}, hf_models.CONFIGS, timeout_s=1200)
         except Exception:
-            return dict(family=family, status="error", reason=traceback.format_exc()[-1500:],
+            return dict(family=family, status="error", reason=_error_text(traceback.format_exc()),
                         seconds=round(time.perf_counter() - start, 1))
-    strategies = _summary([rank[family] for rank in per_rank])
-    return dict(family=family, status="ok", strategies=strategies, seconds=round(time.perf_counter() - start, 1))
+    seconds = round(time.perf_counter() - start, 1)
+    if "build_error" in per_rank[0]:
+        return dict(family=family, status="build_failed", reason=per_rank[0]["build_error"][:400], seconds=seconds)
+    failed = next((rank["model_error"] for rank in per_rank if "model_error" in rank), None)
+    if failed is not None:  # (before weave: loading, tracing or running the graphs eagerly)
+        return dict(family=family, status="model_failed", reason=_error_text(failed), seconds=seconds)
+    phases = {name: round(t, 1) for name, t in per_rank[0]["phases"].items()}
+    return dict(family=family, status="ok", strategies=_summary([rank["runs"] for rank in per_rank]),
+                phases=phases, seconds=seconds)
+
+
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unsupported|Exit|Interrupt)\w*(: |$)")
+
+
+def _error_text(text: str) -> str:
+    """A traceback as what the table shows: its first exception's line and the message lines that
+    follow it (the first failed rank's, inside the spawn's error; a peer's broken pipe comes
+    later), then the traceback's end."""
+    lines = (text.split("\n--- rank ", 1)[1] if "\n--- rank " in text else text).splitlines()
+    heads = [i for i, line in enumerate(lines) if _EXCEPTION.match(line)]
+    if not heads:
+        return text[-1500:]
+    first = heads[0]
+    end = next((i for i in range(first + 1, len(lines)) if not lines[i].strip()), len(lines))
+    return "\n".join(lines[first:min(end, first + 4)])[:600] + "\n---\n" + text[-1500:]
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -86,7 +132,7 @@ def _short(text: str, limit: int = 300) -> str:
 
 def _result_cell(entry: dict, strategy: str) -> str:
     if entry["error"]:
-        return f"**error**: {_short(entry['error'].strip().splitlines()[-1], 150)}"
+        return f"**error**: {_short(_error_text(entry['error']).split(chr(10) + '---')[0], 150)}"
     mark = "equal eager" if entry["rel_diff"] <= TOLERANCE else f"**differs** ({entry['rel_diff']:.1e})"
     if not entry["ranks_agree"]:
         mark += "; **ranks decided differently**"
@@ -98,9 +144,10 @@ def _result_cell(entry: dict, strategy: str) -> str:
 
 
 def _row(result: dict) -> str:
-    family = result["family"]
+    family = result["family"] + (" (again)" if result.get("rerun") else "")
     if result["status"] != "ok":
-        return f"| {family} | | | {result['status']}: {_short(result['reason'], 300)} | | |"
+        reason = result["reason"].split("\n---\n")[0]  # (an error's exception, without its traceback)
+        return f"| {family} | | | {result['status']}: {_short(reason, 300)} | | |"
     fuse = result["strategies"]["fuse"]
     sites = sum(g["all_reduces"] for g in fuse["graphs"])
     fused = sum(g["all_reduces"] - g["left"] for g in fuse["graphs"])
@@ -125,6 +172,11 @@ def write_table(results: dict) -> None:
 
     missing = sorted(set(tp_families()) - set(results))
     built = [r for r in results.values() if r["status"] == "ok"]
+    counts = Counter(r["status"] for r in results.values() if r["status"] != "ok")
+    statuses = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "none failed"
+    seconds = sum(r.get("seconds", 0) for r in results.values())
+    again = (" \"(again)\": the row is from a later run of that family (docs/models.md says why)."
+             if any(r.get("rerun") for r in results.values()) else "")
     full = sum(1 for r in built if not r["strategies"]["fuse"]["error"]
                and all(g["left"] == 0 for g in r["strategies"]["fuse"]["graphs"]))
     lines = [
@@ -132,9 +184,12 @@ def write_table(results: dict) -> None:
         "",
         f"{len(results)} of the {len(results) + len(missing)} families with a TP plan and a causal-LM class "
         f"(transformers {transformers.__version__}) swept; {len(built)} built and run, "
-        f"{full} of them with every all_reduce fused. \"sites\": all_reduces in the fuse-only run's "
-        "graphs; \"fused\": those replaced by a fused op (a merged sum counts as fused). Results: "
-        f"compiled vs the same graph run eagerly, fp32, within {TOLERANCE} of the output's magnitude.",
+        f"{full} of them with every all_reduce fused; {statuses}. \"sites\": all_reduces in the "
+        "fuse-only run's graphs; \"fused\": those replaced by a fused op (a merged sum counts as fused). "
+        f"Results: compiled vs the same graph run eagerly, fp32, within {TOLERANCE} of the output's "
+        "magnitude. `build_failed`: the tiny checkpoint cannot be built from the config's defaults; "
+        "`model_failed`: the model loaded with its own TP plan fails before weave sees it (eager fails "
+        f"too). The families' own times add up to {seconds / 60:.0f} min." + again,
         "",
         "| family | sites | fused | kept, and why (fuse-only) | fuse | split forced | FlashComm forced |",
         "|---|---|---|---|---|---|---|",
@@ -157,42 +212,33 @@ def write_table(results: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("families", nargs="*", help="model types (default: every family with a TP plan)")
-    parser.add_argument("--one", help="run one family in this process and print its result as JSON")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per family (default 600)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per family (default 300)")
     parser.add_argument("--table-only", action="store_true", help="only regenerate docs/models.md")
     args = parser.parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(run_one(args.one)))
-        return 0
+    sys.path.insert(0, str(ROOT))  # this checkout's weavepass
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # (as scripts/test.sh: compiles faster)
 
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if not args.table_only:
         from weavepass.testing.hf_catalogue import tp_families
 
         families = args.families or sorted(tp_families())
-        env = dict(os.environ, PYTHONPATH=str(ROOT),
-                   TORCHINDUCTOR_VEC_ISA_OK=os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "0"))
+        sweep_start = time.perf_counter()
+        warm_up()
+        print(f"warmed up in {time.perf_counter() - sweep_start:.0f} s", flush=True)
         for i, family in enumerate(families, 1):
-            start = time.perf_counter()
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--one", family], capture_output=True, text=True,
-                                      timeout=args.timeout, env=env, cwd=ROOT)
-                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                result = json.loads(line[7:]) if line else dict(
-                    family=family, status="error", reason=(proc.stderr or proc.stdout)[-1500:])
-            except subprocess.TimeoutExpired:
-                result = dict(family=family, status="timeout", reason=f"still running after {args.timeout:.0f} s")
-            results[family] = result
+            result = results[family] = run_one(family, args.timeout)
             RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-            print(f"[{i}/{len(families)}] {family}: {_progress(result)} ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
+            elapsed = time.perf_counter() - sweep_start
+            print(f"[{i}/{len(families)}] {family}: {_progress(result)} ({result['seconds']:.0f} s; "
+                  f"{elapsed / 60:.1f} min so far)", flush=True)
     write_table(results)
     return 0
 
 
 def _progress(result: dict) -> str:
     if result["status"] != "ok":
-        return f"{result['status']}: {_short(result['reason'], 120)}"
+        return f"{result['status']}: {_short(result['reason'].split(chr(10) + '---')[0], 160)}"
     parts = []
     for name, entry in result["strategies"].items():
         n = sum(g["all_reduces"] for g in entry["graphs"])

@@ -207,7 +207,7 @@ def test_finder_rejects_all_reduce_without_norm(world2):
     graph = _trace(no_norm, torch.randn(8, 32), torch.randn(32, H))
     sites, rejected = find_allreduce_rmsnorm_sites(graph)
     assert sites == [] and [r.all_reduce.name for r in rejected] == ["all_reduce"]
-    assert rejected[0].reason == Reason.of(ReasonCode.NO_NORM, first_user="output")
+    assert rejected[0].reason == Reason.of(ReasonCode.NO_NORM, first_user="output", place="")  # (the output: no module)
     assert rejected[0].reason.render() == "no RMSNorm or LayerNorm consumes the value (first user: output)"
 
 

@@ -8,6 +8,10 @@
   h * beta``).
 * Llama4: the routed experts' sum ``all_reduce(p).view(E, T, H).sum(0)`` added to the shared
   expert's all_reduce: one all_reduce of ``p.view(E, T, H).sum(0) + p_shared``.
+* Qwen3-Next: the shared expert's sum gated per token (``sigmoid(gate(x)) * S_shared``) added to the
+  routed experts' sum: one all_reduce of ``p + g * p_shared``.
+* GraniteMoeHybrid: ``r + (S + s) * c`` (the experts' sum plus the replicated shared MLP, scaled):
+  the scale is distributed, hoisted onto the partial, and ``s * c`` moves onto the residual.
 * Every record names where in the model its all_reduce is (``weavepass.compile.where``).
 
 Graph-level tests compile on a fake group of 2 (``test_patterns``'s helpers); the numbers are
@@ -162,6 +166,108 @@ def test_routed_experts_sum_over_experts_joins_the_shared_experts_all_reduce():
     assert "all_reduce is summed with all_reduce_1's sum into one all_reduce" in graph.note, graph.note
 
 
+def qwen3_next(x, w, r, weight, b, b2):
+    """Qwen3-Next's MoE: the shared expert's all_reduce gated per token by ``sigmoid(gate(x))``
+    (``[T, 1]``, replicated), added to the routed experts' all_reduce, then to the residual."""
+    shared = torch.sigmoid(x[:, :1]) * ar(x @ w.flip(0))  # (the gate reads the replicated input)
+    h = (ar(x @ w) + shared) + r
+    return llama_norm(h, weight), h
+
+
+def granite_hybrid(x, w, r, weight, b, b2):
+    """GraniteMoeHybrid's MoE: the experts' sum viewed ``[1, T, H]``, plus the replicated shared
+    MLP's output, the two scaled by ``residual_multiplier`` and added to the residual."""
+    t = x.shape[0]
+    shared = torch.cat([x, x], -1).view(1, t, H)  # (replicated: the shared MLP is not sharded)
+    h = r.view(1, t, H) + (ar(x @ w).view(1, t, H) + shared) * 0.22
+    return llama_norm(h, weight), h
+
+
+def test_gated_shared_expert_joins_the_routed_experts_all_reduce():
+    """``S_routed + g * S_shared`` with ``g`` a replicated per-token gate: one all_reduce of
+    ``p_routed + g * p_shared`` (``g`` moves onto the shared expert's partial)."""
+    graph = compile_report(qwen3_next, *inputs(), *biases())
+    assert graph.ops_before[AR] == 2 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after["aten.sigmoid.default"] == 1
+    (record,) = graph.records
+    assert record.node == "all_reduce_1" and "summed with all_reduce (mul, its sum scaled by sigmoid" in record.kind
+    assert "all_reduce is summed with all_reduce_1's sum into one all_reduce" in graph.note, graph.note
+    # the gate's product now on the partial, the partials' sum, the residual add inside the op
+    assert (graph.ops_before[ADD], graph.ops_after[ADD]) == (3, 1), graph.ops_after
+
+
+def test_gate_from_a_partial_or_a_product_of_sums_is_not_merged():
+    """A gate computed from a rank's own partial differs between ranks, and a product of two sums
+    is not linear in either: neither moves onto a partial."""
+    def rank_local_gate(x, w, r, weight, b, b2):
+        p = x @ w
+        h = (ar(p) + torch.sigmoid(p[:, :1]) * ar(x @ w.flip(0))) + r
+        return llama_norm(h, weight), h
+
+    def product(x, w, r, weight, b, b2):
+        h = (ar(x @ w) + ar(x @ w) * ar(x @ w.flip(0))) + r
+        return llama_norm(h, weight), h
+
+    graph = compile_report(rank_local_gate, *inputs(), *biases())
+    assert graph.ops_after[AR] == 2 and graph.ops_after[FUSED] == 0, graph.records
+    assert "computed from the all_reduce's own partial sum (mm), which differs between ranks" in graph.records[0].reason
+    graph = compile_report(product, *inputs(), *biases())
+    assert graph.ops_after[AR] == 2 and graph.ops_after[FUSED] == 1, graph.records  # the first sum: x = S2 * S3
+    assert not any("summed with" in r.kind for r in graph.records), graph.records
+
+
+def test_scale_of_a_sum_plus_a_replicated_term_is_distributed():
+    """``r + (S + s) * c``: the scale is distributed (``S * c + s * c``), hoisted onto the partial,
+    and ``s * c`` moves onto the residual: the site is fused, no all_reduce is left."""
+    graph = compile_report(granite_hybrid, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == graph.ops_after[WAIT] == 0
+    (record,) = graph.records
+    assert record.kind.startswith("residual, sum scaled by 0.22, the scale of (sum + x) distributed"), record.kind
+    # (S + s) * c + r: the scales of S and s, and s * c + r are left (the op adds the sum)
+    assert (graph.ops_after["aten.mul.Tensor"], graph.ops_after[ADD]) == (2, 1), graph.ops_after
+
+
+def test_scale_of_a_sum_that_reaches_no_norm_is_not_distributed():
+    def f(x, w, r, weight, b, b2):
+        return (ar(x @ w) + r) * 0.5
+
+    graph = compile_report(f, *inputs(), *biases())
+    assert graph.ops_after == graph.ops_before
+    assert graph.ops_after["aten.mul.Tensor"] == 1 and not graph.records[0].matched
+
+
+def test_scale_computed_after_the_sum_from_earlier_values_moves_up():
+    """MiniCPM3's embedding: ``embed(ids) * self.embed_scale.to(dtype)``, the scale a buffer
+    converted after the embedding's all_reduce: the computation moves before the all_reduce and
+    the scale onto the partial. A scale computed from the sum itself stays."""
+    def minicpm3(x, w, r, weight, b, b2):
+        h = ar(x @ w) * (b[0].float() * 2).to(x.dtype)  # (a 0-d value of a replicated input)
+        return llama_norm(h, weight), h
+
+    def from_the_sum(x, w, r, weight, b, b2):
+        s = ar(x @ w)
+        h = s * s[0, 0]
+        return llama_norm(h, weight), h
+
+    graph = compile_report(minicpm3, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0, graph.records
+    assert graph.records[0].kind.startswith("no-residual, sum scaled by "), graph.records[0].kind
+    graph = compile_report(from_the_sum, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 0 and graph.ops_after[AR] == 1, graph.records
+
+
+def test_rms_norm_written_with_pow():
+    """Gemma3n's and Gemma4's RMSNorm: ``x * torch.pow(mean(x^2) + eps, -0.5)`` is an RMSNorm."""
+    def f(x, w, r, weight, b, b2):
+        h = ar(x @ w) + r
+        hf = h.float()
+        return (hf * torch.pow(hf.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * weight.float()).type_as(h), h
+
+    graph = compile_report(f, *inputs(), *biases())
+    assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0, graph.records
+    assert graph.ops_after["aten.pow.Tensor_Scalar"] == 0, graph.ops_after
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -213,28 +319,31 @@ def test_module_path_and_source_line_of_hand_made_metadata():
 
 def biased_stack(x, w, r, weight, b, b2):
     """An embedding-like sum, then a StarCoder2 and a GPT-NeoX layer (its MLP reads a second,
-    unfused LayerNorm of the stream): the stream runs from site to site (4 all_reduces, 3 sites)."""
+    unfused LayerNorm of the stream) and a Qwen3-Next MoE: the stream runs from site to site (6
+    all_reduces, 4 sites)."""
     e = ar(x @ w)
     n0 = llama_norm(e, weight)
     n1, h1 = starcoder2(n0[:, :32], w, e, weight, b, b2)
-    return neox_layer(n1[:, :32], torch.nn.functional.layer_norm(h1, (H,))[:, :32], w, h1, weight, b, b2)
+    n2, h2 = neox_layer(n1[:, :32], torch.nn.functional.layer_norm(h1, (H,))[:, :32], w, h1, weight, b, b2)
+    return qwen3_next(n2[:, :32], w, h2, weight, b, b2)
 
 
 def stream_stack(x, w, r, weight, b, b2):
     """``biased_stack``, then a Llama4 MoE layer: FlashComm keeps the stream sharded throughout
-    (6 all_reduces, 4 sites)."""
+    (8 all_reduces, 5 sites)."""
     n2, h2 = biased_stack(x, w, r, weight, b, b2)
     return llama4(n2[:, :32], w, h2, weight, b, b2)
 
 
 def scaled_stack(x, w, r, weight, b, b2):
     """``stream_stack`` and then MiniMax's scaled residual (its ``residual * alpha`` is not the
-    stream: FlashComm refuses it), 7 all_reduces, 5 sites."""
+    stream: FlashComm refuses it) and a GraniteMoeHybrid MoE, 10 all_reduces, 7 sites."""
     n3, h3 = stream_stack(x, w, r, weight, b, b2)
-    return minimax(n3[0, :, :32], w, h3[0], weight, b, b2)
+    n4, h4 = minimax(n3[0, :, :32], w, h3[0], weight, b, b2)
+    return granite_hybrid(n4[0, :, :32], w, h4[0], weight, b, b2)
 
 
-STACKS = {"fuse": (scaled_stack, 5), "split": (biased_stack, 3), "flashcomm": (stream_stack, 4)}
+STACKS = {"fuse": (scaled_stack, 7), "split": (biased_stack, 4), "flashcomm": (stream_stack, 5)}
 """The graph each strategy compiles and its site count: the split has no rule for the experts'
 ``bmm`` of this Llama4 stand-in (a batch of experts), and FlashComm needs the stream carried."""
 

@@ -102,10 +102,17 @@ EXPECTED: dict[str, Expected] = {
     # Llama4: the routed experts' all_reduce, summed over experts, joins the shared expert's
     # (7 all_reduces, 5 sites); its rotary embedding (view_as_complex) has no split rule.
     "llama4": Expected(5, merged=2, split=ReasonCode.SPLIT_NOT_POSSIBLE),
+    # Qwen3-Next: the shared expert's sum, gated per token by sigmoid(gate(h)), joins the routed
+    # experts' all_reduce (6 all_reduces, 4 sites). GraniteMoeHybrid: (experts + shared MLP) *
+    # residual_multiplier, the scale distributed over both. Both hybrids' linear-attention / Mamba
+    # layers (a causal conv1d) have no split rule; the MoE layer's residual is not the stream.
+    "qwen3_next": Expected(4, merged=2, split=ReasonCode.SPLIT_NOT_POSSIBLE, flashcomm=ReasonCode.STREAM_BROKEN),
+    "granitemoehybrid": Expected(3, split=ReasonCode.SPLIT_NOT_POSSIBLE, flashcomm=ReasonCode.STREAM_BROKEN),
 }
 assert set(EXPECTED) == set(hf.FAMILIES)
 
-CI_FAMILIES = ("llama", "gemma3", "granite", "cohere", "qwen2_moe", "deepseek_v3", "gpt_neox")
+CI_FAMILIES = ("llama", "gemma3", "granite", "cohere", "qwen2_moe", "deepseek_v3", "gpt_neox", "olmo2",
+               "granitemoehybrid")
 CI_STRATEGIES = {
     "llama": ("fuse", "split", "flashcomm"),  # the family most users serve: every strategy
     "gemma3": ("flashcomm",),  # sites without a residual add: FlashComm's refusal, then fuse-only
@@ -114,6 +121,8 @@ CI_STRATEGIES = {
     "qwen2_moe": ("split", "flashcomm"),  # MoE routing per half; the shared expert
     "deepseek_v3": ("flashcomm",),  # merged routed + shared sums; FlashComm's refusal, then fuse-only
     "gpt_neox": ("flashcomm",),  # biased parallel branches in one all_reduce, LayerNorm, FlashComm
+    "olmo2": ("fuse",),  # post-norm: the embedding's sum is never normed (POST_NORM_SUM)
+    "granitemoehybrid": ("fuse",),  # a Mamba hybrid; its MoE output scaled (distributed over 2 terms)
 }
 """The strategies CI compiles per family: each family's distinct case (the comments), the rest of
 the grid is ``WEAVE_TEST_FULL=1``'s. A refused FlashComm compiles fuse-only, and test_family checks

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from weavepass.compile import dump
-from weavepass.compile.patterns import find_allreduce_rmsnorm_sites, fold_sums_read_back
+from weavepass.compile.patterns import distribute_scales, find_allreduce_rmsnorm_sites, fold_sums_read_back
 from weavepass.compile.plan_check import check_plan_across_ranks
 from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import Reason, ReasonCode
@@ -230,6 +230,7 @@ class WeavePass(CustomGraphPass):
 
     def _rewrite(self, graph: torch.fx.Graph, report: GraphReport, dumps: dump.GraphDumps | None) -> None:
         fold_sums_read_back(graph)
+        distribute_scales(graph)
         position = {n: i for i, n in enumerate(graph.nodes)}
         sites, rejected = find_allreduce_rmsnorm_sites(graph)
         records: dict[int, AllReduceRecord] = {}

@@ -455,7 +455,7 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.BIAS_TREE_BROADCAST: ("{node} of shape {shape} is broadcast onto the sum's {sum_shape}: only a bias "
                                      "row of the hidden size is fused"),
     ReasonCode.NO_NORM_AFTER_BIAS: "no add after the sum",
-    ReasonCode.NO_NORM: "no RMSNorm or LayerNorm consumes the value (first user: {first_user})",
+    ReasonCode.NO_NORM: "no RMSNorm or LayerNorm consumes the value (first user: {first_user}{place})",
     ReasonCode.NORM_OVER_SEVERAL_DIMS: "{op} normalises over {ndims} dims, not only the last",
     ReasonCode.NORM_STATS_SAVED: ("training: the norm's statistics output {node} is saved for backward "
                                   "({op} is not fused in training graphs)"),

@@ -43,6 +43,7 @@ def spawn(
     allow_shared_gpu: bool = False,
     group_timeout_s: float | None = None,
     may_die: tuple[int, ...] = (),
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes sharing one process group.
 
@@ -59,13 +60,16 @@ def spawn(
     ``group_timeout_s`` is the group's own timeout (``init_process_group(timeout=...)``; the
     backend's default where None). Ranks in ``may_die`` may exit without reporting (tests of a dead
     peer): their result is None, and their exit is not a failure that stops the others.
+    ``start_method="fork"`` (the Hugging Face sweep, scripts/hf_sweep.py) starts the children as
+    copies of this process, with its imports and warmed caches; the caller must not have started
+    threads or pools the children would use (no parallel torch op, Inductor's ``compile_threads=1``).
     """
     share = allow_shared_gpu and backend == "nccl" and shared_gpu.enabled()
     if backend == "nccl" and torch.cuda.device_count() < (1 if share else world_size):
         raise RuntimeError(f"nccl needs {1 if share else world_size} GPUs, found {torch.cuda.device_count()}")
     # Every NCCL and symmetric-memory user in the children must agree: set before they start.
     disable_multicast(override=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [

@@ -18,8 +18,8 @@ VOCAB = 128
 """Every tiny checkpoint's vocabulary (``hf_models`` draws its token ids below it)."""
 
 SMALL = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    vocab_size=VOCAB, unpadded_vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
     # MoE: 4 experts of 32, 2 per token; a shared expert of 48
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=48, n_shared_experts=1,
@@ -43,15 +43,22 @@ OVERRIDES: dict[str, dict] = {
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25,
                     logits_scaling=8.0),
     "cohere": dict(logit_scale=0.5),
-    "deepseek_v3": dict(num_key_value_heads=4),
     "gpt_neox": dict(rotary_pct=0.25),
     "phi": dict(partial_rotary_factor=0.5),
     # hybrids: one attention layer among the 2 (a cache of Mamba layers only has no sequence length)
     "bamba": dict(attn_layer_indices=[1]),
     "falcon_h1": dict(mamba_d_ssm=128),  # (its layers are all hybrid: Mamba and attention in each)
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
-    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=8,
+    # (one layer per block: a Mamba, an MoE, an attention and an MLP layer, as its default)
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=16),
+    # (its default config has no layer types: a short convolution layer and an attention layer; its
+    # first layer is dense, the second MoE)
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # (its 2 layers cannot share key/value caches: its default shares the last 15 of 35)
+    "gemma3n_text": dict(num_kv_shared_layers=0),
+    # (its default config has no RoPE parameters, which its model reads per layer type)
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 
@@ -85,20 +92,36 @@ def tiny_config(model_type: str):
     config_class = CONFIG_MAPPING[model_type]
     default = config_class()
     fields = {k: v for k, v in {**SMALL, **OVERRIDES.get(model_type, {})}.items()
-              if hasattr(default, k) and not _derived(config_class, k)}
+              if _has(default, k) and not _derived(config_class, k)}
     for name, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 1)):
         token = getattr(default, name, None)
         if isinstance(token, int) and token >= VOCAB or isinstance(token, list) and any(t >= VOCAB for t in token):
             fields[name] = value
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # MLA: the rotary part's size
         fields["head_dim"] = fields["qk_rope_head_dim"]
+    if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # MLA: each head its own key/value
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    text = getattr(default, "text_config", None)  # a composite config (Llama4's): its text model tiny
+    if "text_config" not in fields and getattr(text, "model_type", None) in CONFIG_MAPPING \
+            and text.model_type != model_type:
+        fields["text_config"] = tiny_config(text.model_type).to_dict()
     layer_types = getattr(default, "layer_types", None)
-    if isinstance(layer_types, list) and "layer_types" not in fields and not _derived(config_class, "layer_types"):
+    named = {"layer_types", getattr(config_class, "attribute_map", {}).get("layer_types", "layer_types")}
+    if isinstance(layer_types, list) and not named & set(fields) and not _derived(config_class, "layer_types"):
         # one layer of each kind the model has (a hybrid's attention and linear-attention layers)
         kinds = list(dict.fromkeys(layer_types))
         n = fields.get("num_hidden_layers", 2)
         fields["layer_types"] = (kinds + layer_types[len(kinds):])[:n] if len(kinds) < n else kinds[:n]
     return config_class(**fields)
+
+
+def _has(config, name: str) -> bool:
+    """``config`` has the field ``name`` (a per-layer field of a heterogeneous config, which refuses
+    a global read, counts: the value given is every layer's)."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # (transformers' AmbiguousGlobalPerLayerAttributeError)
+        return True
 
 
 def _derived(config_class, name: str) -> bool:

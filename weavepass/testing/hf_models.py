@@ -37,6 +37,9 @@ FAMILIES: dict[str, str] = {
     # view (MiniMax), the routed experts' sum over experts (Llama4), post-norm (OLMo3, Exaone4)
     "gpt_neox": "gpt_neox", "gptj": "gptj", "phi": "phi", "codegen": "codegen", "starcoder2": "starcoder2",
     "minimax": "minimax", "llama4": "llama4_text", "olmo3": "olmo3", "exaone4": "exaone4",
+    # a gated shared expert's sum (Qwen3-Next), a scaled MoE output (GraniteMoeHybrid); both hybrids
+    # of attention and linear-attention / Mamba layers
+    "qwen3_next": "qwen3_next", "granitemoehybrid": "granitemoehybrid",
 }
 
 CONFIGS: dict[str, WeaveConfig] = {
@@ -102,6 +105,42 @@ def run_families(rank: int, world: int, paths: dict[str, str], configs: dict[str
     return runs
 
 
+def run_catalogue_family(rank: int, world: int, model_type: str, path: str,
+                         configs: dict[str, WeaveConfig]) -> dict:
+    """On one rank of the sweep (scripts/hf_sweep.py): rank 0 writes ``model_type``'s tiny
+    checkpoint to ``path`` (``hf_catalogue.save_tiny``) while the other ranks wait; every rank then
+    loads it and runs every config (``run_families``' work for one family).
+
+    Returns ``{"build_error": text}`` when the checkpoint cannot be built (on every rank), else
+    ``{"runs": {config name: FamilyRun}, "phases": {"build", "load", "trace": seconds}}``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    start = time.perf_counter()
+    error = [None]
+    if rank == 0:
+        try:
+            save_tiny(model_type, path)
+        except Exception as exc:
+            error = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        return {"build_error": error[0]}
+    phases = {"build": time.perf_counter() - start}
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    mesh = init_device_mesh("cpu", (world,))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    start = time.perf_counter()
+    try:
+        model = load_tp(path, mesh)
+        phases["load"] = time.perf_counter() - start
+        captured, eager = _trace(model, ids, phases)
+    except Exception:
+        return {"model_error": traceback.format_exc()}
+    return {"runs": _compile_all(captured, eager, configs), "phases": phases}
+
+
 def _run_bf16(path, mesh, ids) -> FamilyRun:
     """The bf16 model compiled fuse-only vs eager bf16, both against the fp32 model: the fused op
     rounds at other points than eager (``check_against_eager`` says how much that may cost)."""
@@ -126,34 +165,56 @@ def _run_bf16(path, mesh, ids) -> FamilyRun:
 
 def _run_family(model, ids, configs) -> dict[str, FamilyRun]:
     """Dynamo traces the model once; every config compiles the same graphs (what ``backend="weave"``
-    receives), and each compiled graph is checked against the graph run eagerly on the same inputs."""
-    from weavepass.backend import WeaveBackend
+    receives), and each compiled graph is checked against the graph run eagerly on the same inputs
+    (run once per graph: every config compares with the same eager outputs)."""
+    captured, eager = _trace(model, ids)
+    return _compile_all(captured, eager, configs)
 
+
+def _trace(model, ids, phases: dict[str, float] | None = None) -> tuple[list, list]:
+    """The graphs Dynamo hands a backend for ``model(ids)``, with their example inputs, and each
+    graph's eager outputs; ``phases["trace"]``: the seconds this took."""
     captured = []
 
     def capture(gm, example_inputs):
         captured.append((gm, list(example_inputs)))
         return gm.forward
 
+    start = time.perf_counter()
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=capture)(ids)
+        eager = [gm(*_fresh(inputs)) for gm, inputs in captured]
+    if phases is not None:
+        phases["trace"] = time.perf_counter() - start
+    return captured, eager
+
+
+def _compile_all(captured: list, eager: list, configs: dict[str, WeaveConfig]) -> dict[str, FamilyRun]:
+    """Every config compiles every captured graph, checked against its eager outputs."""
+    from weavepass.backend import WeaveBackend
+
     runs = {}
     for config_name, config in configs.items():
         run = runs[config_name] = FamilyRun(rel_diff=0.0)
         backend = WeaveBackend(config)
         start = time.perf_counter()
         try:
-            for gm, inputs in captured:
+            for (gm, inputs), expected in zip(captured, eager, strict=True):
                 with torch.no_grad():
-                    eager = gm(*inputs)
-                    compiled = backend(copy.deepcopy(gm), inputs)(*inputs)
-                run.rel_diff = max(run.rel_diff, _rel_diff(compiled, eager))
+                    compiled = backend(copy.deepcopy(gm), inputs)(*_fresh(inputs))
+                run.rel_diff = max(run.rel_diff, _rel_diff(compiled, expected))
         except Exception:
             run.error = traceback.format_exc()
         run.seconds = time.perf_counter() - start
         run.graphs = backend.report.graphs
     return runs
+
+
+def _fresh(inputs: list) -> list:
+    """A copy of a graph's inputs for one run: a graph that writes into an input (a cache buffer,
+    ``copy_``) would otherwise hand the next run other values than the first one had."""
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
 def _rel_diff(compiled, eager) -> float:

@@ -3,6 +3,7 @@
 from weavepass.compile.patterns.allreduce_rmsnorm import (
     FusedAllReduceRMSNormSite,
     RejectedAllReduce,
+    distribute_scales,
     find_allreduce_rmsnorm_sites,
     fold_sums_read_back,
     prepare,
@@ -13,6 +14,7 @@ __all__ = [
     "FusedAllReduceRMSNormSite",
     "RMSNormMatch",
     "RejectedAllReduce",
+    "distribute_scales",
     "find_allreduce_rmsnorm_sites",
     "fold_sums_read_back",
     "match_rmsnorm",

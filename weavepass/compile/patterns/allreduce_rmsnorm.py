@@ -112,8 +112,9 @@ class PartnerSum:
     all_reduce: Node
     wait: Node
     views: tuple[Node, ...]
-    """row views (and sums over leading dims: ``_is_expert_sum``) from the wait to the inner add,
-    each read only by the next; replayed on the partial when the sums are merged"""
+    """row views (and sums over leading dims: ``_is_expert_sum``; replicated scales: ``_scaled``)
+    from the wait to the inner add, each read only by the next; replayed on the partial when the
+    sums are merged"""
 
     @property
     def partial(self) -> Node:
@@ -211,14 +212,20 @@ class InnerAdd:
             return self.tree.kind
         other = self.other.name
         if self.partner is not None:
-            return (f"summed with {self.partner.all_reduce.name} ({other}): one all_reduce of the "
+            scales = [_view_args(v)[0] for v in self.partner.views if is_target(v, SCALES)]
+            scaled = "".join(f", its sum scaled by {f.name if isinstance(f, Node) else repr(f)} (replicated: moved "
+                             "onto its partial)" for f in scales)
+            return (f"summed with {self.partner.all_reduce.name} ({other}{scaled}): one all_reduce of the "
                     "partials' sum (eager rounds each sum, then their sum)")
         if self.parallel is not None:
             return (f"summed with {self.parallel.all_reduce.name}, which the next add adds (parallel "
                     f"branches: one all_reduce of the partials' sum, then + {other}; eager adds "
                     "each sum to the stream in turn)")
-        return (f"{other} added to the sum before the residual add: moved onto the residual "
+        text = (f"{other} added to the sum before the residual add: moved onto the residual "
                 f"({other} + residual; eager adds it to the sum first, so the rounding order differs)")
+        if DISTRIBUTED in self.add.meta:
+            text = f"the scale of (sum + x) distributed over both terms (distribute_scales), {text}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -229,10 +236,14 @@ class ScaledSum:
     mul: Node
     factor: Node | int | float
     late_factor: bool
-    """``c`` is a constant made after the all_reduce (Gemma's ``full([], sqrt(H))``): moved up."""
+    """``c`` is computed after the all_reduce from values that exist before it (Gemma's constant
+    ``full([], sqrt(H))``, MiniCPM3's ``embed_scale.to(dtype)`` of a buffer): moved up."""
     views: tuple[Node, ...] = ()
     """row views between the wait and ``mul`` (MiniMax: ``[T, H] -> [B, S, H]``, then ``* beta``),
     each read only by the next: after the hoist, the first of ``views_to_add``."""
+    late_nodes: tuple[Node, ...] = ()
+    """with ``late_factor``: the nodes after the all_reduce that compute ``c`` (``c`` last), in
+    graph order: moved before the all_reduce."""
 
     @property
     def text(self) -> str:
@@ -383,7 +394,7 @@ class FusedAllReduceRMSNormSite:
                 nodes.append(self.inner.parallel.partial)
                 views += self.inner.parallel.views
         for view in views:
-            torch.fx.node.map_arg(view.args[1:], nodes.append)
+            torch.fx.node.map_arg(_view_args(view), nodes.append)
         return nodes
 
     def replace_with(self, graph: Graph, fused_op: torch._ops.OpOverload, lowering: Lowering,
@@ -458,7 +469,8 @@ def hoist_scale(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllReduce
     mul, partial, factor = site.scale.mul, site.partial, site.scale.factor
     if site.scale.late_factor:
         assert isinstance(factor, Node)
-        site.all_reduce.prepend(factor)
+        for node in site.scale.late_nodes or (factor,):
+            site.all_reduce.prepend(node)
     assert callable(mul.target)  # the finder matched it as a call_function of a mul op
     with graph.inserting_before(site.all_reduce):
         scaled = graph.call_function(mul.target, (partial, factor))
@@ -470,6 +482,9 @@ def hoist_scale(site: FusedAllReduceRMSNormSite, graph: Graph) -> FusedAllReduce
     norm = site.norm
     if norm.input is mul:  # a no-residual site's norm read the product
         norm = dataclasses.replace(norm, input=summed)
+    if site.inner is not None and site.inner.tree is None:  # the views now lead to the inner add
+        inner = dataclasses.replace(site.inner, views=site.scale.views + site.inner.views)
+        return dataclasses.replace(site, scale=None, norm=norm, inner=inner)
     return dataclasses.replace(site, scale=None, norm=norm, views_to_add=site.scale.views + site.views_to_add)
 
 
@@ -602,10 +617,20 @@ def _fold_tree(site: FusedAllReduceRMSNormSite, tree: SumTree, graph: Graph) -> 
 
 
 def _replay(graph: Graph, views: tuple[Node, ...], node: Node) -> Node:
-    """Apply the same chain of views to ``node`` (size arguments are reused as they are)."""
+    """Apply the same chain of views to ``node`` (size arguments are reused as they are; a scale's
+    factor, ``_scaled``, multiplies ``node`` from the right)."""
     for view in views:
-        node = graph.call_function(view.target, (node, *view.args[1:]), dict(view.kwargs))  # type: ignore[arg-type]
+        node = graph.call_function(view.target, (node, *_view_args(view)), dict(view.kwargs))  # type: ignore[arg-type]
     return node
+
+
+def _view_args(view: Node) -> tuple[torch.fx.node.Argument, ...]:
+    """The arguments of a chain step other than the value it reads: a view's sizes, a scale's factor."""
+    if is_target(view, SCALES):
+        chain = _scaled(view)
+        assert chain is not None, view
+        return tuple(a for a in view.args if a is not chain)
+    return tuple(view.args[1:])
 
 
 def _chain(start: Node, end: Node) -> list[Node]:
@@ -818,6 +843,44 @@ def _is_expert_sum(node: Node) -> bool:
             and out.shape[-1] == src.shape[-1])
 
 
+def _scaled(node: Node) -> Node | None:
+    """For ``node = g * x`` with ``x`` an all_reduce's sum (through row views, sums over experts and
+    such scales, each read only by the next) and ``g`` anything else that broadcasts onto ``x``
+    without changing its shape or dtype (a number, a per-token gate ``[T, 1]``): ``x``; else None.
+    Qwen3-Next gates its shared expert's sum by ``sigmoid(gate(h))``. ``g`` is replicated like the
+    residual (it is computed from the stream: ``_rank_local_input`` checks it is not computed from
+    a merged partial), so ``g * all_reduce(p) == all_reduce(g * p)``."""
+    if not is_target(node, SCALES) or len(node.args) != 2 or node.kwargs:
+        return None
+    chains = [a for a in node.args if isinstance(a, Node) and _reaches_sum(a)]
+    if len(chains) != 1:  # (a product of two sums is not linear in either)
+        return None
+    (chain,) = chains
+    factor = node.args[1] if node.args[0] is chain else node.args[0]
+    out, src = val(node), val(chain)
+    if isinstance(factor, bool) or not isinstance(factor, (Node, int, float)) or out is None or src is None:
+        return None
+    fv = val(factor) if isinstance(factor, Node) else None
+    if isinstance(factor, Node) and (fv is None or fv.dtype != src.dtype):
+        return None
+    return chain if out.shape == src.shape and out.dtype == src.dtype else None
+
+
+def _reaches_sum(node: Node) -> bool:
+    """``node`` is an all_reduce's wait, or a row view, sum over experts or scale (``_scaled``) of
+    one, each read only by the next."""
+    while len(node.users) == 1:
+        if is_target(node, {WAIT}):
+            return is_target(node.args[0], ALL_REDUCES)
+        if is_target(node, VIEWS) and _is_row_view(node, _node(node.args[0])) or _is_expert_sum(node):
+            node = _node(node.args[0])
+        elif (scaled := _scaled(node)) is not None:
+            node = scaled
+        else:
+            return False
+    return False
+
+
 def _unfit_all_reduce(ar: Node) -> Reason | None:
     """Why ``ar`` is not a row-parallel sum read through one wait, or None."""
     reduce_op = str(ar.args[1]).lower()
@@ -905,9 +968,15 @@ def _partner_sum(x: Node, ar: Node) -> PartnerSum | Reason | None:
     """``x`` as another all_reduce's sum read only by the add (through row views) that can be
     merged into ``ar``'s collective; a reason when it is such a sum but cannot be; else None."""
     views = []
-    while len(x.users) == 1 and (is_target(x, VIEWS) and _is_row_view(x, _node(x.args[0])) or _is_expert_sum(x)):
-        views.append(x)
-        x = _node(x.args[0])
+    while len(x.users) == 1:
+        if is_target(x, VIEWS) and _is_row_view(x, _node(x.args[0])) or _is_expert_sum(x):
+            views.append(x)
+            x = _node(x.args[0])
+        elif (scaled := _scaled(x)) is not None:
+            views.append(x)
+            x = scaled
+        else:
+            break
     if not is_target(x, {WAIT}) or len(x.users) != 1 or not is_target(x.args[0], ALL_REDUCES):
         return None
     other = _node(x.args[0])
@@ -1004,18 +1073,34 @@ def _scale_after_sum(ar: Node, wait: Node, order: dict[Node, int]) -> ScaledSum 
         return None
     factor = mul.args[1] if mul.args[0] is end else mul.args[0]
     late = False
+    late_nodes: list[Node] = []
     if isinstance(factor, Node):
         fv = val(factor)
-        # After the all_reduce only as a constant (Gemma's ``full([], sqrt(H))``): it moves up.
+        # After the all_reduce only as a pure computation of earlier values (Gemma's constant
+        # ``full([], sqrt(H))``, MiniCPM3's ``embed_scale.to(dtype)``): it moves up.
         late = order[factor] > order[ar]
-        if fv is None or fv.numel() != 1 or (late and (factor.op != "call_function" or factor.all_input_nodes)):
+        if fv is None or fv.numel() != 1 or (late and not _movable_above(factor, ar, order, late_nodes)):
             return None
     elif isinstance(factor, bool) or not isinstance(factor, (int, float)):
         return None
     mv, wv = val(mul), val(end)
     if mv is None or wv is None or mv.shape != wv.shape or mv.dtype != wv.dtype:
         return None
-    return ScaledSum(mul, factor, late, tuple(views))
+    late_nodes.sort(key=order.__getitem__)
+    return ScaledSum(mul, factor, late, tuple(views), tuple(late_nodes))
+
+
+def _movable_above(node: Node, ar: Node, order: dict[Node, int], moved: list[Node]) -> bool:
+    """``node`` (after ``ar``) and what it reads after ``ar`` are computations of values that
+    exist before ``ar`` (no collective, wait or in-place op among them): collected into ``moved``."""
+    if order[node] < order[ar] or node in moved:
+        return True
+    target = node.target
+    if node.op != "call_function" or is_target(node, ALL_REDUCES | {WAIT}) \
+            or (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+        return False
+    moved.append(node)
+    return all(_movable_above(arg, ar, order, moved) for arg in node.all_input_nodes)
 
 
 def _checked(site: FusedAllReduceRMSNormSite,
@@ -1141,6 +1226,56 @@ def fold_sums_read_back(graph: Graph) -> None:
         read.replace_all_uses_with(summed)
         graph.erase_node(read)
         _erase_dead([write], graph)
+
+
+DISTRIBUTED = "weave_distributed_scale"
+"""``meta`` key of the add ``distribute_scales`` makes (the report says the scale was distributed)."""
+
+
+def distribute_scales(graph: Graph) -> None:
+    """``(S + x) * c -> S * c + x * c`` where ``S`` is an all_reduce's sum (through row views) and
+    the product reaches a norm, directly or through one more add, and ``c`` is a scalar (a number
+    or a one-element tensor): GraniteMoeHybrid scales the MoE
+    block's output, the experts' sum plus the replicated shared MLP's, by ``residual_multiplier``
+    before adding it to the stream. The scale then reads the sum alone (``ScaledSum``, hoisted
+    onto the partial) and ``x * c`` is added to the scaled sum (``InnerAdd``: moved onto the
+    residual). Equal in exact arithmetic: eager rounds ``S + x`` and then the product, here each
+    product and then their sum. ``c`` must not change either term's shape or dtype. Run before
+    finding sites."""
+    for mul in list(graph.nodes):
+        if not is_target(mul, SCALES) or len(mul.args) != 2 or mul.kwargs:
+            continue
+        add = next((a for a in mul.args if isinstance(a, Node) and is_target(a, {RESIDUAL_ADD})), None)
+        if add is None or len(add.users) != 1 or add_alpha(add) != 1 or len(add.args) != 2 or add.kwargs:
+            continue
+        factor = mul.args[1] if mul.args[0] is add else mul.args[0]
+        terms = [a for a in add.args if isinstance(a, Node)]
+        out = val(mul)
+        if len(terms) != 2 or out is None or isinstance(factor, bool) or not any(_reaches_sum(t) for t in terms):
+            continue
+        if isinstance(factor, Node):  # a one-element tensor, as ``_scale_after_sum`` hoists
+            fv = val(factor)
+            if fv is None or fv.dtype != out.dtype or fv.numel() != 1 or _reaches_sum(factor):
+                continue
+        elif not isinstance(factor, (int, float)):
+            continue
+        if not all((tv := val(t)) is not None and tv.shape == out.shape and tv.dtype == out.dtype for t in terms):
+            continue
+        _, end = _exclusive_views(mul)
+        nexts = [u for u in end.users if is_target(u, {RESIDUAL_ADD})] if len(end.users) == 1 else []
+        if isinstance(_find_norm(end), Reason) and not (nexts and not isinstance(_find_norm(nexts[0]), Reason)):
+            continue
+        with graph.inserting_before(mul):
+            assert callable(mul.target)
+            scaled = [graph.call_function(mul.target, (t, factor)) for t in terms]
+            summed = graph.call_function(aten.add.Tensor, tuple(scaled))
+        for node in (*scaled, summed):
+            node.meta.update({k: v for k, v in mul.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        summed.meta[DISTRIBUTED] = True
+        _set_fake_vals([*scaled, summed])
+        mul.replace_all_uses_with(summed)
+        graph.erase_node(mul)
+        graph.erase_node(add)
 
 
 def find_allreduce_rmsnorm_sites(

@@ -42,6 +42,7 @@ import torch
 from torch.fx import Node
 
 from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.where import where
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -256,8 +257,8 @@ def _unfit_last_dim_mean(mean: Node, ndim: int, what: str) -> Reason | None:
 
 
 def _eps_rsqrt(var: Node, what: str) -> tuple[Node, list[Node], float, bool] | Reason:
-    """``rsqrt(var + eps)`` or ``sqrt(var + eps)`` after ``var`` (``what`` names it):
-    ``(rsqrt or sqrt, [add, rsqrt or sqrt], eps, is_rsqrt)``."""
+    """``rsqrt(var + eps)`` or ``sqrt(var + eps)`` (or ``pow(var + eps, -0.5 | 0.5)``) after ``var``
+    (``what`` names it): ``(rsqrt or sqrt, [add, rsqrt or sqrt], eps, is_rsqrt)``."""
     add_eps = _sole_user_reason(var, what, ADDS, "an eps add")
     if isinstance(add_eps, Reason):
         return add_eps
@@ -270,6 +271,10 @@ def _eps_rsqrt(var: Node, what: str) -> tuple[Node, list[Node], float, bool] | R
         root = _only_user(add_eps, {target})
         if root is not None:
             return root, [add_eps, root], float(eps), is_rsqrt
+    # ``torch.pow(var + eps, -0.5)`` (Gemma3n's and Gemma4's RMSNorm), or ``** 0.5``
+    root = _only_user(add_eps, {aten.pow.Tensor_Scalar})
+    if root is not None and root.args[0] is add_eps and len(root.args) == 2 and root.args[1] in (-0.5, 0.5):
+        return root, [add_eps, root], float(eps), bool(root.args[1] == -0.5)
     return Reason.of(ReasonCode.NO_ROOT_AFTER_EPS, what=what)
 
 
@@ -485,4 +490,7 @@ def match_rmsnorm(x: Node) -> RMSNormMatch | Reason:
         if found is not None:
             return found
     first = next(iter(x.users), None)
-    return Reason.of(ReasonCode.NO_NORM, first_user=f"{first.target}" if first is not None else "nothing")
+    if first is None:
+        return Reason.of(ReasonCode.NO_NORM, first_user="nothing", place="")
+    place = where(first)  # (the model's code that reads the value: what the user recognises)
+    return Reason.of(ReasonCode.NO_NORM, first_user=f"{first.target}", place=f" in {place}" if place else "")
