@@ -43,7 +43,7 @@ from test_patterns import (  # noqa: F401  (fake_world: the fake group every tes
 
 import weavepass
 from weavepass import WeaveConfig
-from weavepass.compile.where import module_path, source_line
+from weavepass.compile.where import GRAPH_INPUT, module_path, source_line, where_reduced
 from weavepass.report import WeaveReport
 
 ADD = "aten.add.Tensor"
@@ -312,6 +312,24 @@ def test_module_path_and_source_line_of_hand_made_metadata():
                                 '           ^^^^^^^^^^^^\n')
     assert source_line(node) == "modeling_b.py:7: return self.down(x)"
     assert module_path(torch.fx.Graph().placeholder("y")) == source_line(torch.fx.Graph().placeholder("y")) == ""
+
+
+def test_a_collective_without_metadata_is_placed_by_what_it_reduces():
+    """LongCat-Flash (the sweep): an all_reduce that carries no module metadata is named by the
+    value it reduces (up through views and casts), or as a graph input after a graph break,
+    never by its node name alone."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    mm = g.call_function(torch.ops.aten.mm.default, (x, x))
+    mm.meta["nn_module_stack"] = {"a": ("L['self'].mlps[1].down_proj", object)}
+    view = g.call_function(torch.ops.aten.view.default, (mm, [-1]))
+    ar = g.call_function(torch.ops._c10d_functional.all_reduce.default, (view, "sum", "0"))
+    assert module_path(ar) == source_line(ar) == ""
+    assert where_reduced(ar) == "mlps.1.down_proj"
+    from_input = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    assert where_reduced(from_input) == GRAPH_INPUT
+    ar.meta["nn_module_stack"] = {"a": ("L['self'].layers[0]", object)}
+    assert where_reduced(ar) == "layers.0"  # its own metadata first
 
 
 # ----- numbers on 2 gloo ranks -------------------------------------------------------------------

@@ -27,7 +27,7 @@ from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies import STRATEGIES, Decision, GraphRewrite, Strategy, inductor_patches
 from weavepass.compile.strategies.base import ContractError, check_writes, snapshot
-from weavepass.compile.where import where
+from weavepass.compile.where import where_reduced
 from weavepass.config import WeaveConfig
 from weavepass.report import AllReduceRecord, GraphReport, WeaveReport
 from weavepass.tune.table import load_table
@@ -236,7 +236,7 @@ class WeavePass(CustomGraphPass):
         records: dict[int, AllReduceRecord] = {}
         for rejection in rejected:
             name = rejection.all_reduce.name
-            place = where(rejection.all_reduce)
+            place = where_reduced(rejection.all_reduce)
             records[position[rejection.all_reduce]] = AllReduceRecord(name, False, [rejection.reason], where=place)
             log.info("weavepass: %s (%s) left alone: %s", name, place or "no source metadata", rejection.reason)
         plans = plan_sites(sites, self.config)
@@ -245,7 +245,7 @@ class WeavePass(CustomGraphPass):
             matmul = site.matmul.name if site.matmul is not None else ""
             reasons = [r for r in (plan.reason, plan.epilogue) if r.code is not ReasonCode.NONE]
             records[position[site.all_reduce]] = AllReduceRecord(
-                site.all_reduce.name, True, reasons, site.kind, "", matmul, where=where(site.all_reduce)
+                site.all_reduce.name, True, reasons, site.kind, "", matmul, where=where_reduced(site.all_reduce)
             )
         report.records = [records[i] for i in sorted(records)]
         for plan in plans:  # a merged all_reduce has no record of its own: the graph says where it went

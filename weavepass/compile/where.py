@@ -60,3 +60,30 @@ def where(node: Node) -> str:
     if path and line:
         return f"{path} ({line})"
     return path or line
+
+
+GRAPH_INPUT = "a value this graph receives as an input (computed before a graph break, in an earlier graph)"
+"""What ``where_reduced`` says of a collective whose value comes in from outside the graph."""
+
+_MAX_STEPS = 16
+"""How far ``where_reduced`` looks up a chain of single-input nodes (views, casts, waits)."""
+
+
+def where_reduced(collective: Node) -> str:
+    """``where(collective)``; where the collective carries no metadata (Dynamo records none on a
+    collective issued outside a module's forward, or the collective starts a graph after a graph
+    break), the place of the value it reduces: the nearest node up its first tensor input that has
+    metadata, or ``GRAPH_INPUT`` when that chain reaches one of the graph's inputs. "" only when
+    neither is found (a graph made by hand)."""
+    place = where(collective)
+    node: Node | None = collective
+    for _ in range(_MAX_STEPS):
+        if place or node is None:
+            return place
+        node = next((a for a in node.all_input_nodes), None)
+        if node is None:
+            return ""
+        if node.op == "placeholder":
+            return where(node) or GRAPH_INPUT
+        place = where(node)
+    return place
