@@ -29,7 +29,7 @@ from weavepass.compile.strategies import STRATEGIES, ContractError, GraphRewrite
 from weavepass.compile.strategies.base import check_writes, snapshot
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm, force_device_kind
 from weavepass.compile.strategies.fuse import FuseStrategy
-from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.strategies.split.strategy import SplitStrategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
 from weavepass.report import AllReduceRecord, GraphReport

@@ -25,7 +25,7 @@ from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import GraphRewrite
 from weavepass.compile.strategies.fuse import FuseStrategy
-from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.strategies.split.strategy import SplitStrategy
 from weavepass.compile.tuned import inner_width
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.testing import fake_process_group, spawn

@@ -1,5 +1,6 @@
-"""The TokenWeave overlap strategy: a thin adapter around the split (``strategies/split``), which
-plans and rewrites the fused sites and reports its own reasons not to split."""
+"""The split as a strategy (``base.Strategy``): a thin adapter around the split's package
+(``strategies/split``), which plans and rewrites the fused sites and reports its own reasons not
+to split."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
+from weavepass.compile.strategies.split import apply_token_split, inductor_config_patches, split_skip_level
 from weavepass.config import WeaveConfig
 
 log = logging.getLogger("weavepass")
@@ -23,8 +25,6 @@ class SplitStrategy(Strategy):
     def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
         if config.overlap == "off":
             return {}
-        from weavepass.compile.strategies.split import inductor_config_patches
-
         return inductor_config_patches()
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
@@ -45,8 +45,6 @@ class SplitStrategy(Strategy):
         return Decision(True)
 
     def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
-        from weavepass.compile.strategies.split import apply_token_split
-
         config = rewrite.config
         if decision.code is ReasonCode.TUNED_SPLIT:  # the table's token range replaces the window
             assert rewrite.tuned is not None and rewrite.tuned.window is not None
@@ -59,8 +57,6 @@ class SplitStrategy(Strategy):
         return False
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
-        from weavepass.compile.strategies.split import split_skip_level
-
         if decision.code in (ReasonCode.TUNED_NO_REWRITE, ReasonCode.TUNED_FUSE_ONLY):
             rewrite.report.reasons.append(decision.reason)  # its sentence starts with "auto: "
             rewrite.report.add_note(decision.reason.render())
