@@ -1,4 +1,4 @@
-"""The TokenWeave split planner and the per-site plan: wave model, thresholds, edge cases, reason codes
+"""The split's planner and the per-site plan: wave model, thresholds, edge cases, reason codes
 (agreement across ranks: tests/test_compile_units.py)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from weavepass.compile.wave_model import (
 H200 = WaveModel(sms=132)
 # Llama-3-70B at TP=2 per rank: qkv, o_proj, gate/up, down_proj.
 LLAMA70B_TP2 = [GemmShape(5120, 8192), GemmShape(8192, 4096), GemmShape(28672, 8192), GemmShape(8192, 14336)]
-FORCE = WeaveConfig(overlap="force")
-AUTO = WeaveConfig(overlap="auto", overlap_min_tokens=1024, overlap_min_tokens_moe=4096, overlap_max_tokens=8192)
+FORCE = WeaveConfig(split="force")
+AUTO = WeaveConfig(split="auto", split_min_tokens=1024, split_min_tokens_moe=4096, split_max_tokens=8192)
 
 
 def test_wave_model_counts_ctas_and_waves():
@@ -87,9 +87,9 @@ def test_edge_cases_and_thresholds():
     assert moe.first is None and "MoE" in moe.reason
     assert plan_token_split(1, 8192, LLAMA70B_TP2, AUTO, H200).first is not None
     over = plan_token_split(1, 8193, LLAMA70B_TP2, AUTO, H200)
-    assert over.first is None and "overlap_max_tokens 8192" in over.reason
+    assert over.first is None and "split_max_tokens 8192" in over.reason
     batches = plan_token_split(4, 4096, LLAMA70B_TP2, AUTO, H200)  # 16K tokens in 4 sequences
-    assert batches.first is None and "16384 tokens > overlap_max_tokens" in batches.reason
+    assert batches.first is None and "16384 tokens > split_max_tokens" in batches.reason
 
 
 def test_batch_split_is_between_sequences():
@@ -102,12 +102,12 @@ def test_batch_split_is_between_sequences():
 
 
 def test_config_rejects_bad_thresholds():
-    with pytest.raises(ValueError, match="overlap_min_tokens"):
-        WeaveConfig(overlap_min_tokens=1)
-    with pytest.raises(ValueError, match="overlap_max_tokens"):
-        WeaveConfig(overlap_min_tokens=4096, overlap_max_tokens=2048)
-    with pytest.raises(ValueError, match="overlap_comm_ctas"):
-        WeaveConfig(overlap_comm_ctas=64)
+    with pytest.raises(ValueError, match="split_min_tokens"):
+        WeaveConfig(split_min_tokens=1)
+    with pytest.raises(ValueError, match="split_max_tokens"):
+        WeaveConfig(split_min_tokens=4096, split_max_tokens=2048)
+    with pytest.raises(ValueError, match="split_comm_ctas"):
+        WeaveConfig(split_comm_ctas=64)
 
 
 def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
@@ -154,7 +154,7 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
     note = scheduler.INDUCTOR_CUDAGRAPHS
     assert "reduce-overhead" in note.render()
     with inductor_config.patch({"triton.cudagraphs": True}):
-        for fields in ({}, {"lowering": "portable"}, {"overlap": "force"}, {"enable_flashcomm": True}):
+        for fields in ({}, {"lowering": "portable"}, {"split": "force"}, {"enable_flashcomm": True}):
             config = WeaveConfig(allow_inductor_cudagraphs=False, **fields)
             assert scheduler.inductor_cudagraphs_reason(mixed, config) == note
             assert [(p.lowering, p.reason) for p in scheduler.plan_sites(mixed, config)] == [(None, note)] * 2

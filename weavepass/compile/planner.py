@@ -40,8 +40,8 @@ class SitePlan:
     def code(self) -> ReasonCode:
         return self.reason.code
     tuned: TunedDecision | None = None
-    """The tuning table's call for the whole graph (``overlap="auto"``), the same on every plan of
-    it; None where no table was asked (no site to rewrite, another overlap mode, no table)."""
+    """The tuning table's call for the whole graph (``split="auto"``), the same on every plan of
+    it; None where no table was asked (no site to rewrite, another split mode, no table)."""
     matmul: RowParallelMatmul | None = None
     """The row-parallel matmul the fused op takes in (``WeaveConfig.gemm_epilogue``,
     ``choose_gemm_epilogue``): the site becomes ``weave.matmul_reduce_scatter_rmsnorm``. None: the
@@ -133,11 +133,11 @@ def choose_lowering(
 
 
 def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, mode: str, *,
-                         overlap: str = "off") -> tuple[RowParallelMatmul | None, Reason]:
+                         split: str = "off") -> tuple[RowParallelMatmul | None, Reason]:
     """``(matmul, reason)``: the row-parallel matmul that ``site``'s op on ``lowering`` takes in
     under ``WeaveConfig.gemm_epilogue`` = ``mode``, or None and why not (``NONE``: ``mode`` is
     ``"off"`` or there is no lowering). In order: the site's form (an RMSNorm inference site without
-    quantization), its producer (``find_row_parallel_matmul``), the token split (``overlap``: it
+    quantization), its producer (``find_row_parallel_matmul``), the split (``split``: it
     rewrites fused ops), then under ``auto`` the measurement (none exists yet: the op's GEMM is not
     shown at least as fast as the plain matmul anywhere), under ``force`` whether the lowering
     carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the config only:
@@ -153,8 +153,8 @@ def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, 
     found = find_row_parallel_matmul(site)
     if isinstance(found, Reason):
         return None, found
-    if overlap != "off":
-        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, overlap=overlap)
+    if split != "off":
+        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, split=split)
     if mode == "auto":
         return None, Reason.of(ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(lowering))
     cause = matmul_unsupported_reason(lowering)
@@ -173,7 +173,7 @@ def gemm_epilogue_warns(reason: Reason, mode: str) -> bool:
 def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> Reason | None:
     """``INDUCTOR_CUDAGRAPHS`` when Inductor wraps this graph in CUDA-graph trees, the graph has
     CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops
-    every strategy (fused sites, the token split and FlashComm), not one lowering."""
+    every strategy (fused sites, the split and FlashComm), not one lowering."""
     if config.allow_inductor_cudagraphs or not inductor_cudagraphs_on():
         return None
     return INDUCTOR_CUDAGRAPHS if any(site.device.type == "cuda" for site in sites) else None
@@ -208,7 +208,7 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
             if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
                 lowering, reason = None, decision.reason
             site = _plan_quant(site, lowering)
-            matmul, epilogue = choose_gemm_epilogue(site, lowering, config.gemm_epilogue, overlap=config.overlap)
+            matmul, epilogue = choose_gemm_epilogue(site, lowering, config.gemm_epilogue, split=config.split)
             plans.append(SitePlan(site, lowering, reason, decision, matmul, epilogue))
     return plans
 

@@ -138,7 +138,7 @@ class ReasonCode(enum.Enum):
     GEMM_EPILOGUE_LOWERING = "gemm_epilogue_lowering"
     """The site's lowering (``lowering``) does not carry the op (``cause``: the runtime's words)."""
     GEMM_EPILOGUE_SPLIT = "gemm_epilogue_split"
-    """The token split (``overlap``) rewrites fused ops: the matmul stays outside."""
+    """The split (``split``) rewrites fused ops: the matmul stays outside."""
 
     # -- Per graph (strategy decisions)
     NO_SITES = "no_sites"
@@ -156,7 +156,7 @@ class ReasonCode(enum.Enum):
     FLASHCOMM_DECLINED = "flashcomm_declined"
     """On the record of the site that stopped FlashComm: why (``cause``)."""
 
-    # -- The token split (``strategies/split``): why a graph stays fuse-only
+    # -- The split (``strategies/split``): why a graph stays fuse-only
     SPLIT_NOT_POSSIBLE = "split_not_possible"
     """The split has no way to cut a node of the region (``cause``, one of the ``SPLIT_*`` below)."""
     SPLIT_NOTHING_FUSED = "split_nothing_fused"
@@ -270,9 +270,9 @@ class ReasonCode(enum.Enum):
     QUANT_FLASHCOMM = "quant_flashcomm"
     """FlashComm took the graph: the quantization runs on the rows it gathers."""
     QUANT_SPLIT = "quant_split"
-    """Graph-wide: the token split does not carry quantized sites (``sites``)."""
+    """Graph-wide: the split does not carry quantized sites (``sites``)."""
 
-    # ``overlap="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
+    # ``split="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
     TUNED_NO_REWRITE = "tuned_no_rewrite"
     """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
     neighbouring cells: the sites stay all_reduce (``text``: the table's words)."""
@@ -282,7 +282,7 @@ class ReasonCode(enum.Enum):
     """The table chose the split (information; the split may still find the graph unsplittable)."""
     TUNING_TABLE_NOT_APPLICABLE = "tuning_table_not_applicable"
     """The table has no entry for this graph (another world size, device, dtype, compile mode or layer
-    widths): the overlap window (``overlap_min_tokens``..``overlap_max_tokens``) decides."""
+    widths): the split window (``split_min_tokens``..``split_max_tokens``) decides."""
 
 
 Fields = tuple[tuple[str, object], ...]
@@ -387,7 +387,7 @@ CUDA_COPY_TEXT = ("the CUDA kernel reads the partial sums once, from the produci
                   "transfer) and reduces its own rows in place, with no copy pass")
 
 TRAINING_TEXT = (
-    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
+    "training: the norms' inverse RMS is saved for backward; FlashComm and the split "
     "rewrite inference graphs only (the graph's sites are fused without them)"
 )
 
@@ -527,7 +527,7 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.QUANT_LOWERING: "{cause}",
     ReasonCode.QUANT_FLASHCOMM: ("FlashComm does not carry it yet: the quantization runs on the normed rows "
                                  "after FlashComm gathers them, as before"),
-    ReasonCode.QUANT_SPLIT: ("the token split does not carry quantized sites ({sites}: their fused ops "
+    ReasonCode.QUANT_SPLIT: ("the split does not carry quantized sites ({sites}: their fused ops "
                              "return codes and scales)"),
     ReasonCode.GEMM_EPILOGUE: "gemm_epilogue={mode!r}: the row-parallel matmul {matmul} runs inside the op",
     ReasonCode.GEMM_EPILOGUE_NO_MATMUL: _not_a_replaceable_matmul("it is {producer}"),
@@ -551,7 +551,7 @@ MESSAGES: dict[ReasonCode, Message] = {
         "(docs/gemm_epilogue.md): the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_LOWERING: ("gemm_epilogue={mode!r}: the {lowering} lowering does not carry the "
                                         "matmul op: {cause}; the matmul stays outside"),
-    ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the token split (overlap={overlap!r}) rewrites fused ops, "
+    ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the split (split={split!r}) rewrites fused ops, "
                                      "so the matmul stays outside for it to cut the site"),
     ReasonCode.TUNED_NO_REWRITE: "{text}",
     ReasonCode.TUNED_FUSE_ONLY: "{text}",
@@ -560,7 +560,7 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
                               "be replayed on [rows, hidden] shard rows"),
     ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
-    ReasonCode.SPLIT_NOT_POSSIBLE: "token split not possible: {cause}",
+    ReasonCode.SPLIT_NOT_POSSIBLE: "split not possible: {cause}",
     ReasonCode.SPLIT_NOTHING_FUSED: ("no site was fused, so there is no communication to overlap (each "
                                      "site's line says why it was kept)"),
     ReasonCode.SPLIT_ONE_SITE: "1 fused site: no compute between sites to overlap with",
@@ -570,10 +570,10 @@ MESSAGES: dict[ReasonCode, Message] = {
         "split from {min_units} units on"),
     ReasonCode.SPLIT_RUN_TIME_MASK: (
         "the attention mask {masks} is an input: whether it hides every key after the cut from every "
-        "query before it is known only at run time, so overlap='auto' does not cut the sequence "
-        "(overlap='force' does, with a run-time check that stops a mask that does not)"),
+        "query before it is known only at run time, so split='auto' does not cut the sequence "
+        "(split='force' does, with a run-time check that stops a mask that does not)"),
     ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION: '{node} ({op}): token tensor in an unsupported argument position',
-    ReasonCode.SPLIT_NO_RULE: '{node}: the token split has no rule for {op}',
+    ReasonCode.SPLIT_NO_RULE: '{node}: the split has no rule for {op}',
     ReasonCode.SPLIT_IN_PLACE_WRITE: (
         '{node} (copy_) writes into {target} in place: the halves would each write a part of one tensor '
         'that lives outside them'
@@ -685,7 +685,7 @@ MESSAGES: dict[ReasonCode, Message] = {
         "{node}: a constant of an MoE routing block is also read by {readers}, not by the block's scatters: "
         "each half rebuilds it with its own rows"
     ),
-    ReasonCode.SPLIT_NO_SCORES_RULE: '{node}: the token split has no rule for {op} on attention scores',
+    ReasonCode.SPLIT_NO_SCORES_RULE: '{node}: the split has no rule for {op} on attention scores',
     ReasonCode.SPLIT_BMM_CUT_SEQUENCE: (
         '{node} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q and dim 2 of k^T) '
         'nor probabilities @ v'

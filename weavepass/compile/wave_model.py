@@ -1,4 +1,4 @@
-"""The TokenWeave split planner: the wave model of a GEMM and where to cut the tokens in two.
+"""The split's planner: the wave model (TokenWeave's) of a GEMM and where to cut the tokens in two.
 
 Reads only shapes, the config and the device's SM count (``device_wave_model``).
 """
@@ -13,7 +13,7 @@ import torch
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
 
-# --- TokenWeave two-way token split -----------------------------------------------------------------
+# --- The two-way split ---------------------------------------------------------------------------
 #
 # Wave model. A GEMM ``[T, K] x [K, N]`` runs as ``C(T) = ceil(T / tile_m) * ceil(N / tile_n)`` CTAs
 # (output tiles) on ``sms`` SMs in ``W(C) = ceil(C / sms)`` waves; one wave costs about the same
@@ -118,32 +118,32 @@ def split_candidates(tokens: int, model: WaveModel, seq_len: int | None) -> list
 
 
 def overlap_window_reason(tokens: int | torch.SymInt, config: WeaveConfig, moe: bool = False) -> str | None:
-    """Why ``overlap="auto"`` does not split ``tokens`` (outside ``[overlap_min_tokens(_moe),
-    overlap_max_tokens]``), or None (inside, or another overlap mode).
+    """Why ``split="auto"`` does not split ``tokens`` (outside ``[split_min_tokens(_moe),
+    split_max_tokens]``), or None (inside, or another split mode).
 
     ``tokens`` may be a SymInt: each comparison then installs a guard, so a graph compiled for one
     side of a bound never serves a batch on the other side (that batch recompiles once, into its
     own bucket). Without the guards a graph split for one batch would also split batches the
     benchmark shows are slower split."""
-    if config.overlap != "auto":
+    if config.split != "auto":
         return None
-    low = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
+    low = config.split_min_tokens_moe if moe else config.split_min_tokens
     kind = "MoE" if moe else "dense"
     symbolic = not isinstance(tokens, int)
-    if symbolic and low == config.overlap_max_tokens:  # no comparison: it would pin the size
+    if symbolic and low == config.split_max_tokens:  # no comparison: it would pin the size
         return (f"symbolic token count and a window of one size ({low} tokens, {kind}): guards for "
                 "it would pin the dynamic size to one value, so only a static batch of that size "
-                "is split (widen overlap_min_tokens..overlap_max_tokens to split dynamic batches)")
+                "is split (widen split_min_tokens..split_max_tokens to split dynamic batches)")
     if tokens < low:
         if symbolic:
-            return (f"symbolic token count below the overlap threshold {low} ({kind}); guarded, so "
+            return (f"symbolic token count below the split threshold {low} ({kind}); guarded, so "
                     "a batch at or above it compiles its own graph")
-        return f"{tokens} tokens < overlap threshold {low} ({kind}): fuse-only pays more"
-    if tokens > config.overlap_max_tokens:
+        return f"{tokens} tokens < split threshold {low} ({kind}): fuse-only pays more"
+    if tokens > config.split_max_tokens:
         if symbolic:
-            return (f"symbolic token count above overlap_max_tokens {config.overlap_max_tokens}; "
+            return (f"symbolic token count above split_max_tokens {config.split_max_tokens}; "
                     "guarded, so a batch inside the window compiles its own graph")
-        return f"{tokens} tokens > overlap_max_tokens {config.overlap_max_tokens}: measured slower split"
+        return f"{tokens} tokens > split_max_tokens {config.split_max_tokens}: measured slower split"
     return None
 
 
@@ -202,7 +202,7 @@ def plan_split(
     ``tokens.hint // batch`` tokens (hint values; ``batch`` is 1 when the tokens are one
     sequence), on ``device``'s wave model.
 
-    A symbolic count is first checked against the overlap window on its ``value`` (installing the
+    A symbolic count is first checked against the split window on its ``value`` (installing the
     window's guards, see ``overlap_window_reason``); the cut is then planned on the hints, so a
     symbolic count that passes the window always gets a cut (its position is computed at run time
     by the split). A static count is planned directly."""

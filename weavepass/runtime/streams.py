@@ -1,7 +1,7 @@
 """The fused op on a second, high-priority CUDA stream: the kernels of
 ``weave::fused_allreduce_rmsnorm_async`` and ``weave::join_async`` (schemas: ``weavepass.ops``).
 
-The token split puts one async op per half and site into the graph, and one ``join_async`` on its
+The split puts one async op per half and site into the graph, and one ``join_async`` on its
 two outputs and its inputs right before the first read of either output:
 
 * fork: the op makes the communication stream wait for the current stream (an event), runs the
@@ -38,7 +38,7 @@ communication stream without two stream switches (``_run_async``).
 On CPU (and every non-CUDA device) the op is the plain fused op and the join finds no entry: both
 are no-ops around the same math.
 
-``weave::fused_allreduce_rmsnorm_push_async`` (``WeaveConfig.overlap_comm="push"``) forks only the
+``weave::fused_allreduce_rmsnorm_push_async`` (``WeaveConfig.split_comm="push"``) forks only the
 push of the partial rows (``weavepass.runtime.cuda.push``); its join (``_PushJoin``) launches the
 reduce + add + RMSNorm of all rows on the joining stream. Off CUDA, off the ``cuda_symm`` lowering,
 and for calls the push kernels cannot serve, it is the fused async op.
@@ -150,7 +150,7 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
                                   workspace_tokens, num_ctas=0):
     """``weave.fused_allreduce_rmsnorm`` (a ``FusedLowering`` named ``lowering``) on the
     communication stream; call ``join_async`` on both outputs before reading either (a no-op off
-    CUDA). ``num_ctas`` > 0 sets the CUDA kernel's grid (``WeaveConfig.overlap_comm_ctas``); other
+    CUDA). ``num_ctas`` > 0 sets the CUDA kernel's grid (``WeaveConfig.split_comm_ctas``); other
     lowerings ignore it.
 
     Host cost matters here (module docstring; benchmarks/bench_host_overhead.py measures it)."""
@@ -239,7 +239,7 @@ class _PushJoin:
 
 def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_name, out_dtype, lowering,
                                        workspace_tokens, num_ctas, slot):
-    """``weave.fused_allreduce_rmsnorm`` split in two (``WeaveConfig.overlap_comm="push"``): the
+    """``weave.fused_allreduce_rmsnorm`` split in two (``WeaveConfig.split_comm="push"``): the
     push of this rank's partial rows into the peer's staging slot ``slot`` (0: half A, 1: half B)
     on the communication stream now, and the reduce + add + RMSNorm of all rows on the calling
     stream at the join (``join_async``). The join must run on the calling stream before the next

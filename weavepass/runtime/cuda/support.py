@@ -12,7 +12,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384  # one row per tile lives in registers
 MAX_WORLD = 8  # the kernels take per-peer addresses as 8 scalar arguments
 PUSH_WORLD = 2
-"""The only world size the token split's push variant serves (``push_unsupported_reason``)."""
+"""The only world size the split's push variant serves (``push_unsupported_reason``)."""
 
 
 def cuda_site_unsupported_reason(
@@ -60,7 +60,7 @@ def cuda_unsupported_reason(
 
 
 def push_unsupported_reason(world: int) -> str | None:
-    """Why the token split's push variant (``WeaveConfig.overlap_comm="push"``,
+    """Why the split's push variant (``WeaveConfig.split_comm="push"``,
     ``weavepass.runtime.cuda.push``) cannot serve a group of ``world`` ranks, or None. Asked by the
     split at compile time (it then keeps the fused async op, and says this) and by each call."""
     if world != PUSH_WORLD:

@@ -16,21 +16,21 @@ log = logging.getLogger("weavepass")
 
 
 class SplitStrategy(Strategy):
-    """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.overlap``)."""
+    """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.split``)."""
 
-    name = "token split"
+    name = "split"
     reads = frozenset({"fused", "records"})
     writes = frozenset({"notes"})
 
     def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
-        if config.overlap == "off":
+        if config.split == "off":
             return {}
         return inductor_config_patches()
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
         # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not
         # split (also when nothing was fused).
-        if rewrite.config.overlap == "off" or not rewrite.report.records:
+        if rewrite.config.split == "off" or not rewrite.report.records:
             return Decision(False, Reason(ReasonCode.NOT_ASKED))
         if rewrite.fused and rewrite.training:
             return Decision(False, TRAINING)
@@ -49,7 +49,7 @@ class SplitStrategy(Strategy):
         if decision.code is ReasonCode.TUNED_SPLIT:  # the table's token range replaces the window
             assert rewrite.tuned is not None and rewrite.tuned.window is not None
             low, high = rewrite.tuned.window
-            config = config.replace(overlap_min_tokens=low, overlap_min_tokens_moe=low, overlap_max_tokens=high)
+            config = config.replace(split_min_tokens=low, split_min_tokens_moe=low, split_max_tokens=high)
             rewrite.report.add_note(decision.reason.render())
         apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)
         if decision.code is ReasonCode.TUNING_TABLE_NOT_APPLICABLE:
