@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from weavepass.config import Lowering
 from weavepass.runtime import fused_allreduce_layernorm, get_lowering
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -155,19 +156,19 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
 
     Host cost matters here (module docstring; benchmarks/bench_host_overhead.py measures it)."""
     run = get_lowering(lowering)
-    if num_ctas and lowering == "cuda_symm":
+    if num_ctas and lowering == Lowering.CUDA_SYMM:
         options = {"max_workspace_tokens": workspace_tokens, "num_ctas": num_ctas}
     else:
         options = {"max_workspace_tokens": workspace_tokens}
     return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options,
-                      (partial, residual, weight), lowering == "cuda_symm")
+                      (partial, residual, weight), lowering == Lowering.CUDA_SYMM)
 
 
 def fused_allreduce_layernorm_async(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
                                     workspace_tokens, num_ctas=0):
     """``weave.fused_allreduce_layernorm`` on the communication stream, joined as the RMSNorm form
     (``fused_allreduce_rmsnorm_async``); the join also holds the bias."""
-    cuda_symm = lowering == "cuda_symm"
+    cuda_symm = lowering == Lowering.CUDA_SYMM
     options = {"num_ctas": num_ctas} if num_ctas and cuda_symm else {}
     return _run_async(fused_allreduce_layernorm,
                       (partial, residual, weight, bias, eps, group_name, out_dtype, lowering, workspace_tokens),
@@ -247,11 +248,11 @@ def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_nam
     peer's push of the next call into ``slot`` waits for this rank's reduce.
 
     The outputs are allocated on the calling stream, which alone writes and reads them. Calls the
-    push kernels cannot serve, and every call off CUDA or off ``lowering="cuda_symm"``, run as
+    push kernels cannot serve, and every call off CUDA or off the ``cuda_symm`` lowering, run as
     ``fused_allreduce_rmsnorm_async`` (same numbers; every rank decides the same, from the call's
     shapes and group)."""
     call = None
-    if partial.device.type == "cuda" and lowering == "cuda_symm":
+    if partial.device.type == "cuda" and lowering == Lowering.CUDA_SYMM:
         from weavepass.runtime.cuda.push import prepare_push
 
         call = prepare_push(partial, residual, weight, group_name, out_dtype, workspace_tokens, num_ctas)
