@@ -586,7 +586,8 @@ def test_plan_split_is_the_planner_call_of_the_split(world2):
         plan_token_split(1, 4096, gemms, auto, WaveModel())
     site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40), mode="symbolic"))[0][0]
     refused = plan_split(TokenCount.of(site.partial), 1, gemms, auto, torch.device("cpu"))
-    assert refused.first is None and refused.reason.startswith("symbolic token count below the split threshold")
+    assert refused.first is None and refused.reason == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=None, low=1024,
+                                                                 kind="dense")
 
 
 # --- what may differ between ranks ---------------------------------------------------------------

@@ -13,6 +13,7 @@ from test_compile_units import FLASHCOMM, _args, _exchange, _trace, two_sites  #
 from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass
 from weavepass.compile.plan_check import collective_lines
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_token_split
 from weavepass.runtime.cuda import launch_plan
@@ -95,7 +96,8 @@ def test_auto_split_at_70b_widths_is_free_and_balanced(tp):
     plan = plan_token_split(1, 16384, llama70b_gemms(tp), auto, h200)
     assert plan.free and abs(plan.first - 8192) <= 0.03 * 16384, plan
     below = plan_token_split(1, 8192, llama70b_gemms(tp), auto, h200)
-    assert below.first is None and "split threshold 16384" in below.reason
+    assert below.first is None and below.reason == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=8192, low=16384,
+                                                             kind="dense")
 
 
 # --- the rewrite on every rank of a fake group -----------------------------------------------------

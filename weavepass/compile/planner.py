@@ -23,6 +23,8 @@ from weavepass.config import Lowering, WeaveConfig
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+    from weavepass.runtime.cuda.support import Unsupported
+
 
 NO_REASON = Reason(ReasonCode.NONE)
 
@@ -61,19 +63,26 @@ def group_size(group_name: str) -> int | None:
         return None
 
 
-def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
+def cuda_issue_reason(issue: Unsupported) -> Reason:
+    """The runtime's support check's answer (``runtime.cuda.support.Unsupported``) as the
+    ``Reason`` of the same code (``reasons.CUDA_ISSUES``), with its fields."""
+    return Reason(ReasonCode(issue.issue.value), issue.fields)
+
+
+def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> Reason | None:
     # Only asks: the workspace size travels in the op call (``WeaveConfig.cuda_workspace_tokens``),
     # and larger batches fall back to portable at run time.
     try:
         from weavepass.runtime.cuda.support import cuda_site_unsupported_reason
     except ImportError as error:  # the module not built for this torch
-        return f"CUDA lowering unavailable ({error})"
-    return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
+        return Reason.of(ReasonCode.CUDA_UNAVAILABLE, error=str(error))
+    issue = cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
+    return None if issue is None else cuda_issue_reason(issue)
 
 
-def unsupported_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering) -> str | None:
-    """Can ``lowering`` run ``site`` in this process? Why not (the runtime's support check's
-    words), or None. The portable lowering runs any site."""
+def unsupported_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering) -> Reason | None:
+    """Can ``lowering`` run ``site`` in this process? Why not (a ``CUDA_*`` code of the runtime's
+    support check), or None. The portable lowering runs any site."""
     return _cuda_unsupported_reason(site) if lowering is Lowering.CUDA_SYMM else None
 
 

@@ -107,6 +107,23 @@ class ReasonCode(enum.Enum):
     CUDA_COPY = "cuda_copy"
     """Information only: the CUDA kernel reads the partial sums from the matmul's output once (it
     stores the peers' rows into their workspaces, the reduce-scatter's transfer; no copy pass)."""
+    # What the CUDA lowering cannot serve (the ``cause`` of ``CUDA_UNSUPPORTED``/``PORTABLE_FALLBACK``,
+    # and of the split's push note): ``runtime.cuda.support.CudaIssue``, the same values; the
+    # sentences are the runtime's (``support.ISSUE_TEXT``), which it also warns with at run time.
+    CUDA_NOT_ON_CUDA = "cuda_not_on_cuda"
+    CUDA_DTYPE = "cuda_dtype"
+    CUDA_OUT_DTYPE = "cuda_out_dtype"
+    CUDA_HIDDEN_NOT_MULTIPLE = "cuda_hidden_not_multiple"
+    CUDA_HIDDEN_TOO_LARGE = "cuda_hidden_too_large"
+    CUDA_NO_TRITON = "cuda_no_triton"
+    CUDA_GROUP_UNRESOLVED = "cuda_group_unresolved"
+    CUDA_WORLD_SIZE = "cuda_world_size"
+    CUDA_UNAVAILABLE = "cuda_unavailable"
+    CUDA_RESIDUAL_MISMATCH = "cuda_residual_mismatch"
+    CUDA_WEIGHT_MISMATCH = "cuda_weight_mismatch"
+    CUDA_BIAS_MISMATCH = "cuda_bias_mismatch"
+    CUDA_QUANT_FORM = "cuda_quant_form"
+    PUSH_WORLD_SIZE = "push_world_size"
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
     INDUCTOR_SETTINGS = "inductor_settings"
@@ -162,7 +179,16 @@ class ReasonCode(enum.Enum):
     SPLIT_NOTHING_FUSED = "split_nothing_fused"
     SPLIT_ONE_SITE = "split_one_site"
     SPLIT_PLAN = "split_plan"
-    """The split planner (``wave_model``) does not cut this graph (its words: ``cause``)."""
+    """The split's planner (``wave_model``) does not cut this graph (``cause``, one of the next five)."""
+    SPLIT_TOO_FEW_TOKENS = "split_too_few_tokens"
+    """Fewer than 2 ``tokens``: nothing to cut."""
+    SPLIT_BELOW_WINDOW = "split_below_window"
+    """``split="auto"``: ``tokens`` below the window's low end ``low`` (for a ``kind`` graph: dense or
+    MoE); ``tokens`` is None for a symbolic count (then a guard)."""
+    SPLIT_ABOVE_WINDOW = "split_above_window"
+    """``split="auto"``: ``tokens`` above ``split_max_tokens`` (``high``); None for a symbolic count."""
+    SPLIT_WINDOW_PINS_SIZE = "split_window_pins_size"
+    """``split="auto"`` with a window of one size (``low``) and a symbolic count: a guard would pin it."""
     SPLIT_FEW_SYMBOLIC_UNITS = "split_few_symbolic_units"
     SPLIT_RUN_TIME_MASK = "split_run_time_mask"
     SPLIT_TOKEN_ARGUMENT_POSITION = 'split_token_argument_position'
@@ -565,6 +591,19 @@ MESSAGES: dict[ReasonCode, Message] = {
                                      "site's line says why it was kept)"),
     ReasonCode.SPLIT_ONE_SITE: "1 fused site: no compute between sites to overlap with",
     ReasonCode.SPLIT_PLAN: "{cause}",
+    ReasonCode.SPLIT_TOO_FEW_TOKENS: "{tokens} token(s): nothing to split",
+    ReasonCode.SPLIT_BELOW_WINDOW: lambda f: (
+        f"symbolic token count below the split threshold {f['low']} ({f['kind']}); guarded, so a batch "
+        "at or above it compiles its own graph" if f["tokens"] is None
+        else f"{f['tokens']} tokens < split threshold {f['low']} ({f['kind']}): fuse-only pays more"),
+    ReasonCode.SPLIT_ABOVE_WINDOW: lambda f: (
+        f"symbolic token count above split_max_tokens {f['high']}; guarded, so a batch inside the "
+        "window compiles its own graph" if f["tokens"] is None
+        else f"{f['tokens']} tokens > split_max_tokens {f['high']}: measured slower split"),
+    ReasonCode.SPLIT_WINDOW_PINS_SIZE: (
+        "symbolic token count and a window of one size ({low} tokens, {kind}): guards for it would pin "
+        "the dynamic size to one value, so only a static batch of that size is split (widen "
+        "split_min_tokens..split_max_tokens to split dynamic batches)"),
     ReasonCode.SPLIT_FEW_SYMBOLIC_UNITS: (
         "{units} {mode} unit(s) on a symbolic count: a half of one unit would specialise the graph; "
         "split from {min_units} units on"),
@@ -736,4 +775,25 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.SPLIT_INPUT_SHAPE: "first site's input has shape {shape}, not [B, S, H] or [T, H]",
 }
 """Each code's sentence: a ``str.format`` template over the reason's fields, or a function of them."""
+
+
+def _cuda_words(code: ReasonCode) -> Message:
+    """The runtime's sentence for a ``CudaIssue`` code (``runtime.cuda.support.ISSUE_TEXT``)."""
+    def render(fields: dict[str, object]) -> str:
+        from weavepass.runtime.cuda.support import ISSUE_TEXT, CudaIssue
+
+        return ISSUE_TEXT[CudaIssue(code.value)].format(**fields)
+
+    return render
+
+
+CUDA_ISSUES = (
+    ReasonCode.CUDA_NOT_ON_CUDA, ReasonCode.CUDA_DTYPE, ReasonCode.CUDA_OUT_DTYPE, ReasonCode.CUDA_HIDDEN_NOT_MULTIPLE,
+    ReasonCode.CUDA_HIDDEN_TOO_LARGE, ReasonCode.CUDA_NO_TRITON, ReasonCode.CUDA_GROUP_UNRESOLVED,
+    ReasonCode.CUDA_WORLD_SIZE, ReasonCode.CUDA_UNAVAILABLE, ReasonCode.CUDA_RESIDUAL_MISMATCH,
+    ReasonCode.CUDA_WEIGHT_MISMATCH, ReasonCode.CUDA_BIAS_MISMATCH, ReasonCode.CUDA_QUANT_FORM,
+    ReasonCode.PUSH_WORLD_SIZE,
+)
+"""The codes of ``runtime.cuda.support.CudaIssue`` (the same values)."""
+MESSAGES.update({code: _cuda_words(code) for code in CUDA_ISSUES})
 
