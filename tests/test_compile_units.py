@@ -748,11 +748,11 @@ def test_cuda_lowering_is_asked_about_the_norms_output_dtype(world2, monkeypatch
     from weavepass.runtime.cuda import support
 
     assert support.cuda_site_unsupported_reason(torch.bfloat16, H, torch.device("cuda"), "0", torch.float64) == \
-        support.Unsupported.of(support.CudaIssue.OUT_DTYPE, dtype=torch.float64)
+        support.CudaUnsupported.of(support.CudaIssue.OUT_DTYPE, dtype=torch.float64)
     fp32 = support.cuda_site_unsupported_reason(torch.bfloat16, H, torch.device("cuda"), "0", torch.float32)
     assert fp32 is None or fp32.issue is not support.CudaIssue.OUT_DTYPE  # (no triton: another issue)
     asked = []
-    refused = support.Unsupported(support.CudaIssue.NO_TRITON)
+    refused = support.CudaUnsupported(support.CudaIssue.NO_TRITON)
     monkeypatch.setattr(support, "cuda_site_unsupported_reason", lambda *a: asked.append(a[4]) or refused)
     args = [a.to(torch.bfloat16) for a in _args(8)]
     args[3] = args[3].to(torch.float64)  # the first norm's weight: its output is fp64

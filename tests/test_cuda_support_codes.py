@@ -14,7 +14,7 @@ from weavepass.runtime.cuda.support import (
     ISSUE_TEXT,
     MAX_HIDDEN,
     CudaIssue,
-    Unsupported,
+    CudaUnsupported,
     cuda_site_unsupported_reason,
     cuda_unsupported_reason,
 )
@@ -26,7 +26,7 @@ CUDA = torch.device("cuda", 0)  # only its type is read
 def test_every_issue_has_a_reason_code_rendered_alike():
     assert {code.value for code in CUDA_ISSUES} == {issue.value for issue in CudaIssue}
     assert set(ISSUE_TEXT) == set(CudaIssue)
-    issue = Unsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=20000, max_hidden=MAX_HIDDEN)
+    issue = CudaUnsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=20000, max_hidden=MAX_HIDDEN)
     reason = cuda_issue_reason(issue)
     assert reason.code is ReasonCode.CUDA_HIDDEN_TOO_LARGE and reason.field("hidden") == 20000
     assert reason.render() == str(issue) == "hidden size 20000 exceeds 16384 (a row must fit one tile)"

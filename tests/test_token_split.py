@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import weavepass.compile.strategies.split as token_split
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import TokenSplitPlan
 from weavepass.testing import ATOL, TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 from weavepass.testing.distributed import fake_process_group
@@ -282,7 +282,7 @@ def _auto_threshold(rank, world, sizes, low=24, high=45):
             worst = max(worst, (compiled(ids) - model(ids)).abs().max().nan_to_num(torch.inf).item())
         graphs_after.append(len(backend.report.graphs))
     assert not int_nodes, int_nodes
-    return graphs_after, [g.note for g in backend.report.graphs], worst
+    return graphs_after, [g.note for g in backend.report.graphs], worst, [g.reasons for g in backend.report.graphs]
 
 
 def test_auto_threshold_is_a_guard_on_symbolic_sizes():
@@ -290,13 +290,16 @@ def test_auto_threshold_is_a_guard_on_symbolic_sizes():
     split for one batch never serves a batch outside the window. Sizes crossing both bounds make
     four compiles (static 5; symbolic below; inside; above), and no more after that."""
     sizes = [5, 9, 13, 30, 40, 17, 50, 8, 24, 23, 45, 46, 60]
-    graphs_after, notes, worst = spawn(_auto_threshold, 2, "gloo", sizes)[0]
+    graphs_after, notes, worst, reasons = spawn(_auto_threshold, 2, "gloo", sizes)[0]
     assert worst < 1e-5
     assert graphs_after == [1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4], (graphs_after, notes)
-    assert "5 tokens < split threshold 24" in notes[0], notes
-    assert notes[1].startswith("fuse-only") and "below the split threshold 24" in notes[1], notes
+    below, above = ReasonCode.SPLIT_BELOW_WINDOW, ReasonCode.SPLIT_ABOVE_WINDOW
+    (static,), (symbolic_below,), (), (symbolic_above,) = reasons  # one decline per graph, none when split
+    assert static.find(below) == Reason.of(below, tokens=5, low=24, kind="dense"), notes
+    assert symbolic_below.find(below) == Reason.of(below, tokens=None, low=24, kind="dense"), notes  # a guard
     assert notes[2].startswith("split") and "run time" in notes[2], notes
-    assert notes[3].startswith("fuse-only") and "above split_max_tokens 45" in notes[3], notes
+    assert symbolic_above.find(above) == Reason.of(above, tokens=None, high=45), notes
+    assert notes[0].startswith("fuse-only: 5 tokens < split threshold 24 (dense): fuse-only pays more")  # rendered
 
 
 def _one_size_window(rank, world):

@@ -56,7 +56,9 @@ RENAMED_FIELDS = {
 }
 """Deprecated ``WeaveConfig`` field names and the fields that replaced them. Passing an old name
 (to ``WeaveConfig(...)`` or ``replace``) warns (``DeprecationWarning``) and sets the new field;
-reading ``config.<old>`` warns and returns the new field's value."""
+reading ``config.<old>`` warns and returns the new field's value. (``dataclasses.replace`` with an
+old name passes the new field's current value too, so it raises where they differ: use
+``config.replace``.) No environment variable had the old names."""
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
 GEMM_EPILOGUE_MODES = ("off", "auto", "force")
 _LONGEST_WAIT_S = timedelta.max.days * 86400.0  # what timedelta(seconds=...) still takes

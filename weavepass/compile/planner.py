@@ -23,7 +23,7 @@ from weavepass.config import Lowering, WeaveConfig
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
-    from weavepass.runtime.cuda.support import Unsupported
+    from weavepass.runtime.cuda.support import CudaUnsupported
 
 
 NO_REASON = Reason(ReasonCode.NONE)
@@ -63,8 +63,8 @@ def group_size(group_name: str) -> int | None:
         return None
 
 
-def cuda_issue_reason(issue: Unsupported) -> Reason:
-    """The runtime's support check's answer (``runtime.cuda.support.Unsupported``) as the
+def cuda_issue_reason(issue: CudaUnsupported) -> Reason:
+    """The runtime's support check's answer (``runtime.cuda.support.CudaUnsupported``) as the
     ``Reason`` of the same code (``reasons.CUDA_ISSUES``), with its fields."""
     return Reason(ReasonCode(issue.issue.value), issue.fields)
 

@@ -20,6 +20,7 @@ from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
+from weavepass.ops import arguments
 from weavepass.tune.table import Choice, TuningTable, choose, load_table, region_of
 
 log = logging.getLogger("weavepass")
@@ -60,9 +61,7 @@ def inner_width(matmul: Node) -> int | None:
     target = matmul.target
     if not isinstance(target, torch._ops.OpOverload) or target not in _WEIGHT_ARGUMENT:
         return None
-    name = _WEIGHT_ARGUMENT[target]
-    arguments = dict(zip((a.name for a in target._schema.arguments), matmul.args), **matmul.kwargs)
-    value = getattr(arguments.get(name), "meta", {}).get("val")
+    value = getattr(arguments(matmul)[_WEIGHT_ARGUMENT[target]], "meta", {}).get("val")
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
     return int(value.shape[-2])
