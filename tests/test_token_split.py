@@ -305,7 +305,7 @@ def test_auto_threshold_is_a_guard_on_symbolic_sizes():
 def _one_size_window(rank, world):
     """The default-style window of one size: dynamic sizes (automatic dynamic after the second
     call) are never split and keep one graph; a static compile at exactly that size splits."""
-    graphs_after, notes, worst = _auto_threshold(rank, world, [5, 9, 32, 40, 31], 32, 32)
+    graphs_after, notes, worst, reasons = _auto_threshold(rank, world, [5, 9, 32, 40, 31], 32, 32)
     torch._dynamo.reset()
     backend = WeaveBackend(WeaveConfig(split="auto", split_min_tokens=32, split_min_tokens_moe=32,
                                        split_max_tokens=32))
@@ -314,7 +314,7 @@ def _one_size_window(rank, world):
     with torch.no_grad():
         got = torch.compile(model, backend=backend, dynamic=False)(ids)
         worst = max(worst, (got - model(ids)).abs().max().nan_to_num(torch.inf).item())
-    return graphs_after, notes, worst, backend.report.graphs[0].note
+    return graphs_after, notes, worst, reasons, backend.report.graphs[0].note
 
 
 def test_auto_window_of_one_size():
@@ -322,10 +322,13 @@ def test_auto_window_of_one_size():
     one-size window would pin a dynamic token count to that size (a ConstraintViolationError for
     ``mark_dynamic`` inputs, seen on 2 H200s), so a symbolic count is not split and is not guarded:
     one graph serves 9, 32, 40 and 31 tokens. A static batch of exactly the size is split."""
-    graphs_after, notes, worst, static_note = spawn(_one_size_window, 2)[0]
+    graphs_after, notes, worst, reasons, static_note = spawn(_one_size_window, 2)[0]
     assert worst < 1e-5
     assert graphs_after == [1, 2, 2, 2, 2], (graphs_after, notes)
-    assert "window of one size (32 tokens" in notes[1], notes
+    (pinned,) = reasons[1]
+    assert pinned.find(ReasonCode.SPLIT_WINDOW_PINS_SIZE) == Reason.of(ReasonCode.SPLIT_WINDOW_PINS_SIZE, low=32,
+                                                                       kind="dense"), notes
+    assert "window of one size (32 tokens" in notes[1], notes  # rendered
     assert static_note.startswith("split"), static_note
 
 
