@@ -24,7 +24,7 @@ CFG = TPConfig(vocab=512, hidden=1024, n_layers=2, n_heads=16, n_kv_heads=4, hea
 TOKENS = 384
 
 VARIANTS = {
-    # name: (overlap, lowering, inductor config patch, same_stream)
+    # name: (split, lowering, inductor config patch, same_stream)
     "split": ("force", "auto", {}, False),
     "split_no_partition": ("force", "auto", {"graph_partition": False}, False),
     "split_no_trees": ("force", "auto", {"triton.cudagraph_trees": False}, False),
@@ -39,7 +39,7 @@ def _variant(rank, name, model):
 
     from weavepass.runtime import streams
 
-    overlap, lowering, patch, same_stream = VARIANTS[name]
+    split, lowering, patch, same_stream = VARIANTS[name]
     device = torch.device("cuda", rank)
     original = streams.comm_stream
     if same_stream:
@@ -49,7 +49,7 @@ def _variant(rank, name, model):
     lines = []
     try:
         with torch._inductor.config.patch(patch):
-            backend = WeaveBackend(WeaveConfig(overlap=overlap, lowering=lowering, cuda_min_tokens=1,
+            backend = WeaveBackend(WeaveConfig(split=split, lowering=lowering, cuda_min_tokens=1,
                                                allow_inductor_cudagraphs=True))
             compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
             with torch.no_grad():

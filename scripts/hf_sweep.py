@@ -8,7 +8,7 @@ every strategy on 2 gloo ranks against eager; regenerates the table of docs/mode
 Each family runs in its own 2 processes, gloo ranks forked from this one once it has imported
 and warmed torch, transformers and Inductor (``warm_up``), stopped after a timeout: rank 0 writes
 a tiny random checkpoint (``hf_catalogue.save_tiny``), both load it with ``tp_plan="auto"``,
-trace it once and compile the graphs fuse-only, with the token split forced and with FlashComm
+trace it once and compile the graphs fuse-only, with the split forced and with FlashComm
 forced (``hf_models.CONFIGS``), each against the same graphs run eagerly. A line per family shows
 the progress. Results go to
 docs/hf_sweep.json (merged by family, so a partial run updates its rows), and the table between

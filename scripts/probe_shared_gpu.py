@@ -113,14 +113,14 @@ def _gloo_rank(rank, world, port):
         cfg = TPConfig(vocab=512, hidden=512, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64,
                        intermediate=1024, dtype=torch.bfloat16)
         results = []
-        for overlap in ("off", "force"):
+        for split in ("off", "force"):
             torch._dynamo.reset()
             model = build_tp_model(cfg, rank, world, dist.group.WORLD, device=dev)
             ref = build_tp_model(cfg, rank, world, dist.group.WORLD, device=dev, dtype=torch.float32)
             ids = random_token_ids(cfg, 1, 512, seed=3, device=dev)
-            backend = weavepass.make_backend(weavepass.WeaveConfig(overlap=overlap, cuda_min_tokens=1))
+            backend = weavepass.make_backend(weavepass.WeaveConfig(split=split, cuda_min_tokens=1))
             cmp = check_against_eager(model, (ids,), lambda m: torch.compile(m, backend=backend), ref, cfg.dtype)
-            results.append((overlap, sorted({r.lowering for r in backend.report.records}), cmp.max_abs_diff))
+            results.append((split, sorted({r.lowering for r in backend.report.records}), cmp.max_abs_diff))
         return results
     _step(rank, "reference model compiled with weave (fuse, split)", compiled_model)
     dist.destroy_process_group()

@@ -5,7 +5,7 @@ workspaces at the same addresses and the kernels' ``peer - local`` deltas hold i
 Run by tests/test_push_kernels_interpreted.py as ``TRITON_INTERPRET=1 python
 tests/push_interpreter_case.py <skewed> <residual> <dtype>``; exits 0 after checking every output
 against the reference and every signal's final value, non-zero otherwise (a rank stuck in a wait
-is killed after ``TIMEOUT_S``). Each rank runs the token split's schedule of forks and joins (push A1,
+is killed after ``TIMEOUT_S``). Each rank runs the split's schedule of forks and joins (push A1,
 push B1, reduce A1, push A2, reduce B1, push B2, ...); with ``skewed`` rank 1 sleeps before each
 reduce, so rank 0's pushes run ahead into slots rank 1 has not read yet, which only the CONSUMED
 wait keeps from being overwritten.

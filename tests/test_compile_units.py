@@ -29,7 +29,7 @@ from weavepass.compile.strategies import STRATEGIES, ContractError, GraphRewrite
 from weavepass.compile.strategies.base import check_writes, snapshot
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy, decide_flashcomm, force_device_kind
 from weavepass.compile.strategies.fuse import FuseStrategy
-from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.strategies.split.strategy import SplitStrategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
 from weavepass.report import AllReduceRecord, GraphReport
@@ -262,7 +262,7 @@ def test_plan_gives_layer_norm_sites_every_lowering(world2, monkeypatch):
 
 # --- the strategies' decisions -------------------------------------------------------------------
 
-FLASHCOMM = dict(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off")
+FLASHCOMM = dict(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, split="off")
 
 
 def test_flashcomm_decision_fields(world2):
@@ -350,7 +350,7 @@ def test_flashcomm_carries_layer_norm_sites(world2, kind, norm_note):
 def test_split_decision(world2):
     strategy = SplitStrategy()
     assert strategy.decide(_rewrite(_trace(two_sites, *_args(40)), WeaveConfig())).code is ReasonCode.NOT_ASKED
-    rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(overlap="force"))
+    rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(split="force"))
     FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
     assert list(rewrite.fused) == ["all_reduce", "all_reduce_1"]
     decision = strategy.decide(rewrite)
@@ -359,7 +359,7 @@ def test_split_decision(world2):
     ops = op_counts(rewrite.graph)
     assert ops["weave.fused_allreduce_rmsnorm_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm.default" not in ops
-    assert rewrite.report.notes == ["token split (sequence): A = 256 / B = 384 tokens, wave inequality holds; "
+    assert rewrite.report.notes == ["split (sequence): A = 256 / B = 384 tokens, wave inequality holds; "
                                     "2 sites x 2 halves"]
 
 
@@ -372,10 +372,10 @@ def _split(config: WeaveConfig) -> GraphRewrite:
 
 
 def test_split_note_when_no_site_was_fused(world2):
-    """``overlap="force"`` on a graph whose sites all stay unfused (here: a group smaller than
+    """``split="force"`` on a graph whose sites all stay unfused (here: a group smaller than
     ``min_world_size``, as with TP=1): the graph note says no site was fused and points at the site
     lines, not at missing compute (what it said before, which sent a user looking in the model)."""
-    rewrite = _split(WeaveConfig(overlap="force", min_world_size=4))
+    rewrite = _split(WeaveConfig(split="force", min_world_size=4))
     assert not rewrite.fused
     assert "_c10d_functional.all_reduce.default" in op_counts(rewrite.graph)
     assert rewrite.report.codes == [ReasonCode.SPLIT_NOTHING_FUSED]
@@ -397,7 +397,7 @@ def test_split_join_reads_every_input_of_its_op(world2, fn):
     so the join reads all three: Inductor then neither frees nor reuses their buffers before it.
     The weight matters where the graph computes it (Gemma's ``1 + w``): reading only the partial
     and the residual, the generated code ``del``-ed that buffer right after half B's op."""
-    rewrite = _rewrite(_trace(fn, *_args(640)), WeaveConfig(overlap="force"))
+    rewrite = _rewrite(_trace(fn, *_args(640)), WeaveConfig(split="force"))
     FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
     SplitStrategy().apply(rewrite, SplitStrategy().decide(rewrite))
     forks = [n for n in rewrite.graph.nodes if n.target is torch.ops.weave.fused_allreduce_rmsnorm_async.default]
@@ -416,12 +416,12 @@ PUSH_ASYNC = torch.ops.weave.fused_allreduce_rmsnorm_push_async.default
 
 
 def test_split_push_variant_passes_one_slot_per_half(world2):
-    """``overlap_comm="push"``: every site becomes the push op, half A's with staging slot 0 and
+    """``split_comm="push"``: every site becomes the push op, half A's with staging slot 0 and
     B's with slot 1 (a slot is reused only by the same half's next site, after its join), the
     CTA count travels as before, and the joins are those of the fused async op (one per op).
     On this CPU graph the sites' lowering is portable: the note says the op runs there as the fused
     async op."""
-    rewrite = _split(WeaveConfig(overlap="force", overlap_comm="push", overlap_comm_ctas=12))
+    rewrite = _split(WeaveConfig(split="force", split_comm="push", split_comm_ctas=12))
     ops = op_counts(rewrite.graph)
     assert ops["weave.fused_allreduce_rmsnorm_push_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm_async.default" not in ops
@@ -433,7 +433,7 @@ def test_split_push_variant_passes_one_slot_per_half(world2):
     assert [n.args[-2] for n in pushes] == [12] * 4
     assert [n.args[0].meta["val"].shape[0] for n in pushes] == [256, 384, 256, 384]
     assert rewrite.report.notes == [
-        "token split (sequence): A = 256 / B = 384 tokens, wave inequality holds; 2 sites x 2 halves; "
+        "split (sequence): A = 256 / B = 384 tokens, wave inequality holds; 2 sites x 2 halves; "
         "communication: push (slot 0 for A, 1 for B); sites on lowering portable run it as the fused "
         "async op (the push kernels are cuda_symm's)"]
 
@@ -442,20 +442,20 @@ def test_split_push_variant_refused_beyond_two_ranks():
     """On 3 ranks the push variant would move 2 S per rank against two-shot's 1.33 S: the split
     keeps the fused async op, and the note says why."""
     with fake_process_group(3):
-        rewrite = _split(WeaveConfig(overlap="force", overlap_comm="push"))
+        rewrite = _split(WeaveConfig(split="force", split_comm="push"))
     ops = op_counts(rewrite.graph)
     assert ops["weave.fused_allreduce_rmsnorm_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm_push_async.default" not in ops
     (note,) = rewrite.report.notes
-    assert note.endswith("communication: fused kernel (overlap_comm='push' not used: the push variant serves "
+    assert note.endswith("communication: fused kernel (split_comm='push' not used: the push variant serves "
                          "2 ranks only, not 3: it pushes every row to every peer, (N-1) S = 2 S bytes per "
                          "rank, where two-shot moves 2 (N-1)/N S = 1.33 S)"), note
 
 
 def test_overlap_comm_is_validated():
-    with pytest.raises(ValueError, match="overlap_comm must be one of"):
-        WeaveConfig(overlap_comm="lean")
-    assert WeaveConfig().overlap_comm == "fused"  # off by default: not measured on GPUs yet
+    with pytest.raises(ValueError, match="split_comm must be one of"):
+        WeaveConfig(split_comm="lean")
+    assert WeaveConfig().split_comm == "fused"  # off by default: not measured on GPUs yet
 
 
 @pytest.mark.parametrize("seconds", [float("inf"), 1e15])
@@ -484,7 +484,7 @@ def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mo
         return calls[-1][1]
 
     monkeypatch.setattr("weavepass.compile.strategies.split.plan_split", spy)
-    rewrite = _rewrite(_trace(two_sites, *_args(*tokens), mode=mode), WeaveConfig(overlap="force"))
+    rewrite = _rewrite(_trace(two_sites, *_args(*tokens), mode=mode), WeaveConfig(split="force"))
     planned = [TokenCount.of(plan.site.partial) for plan in rewrite.plans]
     FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
     SplitStrategy().apply(rewrite, SplitStrategy().decide(rewrite))
@@ -494,11 +494,11 @@ def test_split_plans_on_the_planners_token_count(world2, monkeypatch, tokens, mo
         assert (str(count.value), count.static, count.hint) == want
     assert count.symbolic == (mode == "symbolic")
     assert plan.tokens == count.hint == math.prod(tokens)
-    assert plan.first is not None and rewrite.report.notes[-1].startswith("token split"), rewrite.report.notes
+    assert plan.first is not None and rewrite.report.notes[-1].startswith("split"), rewrite.report.notes
 
 
 def test_split_refuses_training_after_fuse(world2):
-    rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(overlap="force"))
+    rewrite = _rewrite(_trace(two_sites, *_args(640)), WeaveConfig(split="force"))
     FuseStrategy().apply(rewrite, FuseStrategy().decide(rewrite))
     _as_training(rewrite)
     decision = SplitStrategy().decide(rewrite)
@@ -531,8 +531,8 @@ def test_a_strategy_that_changes_what_it_does_not_declare_is_stopped(world2):
 
 
 def test_inductor_patches_come_from_the_strategies():
-    assert inductor_patches(WeaveConfig(overlap="off")) == {}
-    assert inductor_patches(WeaveConfig(overlap="off", enable_flashcomm=True)) == {"shape_padding": False}
+    assert inductor_patches(WeaveConfig(split="off")) == {}
+    assert inductor_patches(WeaveConfig(split="off", enable_flashcomm=True)) == {"shape_padding": False}
     # Inductor's overlap scheduler (where this torch has it) would move a split's joins after the
     # reads they guard (split.OVERLAP_SCHEDULING): off in split graphs, whatever the user set.
     import torch._inductor.config as inductor_config
@@ -544,8 +544,8 @@ def test_inductor_patches_come_from_the_strategies():
     expected = {"reorder_for_peak_memory": False, "shape_padding": False}
     if hasattr(inductor_config, "aten_distributed_optimizations"):
         expected[OVERLAP_SCHEDULING] = False
-    assert inductor_patches(WeaveConfig(overlap="force")) == expected
-    with inductor_config.patch(inductor_patches(WeaveConfig(overlap="force"))):  # a key Inductor knows
+    assert inductor_patches(WeaveConfig(split="force")) == expected
+    with inductor_config.patch(inductor_patches(WeaveConfig(split="force"))):  # a key Inductor knows
         assert inductor_config.reorder_for_peak_memory is False
         assert inductor_config.shape_padding is False
 
@@ -579,14 +579,15 @@ def test_user_option_the_split_overrides_is_warned():
 
 def test_plan_split_is_the_planner_call_of_the_split(world2):
     """Static counts are planned as ``plan_token_split`` plans them; a symbolic count outside the
-    overlap window is refused on its value (the guard) before any cut is planned."""
+    split window is refused on its value (the guard) before any cut is planned."""
     gemms = [GemmShape(n=8192, k=8192)]
-    auto = WeaveConfig(overlap="auto", overlap_min_tokens=1024, overlap_min_tokens_moe=4096, overlap_max_tokens=8192)
+    auto = WeaveConfig(split="auto", split_min_tokens=1024, split_min_tokens_moe=4096, split_max_tokens=8192)
     assert plan_split(TokenCount(4096), 1, gemms, auto, torch.device("cpu")) == \
         plan_token_split(1, 4096, gemms, auto, WaveModel())
     site = find_allreduce_rmsnorm_sites(_trace(two_sites, *_args(40), mode="symbolic"))[0][0]
     refused = plan_split(TokenCount.of(site.partial), 1, gemms, auto, torch.device("cpu"))
-    assert refused.first is None and refused.reason.startswith("symbolic token count below the overlap threshold")
+    assert refused.first is None and refused.reason == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=None, low=1024,
+                                                                 kind="dense")
 
 
 # --- what may differ between ranks ---------------------------------------------------------------
@@ -599,7 +600,7 @@ def test_plan_split_is_the_planner_call_of_the_split(world2):
 # rather than let the ranks hang in mismatched collectives. The exchange runs over one in-process
 # store, one thread per simulated rank, as it runs over the default group's store.
 
-SPLIT = WeaveConfig(overlap="force")
+SPLIT = WeaveConfig(split="force")
 
 
 def _lines_on_rank(rank: int, config: WeaveConfig) -> list[tuple[str, str]]:
@@ -746,12 +747,13 @@ def test_cuda_lowering_is_asked_about_the_norms_output_dtype(world2, monkeypatch
     (before, the site was planned onto cuda_symm and its first call raised ValueError)."""
     from weavepass.runtime.cuda import support
 
-    assert "output dtype torch.float64" in support.cuda_site_unsupported_reason(
-        torch.bfloat16, H, torch.device("cuda"), "0", torch.float64)
-    assert "output dtype" not in (support.cuda_site_unsupported_reason(
-        torch.bfloat16, H, torch.device("cuda"), "0", torch.float32) or "")
+    assert support.cuda_site_unsupported_reason(torch.bfloat16, H, torch.device("cuda"), "0", torch.float64) == \
+        support.CudaUnsupported.of(support.CudaIssue.OUT_DTYPE, dtype=torch.float64)
+    fp32 = support.cuda_site_unsupported_reason(torch.bfloat16, H, torch.device("cuda"), "0", torch.float32)
+    assert fp32 is None or fp32.issue is not support.CudaIssue.OUT_DTYPE  # (no triton: another issue)
     asked = []
-    monkeypatch.setattr(support, "cuda_site_unsupported_reason", lambda *a: asked.append(a[4]) or "asked")
+    refused = support.CudaUnsupported(support.CudaIssue.NO_TRITON)
+    monkeypatch.setattr(support, "cuda_site_unsupported_reason", lambda *a: asked.append(a[4]) or refused)
     args = [a.to(torch.bfloat16) for a in _args(8)]
     args[3] = args[3].to(torch.float64)  # the first norm's weight: its output is fp64
     sites, _ = find_allreduce_rmsnorm_sites(_trace(two_sites, *args))
@@ -760,13 +762,13 @@ def test_cuda_lowering_is_asked_about_the_norms_output_dtype(world2, monkeypatch
 
 
 @pytest.mark.parametrize("config, fn, level", [
-    (WeaveConfig(overlap="force", min_world_size=4), "split", "WARNING"),  # asked for, not split
-    (WeaveConfig(overlap="auto", min_world_size=4), "split", "INFO"),  # the cost model's call
+    (WeaveConfig(split="force", min_world_size=4), "split", "WARNING"),  # asked for, not split
+    (WeaveConfig(split="auto", min_world_size=4), "split", "INFO"),  # the cost model's call
     (WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1), "broken_stream", "WARNING"),
     (WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=641), "two_sites", "INFO"),  # too few
 ])
 def test_a_strategy_asked_for_and_not_used_is_a_warning(world2, caplog, config, fn, level):
-    """``overlap="force"`` not splitting, or FlashComm not used for another reason than a graph
+    """``split="force"`` not splitting, or FlashComm not used for another reason than a graph
     too small for it, is logged as a warning (the report alone would be silent unless read)."""
     with caplog.at_level("INFO", logger="weavepass"):
         if fn == "split":
@@ -776,7 +778,7 @@ def test_a_strategy_asked_for_and_not_used_is_a_warning(world2, caplog, config, 
             strategy = FlashCommStrategy()
             strategy.decline(rewrite, strategy.decide(rewrite))
     (record,) = [r for r in caplog.records if any(words in r.getMessage() for words in (
-        "token split skipped", "FlashComm not used"))]
+        "split skipped", "FlashComm not used"))]
     assert record.levelname == level, record.getMessage()
 
 
@@ -784,7 +786,7 @@ def test_explains_graph_numbers_match_the_log(world2, caplog):
     """``explain`` numbers its graphs from 0, but its backend (one per config, shared) logs the
     number it gave the graph among all it compiled: the report names that number too, so a warning
     about "graph 1" can be found in a report that says "graph 0"."""
-    config = WeaveConfig(overlap="force", plan_check_timeout_s=61.0)  # a backend of its own
+    config = WeaveConfig(split="force", plan_check_timeout_s=61.0)  # a backend of its own
 
     def one_site(x, r, w1, g1, w2, g2):
         return _rms(funcol.all_reduce(x @ w1, "sum", dist.group.WORLD) + r, g1)
@@ -793,7 +795,7 @@ def test_explains_graph_numbers_match_the_log(world2, caplog):
     weavepass.explain(two_sites, *_args(40), config=config)  # the backend's graph 0
     with caplog.at_level("WARNING", logger="weavepass"):
         report = weavepass.explain(one_site, *_args(40), config=config)
-    (warning,) = [r.getMessage() for r in caplog.records if "token split skipped" in r.getMessage()]
+    (warning,) = [r.getMessage() for r in caplog.records if "split skipped" in r.getMessage()]
     assert "graph 1:" in warning
     text = str(report)
     assert report.graphs[0].graph_index == 0 and "graph 0 (graph 1 in weavepass's log): 1/1" in text, text

@@ -28,7 +28,7 @@ def variants(world: int) -> dict[str, TPConfig]:
     }
 
 
-def _rank(rank: int, world: int, batch: int, seq: int, overlap: str, names: tuple[str, ...]) -> dict:
+def _rank(rank: int, world: int, batch: int, seq: int, split: str, names: tuple[str, ...]) -> dict:
     group = dist.group.WORLD
     results = {}
     for name, cfg in variants(world).items():
@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, batch: int, seq: int, overlap: str, names: tupl
         model = build_tp_model(cfg, rank, world, group)
         reference = build_tp_model(cfg, rank, world, group, dtype=torch.float32)
         ids = random_token_ids(cfg, batch, seq, seed=world)
-        backend = weavepass.make_backend(weavepass.WeaveConfig(overlap=overlap))
+        backend = weavepass.make_backend(weavepass.WeaveConfig(split=split))
         torch._dynamo.reset()
         comparison = check_against_eager(
             model, (ids,), lambda m: torch.compile(m, backend=backend), reference, cfg.dtype

@@ -366,7 +366,7 @@ STACKS = {"fuse": (scaled_stack, 7), "split": (biased_stack, 4), "flashcomm": (s
 ``bmm`` of this Llama4 stand-in (a batch of experts), and FlashComm needs the stream carried."""
 
 
-CONFIGS = {"fuse": WeaveConfig(), "split": WeaveConfig(overlap="force"),
+CONFIGS = {"fuse": WeaveConfig(), "split": WeaveConfig(split="force"),
            "flashcomm": WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1)}
 
 

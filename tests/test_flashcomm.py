@@ -51,7 +51,7 @@ DENSE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head
                  intermediate=516, dtype=torch.bfloat16)
 MOE = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=6, n_kv_heads=6, head_dim=96,
                intermediate=516, n_experts=2, top_k=1, dtype=torch.bfloat16)
-ON = dict(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off")
+ON = dict(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, split="off")
 
 
 def _compile(config: WeaveConfig):
@@ -340,7 +340,7 @@ def test_graph_stopped_under_inductor_cuda_graphs_stays_unchanged(monkeypatch):
                         lambda sites, config: scheduler.INDUCTOR_CUDAGRAPHS)
     with fake_process_group(2):
         model = build_tp_model(DENSE, 0, 2, dist.group.WORLD)
-        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8, "overlap": "force"}))
+        backend, compile_fn = _compile(WeaveConfig(**{**ON, "flashcomm_min_prefill_tokens": 8, "split": "force"}))
         with torch.no_grad():
             compile_fn(model)(random_token_ids(DENSE, 2, 5))
     graph = backend.report.graphs[0]

@@ -145,7 +145,7 @@ def test_auto_keeps_the_fused_op_and_says_why(fake_world):
 
 def test_the_token_split_keeps_the_matmul_outside(fake_world, caplog):
     with caplog.at_level(logging.INFO, logger="weavepass"):
-        graph = model_report(WeaveConfig(gemm_epilogue="force", overlap="force"))
+        graph = model_report(WeaveConfig(gemm_epilogue="force", split="force"))
     assert graph.ops_after[OP] == 0
     assert len(_warnings(caplog)) == 1 and f"{MATMUL_SITES} site(s)" in _warnings(caplog)[0]  # asked, not done
     assert [r.codes[-1] for r in graph.records[1:]] == [ReasonCode.GEMM_EPILOGUE_SPLIT] * MATMUL_SITES
@@ -252,7 +252,7 @@ def test_choice_per_lowering_and_mode(fake_world):
     for lowering in Lowering:
         _, reason = choose_gemm_epilogue(site, lowering, "auto")
         assert reason.code is ReasonCode.GEMM_EPILOGUE_UNMEASURED
-    _, reason = choose_gemm_epilogue(site, Lowering.PORTABLE, "force", overlap="auto")
+    _, reason = choose_gemm_epilogue(site, Lowering.PORTABLE, "force", split="auto")
     assert reason.code is ReasonCode.GEMM_EPILOGUE_SPLIT
 
 

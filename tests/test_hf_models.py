@@ -2,7 +2,7 @@
 
 Tiny random checkpoints of every family that ships a ``base_model_tp_plan``
 (``weavepass/testing/hf_models.py``) are loaded with ``from_pretrained(..., tp_plan="auto")`` on a
-gloo group of 2 and compiled fuse-only (the default), with the token split forced and with
+gloo group of 2 and compiled fuse-only (the default), with the split forced and with
 FlashComm forced. Per family and strategy the test asserts what a user reads in the explain
 report: how many all_reduces were fused, the reason for each one kept, the graph-wide note, and
 that the compiled graphs equal the eager ones (fp32: ``ATOL[float32]`` relative to the output).
@@ -35,7 +35,7 @@ from weavepass.report import WeaveReport  # noqa: E402
 from weavepass.testing import ATOL, spawn  # noqa: E402
 from weavepass.testing import hf_models as hf  # noqa: E402
 
-SPLIT = "token split (sequence)"
+SPLIT = "split (sequence)"
 FLASHCOMM = "FlashComm (portable): 9 tokens padded to 32"
 AR = "_c10d_functional.all_reduce.default"
 NO_STREAM = ReasonCode.NO_RESIDUAL_ADD

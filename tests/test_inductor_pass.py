@@ -183,14 +183,14 @@ def test_a_strategy_whose_inductor_settings_are_missing_is_declined_with_a_warni
     is fused but not split, with a warning naming the settings; with the settings it is split."""
     monkeypatch.setattr(graph_pass, "_WARNED", set())  # warned once per process
     model, ids = _model(group)
-    config = ONE_RANK.replace(overlap="force")
-    split = next(s for s in STRATEGIES if s.name == "token split")
+    config = ONE_RANK.replace(split="force")
+    split = next(s for s in STRATEGIES if s.name == "split")
     alone = weavepass.inductor_pass(config, chain=None)
     with inductor_config.patch(post_grad_custom_pre_pass=alone, reorder_for_peak_memory=True,
                                fx_graph_cache=False):
         decision = alone._unmet_settings_decision(split)
         assert decision is not None and decision.code is ReasonCode.INDUCTOR_SETTINGS
-        assert decision.reason.field("strategy") == "token split"
+        assert decision.reason.field("strategy") == "split"
         assert ("reorder_for_peak_memory", False, True) in decision.reason.field("settings")
         with torch.no_grad(), caplog.at_level(logging.WARNING, logger="weavepass"):
             torch.compile(model)(ids)
@@ -277,7 +277,7 @@ def test_dumps_from_the_environment_variable_and_off_by_default(group, tmp_path,
 
 
 def test_dump_names_are_sanitised():
-    assert dump.safe_name("token split") == "token_split"
+    assert dump.safe_name("the split") == "the_split"
     assert dump.safe_name("../../etc/passwd") == "etc_passwd"
     assert dump.safe_name("..") == "unnamed" and dump.safe_name("") == "unnamed"
     assert dump.safe_name("FlashComm/NPU\\x") == "flashcomm_npu_x"

@@ -83,11 +83,12 @@ def test_push_arguments_refuse_a_third_slot_and_an_overfull_one():
 
 
 def test_push_variant_serves_two_ranks_only():
-    from weavepass.runtime.cuda.support import push_unsupported_reason
+    from weavepass.runtime.cuda.support import CudaIssue, push_unsupported_reason
 
     assert push_unsupported_reason(2) is None
     reason = push_unsupported_reason(8)
-    assert "2 ranks only, not 8" in reason and "7 S bytes per rank" in reason and "1.75 S" in reason
+    assert reason.issue is CudaIssue.PUSH_WORLD_SIZE and dict(reason.fields)["world"] == 8
+    assert "2 ranks only, not 8" in str(reason) and "7 S bytes per rank" in str(reason) and "1.75 S" in str(reason)
 
 
 @pytest.mark.parametrize("hidden, rows", [(8192, 1), (4096, 2), (1032, 4)])

@@ -572,16 +572,16 @@ def test_token_split_takes_layer_norm_sites():
     """LayerNorm sites split like RMSNorm ones: each becomes the LayerNorm async op once per half,
     each joined once; no synchronous fused op and no all_reduce is left. (Numbers: Cohere in
     tests/test_hf_models.py, split on gloo ranks against eager; this group is fake.)"""
-    graph = compile_report(_two_layer_norm_sites, *inputs(), config=WeaveConfig(overlap="force"))
+    graph = compile_report(_two_layer_norm_sites, *inputs(), config=WeaveConfig(split="force"))
     assert graph.ops_after["weave.fused_allreduce_layernorm_async.default"] == 4, graph.ops_after
     assert graph.ops_after["weave.join_async.default"] == 4
     assert graph.ops_after[FUSED_LN] == 0 and graph.ops_after[AR] == 0
-    assert graph.note.startswith("token split"), graph.note
+    assert graph.note.startswith("split"), graph.note
 
 
 def test_push_variant_keeps_the_fused_kernel_for_layer_norm_sites():
     graph = compile_report(_two_layer_norm_sites, *inputs(),
-                           config=WeaveConfig(overlap="force", overlap_comm="push"))
+                           config=WeaveConfig(split="force", split_comm="push"))
     assert graph.ops_after["weave.fused_allreduce_layernorm_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm_push_async.default" not in graph.ops_after
     assert "the push variant's reduce kernel carries RMSNorm sites only" in graph.note, graph.note
@@ -627,8 +627,8 @@ def test_mixed_graph_rewrites_only_valid_sites():
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="lowering"):
         WeaveConfig(lowering="nccl")
-    with pytest.raises(ValueError, match="overlap"):
-        WeaveConfig(overlap="sometimes")
+    with pytest.raises(ValueError, match="split"):
+        WeaveConfig(split="sometimes")
     with pytest.raises(TypeError, match="WeaveConfig"):
         weavepass.make_backend({"lowering": "portable"})
 

@@ -180,7 +180,7 @@ def _job_rank(rank, world):
     # 2. A mismatch (rank 0 splits, rank 1 fuses only), then a correct compile after a reset.
     torch._dynamo.reset()
     plain = WeaveConfig(plan_check_timeout_s=3.0)
-    config = plain.replace(overlap="force") if rank == 0 else plain
+    config = plain.replace(split="force") if rank == 0 else plain
     out["mismatch"] = _run(torch.compile(two_layers, backend=weavepass.make_backend(config)), _inputs(rank))
     torch._dynamo.reset()
     out["after"] = _run(torch.compile(two_layers, backend=weavepass.make_backend(plain)), _inputs(rank, seed=5))

@@ -1,4 +1,4 @@
-"""The token split's push kernels (``WeaveConfig.overlap_comm="push"``) on CPU through Triton's
+"""The split's push kernels (``WeaveConfig.split_comm="push"``) on CPU through Triton's
 interpreter (tests/push_interpreter_case.py): indexing, the rank-order reduce with the reference's
 rounding, the staging slot per half, the self-advancing signals, and the CONSUMED wait that keeps a
 rank that runs ahead from overwriting a slot its peer has not read. Skipped where Triton is not

@@ -273,9 +273,9 @@ def test_cuda_lowering_keeps_a_form_it_does_not_carry_outside(fake_world):
 def test_split_refuses_quantized_sites(fake_world):
     linear = QuantLinear(torch.randn(N_OUT, H), "fp8_row")
     graph = compile_report(site_fn(linear, fake_world), *site_inputs(torch.bfloat16),
-                           config=WeaveConfig(overlap="force"))
+                           config=WeaveConfig(split="force"))
     assert graph.ops_after[QUANT] == 1  # fuse-only, the quantization in the fused op
-    assert "the token split does not carry quantized sites" in graph.note
+    assert "the split does not carry quantized sites" in graph.note
 
 
 def test_check_replicated_on_a_quantized_site(fake_world):

@@ -267,13 +267,13 @@ def test_cache_key_covers_the_sm_count(monkeypatch):
 
 
 def test_symbolic_token_split_compiles_once_per_size_class():
-    """``overlap="force"`` with a ``mark_dynamic`` sequence: every size from 4 tokens on runs one
+    """``split="force"`` with a ``mark_dynamic`` sequence: every size from 4 tokens on runs one
     split graph, 2 and 3 tokens one fuse-only graph (a one-token half guarded ``half != 1`` and
     compiled 3 graphs for 9, 2, 3 and 17 tokens)."""
     from weavepass.testing import TPConfig, build_tp_model, random_token_ids
 
     cfg = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
-    backend = weavepass.make_backend(WeaveConfig(overlap="force"))
+    backend = weavepass.make_backend(WeaveConfig(split="force"))
     torch._dynamo.reset()
     with fake_process_group(2), torch.no_grad():
         compiled = torch.compile(build_tp_model(cfg, 0, 2, dist.group.WORLD), backend=backend)
@@ -283,7 +283,7 @@ def test_symbolic_token_split_compiles_once_per_size_class():
             compiled(ids)
     notes = [g.note for g in backend.report.graphs]
     assert len(notes) == 2, notes
-    assert notes[0].startswith("token split (sequence): computed at run time"), notes
+    assert notes[0].startswith("split (sequence): computed at run time"), notes
     assert [g.reasons for g in backend.report.graphs] == [
         [], [Reason.of(ReasonCode.SPLIT_FEW_SYMBOLIC_UNITS, units=2, mode="sequence", min_units=4)]], notes
 

@@ -24,7 +24,7 @@ T, K, H = 8, 16, 32
 EPS = 1e-6
 
 FUSE_ONLY = WeaveConfig()
-SPLIT = WeaveConfig(overlap="force")
+SPLIT = WeaveConfig(split="force")
 FLASHCOMM = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1)
 STRATEGIES = {"fuse-only": FUSE_ONLY, "split": SPLIT, "flashcomm": FLASHCOMM}
 
@@ -143,7 +143,7 @@ def _alpha_chain(x, w1, w2, r, weight, alphas):
 # kept site at either end of the chain.
 ALPHA_CASES = [
     ("fuse-only", (1, 2.0, 1), [], ""),
-    ("split", (1, 2.0, 1), [ReasonCode.SPLIT_NOT_POSSIBLE], "fuse-only: token split not possible"),
+    ("split", (1, 2.0, 1), [ReasonCode.SPLIT_NOT_POSSIBLE], "fuse-only: split not possible"),
     ("flashcomm", (2.0, 1, 1), [], "FlashComm (portable)"),
     ("flashcomm", (1, 1, 2.0), [], "FlashComm (portable)"),
 ]
@@ -265,7 +265,7 @@ def test_reference_math_rounds_the_sum_to_the_input_dtype_before_the_add():
     ("min_world_size", True, "int"),
     ("cuda_min_tokens", 1.5, "int"),
     ("lowering", None, "str"),
-    ("overlap", False, "str"),
+    ("split", False, "str"),
 ])
 def test_config_rejects_wrong_types_naming_the_field(field, value, expected):
     with pytest.raises(TypeError, match=rf"WeaveConfig\.{field} must be {expected}, got "):
@@ -351,7 +351,7 @@ def test_graph_without_sites_says_nothing_to_rewrite():
     assert "nothing to rewrite" in str(weavepass.WeaveReport([only_rejected]))
 
 
-def test_flashcomm_says_when_it_drops_the_requested_overlap():
+def test_flashcomm_says_when_it_drops_the_requested_split():
     def f(x, w1, w2, r, weight):
         h1 = r + ar(x @ w1)
         h2 = h1 + ar(norm(h1, weight) @ w2)
@@ -359,10 +359,10 @@ def test_flashcomm_says_when_it_drops_the_requested_overlap():
 
     x, w, r, weight = inputs()
     args = (x, w, torch.randn(H, H), r, weight)
-    for overlap in ("force", "auto"):
-        graph = graph_report(f, *args, config=FLASHCOMM.replace(overlap=overlap))
+    for mode in ("force", "auto"):
+        graph = graph_report(f, *args, config=FLASHCOMM.replace(split=mode))
         assert any(n.startswith("FlashComm (") for n in graph.notes), graph.notes
-        assert f"overlap='{overlap}' dropped: FlashComm took this graph" in graph.note, graph.notes
+        assert f"split='{mode}' dropped: FlashComm took this graph" in graph.note, graph.notes
     quiet = graph_report(f, *args, config=FLASHCOMM)
     assert "dropped" not in quiet.note
 

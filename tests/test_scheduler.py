@@ -1,4 +1,4 @@
-"""The TokenWeave split planner and the per-site plan: wave model, thresholds, edge cases, reason codes
+"""The split's planner and the per-site plan: wave model, thresholds, edge cases, reason codes
 (agreement across ranks: tests/test_compile_units.py)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from weavepass.compile.wave_model import (
 H200 = WaveModel(sms=132)
 # Llama-3-70B at TP=2 per rank: qkv, o_proj, gate/up, down_proj.
 LLAMA70B_TP2 = [GemmShape(5120, 8192), GemmShape(8192, 4096), GemmShape(28672, 8192), GemmShape(8192, 14336)]
-FORCE = WeaveConfig(overlap="force")
-AUTO = WeaveConfig(overlap="auto", overlap_min_tokens=1024, overlap_min_tokens_moe=4096, overlap_max_tokens=8192)
+FORCE = WeaveConfig(split="force")
+AUTO = WeaveConfig(split="auto", split_min_tokens=1024, split_min_tokens_moe=4096, split_max_tokens=8192)
 
 
 def test_wave_model_counts_ctas_and_waves():
@@ -72,24 +72,39 @@ def test_wave_aware_split_differs_from_naive_half():
 
 def test_edge_cases_and_thresholds():
     one = plan_token_split(1, 1, LLAMA70B_TP2, FORCE, H200)
-    assert one.first is None and "nothing to split" in one.reason
+    assert one.first is None and one.reason == Reason.of(ReasonCode.SPLIT_TOO_FEW_TOKENS, tokens=1)
     two = plan_token_split(1, 2, LLAMA70B_TP2, FORCE, H200)
     assert two.first == 1
     odd = plan_token_split(1, 7, LLAMA70B_TP2, FORCE, WaveModel())
     assert odd.first in (3, 4)
     below = plan_token_split(1, 1023, LLAMA70B_TP2, AUTO, H200)
-    assert below.first is None and "threshold 1024" in below.reason
+    assert below.first is None and below.reason == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=1023, low=1024,
+                                                             kind="dense")
     at = plan_token_split(1, 1024, LLAMA70B_TP2, AUTO, H200)
     assert at.first is not None
     above = plan_token_split(1, 1025, LLAMA70B_TP2, AUTO, H200)
     assert above.first is not None and 256 <= above.first <= 769
     moe = plan_token_split(1, 2048, LLAMA70B_TP2, AUTO, H200, moe=True)
-    assert moe.first is None and "MoE" in moe.reason
+    assert moe.first is None and moe.reason == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=2048, low=4096,
+                                                         kind="MoE")
     assert plan_token_split(1, 8192, LLAMA70B_TP2, AUTO, H200).first is not None
     over = plan_token_split(1, 8193, LLAMA70B_TP2, AUTO, H200)
-    assert over.first is None and "overlap_max_tokens 8192" in over.reason
+    assert over.first is None and over.reason == Reason.of(ReasonCode.SPLIT_ABOVE_WINDOW, tokens=8193, high=8192)
     batches = plan_token_split(4, 4096, LLAMA70B_TP2, AUTO, H200)  # 16K tokens in 4 sequences
-    assert batches.first is None and "16384 tokens > overlap_max_tokens" in batches.reason
+    assert batches.first is None and batches.reason.code is ReasonCode.SPLIT_ABOVE_WINDOW
+    assert batches.reason.field("tokens") == 16384
+
+
+def test_planner_reasons_render():
+    """The planner's codes render the sentences the report shows (the rest branch on codes)."""
+    assert str(Reason.of(ReasonCode.SPLIT_TOO_FEW_TOKENS, tokens=1)) == "1 token(s): nothing to split"
+    assert str(plan_token_split(1, 1023, LLAMA70B_TP2, AUTO, H200).reason) == (
+        "1023 tokens < split threshold 1024 (dense): fuse-only pays more")
+    assert str(plan_token_split(1, 8193, LLAMA70B_TP2, AUTO, H200).reason) == (
+        "8193 tokens > split_max_tokens 8192: measured slower split")
+    assert str(Reason.of(ReasonCode.SPLIT_ABOVE_WINDOW, tokens=None, high=8192)) == (
+        "symbolic token count above split_max_tokens 8192; guarded, so a batch inside the window compiles "
+        "its own graph")
 
 
 def test_batch_split_is_between_sequences():
@@ -102,12 +117,12 @@ def test_batch_split_is_between_sequences():
 
 
 def test_config_rejects_bad_thresholds():
-    with pytest.raises(ValueError, match="overlap_min_tokens"):
-        WeaveConfig(overlap_min_tokens=1)
-    with pytest.raises(ValueError, match="overlap_max_tokens"):
-        WeaveConfig(overlap_min_tokens=4096, overlap_max_tokens=2048)
-    with pytest.raises(ValueError, match="overlap_comm_ctas"):
-        WeaveConfig(overlap_comm_ctas=64)
+    with pytest.raises(ValueError, match="split_min_tokens"):
+        WeaveConfig(split_min_tokens=1)
+    with pytest.raises(ValueError, match="split_max_tokens"):
+        WeaveConfig(split_min_tokens=4096, split_max_tokens=2048)
+    with pytest.raises(ValueError, match="split_comm_ctas"):
+        WeaveConfig(split_comm_ctas=64)
 
 
 def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
@@ -130,9 +145,9 @@ def test_cuda_site_report_says_the_partial_is_copied(monkeypatch):
     for config in (WeaveConfig(), WeaveConfig(lowering="cuda_symm")):
         assert scheduler.choose_lowering(training, config)[0] == "cuda_symm"
     assert scheduler.choose_lowering(training, WeaveConfig(lowering="portable"))[0] == "portable"
-    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: "hidden 12 is odd")
-    assert scheduler.choose_lowering(site, WeaveConfig()) == (
-        None, Reason.of(ReasonCode.CUDA_UNSUPPORTED, cause="hidden 12 is odd"))
+    odd = Reason.of(ReasonCode.CUDA_HIDDEN_NOT_MULTIPLE, hidden=12)
+    monkeypatch.setattr(scheduler, "_cuda_unsupported_reason", lambda site: odd)
+    assert scheduler.choose_lowering(site, WeaveConfig()) == (None, Reason.of(ReasonCode.CUDA_UNSUPPORTED, cause=odd))
 
 
 def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
@@ -154,7 +169,7 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
     note = scheduler.INDUCTOR_CUDAGRAPHS
     assert "reduce-overhead" in note.render()
     with inductor_config.patch({"triton.cudagraphs": True}):
-        for fields in ({}, {"lowering": "portable"}, {"overlap": "force"}, {"enable_flashcomm": True}):
+        for fields in ({}, {"lowering": "portable"}, {"split": "force"}, {"enable_flashcomm": True}):
             config = WeaveConfig(allow_inductor_cudagraphs=False, **fields)
             assert scheduler.inductor_cudagraphs_reason(mixed, config) == note
             assert [(p.lowering, p.reason) for p in scheduler.plan_sites(mixed, config)] == [(None, note)] * 2

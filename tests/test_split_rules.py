@@ -1,4 +1,4 @@
-"""The token split's per-op rules and its region analysis, on small ``make_fx`` graphs: which dim
+"""The split's per-op rules and its region analysis, on small ``make_fx`` graphs: which dim
 of each output carries the tokens, which token-free inputs are sliced per half, and the reason
 when an op cannot be split. No compile, no process group: each test traces a few ops.
 
@@ -100,7 +100,7 @@ def test_pointwise_ops_need_no_registration_and_unknown_ops_are_refused():
     # flip has no rule: the reason names the node and the op.
     reason = _refused(lambda x: x.flip(-1), [(1, 8, 16)], {0: 1})
     assert reason == Reason.of(ReasonCode.SPLIT_NO_RULE, node="flip", op="flip.default")
-    assert reason.render() == "flip: the token split has no rule for flip.default"
+    assert reason.render() == "flip: the split has no rule for flip.default"
     with pytest.raises(ValueError, match="two token-dim rules"):
         register(aten.mm.default)(broadcast_dims)
 
@@ -717,7 +717,7 @@ def test_routing_block_between_sites_is_copied_per_half_with_its_sizes():
     gm, sites, cut = _moe_sites_graph()
     info = analyse(gm.graph, sites, cut)
     assert info.moe and len(info.block_consts) == 2
-    rewrite(gm.graph, info, WeaveConfig(overlap="force"))
+    rewrite(gm.graph, info, WeaveConfig(split="force"))
     gm.graph.lint()
     nodes = list(gm.graph.nodes)
     count = {op: sum(n.target is op for n in nodes) for op in (aten.sort.default, aten.histc.default,
@@ -761,7 +761,7 @@ def _split_error(fn, inputs, first: int) -> float:
         sites = _sites(gm)
         cut = Cut.of(sites[0])
         cut.first = first
-        rewrite(gm.graph, analyse(gm.graph, sites, cut), WeaveConfig(overlap="force"))
+        rewrite(gm.graph, analyse(gm.graph, sites, cut), WeaveConfig(split="force"))
         gm.graph.lint()
         gm.recompile()
         assert not _sites(gm)  # every site became one async op per half
@@ -829,7 +829,7 @@ def test_a_size_read_after_the_last_site_is_shared_not_joined():
         cut.first = 4
         info = analyse(gm.graph, sites, cut)
         assert info.token[of_h] is None
-        rewrite(gm.graph, info, WeaveConfig(overlap="force"))
+        rewrite(gm.graph, info, WeaveConfig(split="force"))
         gm.graph.lint()
         gm.recompile()
         assert not _sites(gm)

@@ -1,4 +1,4 @@
-"""The TokenWeave two-way token split on CPU/gloo: same answers as eager, the graph and the
+"""The two-way split on CPU/gloo: same answers as eager, the graph and the
 generated code have the documented shape, and token counts do not multiply compiles.
 
 On CPU the communication stream is a no-op, so these tests prove the rewrite's math and order;
@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import weavepass.compile.strategies.split as token_split
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import TokenSplitPlan
 from weavepass.testing import ATOL, TPConfig, build_tp_model, check_against_eager, random_token_ids, spawn
 from weavepass.testing.distributed import fake_process_group
@@ -30,7 +30,7 @@ MASKED = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, he
 EAGER = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80,
                  eager_attention=True)  # attention as bmm + softmax + bmm (HF's eager attention)
 CONFIGS = {"dense": DENSE, "moe": MOE, "mask": MASKED, "eager": EAGER}
-FORCE = WeaveConfig(overlap="force")
+FORCE = WeaveConfig(split="force")
 ASYNC = "weave.fused_allreduce_rmsnorm_async.default"
 FUSED = "weave.fused_allreduce_rmsnorm.default"
 MM = "aten.mm.default"
@@ -95,7 +95,7 @@ def _check_case(case, result):
         assert note.startswith("fuse-only") and "nothing to split" in note
         assert after.get(ASYNC, 0) == 0
         return
-    assert note.startswith("token split"), (case, note)
+    assert note.startswith("split"), (case, note)
     assert ("sequence" in note) == (batch == 1), note
     if share == "tiny":
         assert (f"/ B = {seq} tokens" if batch > 1 else "/ B = 1 tokens") in note, note
@@ -130,16 +130,16 @@ def test_split_matches_eager(world_size, tier):
 
 
 def _push_numerics(rank, world):
-    diff, graph = _compile_and_compare(rank, world, "dense", 1, 9, WeaveConfig(overlap="force", overlap_comm="push"))
+    diff, graph = _compile_and_compare(rank, world, "dense", 1, 9, WeaveConfig(split="force", split_comm="push"))
     return diff, graph.note, dict(graph.ops_after)
 
 
 def test_push_variant_matches_eager_on_cpu():
-    """``overlap_comm="push"`` on gloo: off CUDA the push op is the plain fused op, so the numbers
+    """``split_comm="push"`` on gloo: off CUDA the push op is the plain fused op, so the numbers
     are those of the fused split (same tolerance), and every site is a push op."""
     for diff, note, after in spawn(_push_numerics, 2, "gloo"):
         assert diff < 1e-5, (diff, note)  # as the fused split's cases (test_split_matches_eager)
-        assert note.startswith("token split (sequence)") and "communication: push" in note, note
+        assert note.startswith("split (sequence)") and "communication: push" in note, note
         assert after.get("weave.fused_allreduce_rmsnorm_push_async.default") == 2 * 3, after
         assert after.get(ASYNC, 0) == 0
 
@@ -257,7 +257,7 @@ def test_token_counts_do_not_multiply_compiles():
     compiles, notes, worst = spawn(_recompiles, 2, "gloo", sizes)[0]
     assert compiles <= 2, notes
     assert worst < 1e-5
-    assert notes[0].startswith("token split"), notes
+    assert notes[0].startswith("split"), notes
     assert "run time from the symbolic size" in notes[-1], notes
 
 
@@ -269,8 +269,8 @@ def _int_valued_nodes(graph) -> list[str]:
 
 def _auto_threshold(rank, world, sizes, low=24, high=45):
     torch._dynamo.reset()
-    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=low, overlap_min_tokens_moe=low,
-                                       overlap_max_tokens=high))
+    backend = WeaveBackend(WeaveConfig(split="auto", split_min_tokens=low, split_min_tokens_moe=low,
+                                       split_max_tokens=high))
     model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
     int_nodes = []
     compiled = torch.compile(model, backend=backend,
@@ -282,48 +282,54 @@ def _auto_threshold(rank, world, sizes, low=24, high=45):
             worst = max(worst, (compiled(ids) - model(ids)).abs().max().nan_to_num(torch.inf).item())
         graphs_after.append(len(backend.report.graphs))
     assert not int_nodes, int_nodes
-    return graphs_after, [g.note for g in backend.report.graphs], worst
+    return graphs_after, [g.note for g in backend.report.graphs], worst, [g.reasons for g in backend.report.graphs]
 
 
 def test_auto_threshold_is_a_guard_on_symbolic_sizes():
-    """overlap="auto" on a dynamic graph: the window [24, 45] is compared as guards, so a graph
+    """split="auto" on a dynamic graph: the window [24, 45] is compared as guards, so a graph
     split for one batch never serves a batch outside the window. Sizes crossing both bounds make
     four compiles (static 5; symbolic below; inside; above), and no more after that."""
     sizes = [5, 9, 13, 30, 40, 17, 50, 8, 24, 23, 45, 46, 60]
-    graphs_after, notes, worst = spawn(_auto_threshold, 2, "gloo", sizes)[0]
+    graphs_after, notes, worst, reasons = spawn(_auto_threshold, 2, "gloo", sizes)[0]
     assert worst < 1e-5
     assert graphs_after == [1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4], (graphs_after, notes)
-    assert "5 tokens < overlap threshold 24" in notes[0], notes
-    assert notes[1].startswith("fuse-only") and "below the overlap threshold 24" in notes[1], notes
-    assert notes[2].startswith("token split") and "run time" in notes[2], notes
-    assert notes[3].startswith("fuse-only") and "above overlap_max_tokens 45" in notes[3], notes
+    below, above = ReasonCode.SPLIT_BELOW_WINDOW, ReasonCode.SPLIT_ABOVE_WINDOW
+    (static,), (symbolic_below,), (), (symbolic_above,) = reasons  # one decline per graph, none when split
+    assert static.find(below) == Reason.of(below, tokens=5, low=24, kind="dense"), notes
+    assert symbolic_below.find(below) == Reason.of(below, tokens=None, low=24, kind="dense"), notes  # a guard
+    assert notes[2].startswith("split") and "run time" in notes[2], notes
+    assert symbolic_above.find(above) == Reason.of(above, tokens=None, high=45), notes
+    assert notes[0].startswith("fuse-only: 5 tokens < split threshold 24 (dense): fuse-only pays more")  # rendered
 
 
 def _one_size_window(rank, world):
     """The default-style window of one size: dynamic sizes (automatic dynamic after the second
     call) are never split and keep one graph; a static compile at exactly that size splits."""
-    graphs_after, notes, worst = _auto_threshold(rank, world, [5, 9, 32, 40, 31], 32, 32)
+    graphs_after, notes, worst, reasons = _auto_threshold(rank, world, [5, 9, 32, 40, 31], 32, 32)
     torch._dynamo.reset()
-    backend = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=32, overlap_min_tokens_moe=32,
-                                       overlap_max_tokens=32))
+    backend = WeaveBackend(WeaveConfig(split="auto", split_min_tokens=32, split_min_tokens_moe=32,
+                                       split_max_tokens=32))
     model = build_tp_model(DENSE, rank, world, dist.group.WORLD)
     ids = random_token_ids(DENSE, 1, 32, seed=32)
     with torch.no_grad():
         got = torch.compile(model, backend=backend, dynamic=False)(ids)
         worst = max(worst, (got - model(ids)).abs().max().nan_to_num(torch.inf).item())
-    return graphs_after, notes, worst, backend.report.graphs[0].note
+    return graphs_after, notes, worst, reasons, backend.report.graphs[0].note
 
 
 def test_auto_window_of_one_size():
-    """overlap="auto" with overlap_min_tokens == overlap_max_tokens (the defaults). Guards for a
+    """split="auto" with split_min_tokens == split_max_tokens (the defaults). Guards for a
     one-size window would pin a dynamic token count to that size (a ConstraintViolationError for
     ``mark_dynamic`` inputs, seen on 2 H200s), so a symbolic count is not split and is not guarded:
     one graph serves 9, 32, 40 and 31 tokens. A static batch of exactly the size is split."""
-    graphs_after, notes, worst, static_note = spawn(_one_size_window, 2)[0]
+    graphs_after, notes, worst, reasons, static_note = spawn(_one_size_window, 2)[0]
     assert worst < 1e-5
     assert graphs_after == [1, 2, 2, 2, 2], (graphs_after, notes)
-    assert "window of one size (32 tokens" in notes[1], notes
-    assert static_note.startswith("token split"), static_note
+    (pinned,) = reasons[1]
+    assert pinned.find(ReasonCode.SPLIT_WINDOW_PINS_SIZE) == Reason.of(ReasonCode.SPLIT_WINDOW_PINS_SIZE, low=32,
+                                                                       kind="dense"), notes
+    assert "window of one size (32 tokens" in notes[1], notes  # rendered
+    assert static_note.startswith("split"), static_note
 
 
 class _TokenMixer(torch.nn.Module):
@@ -347,7 +353,7 @@ def _token_mixer(rank, world):
     backend = WeaveBackend(FORCE)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
-    auto = WeaveBackend(WeaveConfig(overlap="auto", overlap_min_tokens=1024))
+    auto = WeaveBackend(WeaveConfig(split="auto", split_min_tokens=1024))
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(build_tp_model(DENSE, rank, world, dist.group.WORLD), backend=auto)(random_token_ids(DENSE, 1, 9))
@@ -356,7 +362,7 @@ def _token_mixer(rank, world):
 
 def test_unsupported_op_and_small_batches_stay_fuse_only():
     note, after, auto_note = spawn(_token_mixer, 2)[0]
-    assert note.startswith("fuse-only: token split not possible") and "along the token dim" in note, note
+    assert note.startswith("fuse-only: split not possible") and "along the token dim" in note, note
     assert after.get(ASYNC, 0) == 0 and after.get(FUSED) == 2
     assert auto_note.startswith("fuse-only") and "threshold 1024" in auto_note, auto_note
 
@@ -380,7 +386,7 @@ def _split_on_fake_group(fn, args):
         torch._dynamo.reset()
         torch.compile(fn, backend=backend, fullgraph=True)(*args)
     (graph,) = backend.report.graphs
-    assert graph.note.startswith("token split"), graph.note
+    assert graph.note.startswith("split"), graph.note
     return graph
 
 
@@ -467,7 +473,7 @@ def test_a_mask_that_shows_keys_after_the_cut_stops_the_run(form):
         torch._dynamo.reset()
         fn(*args, causal, form)
         (graph,) = backend.report.graphs
-        assert graph.note.startswith("token split (sequence)"), graph.note
+        assert graph.note.startswith("split (sequence)"), graph.note
         assert graph.ops_after["aten._assert_async.msg"] == 1
         with pytest.raises(RuntimeError, match="bidirectional attention"):
             fn(*args, everything, form)
@@ -542,7 +548,7 @@ def test_moe_routing_block_split_matches_eager():
     token eager's answer (fp32: ``ATOL``)."""
     pytest.importorskip("transformers")
     for note, after, diff in spawn(_routed_numerics, 2):
-        assert note.startswith("token split (sequence): A = 5 / B = 6 tokens"), note
+        assert note.startswith("split (sequence): A = 5 / B = 6 tokens"), note
         assert after[ASYNC] == 4 and after["aten.sort.default"] == after["aten.histc.default"] == 2, after
         assert after["transformers.grouped_mm_fallback.default"] == 4 and after["aten.full.default"] == 2, after
         assert diff <= ATOL[torch.float32], diff
@@ -550,7 +556,7 @@ def test_moe_routing_block_split_matches_eager():
 
 @pytest.mark.parametrize("form", ["sdpa", "additive"])
 def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
-    """With ``overlap="auto"`` a sequence is not cut where attention takes an input mask: a
+    """With ``split="auto"`` a sequence is not cut where attention takes an input mask: a
     bidirectional one would stop the run (on CUDA a device-side assertion ends the process), and
     ``auto`` must never make a model fail where it ran before; the note says why. Between sequences
     (batch mode) the mask's rows are sliced with them and nothing is checked at run time, so ``auto``
@@ -558,7 +564,7 @@ def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g) / 4,
                torch.randn(16, 16, generator=g) / 4]
-    auto = WeaveConfig(overlap="auto", overlap_min_tokens=2, overlap_min_tokens_moe=2, overlap_max_tokens=64)
+    auto = WeaveConfig(split="auto", split_min_tokens=2, split_min_tokens_moe=2, split_max_tokens=64)
     for batch, seq, codes in ((1, 7, [ReasonCode.SPLIT_RUN_TIME_MASK]), (4, 5, [])):
         mask = torch.ones(seq, seq, dtype=torch.bool).tril()
         if form == "additive":
@@ -571,16 +577,16 @@ def test_auto_does_not_cut_a_sequence_whose_mask_is_an_input(form):
         (graph,) = backend.report.graphs
         assert graph.codes == codes, graph.note
         if batch == 1:
-            assert "overlap='force'" in graph.note, graph.note  # the sentence says what to do
+            assert "split='force'" in graph.note, graph.note  # the sentence says what to do
             assert graph.ops_after.get(ASYNC, 0) == 0 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
         else:
-            assert graph.note.startswith("token split (batch)"), graph.note
+            assert graph.note.startswith("split (batch)"), graph.note
             assert graph.ops_after[ASYNC] == 4 and graph.ops_after.get("aten._assert_async.msg", 0) == 0
 
 
 @pytest.mark.parametrize("config,expected", [
     (FORCE, False),  # the split: no shape padding (a per-GPU benchmark would decide the pads)
-    (WeaveConfig(overlap="off"), None),  # fuse-only: Inductor's own setting, untouched
+    (WeaveConfig(split="off"), None),  # fuse-only: Inductor's own setting, untouched
 ])
 def test_shape_padding_is_off_while_a_split_graph_is_rewritten(monkeypatch, config, expected):
     """Inductor's ``pad_mm`` pads a matmul's token rows when a benchmark on the GPU finds it faster:

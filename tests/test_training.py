@@ -210,7 +210,7 @@ def test_training_layer_norm_fuses_where_backward_saves_only_its_outputs():
 
 
 @pytest.mark.parametrize("config,note", [
-    (weavepass.WeaveConfig(overlap="force"), "fuse-only: training"),
+    (weavepass.WeaveConfig(split="force"), "fuse-only: training"),
     (weavepass.WeaveConfig(enable_flashcomm=True), "FlashComm not used: training"),
 ])
 def test_training_graphs_skip_the_split_and_flashcomm_with_a_note(config, note):

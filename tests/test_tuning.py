@@ -1,4 +1,4 @@
-"""``overlap="auto"`` from a measured table (``weavepass.tune``): the table's schema and its errors,
+"""``split="auto"`` from a measured table (``weavepass.tune``): the table's schema and its errors,
 the decision rule, the decisions on graphs traced with ``make_fx`` on a fake group (ops present or
 absent, reason codes), and the tuning command on CPU (a dry run, and a tiny run whose table then
 drives a compile)."""
@@ -25,7 +25,7 @@ from weavepass.compile.planner import plan_sites
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import GraphRewrite
 from weavepass.compile.strategies.fuse import FuseStrategy
-from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.strategies.split.strategy import SplitStrategy
 from weavepass.compile.tuned import inner_width
 from weavepass.report import AllReduceRecord, GraphReport
 from weavepass.testing import fake_process_group, spawn
@@ -172,7 +172,7 @@ MALFORMED = {
 def test_malformed_table_is_refused_with_its_problem(name, tmp_path):
     change, message = MALFORMED[name]
     with pytest.raises(TuningTableError) as error:
-        WeaveConfig(overlap="auto", tuning_table=_write(tmp_path, _broken(change)))
+        WeaveConfig(split="auto", tuning_table=_write(tmp_path, _broken(change)))
     assert message in str(error.value), str(error.value)
 
 
@@ -265,7 +265,7 @@ def test_regions_of_a_symbolic_count_merge_and_cover_everything():
 ], ids=["inductor", "fuse", "split", "between", "above", "below"])
 def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, split, text):
     path = _write(tmp_path, _table(cells))
-    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path), tokens)
+    rewrite = _compile(WeaveConfig(split="auto", tuning_table=path), tokens)
     ops = op_counts(rewrite.graph)
     assert (ops[FUSED], ops[ASYNC], ops[ALL_REDUCE]) == (fused, split, 2 if fused + split == 0 else 0)
     assert {plan.tuned.code for plan in rewrite.plans} == {code}
@@ -279,7 +279,7 @@ def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, sp
     elif code is ReasonCode.TUNED_FUSE_ONLY:
         assert (rewrite.decisions[-1].use, rewrite.decisions[-1].code) == (False, code)
     else:
-        assert rewrite.report.notes[1].startswith("token split (sequence)"), rewrite.report.notes
+        assert rewrite.report.notes[1].startswith("split (sequence)"), rewrite.report.notes
 
 
 @pytest.mark.parametrize("table, why", [
@@ -291,22 +291,22 @@ def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, sp
 ], ids=["world", "device", "dtype", "mode", "widths"])
 def test_a_table_without_an_entry_leaves_it_to_the_window(world2, tmp_path, table, why):
     """Another world size, device, dtype, compile mode or layer widths: the table is not used, the
-    report says why, and the overlap window decides as without a table (here: fuse-only, 640
+    report says why, and the split window decides as without a table (here: fuse-only, 640
     tokens below the default threshold)."""
     path = _write(tmp_path, _table({640: {"fuse": 1.5, "split": 1.5}}, **table))
-    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path))
+    rewrite = _compile(WeaveConfig(split="auto", tuning_table=path))
     assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNING_TABLE_NOT_APPLICABLE}
     assert op_counts(rewrite.graph)[FUSED] == 2
     first, second = rewrite.report.notes
-    assert first.startswith("fuse-only: 640 tokens < overlap threshold 16384"), first
+    assert first.startswith("fuse-only: 640 tokens < split threshold 16384"), first
     assert second.startswith(f"auto: tuning table {path} not used: ") and why in second, second
 
 
 def test_builtin_table_does_not_apply_on_cpu_and_off_asks_no_table(world2):
-    rewrite = _compile(WeaveConfig(overlap="auto"))
+    rewrite = _compile(WeaveConfig(split="auto"))
     assert "auto: tuning table builtin not used: measured on cuda" in rewrite.report.notes[-1]
-    configs = (WeaveConfig(overlap="off"), WeaveConfig(overlap="force"),
-               WeaveConfig(overlap="auto", tuning_table="none"))
+    configs = (WeaveConfig(split="off"), WeaveConfig(split="force"),
+               WeaveConfig(split="auto", tuning_table="none"))
     for config in configs:
         rewrite = _compile(config)
         assert all(plan.tuned is None for plan in rewrite.plans)
@@ -316,13 +316,13 @@ def test_builtin_table_does_not_apply_on_cpu_and_off_asks_no_table(world2):
 def test_another_torch_version_warns_and_still_decides(world2, tmp_path):
     path = _write(tmp_path, _table({640: {"fuse": 1.5, "split": 1.5}}, torch_version="2.9.1"))
     with pytest.warns(UserWarning, match="measured with torch 2.9.1"):
-        rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path))
+        rewrite = _compile(WeaveConfig(split="auto", tuning_table=path))
     assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNED_NO_REWRITE}
 
 
 def test_bfloat16_graph_uses_a_bfloat16_table(world2, tmp_path):
     path = _write(tmp_path, _table({640: {"fuse": 0.9, "split": 1.5}}, dtype="bfloat16"))
-    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path), dtype=torch.bfloat16)
+    rewrite = _compile(WeaveConfig(split="auto", tuning_table=path), dtype=torch.bfloat16)
     assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNED_FUSE_ONLY}
 
 
@@ -332,7 +332,7 @@ def test_symbolic_token_count_is_decided_per_range_with_guards(world2, tmp_path)
     batch in another range recompiles; the split's window is that range."""
     path = _write(tmp_path, _table({512: {"fuse": 0.9, "split": 0.8}, 1024: {"fuse": 0.9, "split": 0.8},
                                     2048: {"fuse": 0.9, "split": 1.1}}))
-    rewrite = _compile(WeaveConfig(overlap="auto", tuning_table=path), mode="symbolic")
+    rewrite = _compile(WeaveConfig(split="auto", tuning_table=path), mode="symbolic")
     (tuned,) = {plan.tuned for plan in rewrite.plans}
     assert (tuned.code, tuned.window) == (ReasonCode.TUNED_SPLIT, (512, 1023))
     assert "at 512 <= tokens < 1024 (symbolic, guarded)" in tuned.text, tuned.text
@@ -394,7 +394,7 @@ def _compile_with_table(rank, world, path, tokens):
     from weavepass.tune.shapes import SHAPES, build_model
 
     model = build_model(SHAPES["tiny"], dist.group.WORLD, torch.device("cpu"), 1, torch.float32)
-    backend = WeaveBackend(WeaveConfig(overlap="auto", min_world_size=1, tuning_table=path))
+    backend = WeaveBackend(WeaveConfig(split="auto", min_world_size=1, tuning_table=path))
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(torch.randint(0, 4096, (1, tokens)))
     return backend.report.graphs[0].notes
@@ -404,7 +404,7 @@ def _compile_with_table(rank, world, path, tokens):
 def test_tune_on_cpu_writes_a_table_that_drives_auto(tmp_path):
     """The command end to end on one CPU process (tiny shape, 1 layer, 16 and 32 tokens): it says
     it measures the local cost only, writes a valid table with every rewrite timed, and a compile
-    with ``overlap="auto"`` and that table decides from it (CPU times: the check is the plumbing,
+    with ``split="auto"`` and that table decides from it (CPU times: the check is the plumbing,
     not which rewrite wins)."""
     out = tmp_path / "cpu.json"
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1",
@@ -431,7 +431,7 @@ def _auto_by_table(rank, world, path, sizes):
 
     dense = TPConfig(vocab=100, hidden=64, n_layers=1, n_heads=12, n_kv_heads=6, head_dim=8, intermediate=80)
     torch._dynamo.reset()
-    backend = WeaveBackend(WeaveConfig(overlap="auto", tuning_table=path))
+    backend = WeaveBackend(WeaveConfig(split="auto", tuning_table=path))
     model = build_tp_model(dense, rank, world, dist.group.WORLD)
     compiled = torch.compile(model, backend=backend)
     worst, graphs_after = 0.0, []
@@ -460,7 +460,7 @@ def test_auto_by_table_on_a_dynamic_model_matches_eager(tmp_path):
     assert notes[0][0].startswith("auto: fuse-only at 5 tokens") and "below the measured range" in notes[0][0], notes
     assert notes[1][0].startswith("auto: fuse-only at tokens < 16 (symbolic, guarded)"), notes
     assert notes[2][0].startswith("auto: split at 16 <= tokens < 32 (symbolic, guarded)"), notes
-    assert notes[2][1].startswith("token split (sequence): computed at run time"), notes
+    assert notes[2][1].startswith("split (sequence): computed at run time"), notes
     assert notes[3][0].startswith("auto: fuse-only at 32 <= tokens (symbolic, guarded)"), notes
 
 
@@ -469,8 +469,8 @@ def test_the_tables_contents_are_part_of_the_cache_key(tmp_path):
     from weavepass.compile.graph_pass import WeavePass
 
     path = _write(tmp_path, _table({512: {"fuse": 0.9}}))
-    config = WeaveConfig(overlap="auto", tuning_table=path)
+    config = WeaveConfig(split="auto", tuning_table=path)
     before = WeavePass(config).uuid()
     _write(tmp_path, _table({512: {"fuse": 0.9}, 1024: {"fuse": 1.5}}))
     assert WeavePass(config).uuid() != before
-    assert WeavePass(WeaveConfig(overlap="auto", tuning_table="none")).uuid() != before
+    assert WeavePass(WeaveConfig(split="auto", tuning_table="none")).uuid() != before

@@ -13,6 +13,7 @@ from test_compile_units import FLASHCOMM, _args, _exchange, _trace, two_sites  #
 from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import WeavePass
 from weavepass.compile.plan_check import collective_lines
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_token_split
 from weavepass.runtime.cuda import launch_plan
@@ -87,15 +88,16 @@ def llama70b_gemms(tp: int) -> list[GemmShape]:
 
 @pytest.mark.parametrize("tp", WORLDS)
 def test_auto_split_at_70b_widths_is_free_and_balanced(tp):
-    """``overlap="auto"`` splits only inside its window (16K tokens by default, measured on 2 GPUs;
+    """``split="auto"`` splits only inside its window (16K tokens by default, measured on 2 GPUs;
     the thresholds do not depend on the world yet). There, at the per-rank widths of every TP degree
     on an H200's 132 SMs, the cut costs no extra GEMM wave and is within 3 % of the middle, and a
     batch below the window is left fuse-only with the reason."""
-    h200, auto = WaveModel(sms=132), WeaveConfig(overlap="auto")
+    h200, auto = WaveModel(sms=132), WeaveConfig(split="auto")
     plan = plan_token_split(1, 16384, llama70b_gemms(tp), auto, h200)
     assert plan.free and abs(plan.first - 8192) <= 0.03 * 16384, plan
     below = plan_token_split(1, 8192, llama70b_gemms(tp), auto, h200)
-    assert below.first is None and "overlap threshold 16384" in below.reason
+    assert below.first is None and below.reason == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=8192, low=16384,
+                                                             kind="dense")
 
 
 # --- the rewrite on every rank of a fake group -----------------------------------------------------
@@ -104,10 +106,10 @@ CUDA_SYMM = WeaveConfig(lowering="cuda_symm")
 TOKENS = 40
 CONFIGS = {
     "fuse": WeaveConfig(),
-    "split": WeaveConfig(overlap="force"),
-    # overlap="auto" with the 40 tokens inside its window, and below it (fuse-only, the reason said)
-    "auto_split": WeaveConfig(overlap="auto", overlap_min_tokens=32, overlap_min_tokens_moe=32, overlap_max_tokens=64),
-    "auto_below": WeaveConfig(overlap="auto", overlap_min_tokens=48, overlap_min_tokens_moe=48, overlap_max_tokens=64),
+    "split": WeaveConfig(split="force"),
+    # split="auto" with the 40 tokens inside its window, and below it (fuse-only, the reason said)
+    "auto_split": WeaveConfig(split="auto", split_min_tokens=32, split_min_tokens_moe=32, split_max_tokens=64),
+    "auto_below": WeaveConfig(split="auto", split_min_tokens=48, split_min_tokens_moe=48, split_max_tokens=64),
     "flashcomm": WeaveConfig(**FLASHCOMM),
     "cuda_symm": CUDA_SYMM,
 }
@@ -153,7 +155,7 @@ def test_a_rank_that_splits_differently_is_named_at_world_8(monkeypatch):
     """The plan check at 8 ranks: one rank whose GPU has an SM count (the others: none, as on the
     CPU) cuts 640 tokens elsewhere (320/320 against 256/384, tests/test_compile_units.py), and every
     rank raises naming the differing collective."""
-    split = WeaveConfig(overlap="force")
+    split = WeaveConfig(split="force")
     lines = [_lines(8, rank, split, 640) for rank in range(7)]
     h200 = WaveModel(sms=132)
     monkeypatch.setattr("weavepass.compile.wave_model.device_wave_model", lambda device: h200)

@@ -180,7 +180,7 @@ def _warn_overridden(patches: dict[str, Any], required: dict[str, Any]) -> None:
         if current != value and (key, current) not in _OVERRIDDEN_WARNED:
             _OVERRIDDEN_WARNED.add((key, current))
             message = (f"backend weave: Inductor option {key}={current!r} is overridden with {value!r} in "
-                       "graphs weave rewrites: a strategy this config enables needs it (the token split or "
+                       "graphs weave rewrites: a strategy this config enables needs it (the split or "
                        "FlashComm, weavepass.compile.strategies)")
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)

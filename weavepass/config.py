@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import sys
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     StrEnum = enum.StrEnum
@@ -39,8 +42,23 @@ class Lowering(StrEnum):
 
 LOWERINGS = ("auto", *(lowering.value for lowering in Lowering))
 """``WeaveConfig.lowering``: ``"auto"`` (the planner picks per site) or a ``Lowering``."""
-OVERLAP_MODES = ("off", "auto", "force")
-OVERLAP_COMM_MODES = ("fused", "push")
+SPLIT_MODES = ("off", "auto", "force")
+"""``WeaveConfig.split``."""
+SPLIT_COMM_MODES = ("fused", "push")
+"""``WeaveConfig.split_comm``."""
+RENAMED_FIELDS = {
+    "overlap": "split",
+    "overlap_min_tokens": "split_min_tokens",
+    "overlap_max_tokens": "split_max_tokens",
+    "overlap_min_tokens_moe": "split_min_tokens_moe",
+    "overlap_comm": "split_comm",
+    "overlap_comm_ctas": "split_comm_ctas",
+}
+"""Deprecated ``WeaveConfig`` field names and the fields that replaced them. Passing an old name
+(to ``WeaveConfig(...)`` or ``replace``) warns (``DeprecationWarning``) and sets the new field;
+reading ``config.<old>`` warns and returns the new field's value. (``dataclasses.replace`` with an
+old name passes the new field's current value too, so it raises where they differ: use
+``config.replace``.) No environment variable had the old names."""
 MMRS_COMM_MODES = ("auto", "aiv", "ai_cpu", "ccu", "none")
 GEMM_EPILOGUE_MODES = ("off", "auto", "force")
 _LONGEST_WAIT_S = timedelta.max.days * 86400.0  # what timedelta(seconds=...) still takes
@@ -48,6 +66,56 @@ _LONGEST_WAIT_S = timedelta.max.days * 86400.0  # what timedelta(seconds=...) st
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"bool": bool, "int": int, "float": (int, float), "str": str}
 
 
+_Class = TypeVar("_Class", bound=type)
+
+
+def _with_new_names(changes: dict[str, Any], stacklevel: int) -> dict[str, Any]:
+    """``changes`` with each deprecated field name (``RENAMED_FIELDS``) replaced by its new name, and
+    a ``DeprecationWarning`` naming the new one, attributed ``stacklevel`` frames above the caller.
+    An old and a new name given together must agree."""
+    changes = dict(changes)
+    for old, new in RENAMED_FIELDS.items():
+        if old not in changes:
+            continue
+        value = changes.pop(old)
+        warnings.warn(f"WeaveConfig.{old} is deprecated: use WeaveConfig.{new} (the same setting)",
+                      DeprecationWarning, stacklevel=stacklevel + 1)
+        if new in changes and changes[new] != value:
+            raise ValueError(f"WeaveConfig: {old}={value!r} (deprecated) and {new}={changes[new]!r} disagree; "
+                             f"pass {new} only")
+        changes[new] = value
+    return changes
+
+
+def _old_name_reader(old: str, new: str) -> Callable[[Any], Any]:
+    def read(config: Any) -> Any:
+        warnings.warn(f"WeaveConfig.{old} is deprecated: use WeaveConfig.{new} (the same setting)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(config, new)
+
+    return read
+
+
+def _accepting_old_names(cls: _Class) -> _Class:
+    """The dataclass ``cls``, whose ``__init__`` also takes the deprecated names of
+    ``RENAMED_FIELDS`` and which reads them as properties. They are no fields: the repr,
+    ``dataclasses.asdict`` and the pass's ``uuid()`` see only the new names."""
+    init = cls.__dict__["__init__"]  # the dataclass's own
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if not set(RENAMED_FIELDS).isdisjoint(fields) or not set(RENAMED_FIELDS.values()) <= fields:
+        raise TypeError(f"RENAMED_FIELDS must map names that are no fields to fields of {cls.__name__}")
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **_with_new_names(kwargs, stacklevel=2))
+
+    setattr(cls, "__init__", __init__)  # noqa: B010 (mypy refuses an assignment to a method)
+    for old, new in RENAMED_FIELDS.items():
+        setattr(cls, old, property(_old_name_reader(old, new), doc=f"Deprecated: ``{new}``."))
+    return cls
+
+
+@_accepting_old_names
 @dataclass(frozen=True)
 class WeaveConfig:
     enabled: bool = True
@@ -86,9 +154,10 @@ class WeaveConfig:
     History: the split gave wrong answers there until its async ops' inputs were kept from
     Inductor's in-place buffer reuse (now by ``weave::join_async``: weavepass/runtime/streams.py)."""
 
-    overlap: str = "off"
-    """TokenWeave two-way token split with communication on a second stream: ``"off"`` never
-    splits, ``"auto"`` splits between ``overlap_min_tokens`` and ``overlap_max_tokens``,
+    split: str = "off"
+    """The split: the tokens cut in two halves whose communication runs on a second stream while
+    the other half computes (the design of TokenWeave, docs/overlap.md). ``"off"`` never
+    splits, ``"auto"`` splits between ``split_min_tokens`` and ``split_max_tokens``,
     ``"force"`` splits whenever the graph allows (tests use this). With a ``tuning_table`` that has
     an entry for the graph, ``"auto"`` picks plain Inductor, fuse-only or the split from the
     table's measurements instead of the window. Off by default: on 2 H200s
@@ -96,42 +165,42 @@ class WeaveConfig:
     plain Inductor at 16K tokens, even at 8K, 1.03-2.9x *slower* from 512 to 4K tokens and 1.13x
     slower at 32K; weave must never make a batch slower, and one measured size is thin evidence."""
 
-    overlap_min_tokens: int = 16384
-    """With ``overlap="auto"``: smallest token count (batch x sequence) a dense model is split at.
+    split_min_tokens: int = 16384
+    """With ``split="auto"``: smallest token count (batch x sequence) a dense model is split at.
     Measured (docs/overlap.md): below 16K the split did not pay on 2 H200s (host overhead of the
     doubled launches below 2K, a tie at 8K). On a symbolic token count the comparison is a guard.
-    A window of one size (``overlap_min_tokens == overlap_max_tokens``, the default) splits only
+    A window of one size (``split_min_tokens == split_max_tokens``, the default) splits only
     static batches of exactly that size: guards for it would pin a dynamic token count to one value
     (an error for ``mark_dynamic`` inputs), so a symbolic count is not split, and the report says so."""
 
-    overlap_max_tokens: int = 16384
-    """With ``overlap="auto"``: largest token count split. Measured: at 32K tokens the split ran
+    split_max_tokens: int = 16384
+    """With ``split="auto"``: largest token count split. Measured: at 32K tokens the split ran
     1.13x slower than plain Inductor (each half then fills the symmetric workspace)."""
 
-    overlap_min_tokens_moe: int = 16384
-    """``overlap_min_tokens`` for graphs with a routed MoE (``topk``). Not measured on GPUs (no MoE
+    split_min_tokens_moe: int = 16384
+    """``split_min_tokens`` for graphs with a routed MoE (``topk``). Not measured on GPUs (no MoE
     benchmark yet): set no lower than the dense threshold, since TokenWeave reports MoE gains only
     at larger batches."""
 
     tuning_table: str = "builtin"
-    """With ``overlap="auto"``: the measured cost table that picks, per graph and token count,
+    """With ``split="auto"``: the measured cost table that picks, per graph and token count,
     between plain Inductor (sites left as all_reduce), fuse-only and the split
     (``weavepass.tune.table``; the rule: docs/overlap.md, "How `auto` decides"). ``"builtin"``: our
     own measurements (one H200, a group of one rank: it applies to nothing else); ``"none"``: no
     table; else the path of a table written by ``python -m weavepass.tune`` on your machine. A
     graph the table has no entry for (another world size, device, dtype, compile mode, layer
-    widths) is decided by the overlap window above, and the report says why. Loaded and validated
+    widths) is decided by the split's token window above, and the report says why. Loaded and validated
     when the config is made: a malformed table raises ``TuningTableError``."""
 
-    overlap_comm_ctas: int = 0
+    split_comm_ctas: int = 0
     """CTAs of the fused CUDA kernel when it runs on the communication stream beside the other
     half's compute (0: the kernel's own launch rule: up to 32 CTAs on 2+ ranks, one CTA per 16 KiB
     tile, uncapped, on a group of one rank; launch_plan.py), or of the push kernel with
-    ``overlap_comm="push"`` (0: 16). Fewer CTAs leave more SMs to the GEMMs and make the
+    ``split_comm="push"`` (0: 16). Fewer CTAs leave more SMs to the GEMMs and make the
     communication itself slower."""
 
-    overlap_comm: str = "fused"
-    """What the token split's communication stream runs per half and site. ``"fused"``: the whole
+    split_comm: str = "fused"
+    """What the split's communication stream runs per half and site. ``"fused"``: the whole
     fused kernel (push, reduce, add + RMSNorm, finalise) on the side stream. ``"push"``: only this
     rank's partial rows stored into the peer's staging slot (a few CTAs of remote stores); the
     reduce + add + RMSNorm of all rows runs as one full-width kernel on the compute stream at the
@@ -177,8 +246,8 @@ class WeaveConfig:
     the fused op, with the reason in the report (the CUDA lowering does not carry it yet: its
     scatter-epilogue kernels are not wired to a symmetric workspace). ``"auto"``: only where a
     measured table says the op's GEMM is at least as fast as the plain matmul; no table has
-    measured it yet, so ``"auto"`` keeps the fused op everywhere and says so. Not with the token
-    split (``overlap``), which rewrites fused ops: its sites keep the matmul outside."""
+    measured it yet, so ``"auto"`` keeps the fused op everywhere and says so. Not with the split
+    (``split``), which rewrites fused ops: its sites keep the matmul outside."""
 
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's
@@ -222,12 +291,10 @@ class WeaveConfig:
         self._check_types()
         if self.lowering not in LOWERINGS:
             raise ValueError(f"WeaveConfig.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"WeaveConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
-        if self.overlap_comm not in OVERLAP_COMM_MODES:
-            raise ValueError(
-                f"WeaveConfig.overlap_comm must be one of {OVERLAP_COMM_MODES}, got {self.overlap_comm!r}"
-            )
+        if self.split not in SPLIT_MODES:
+            raise ValueError(f"WeaveConfig.split must be one of {SPLIT_MODES}, got {self.split!r}")
+        if self.split_comm not in SPLIT_COMM_MODES:
+            raise ValueError(f"WeaveConfig.split_comm must be one of {SPLIT_COMM_MODES}, got {self.split_comm!r}")
         if self.gemm_epilogue not in GEMM_EPILOGUE_MODES:
             raise ValueError(
                 f"WeaveConfig.gemm_epilogue must be one of {GEMM_EPILOGUE_MODES}, got {self.gemm_epilogue!r}"
@@ -236,15 +303,15 @@ class WeaveConfig:
             raise ValueError(
                 f"WeaveConfig.mmrs_comm_mode must be one of {MMRS_COMM_MODES}, got {self.mmrs_comm_mode!r}"
             )
-        if self.overlap_min_tokens < 2 or self.overlap_min_tokens_moe < 2:
-            raise ValueError("WeaveConfig.overlap_min_tokens(_moe) must be >= 2")
-        if self.overlap_max_tokens < max(self.overlap_min_tokens, self.overlap_min_tokens_moe):
+        if self.split_min_tokens < 2 or self.split_min_tokens_moe < 2:
+            raise ValueError("WeaveConfig.split_min_tokens(_moe) must be >= 2")
+        if self.split_max_tokens < max(self.split_min_tokens, self.split_min_tokens_moe):
             raise ValueError(
-                f"WeaveConfig.overlap_max_tokens ({self.overlap_max_tokens}) must be >= overlap_min_tokens "
-                f"({self.overlap_min_tokens}) and overlap_min_tokens_moe ({self.overlap_min_tokens_moe})"
+                f"WeaveConfig.split_max_tokens ({self.split_max_tokens}) must be >= split_min_tokens "
+                f"({self.split_min_tokens}) and split_min_tokens_moe ({self.split_min_tokens_moe})"
             )
-        if self.overlap_comm_ctas != 0 and not 2 <= self.overlap_comm_ctas <= 32:
-            raise ValueError(f"WeaveConfig.overlap_comm_ctas must be 0 or 2..32, got {self.overlap_comm_ctas}")
+        if self.split_comm_ctas != 0 and not 2 <= self.split_comm_ctas <= 32:
+            raise ValueError(f"WeaveConfig.split_comm_ctas must be 0 or 2..32, got {self.split_comm_ctas}")
         if not self.tuning_table:
             raise ValueError('WeaveConfig.tuning_table must be "builtin", "none" or a path, got ""')
         from weavepass.tune.table import load_table
@@ -277,4 +344,5 @@ class WeaveConfig:
                 )
 
     def replace(self, **changes: Any) -> WeaveConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; a deprecated name (``RENAMED_FIELDS``) warns and sets its new field."""
+        return dataclasses.replace(self, **_with_new_names(changes, stacklevel=2))

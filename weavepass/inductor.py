@@ -53,7 +53,7 @@ def inductor_pass(config: WeaveConfig | None = None, *, chain: Any = CURRENT) ->
     combines the chained passes' (see ``WeavePass.uuid``).
 
     Patch in ``pass_.config_patches()`` (the pass and the Inductor settings it needs), or at least
-    the pass: then the token split and FlashComm are not used when the compile lacks their
+    the pass: then the split and FlashComm are not used when the compile lacks their
     settings (a warning and the report say so) and Inductor's FX-graph cache may skip the pass
     for cached graphs (a warning says so).
     """

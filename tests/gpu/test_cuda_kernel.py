@@ -262,7 +262,7 @@ def _cuda_graph_worker(rank, world):
 
 def _fallback_worker(rank, world):
     """Batches over the workspace and unsupported hidden sizes run the portable lowering, correctly."""
-    from weavepass.runtime.cuda.support import cuda_unsupported_reason
+    from weavepass.runtime.cuda.support import CudaIssue, cuda_unsupported_reason
 
     group = dist.group.WORLD.group_name
     errors = []
@@ -277,8 +277,9 @@ def _fallback_worker(rank, world):
     assert sum("workspace" in m for m in messages) == 1, messages  # warned once, not per call
     assert any("multiple of 8" in m for m in messages), messages
     x = torch.zeros(4, 132, device="cuda")
-    assert "multiple of 8" in cuda_unsupported_reason(x, None, torch.ones(132, device="cuda"), group)
-    assert "not CUDA" in cuda_unsupported_reason(x.cpu(), None, torch.ones(132), group)
+    odd = cuda_unsupported_reason(x, None, torch.ones(132, device="cuda"), group)
+    assert odd.issue is CudaIssue.HIDDEN_NOT_MULTIPLE
+    assert cuda_unsupported_reason(x.cpu(), None, torch.ones(132), group).issue is CudaIssue.NOT_ON_CUDA
     y = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
     assert cuda_unsupported_reason(y, y, torch.ones(64, device="cuda"), group) is None
     assert not errors, "\n".join(errors)

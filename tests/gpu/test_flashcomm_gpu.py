@@ -48,7 +48,7 @@ def _run(rank, world, cases):
     results = []
     for cfg, tokens, mmrs in cases:
         torch._dynamo.reset()
-        config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+        config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, split="off",
                              enable_mmrs_fusion=mmrs)
         backend = make_backend(config)
         model = build_tp_model(cfg, rank, world, dist.group.WORLD, device=device)
@@ -88,7 +88,7 @@ def _reduce_overhead(rank, world, mmrs):
 
     device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device)
-    backend = make_backend(WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+    backend = make_backend(WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, split="off",
                                        enable_mmrs_fusion=mmrs))
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead", dynamic=False)
     counters.clear()

@@ -33,7 +33,7 @@ def _rank(rank: int, world: int, batch: int, seq: int, n_experts: int) -> dict:
     ids = random_token_ids(cfg, batch, seq, seed=3, device=device)
     # cuda_min_tokens=1: the kernel at every size (by default small batches stay all_reduce
     # without CUDA graphs, see WeaveConfig.cuda_min_tokens and tests/test_scheduler.py).
-    backend = weavepass.make_backend(weavepass.WeaveConfig(overlap="off", cuda_min_tokens=1))
+    backend = weavepass.make_backend(weavepass.WeaveConfig(split="off", cuda_min_tokens=1))
     comparison = check_against_eager(
         model, (ids,), lambda m: torch.compile(m, backend=backend), reference, cfg.dtype
     )

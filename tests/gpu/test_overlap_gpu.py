@@ -1,4 +1,4 @@
-"""TokenWeave overlap on GPUs: the split model matches eager in bf16, its fused ops run on the
+"""The split on GPUs: the split model matches eager in bf16, its fused ops run on the
 communication stream, and it captures and replays in a CUDA graph.
 
 Run on a machine with 2+ GPUs: ``python3 -m pytest -m gpu tests/gpu/test_overlap_gpu.py`` (on
@@ -59,7 +59,7 @@ def _matches_eager(rank, world, lowering):
     notes = []
     for batch, seq in LAYOUTS:
         torch._dynamo.reset()
-        backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
+        backend = WeaveBackend(WeaveConfig(split="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
         ids = random_token_ids(CFG, batch, seq, device=device)
         check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend), reference)
         notes.append(backend.report.graphs[0].note)
@@ -73,7 +73,7 @@ def _matches_eager(rank, world, lowering):
 @pytest.mark.parametrize("lowering", LOWERINGS)
 def test_overlap_matches_eager_bf16(case_result, lowering):
     notes = case_result[0]
-    assert all(n.startswith("token split") for n in notes), notes
+    assert all(n.startswith("split") for n in notes), notes
     assert "sequence" in notes[0] and "batch" in notes[1], notes
 
 
@@ -81,7 +81,7 @@ def _cuda_graph(rank, world, lowering):
     _no_multicast()
     device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
+    backend = WeaveBackend(WeaveConfig(split="force", lowering=lowering, cuda_min_tokens=1, **ONE_RANK))
     compiled = torch.compile(model, backend=backend)
     ids = random_token_ids(CFG, 1, 384, device=device)
     side = torch.cuda.Stream()
@@ -99,7 +99,7 @@ def _cuda_graph(rank, world, lowering):
     torch.cuda.synchronize()
     with torch.no_grad():
         expected = model(new_ids)
-    assert backend.report.graphs[0].note.startswith("token split")
+    assert backend.report.graphs[0].note.startswith("split")
     torch.testing.assert_close(captured, expected, atol=0.1, rtol=0.05)
     return (captured.float() - expected.float()).abs().max().item()
 
@@ -129,7 +129,7 @@ def _trace(rank, world):
     _no_multicast()
     device = rank_device(rank)
     model = build_tp_model(TRACE_CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
-    backend = WeaveBackend(WeaveConfig(overlap="force", **ONE_RANK))
+    backend = WeaveBackend(WeaveConfig(split="force", **ONE_RANK))
     compiled = torch.compile(model, backend=backend)
     ids = random_token_ids(TRACE_CFG, 1, TRACE_TOKENS, device=device)
     with torch.no_grad():
@@ -138,7 +138,7 @@ def _trace(rank, world):
         torch.cuda.synchronize()
         dist.barrier()
         result = profile_stream_overlap(compiled, ids)
-    assert backend.report.graphs[0].note.startswith("token split"), backend.report.graphs[0].note
+    assert backend.report.graphs[0].note.startswith("split"), backend.report.graphs[0].note
     return result
 
 
@@ -194,20 +194,20 @@ def test_cut_sequence_attention_by_log_sum_exp(op):
     torch.testing.assert_close(merged.float(), want[:, :, s_a:], atol=2**-6, rtol=2**-6)
 
 
-def _reduce_overhead(rank, world, overlap):
+def _reduce_overhead(rank, world, split):
     from torch._dynamo.utils import counters
 
     _no_multicast()
     device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     # CUDA graphs allowed by default
-    backend = WeaveBackend(WeaveConfig(overlap=overlap, cuda_min_tokens=1, **ONE_RANK))
+    backend = WeaveBackend(WeaveConfig(split=split, cuda_min_tokens=1, **ONE_RANK))
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
     worst = check_replays_match_eager(compiled, model, CFG, 384, 5, device)
     graph = backend.report.graphs[0]
-    if overlap == "force":
-        assert graph.note.startswith("token split"), graph.note
+    if split == "force":
+        assert graph.note.startswith("split"), graph.note
     assert graph.ops_after.get("weave.fused_allreduce_rmsnorm.default", 0) + graph.ops_after.get(
         "weave.fused_allreduce_rmsnorm_async.default", 0) > 0, graph.ops_after
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

@@ -1,4 +1,4 @@
-"""The token split's push variant (``WeaveConfig.overlap_comm="push"``) on GPUs: equal to eager in
+"""The split's push variant (``WeaveConfig.split_comm="push"``) on GPUs: equal to eager in
 bf16, CUDA-graph capture and replay, Inductor's CUDA-graph trees.
 
 In its own file (its own spawned ranks), apart from test_overlap_gpu.py: the push kernels have not
@@ -24,7 +24,7 @@ WORLD = gpu_world()
 pytestmark = [pytest.mark.gpu, needs_gpus(WORLD)]
 
 
-PUSH = WeaveConfig(overlap="force", overlap_comm="push", cuda_min_tokens=1)
+PUSH = WeaveConfig(split="force", split_comm="push", cuda_min_tokens=1)
 PUSH_NOTE = "communication: push (slot 0 for A, 1 for B)"
 
 
@@ -56,16 +56,16 @@ def _push_matches_eager(rank, world):
 
 
 def test_push_variant_matches_eager_bf16(case_result):
-    """``overlap_comm="push"``: the push kernels on the communication stream, the reduce + add +
+    """``split_comm="push"``: the push kernels on the communication stream, the reduce + add +
     RMSNorm at the join, equal eager in bf16 (check_against_eager's tolerance) for every
     layout, three calls in a row. On more than 2 ranks the split keeps the fused kernel and says why."""
     notes, ran = case_result[0]
-    assert all(n.startswith("token split") for n in notes), notes
+    assert all(n.startswith("split") for n in notes), notes
     if WORLD == 2:
         assert all(n.endswith(PUSH_NOTE) for n in notes), notes
         assert ran  # the push kernels served the calls, not the fused fallback
     else:
-        assert all("overlap_comm='push' not used: the push variant serves 2 ranks only" in n for n in notes), notes
+        assert all("split_comm='push' not used: the push variant serves 2 ranks only" in n for n in notes), notes
 
 
 def _push_cuda_graph(rank, world):
@@ -112,7 +112,7 @@ def _push_reduce_overhead(rank, world):
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     counters.clear()
     worst = check_replays_match_eager(compiled, model, CFG, 384, 5, device)
-    assert backend.report.graphs[0].note.startswith("token split"), backend.report.graphs[0].note
+    assert backend.report.graphs[0].note.startswith("split"), backend.report.graphs[0].note
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     return worst
 

@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, batch: int, seq: int) -> dict:
                     if isinstance(m, torch.nn.Linear))
     reference = build_tp_model(cfg, rank, world, group, device=device, dtype=torch.float32)
     ids = random_token_ids(cfg, batch, seq, seed=3, device=device)
-    backend = weavepass.make_backend(weavepass.WeaveConfig(overlap="off", cuda_min_tokens=1))
+    backend = weavepass.make_backend(weavepass.WeaveConfig(split="off", cuda_min_tokens=1))
     comparison = check_against_eager(
         model, (ids,), lambda m: torch.compile(m, backend=backend), reference, cfg.dtype
     )

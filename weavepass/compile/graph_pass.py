@@ -168,7 +168,7 @@ class WeavePass(CustomGraphPass):
         return None if any(not u for u in others) else (own, *others)
 
     def strategy_settings(self) -> dict[str, Any]:
-        """The Inductor settings the strategies this config enables need (the token split:
+        """The Inductor settings the strategies this config enables need (the split:
         ``reorder_for_peak_memory=False``, ``shape_padding=False``; FlashComm: ``shape_padding=False``)."""
         return inductor_patches(self.config)
 

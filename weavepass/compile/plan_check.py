@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from weavepass.compile.planner import group_size
+from weavepass.config import Lowering
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -70,7 +71,7 @@ LABELS = {"weave.check_replicated": ("site",)}
 line. ``check_replicated``'s ``site`` is the site's node name, which differs between ranks whose
 graphs are cut differently by a harmless rank-dependent break, as the collectives do not."""
 
-WORKSPACE_LOWERINGS = ("cuda_symm",)
+WORKSPACE_LOWERINGS: tuple[Lowering, ...] = (Lowering.CUDA_SYMM,)
 """Lowerings that read a weave op's ``workspace_tokens``: the symmetric workspace is allocated with
 that capacity on every rank, so it must agree. The other lowerings ignore the argument, and it is
 left out of their lines: a per-rank ``cuda_workspace_tokens`` is harmless there."""

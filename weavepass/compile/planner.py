@@ -23,6 +23,8 @@ from weavepass.config import Lowering, WeaveConfig
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+    from weavepass.runtime.cuda.support import CudaUnsupported
+
 
 NO_REASON = Reason(ReasonCode.NONE)
 
@@ -40,8 +42,8 @@ class SitePlan:
     def code(self) -> ReasonCode:
         return self.reason.code
     tuned: TunedDecision | None = None
-    """The tuning table's call for the whole graph (``overlap="auto"``), the same on every plan of
-    it; None where no table was asked (no site to rewrite, another overlap mode, no table)."""
+    """The tuning table's call for the whole graph (``split="auto"``), the same on every plan of
+    it; None where no table was asked (no site to rewrite, another split mode, no table)."""
     matmul: RowParallelMatmul | None = None
     """The row-parallel matmul the fused op takes in (``WeaveConfig.gemm_epilogue``,
     ``choose_gemm_epilogue``): the site becomes ``weave.matmul_reduce_scatter_rmsnorm``. None: the
@@ -61,19 +63,26 @@ def group_size(group_name: str) -> int | None:
         return None
 
 
-def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> str | None:
+def cuda_issue_reason(issue: CudaUnsupported) -> Reason:
+    """The runtime's support check's answer (``runtime.cuda.support.CudaUnsupported``) as the
+    ``Reason`` of the same code (``reasons.CUDA_ISSUES``), with its fields."""
+    return Reason(ReasonCode(issue.issue.value), issue.fields)
+
+
+def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> Reason | None:
     # Only asks: the workspace size travels in the op call (``WeaveConfig.cuda_workspace_tokens``),
     # and larger batches fall back to portable at run time.
     try:
         from weavepass.runtime.cuda.support import cuda_site_unsupported_reason
     except ImportError as error:  # the module not built for this torch
-        return f"CUDA lowering unavailable ({error})"
-    return cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
+        return Reason.of(ReasonCode.CUDA_UNAVAILABLE, error=str(error))
+    issue = cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
+    return None if issue is None else cuda_issue_reason(issue)
 
 
-def unsupported_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering) -> str | None:
-    """Can ``lowering`` run ``site`` in this process? Why not (the runtime's support check's
-    words), or None. The portable lowering runs any site."""
+def unsupported_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering) -> Reason | None:
+    """Can ``lowering`` run ``site`` in this process? Why not (a ``CUDA_*`` code of the runtime's
+    support check), or None. The portable lowering runs any site."""
     return _cuda_unsupported_reason(site) if lowering is Lowering.CUDA_SYMM else None
 
 
@@ -133,11 +142,11 @@ def choose_lowering(
 
 
 def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, mode: str, *,
-                         overlap: str = "off") -> tuple[RowParallelMatmul | None, Reason]:
+                         split: str = "off") -> tuple[RowParallelMatmul | None, Reason]:
     """``(matmul, reason)``: the row-parallel matmul that ``site``'s op on ``lowering`` takes in
     under ``WeaveConfig.gemm_epilogue`` = ``mode``, or None and why not (``NONE``: ``mode`` is
     ``"off"`` or there is no lowering). In order: the site's form (an RMSNorm inference site without
-    quantization), its producer (``find_row_parallel_matmul``), the token split (``overlap``: it
+    quantization), its producer (``find_row_parallel_matmul``), the split (``split``: it
     rewrites fused ops), then under ``auto`` the measurement (none exists yet: the op's GEMM is not
     shown at least as fast as the plain matmul anywhere), under ``force`` whether the lowering
     carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the config only:
@@ -153,8 +162,8 @@ def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, 
     found = find_row_parallel_matmul(site)
     if isinstance(found, Reason):
         return None, found
-    if overlap != "off":
-        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, overlap=overlap)
+    if split != "off":
+        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, split=split)
     if mode == "auto":
         return None, Reason.of(ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(lowering))
     cause = matmul_unsupported_reason(lowering)
@@ -173,7 +182,7 @@ def gemm_epilogue_warns(reason: Reason, mode: str) -> bool:
 def inductor_cudagraphs_reason(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> Reason | None:
     """``INDUCTOR_CUDAGRAPHS`` when Inductor wraps this graph in CUDA-graph trees, the graph has
     CUDA sites and the config does not allow rewriting there; else None. Graph-wide: it stops
-    every strategy (fused sites, the token split and FlashComm), not one lowering."""
+    every strategy (fused sites, the split and FlashComm), not one lowering."""
     if config.allow_inductor_cudagraphs or not inductor_cudagraphs_on():
         return None
     return INDUCTOR_CUDAGRAPHS if any(site.device.type == "cuda" for site in sites) else None
@@ -208,7 +217,7 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
             if decision is not None and decision.code is ReasonCode.TUNED_NO_REWRITE:
                 lowering, reason = None, decision.reason
             site = _plan_quant(site, lowering)
-            matmul, epilogue = choose_gemm_epilogue(site, lowering, config.gemm_epilogue, overlap=config.overlap)
+            matmul, epilogue = choose_gemm_epilogue(site, lowering, config.gemm_epilogue, split=config.split)
             plans.append(SitePlan(site, lowering, reason, decision, matmul, epilogue))
     return plans
 

@@ -107,6 +107,23 @@ class ReasonCode(enum.Enum):
     CUDA_COPY = "cuda_copy"
     """Information only: the CUDA kernel reads the partial sums from the matmul's output once (it
     stores the peers' rows into their workspaces, the reduce-scatter's transfer; no copy pass)."""
+    # What the CUDA lowering cannot serve (the ``cause`` of ``CUDA_UNSUPPORTED``/``PORTABLE_FALLBACK``,
+    # and of the split's push note): ``runtime.cuda.support.CudaIssue``, the same values; the
+    # sentences are the runtime's (``support.ISSUE_TEXT``), which it also warns with at run time.
+    CUDA_NOT_ON_CUDA = "cuda_not_on_cuda"
+    CUDA_DTYPE = "cuda_dtype"
+    CUDA_OUT_DTYPE = "cuda_out_dtype"
+    CUDA_HIDDEN_NOT_MULTIPLE = "cuda_hidden_not_multiple"
+    CUDA_HIDDEN_TOO_LARGE = "cuda_hidden_too_large"
+    CUDA_NO_TRITON = "cuda_no_triton"
+    CUDA_GROUP_UNRESOLVED = "cuda_group_unresolved"
+    CUDA_WORLD_SIZE = "cuda_world_size"
+    CUDA_UNAVAILABLE = "cuda_unavailable"
+    CUDA_RESIDUAL_MISMATCH = "cuda_residual_mismatch"
+    CUDA_WEIGHT_MISMATCH = "cuda_weight_mismatch"
+    CUDA_BIAS_MISMATCH = "cuda_bias_mismatch"
+    CUDA_QUANT_FORM = "cuda_quant_form"
+    PUSH_WORLD_SIZE = "push_world_size"
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
     INDUCTOR_SETTINGS = "inductor_settings"
@@ -138,7 +155,7 @@ class ReasonCode(enum.Enum):
     GEMM_EPILOGUE_LOWERING = "gemm_epilogue_lowering"
     """The site's lowering (``lowering``) does not carry the op (``cause``: the runtime's words)."""
     GEMM_EPILOGUE_SPLIT = "gemm_epilogue_split"
-    """The token split (``overlap``) rewrites fused ops: the matmul stays outside."""
+    """The split (``split``) rewrites fused ops: the matmul stays outside."""
 
     # -- Per graph (strategy decisions)
     NO_SITES = "no_sites"
@@ -156,13 +173,22 @@ class ReasonCode(enum.Enum):
     FLASHCOMM_DECLINED = "flashcomm_declined"
     """On the record of the site that stopped FlashComm: why (``cause``)."""
 
-    # -- The token split (``strategies/split``): why a graph stays fuse-only
+    # -- The split (``strategies/split``): why a graph stays fuse-only
     SPLIT_NOT_POSSIBLE = "split_not_possible"
     """The split has no way to cut a node of the region (``cause``, one of the ``SPLIT_*`` below)."""
     SPLIT_NOTHING_FUSED = "split_nothing_fused"
     SPLIT_ONE_SITE = "split_one_site"
     SPLIT_PLAN = "split_plan"
-    """The split planner (``wave_model``) does not cut this graph (its words: ``cause``)."""
+    """The split's planner (``wave_model``) does not cut this graph (``cause``, one of the next five)."""
+    SPLIT_TOO_FEW_TOKENS = "split_too_few_tokens"
+    """Fewer than 2 ``tokens``: nothing to cut."""
+    SPLIT_BELOW_WINDOW = "split_below_window"
+    """``split="auto"``: ``tokens`` below the window's low end ``low`` (for a ``kind`` graph: dense or
+    MoE); ``tokens`` is None for a symbolic count (then a guard)."""
+    SPLIT_ABOVE_WINDOW = "split_above_window"
+    """``split="auto"``: ``tokens`` above ``split_max_tokens`` (``high``); None for a symbolic count."""
+    SPLIT_WINDOW_PINS_SIZE = "split_window_pins_size"
+    """``split="auto"`` with a window of one size (``low``) and a symbolic count: a guard would pin it."""
     SPLIT_FEW_SYMBOLIC_UNITS = "split_few_symbolic_units"
     SPLIT_RUN_TIME_MASK = "split_run_time_mask"
     SPLIT_TOKEN_ARGUMENT_POSITION = 'split_token_argument_position'
@@ -270,9 +296,9 @@ class ReasonCode(enum.Enum):
     QUANT_FLASHCOMM = "quant_flashcomm"
     """FlashComm took the graph: the quantization runs on the rows it gathers."""
     QUANT_SPLIT = "quant_split"
-    """Graph-wide: the token split does not carry quantized sites (``sites``)."""
+    """Graph-wide: the split does not carry quantized sites (``sites``)."""
 
-    # ``overlap="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
+    # ``split="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
     TUNED_NO_REWRITE = "tuned_no_rewrite"
     """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
     neighbouring cells: the sites stay all_reduce (``text``: the table's words)."""
@@ -282,7 +308,7 @@ class ReasonCode(enum.Enum):
     """The table chose the split (information; the split may still find the graph unsplittable)."""
     TUNING_TABLE_NOT_APPLICABLE = "tuning_table_not_applicable"
     """The table has no entry for this graph (another world size, device, dtype, compile mode or layer
-    widths): the overlap window (``overlap_min_tokens``..``overlap_max_tokens``) decides."""
+    widths): the split window (``split_min_tokens``..``split_max_tokens``) decides."""
 
 
 Fields = tuple[tuple[str, object], ...]
@@ -387,7 +413,7 @@ CUDA_COPY_TEXT = ("the CUDA kernel reads the partial sums once, from the produci
                   "transfer) and reduces its own rows in place, with no copy pass")
 
 TRAINING_TEXT = (
-    "training: the norms' inverse RMS is saved for backward; FlashComm and the token split "
+    "training: the norms' inverse RMS is saved for backward; FlashComm and the split "
     "rewrite inference graphs only (the graph's sites are fused without them)"
 )
 
@@ -527,7 +553,7 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.QUANT_LOWERING: "{cause}",
     ReasonCode.QUANT_FLASHCOMM: ("FlashComm does not carry it yet: the quantization runs on the normed rows "
                                  "after FlashComm gathers them, as before"),
-    ReasonCode.QUANT_SPLIT: ("the token split does not carry quantized sites ({sites}: their fused ops "
+    ReasonCode.QUANT_SPLIT: ("the split does not carry quantized sites ({sites}: their fused ops "
                              "return codes and scales)"),
     ReasonCode.GEMM_EPILOGUE: "gemm_epilogue={mode!r}: the row-parallel matmul {matmul} runs inside the op",
     ReasonCode.GEMM_EPILOGUE_NO_MATMUL: _not_a_replaceable_matmul("it is {producer}"),
@@ -551,7 +577,7 @@ MESSAGES: dict[ReasonCode, Message] = {
         "(docs/gemm_epilogue.md): the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_LOWERING: ("gemm_epilogue={mode!r}: the {lowering} lowering does not carry the "
                                         "matmul op: {cause}; the matmul stays outside"),
-    ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the token split (overlap={overlap!r}) rewrites fused ops, "
+    ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the split (split={split!r}) rewrites fused ops, "
                                      "so the matmul stays outside for it to cut the site"),
     ReasonCode.TUNED_NO_REWRITE: "{text}",
     ReasonCode.TUNED_FUSE_ONLY: "{text}",
@@ -560,20 +586,33 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
                               "be replayed on [rows, hidden] shard rows"),
     ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
-    ReasonCode.SPLIT_NOT_POSSIBLE: "token split not possible: {cause}",
+    ReasonCode.SPLIT_NOT_POSSIBLE: "split not possible: {cause}",
     ReasonCode.SPLIT_NOTHING_FUSED: ("no site was fused, so there is no communication to overlap (each "
                                      "site's line says why it was kept)"),
     ReasonCode.SPLIT_ONE_SITE: "1 fused site: no compute between sites to overlap with",
     ReasonCode.SPLIT_PLAN: "{cause}",
+    ReasonCode.SPLIT_TOO_FEW_TOKENS: "{tokens} token(s): nothing to split",
+    ReasonCode.SPLIT_BELOW_WINDOW: lambda f: (
+        f"symbolic token count below the split threshold {f['low']} ({f['kind']}); guarded, so a batch "
+        "at or above it compiles its own graph" if f["tokens"] is None
+        else f"{f['tokens']} tokens < split threshold {f['low']} ({f['kind']}): fuse-only pays more"),
+    ReasonCode.SPLIT_ABOVE_WINDOW: lambda f: (
+        f"symbolic token count above split_max_tokens {f['high']}; guarded, so a batch inside the "
+        "window compiles its own graph" if f["tokens"] is None
+        else f"{f['tokens']} tokens > split_max_tokens {f['high']}: measured slower split"),
+    ReasonCode.SPLIT_WINDOW_PINS_SIZE: (
+        "symbolic token count and a window of one size ({low} tokens, {kind}): guards for it would pin "
+        "the dynamic size to one value, so only a static batch of that size is split (widen "
+        "split_min_tokens..split_max_tokens to split dynamic batches)"),
     ReasonCode.SPLIT_FEW_SYMBOLIC_UNITS: (
         "{units} {mode} unit(s) on a symbolic count: a half of one unit would specialise the graph; "
         "split from {min_units} units on"),
     ReasonCode.SPLIT_RUN_TIME_MASK: (
         "the attention mask {masks} is an input: whether it hides every key after the cut from every "
-        "query before it is known only at run time, so overlap='auto' does not cut the sequence "
-        "(overlap='force' does, with a run-time check that stops a mask that does not)"),
+        "query before it is known only at run time, so split='auto' does not cut the sequence "
+        "(split='force' does, with a run-time check that stops a mask that does not)"),
     ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION: '{node} ({op}): token tensor in an unsupported argument position',
-    ReasonCode.SPLIT_NO_RULE: '{node}: the token split has no rule for {op}',
+    ReasonCode.SPLIT_NO_RULE: '{node}: the split has no rule for {op}',
     ReasonCode.SPLIT_IN_PLACE_WRITE: (
         '{node} (copy_) writes into {target} in place: the halves would each write a part of one tensor '
         'that lives outside them'
@@ -685,7 +724,7 @@ MESSAGES: dict[ReasonCode, Message] = {
         "{node}: a constant of an MoE routing block is also read by {readers}, not by the block's scatters: "
         "each half rebuilds it with its own rows"
     ),
-    ReasonCode.SPLIT_NO_SCORES_RULE: '{node}: the token split has no rule for {op} on attention scores',
+    ReasonCode.SPLIT_NO_SCORES_RULE: '{node}: the split has no rule for {op} on attention scores',
     ReasonCode.SPLIT_BMM_CUT_SEQUENCE: (
         '{node} (bmm): over a cut sequence, neither q @ k^T (tokens in dim 1 of q and dim 2 of k^T) '
         'nor probabilities @ v'
@@ -736,4 +775,25 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.SPLIT_INPUT_SHAPE: "first site's input has shape {shape}, not [B, S, H] or [T, H]",
 }
 """Each code's sentence: a ``str.format`` template over the reason's fields, or a function of them."""
+
+
+def _cuda_words(code: ReasonCode) -> Message:
+    """The runtime's sentence for a ``CudaIssue`` code (``runtime.cuda.support.ISSUE_TEXT``)."""
+    def render(fields: dict[str, object]) -> str:
+        from weavepass.runtime.cuda.support import ISSUE_TEXT, CudaIssue
+
+        return ISSUE_TEXT[CudaIssue(code.value)].format(**fields)
+
+    return render
+
+
+CUDA_ISSUES = (
+    ReasonCode.CUDA_NOT_ON_CUDA, ReasonCode.CUDA_DTYPE, ReasonCode.CUDA_OUT_DTYPE, ReasonCode.CUDA_HIDDEN_NOT_MULTIPLE,
+    ReasonCode.CUDA_HIDDEN_TOO_LARGE, ReasonCode.CUDA_NO_TRITON, ReasonCode.CUDA_GROUP_UNRESOLVED,
+    ReasonCode.CUDA_WORLD_SIZE, ReasonCode.CUDA_UNAVAILABLE, ReasonCode.CUDA_RESIDUAL_MISMATCH,
+    ReasonCode.CUDA_WEIGHT_MISMATCH, ReasonCode.CUDA_BIAS_MISMATCH, ReasonCode.CUDA_QUANT_FORM,
+    ReasonCode.PUSH_WORLD_SIZE,
+)
+"""The codes of ``runtime.cuda.support.CudaIssue`` (the same values)."""
+MESSAGES.update({code: _cuda_words(code) for code in CUDA_ISSUES})
 

@@ -1,4 +1,4 @@
-"""``overlap="auto"`` from a measured table: plain Inductor, fuse-only or the split for one graph.
+"""``split="auto"`` from a measured table: plain Inductor, fuse-only or the split for one graph.
 
 ``tuned_decision(sites, config, world, cudagraphs)`` reads the graph's facts (device, world size,
 dtype, compile mode, hidden size, the row-parallel matmuls' inner widths, the token count), finds
@@ -20,6 +20,7 @@ from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
+from weavepass.ops import arguments
 from weavepass.tune.table import Choice, TuningTable, choose, load_table, region_of
 
 log = logging.getLogger("weavepass")
@@ -40,13 +41,13 @@ _warned: set[tuple[str, str]] = set()
 @dataclass(frozen=True)
 class TunedDecision:
     """The table's call for one graph. ``rewrite`` is ``"inductor"``, ``"fuse"`` or ``"split"``,
-    or None when the table has no entry for the graph (then the overlap window decides)."""
+    or None when the table has no entry for the graph (then the split window decides)."""
 
     rewrite: str | None
     code: ReasonCode
     text: str
     window: tuple[int, int] | None = None
-    """For ``"split"``: the token range ``[low, high]`` decided alike, the split's overlap window
+    """For ``"split"``: the token range ``[low, high]`` decided alike, the split's split window
     (for a symbolic count, the range its guards keep the graph to)."""
 
     @property
@@ -60,9 +61,7 @@ def inner_width(matmul: Node) -> int | None:
     target = matmul.target
     if not isinstance(target, torch._ops.OpOverload) or target not in _WEIGHT_ARGUMENT:
         return None
-    name = _WEIGHT_ARGUMENT[target]
-    arguments = dict(zip((a.name for a in target._schema.arguments), matmul.args), **matmul.kwargs)
-    value = getattr(arguments.get(name), "meta", {}).get("val")
+    value = getattr(arguments(matmul)[_WEIGHT_ARGUMENT[target]], "meta", {}).get("val")
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
     return int(value.shape[-2])
@@ -70,7 +69,7 @@ def inner_width(matmul: Node) -> int | None:
 
 def _not_applicable(table: TuningTable, why: str) -> TunedDecision:
     return TunedDecision(None, ReasonCode.TUNING_TABLE_NOT_APPLICABLE,
-                         f"auto: tuning table {table.label} not used: {why}; the overlap window decides")
+                         f"auto: tuning table {table.label} not used: {why}; the split window decides")
 
 
 def _warn_once(table: TuningTable, what: str, text: str) -> None:
@@ -113,10 +112,10 @@ def tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig, 
                    cudagraphs: bool) -> TunedDecision | None:
     """The table's call for a graph with ``sites`` on a group of ``world`` ranks, compiled with
     (``cudagraphs``) or without Inductor CUDA graphs; None when no table is asked for
-    (``overlap != "auto"``, ``tuning_table="none"``) or the graph has no site.
+    (``split != "auto"``, ``tuning_table="none"``) or the graph has no site.
 
     A symbolic token count installs guards for the range it is decided on."""
-    if config.overlap != "auto" or not sites:
+    if config.split != "auto" or not sites:
         return None
     table = load_table(config.tuning_table)
     if table is None:

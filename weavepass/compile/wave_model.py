@@ -1,4 +1,4 @@
-"""The TokenWeave split planner: the wave model of a GEMM and where to cut the tokens in two.
+"""The split's planner: the wave model (TokenWeave's) of a GEMM and where to cut the tokens in two.
 
 Reads only shapes, the config and the device's SM count (``device_wave_model``).
 """
@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
 
-# --- TokenWeave two-way token split -----------------------------------------------------------------
+# --- The two-way split ---------------------------------------------------------------------------
 #
 # Wave model. A GEMM ``[T, K] x [K, N]`` runs as ``C(T) = ceil(T / tile_m) * ceil(N / tile_n)`` CTAs
 # (output tiles) on ``sms`` SMs in ``W(C) = ceil(C / sms)`` waves; one wave costs about the same
@@ -68,13 +69,14 @@ class TokenSplitPlan:
 
     ``mode`` is ``"batch"`` (cut between sequences: A = the first ``first // seq`` sequences) or
     ``"sequence"`` (one sequence cut after ``first`` tokens). ``first is None`` means fuse-only, for
-    ``reason``. ``free`` says whether the wave inequality holds for the chosen cut.
+    ``reason`` (a ``SPLIT_*`` code of the planner). ``free`` says whether the wave inequality holds
+    for the chosen cut.
     """
 
     tokens: int
     first: int | None
     mode: str
-    reason: str = ""
+    reason: Reason | None = None
     free: bool = False
 
 
@@ -117,33 +119,26 @@ def split_candidates(tokens: int, model: WaveModel, seq_len: int | None) -> list
     return sorted(middle or [c for c in raw if 0 < c < tokens])
 
 
-def overlap_window_reason(tokens: int | torch.SymInt, config: WeaveConfig, moe: bool = False) -> str | None:
-    """Why ``overlap="auto"`` does not split ``tokens`` (outside ``[overlap_min_tokens(_moe),
-    overlap_max_tokens]``), or None (inside, or another overlap mode).
+def split_window_reason(tokens: int | torch.SymInt, config: WeaveConfig, moe: bool = False) -> Reason | None:
+    """Why ``split="auto"`` does not split ``tokens`` (outside ``[split_min_tokens(_moe),
+    split_max_tokens]``), or None (inside, or another split mode).
 
     ``tokens`` may be a SymInt: each comparison then installs a guard, so a graph compiled for one
     side of a bound never serves a batch on the other side (that batch recompiles once, into its
     own bucket). Without the guards a graph split for one batch would also split batches the
     benchmark shows are slower split."""
-    if config.overlap != "auto":
+    if config.split != "auto":
         return None
-    low = config.overlap_min_tokens_moe if moe else config.overlap_min_tokens
+    low = config.split_min_tokens_moe if moe else config.split_min_tokens
     kind = "MoE" if moe else "dense"
     symbolic = not isinstance(tokens, int)
-    if symbolic and low == config.overlap_max_tokens:  # no comparison: it would pin the size
-        return (f"symbolic token count and a window of one size ({low} tokens, {kind}): guards for "
-                "it would pin the dynamic size to one value, so only a static batch of that size "
-                "is split (widen overlap_min_tokens..overlap_max_tokens to split dynamic batches)")
+    if symbolic and low == config.split_max_tokens:  # no comparison: it would pin the size
+        return Reason.of(ReasonCode.SPLIT_WINDOW_PINS_SIZE, low=low, kind=kind)
+    shown = None if symbolic else tokens  # a symbolic count is not one number
     if tokens < low:
-        if symbolic:
-            return (f"symbolic token count below the overlap threshold {low} ({kind}); guarded, so "
-                    "a batch at or above it compiles its own graph")
-        return f"{tokens} tokens < overlap threshold {low} ({kind}): fuse-only pays more"
-    if tokens > config.overlap_max_tokens:
-        if symbolic:
-            return (f"symbolic token count above overlap_max_tokens {config.overlap_max_tokens}; "
-                    "guarded, so a batch inside the window compiles its own graph")
-        return f"{tokens} tokens > overlap_max_tokens {config.overlap_max_tokens}: measured slower split"
+        return Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=shown, low=low, kind=kind)
+    if tokens > config.split_max_tokens:
+        return Reason.of(ReasonCode.SPLIT_ABOVE_WINDOW, tokens=shown, high=config.split_max_tokens)
     return None
 
 
@@ -153,9 +148,9 @@ def split_mode(batch: int) -> str:
     return "batch" if batch >= 2 else "sequence"
 
 
-def too_few_tokens_reason(tokens: int) -> str | None:
+def too_few_tokens_reason(tokens: int) -> Reason | None:
     """Why ``tokens`` (a hint) cannot be cut in two, or None."""
-    return f"{tokens} token(s): nothing to split" if tokens < 2 else None
+    return Reason.of(ReasonCode.SPLIT_TOO_FEW_TOKENS, tokens=tokens) if tokens < 2 else None
 
 
 def plan_token_split(
@@ -174,13 +169,13 @@ def plan_token_split(
     too_few = too_few_tokens_reason(tokens)
     if too_few is not None:
         return TokenSplitPlan(tokens, None, mode, too_few)
-    outside = overlap_window_reason(tokens, config, moe)
+    outside = split_window_reason(tokens, config, moe)
     if outside is not None:
         return TokenSplitPlan(tokens, None, mode, outside)
     gemms = dominant_gemms(gemms)
     candidates = split_candidates(tokens, model, seq_len if mode == "batch" else None)
     first, free = choose_split_point(tokens, candidates, gemms, model)
-    return TokenSplitPlan(tokens, first, mode, "", free)
+    return TokenSplitPlan(tokens, first, mode, None, free)
 
 
 def device_wave_model(device: torch.device | None) -> WaveModel:
@@ -202,12 +197,12 @@ def plan_split(
     ``tokens.hint // batch`` tokens (hint values; ``batch`` is 1 when the tokens are one
     sequence), on ``device``'s wave model.
 
-    A symbolic count is first checked against the overlap window on its ``value`` (installing the
-    window's guards, see ``overlap_window_reason``); the cut is then planned on the hints, so a
+    A symbolic count is first checked against the split window on its ``value`` (installing the
+    window's guards, see ``split_window_reason``); the cut is then planned on the hints, so a
     symbolic count that passes the window always gets a cut (its position is computed at run time
     by the split). A static count is planned directly."""
     if tokens.symbolic:
-        outside = overlap_window_reason(tokens.value, config, moe)
+        outside = split_window_reason(tokens.value, config, moe)
         if outside is not None:
             return TokenSplitPlan(tokens.hint, None, split_mode(batch), outside)
     return plan_token_split(batch, tokens.hint // batch, gemms, config, device_wave_model(device), moe)

@@ -37,12 +37,12 @@ is its form for FlashComm's sharded stream (the rows stay on their owner). The p
 carries both (``runtime.MATMUL_LOWERINGS``).
 
 ``weave.fused_allreduce_rmsnorm_async(<same arguments>, num_ctas=0)`` and
-``weave.join_async(normed, residual_out, inputs)`` are the token split's fused op on a second CUDA
+``weave.join_async(normed, residual_out, inputs)`` are the split's fused op on a second CUDA
 stream and its join: the calling stream waits for the op there, and the join's reads of the op's
 inputs keep them alive until then (``weavepass.runtime.streams``);
 ``weave.fused_allreduce_layernorm_async(<the LayerNorm op's arguments>, num_ctas=0)`` is the same for
 LayerNorm sites. ``weave.fused_allreduce_rmsnorm_push_async(<same arguments>,
-num_ctas, slot)`` is the split's push variant (``WeaveConfig.overlap_comm="push"``): only the push
+num_ctas, slot)`` is the split's push variant (``WeaveConfig.split_comm="push"``): only the push
 of the partial rows runs on the second stream, into staging slot ``slot`` (0 for half A, 1 for
 half B), and the reduce + add + RMSNorm runs on the joining stream at the join.
 ``weave.check_replicated`` is the debug check of ``WeaveConfig.check_replicated``

@@ -1,7 +1,7 @@
 """The fused op on a second, high-priority CUDA stream: the kernels of
 ``weave::fused_allreduce_rmsnorm_async`` and ``weave::join_async`` (schemas: ``weavepass.ops``).
 
-The token split puts one async op per half and site into the graph, and one ``join_async`` on its
+The split puts one async op per half and site into the graph, and one ``join_async`` on its
 two outputs and its inputs right before the first read of either output:
 
 * fork: the op makes the communication stream wait for the current stream (an event), runs the
@@ -38,7 +38,7 @@ communication stream without two stream switches (``_run_async``).
 On CPU (and every non-CUDA device) the op is the plain fused op and the join finds no entry: both
 are no-ops around the same math.
 
-``weave::fused_allreduce_rmsnorm_push_async`` (``WeaveConfig.overlap_comm="push"``) forks only the
+``weave::fused_allreduce_rmsnorm_push_async`` (``WeaveConfig.split_comm="push"``) forks only the
 push of the partial rows (``weavepass.runtime.cuda.push``); its join (``_PushJoin``) launches the
 reduce + add + RMSNorm of all rows on the joining stream. Off CUDA, off the ``cuda_symm`` lowering,
 and for calls the push kernels cannot serve, it is the fused async op.
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from weavepass.config import Lowering
 from weavepass.runtime import fused_allreduce_layernorm, get_lowering
 
 _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -150,24 +151,24 @@ def fused_allreduce_rmsnorm_async(partial, residual, weight, eps, group_name, ou
                                   workspace_tokens, num_ctas=0):
     """``weave.fused_allreduce_rmsnorm`` (a ``FusedLowering`` named ``lowering``) on the
     communication stream; call ``join_async`` on both outputs before reading either (a no-op off
-    CUDA). ``num_ctas`` > 0 sets the CUDA kernel's grid (``WeaveConfig.overlap_comm_ctas``); other
+    CUDA). ``num_ctas`` > 0 sets the CUDA kernel's grid (``WeaveConfig.split_comm_ctas``); other
     lowerings ignore it.
 
     Host cost matters here (module docstring; benchmarks/bench_host_overhead.py measures it)."""
     run = get_lowering(lowering)
-    if num_ctas and lowering == "cuda_symm":
+    if num_ctas and lowering == Lowering.CUDA_SYMM:
         options = {"max_workspace_tokens": workspace_tokens, "num_ctas": num_ctas}
     else:
         options = {"max_workspace_tokens": workspace_tokens}
     return _run_async(run, (partial, residual, weight, eps, group_name, out_dtype), options,
-                      (partial, residual, weight), lowering == "cuda_symm")
+                      (partial, residual, weight), lowering == Lowering.CUDA_SYMM)
 
 
 def fused_allreduce_layernorm_async(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
                                     workspace_tokens, num_ctas=0):
     """``weave.fused_allreduce_layernorm`` on the communication stream, joined as the RMSNorm form
     (``fused_allreduce_rmsnorm_async``); the join also holds the bias."""
-    cuda_symm = lowering == "cuda_symm"
+    cuda_symm = lowering == Lowering.CUDA_SYMM
     options = {"num_ctas": num_ctas} if num_ctas and cuda_symm else {}
     return _run_async(fused_allreduce_layernorm,
                       (partial, residual, weight, bias, eps, group_name, out_dtype, lowering, workspace_tokens),
@@ -239,7 +240,7 @@ class _PushJoin:
 
 def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_name, out_dtype, lowering,
                                        workspace_tokens, num_ctas, slot):
-    """``weave.fused_allreduce_rmsnorm`` split in two (``WeaveConfig.overlap_comm="push"``): the
+    """``weave.fused_allreduce_rmsnorm`` split in two (``WeaveConfig.split_comm="push"``): the
     push of this rank's partial rows into the peer's staging slot ``slot`` (0: half A, 1: half B)
     on the communication stream now, and the reduce + add + RMSNorm of all rows on the calling
     stream at the join (``join_async``). The join must run on the calling stream before the next
@@ -247,11 +248,11 @@ def fused_allreduce_rmsnorm_push_async(partial, residual, weight, eps, group_nam
     peer's push of the next call into ``slot`` waits for this rank's reduce.
 
     The outputs are allocated on the calling stream, which alone writes and reads them. Calls the
-    push kernels cannot serve, and every call off CUDA or off ``lowering="cuda_symm"``, run as
+    push kernels cannot serve, and every call off CUDA or off the ``cuda_symm`` lowering, run as
     ``fused_allreduce_rmsnorm_async`` (same numbers; every rank decides the same, from the call's
     shapes and group)."""
     call = None
-    if partial.device.type == "cuda" and lowering == "cuda_symm":
+    if partial.device.type == "cuda" and lowering == Lowering.CUDA_SYMM:
         from weavepass.runtime.cuda.push import prepare_push
 
         call = prepare_push(partial, residual, weight, group_name, out_dtype, workspace_tokens, num_ctas)

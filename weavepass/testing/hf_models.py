@@ -44,10 +44,10 @@ FAMILIES: dict[str, str] = {
 
 CONFIGS: dict[str, WeaveConfig] = {
     "fuse": WeaveConfig(),
-    "split": WeaveConfig(overlap="force"),
+    "split": WeaveConfig(split="force"),
     "flashcomm": WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1),
 }
-"""The strategies each family is compiled with: fuse-only (the default), the token split forced,
+"""The strategies each family is compiled with: fuse-only (the default), the split forced,
 FlashComm forced (every token count is above its threshold)."""
 
 BATCH, SEQ = 1, 9

@@ -20,7 +20,7 @@ The kernels' waits are bounded as in the real lowering (``runtime.cuda.peer_wait
 for a signal never sent writes the pinned record and traps, so the test process fails with the
 reason instead of spinning for ever.
 
-``SimulatedPushRanks`` does the same for the token split's push variant (``runtime.cuda.push``),
+``SimulatedPushRanks`` does the same for the split's push variant (``runtime.cuda.push``),
 with two streams per simulated rank (side: pushes; main: reduces) in the split's fork/join order.
 """
 
@@ -204,7 +204,7 @@ class SimulatedRanks:
 
 
 class SimulatedPushRanks:
-    """The token split's push variant (``weavepass.runtime.cuda.push``) with ``world`` simulated
+    """The split's push variant (``weavepass.runtime.cuda.push``) with ``world`` simulated
     ranks on one GPU: per rank a push workspace and signal pad of its own, and two streams, ``side``
     (the push kernels, as the communication stream) and ``main`` (the reduce kernels, as the stream
     that waits for the op's outputs). Workspaces and pads persist across calls, as the real ones do,
@@ -250,7 +250,7 @@ class SimulatedPushRanks:
         reduce_ctas: int = 32,
         delay_reduce_cycles: dict[int, int] | None = None,
     ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Run ``calls`` (each: the ranks' partials [T, H] and a residual) as the token split does,
+        """Run ``calls`` (each: the ranks' partials [T, H] and a residual) as the split does,
         call ``i`` being half ``i % 2`` (staging slot ``i % 2``) of site ``i // 2``: per rank, push A1,
         push B1, reduce A1, push A2, reduce B1, push B2, ... with fork and join as the op's (the side
         stream waits for main before each push; main waits for the push's event before its reduce).
@@ -326,7 +326,7 @@ class SimulatedPushRanks:
 
 
 def split_schedule(sites: int):
-    """The order in which the token split issues the push variant's calls for ``sites`` sites, as
+    """The order in which the split issues the push variant's calls for ``sites`` sites, as
     ``("push" | "reduce", call)``: call ``2 * site + half``; both halves' first pushes, then each
     call's reduce (its join) followed by the push of the same half's next site."""
     yield "push", 0

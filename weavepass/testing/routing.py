@@ -1,5 +1,5 @@
 """Hand-written MoE routing blocks in Hugging Face's ``grouped_mm`` form (transformers 5.x
-``grouped_mm_experts_forward``), in pieces, for the token split's routing tests: the pieces
+``grouped_mm_experts_forward``), in pieces, for the split's routing tests: the pieces
 compose the sound block and the variants the split must refuse.
 
 Shapes: ``x [T, H]`` tokens, ``router [E, H]``, ``w_up [E, H, I]``, ``w_down [E, I, H]``; ``k``

@@ -1,13 +1,13 @@
 """``python -m weavepass.tune``: measure plain Inductor, fuse-only and the split on this machine's
-GPUs for your layer shapes, and write the tuning table ``overlap="auto"`` decides from.
+GPUs for your layer shapes, and write the tuning table ``split="auto"`` decides from.
 
     python -m weavepass.tune --shape 70b_tp8sim 8b_tp2 --world 2 --out tuning.json
-    WeaveConfig(overlap="auto", tuning_table="tuning.json")
+    WeaveConfig(split="auto", tuning_table="tuning.json")
 
 For each shape and compile mode it builds a model of ``--layers`` Llama-style decoder layers at the
 shape's per-rank widths (``weavepass.tune.shapes``), compiles it three ways in the same processes
-(``inductor``: ``torch.compile``; ``fuse``: backend weave with ``overlap="off"``; ``split``: weave
-with ``overlap="force"``), the token dim dynamic (one compile each), and times every
+(``inductor``: ``torch.compile``; ``fuse``: backend weave with ``split="off"``; ``split``: weave
+with ``split="force"``), the token dim dynamic (one compile each), and times every
 (rewrite, token count) cell in interleaved rounds with CUDA events (``weavepass.tune.timing``; a
 cell's time is the median of its rounds' medians, the Inductor baseline measured in the same
 rounds). A rewrite whose compiled graph did not get it (a split the graph refused) is not recorded.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 DEFAULT_TOKENS = (1024, 2048, 4096, 8192, 16384)
 VARIANTS = {"inductor": None, "fuse": "off", "split": "force"}
-"""Each timed rewrite and the ``WeaveConfig.overlap`` it compiles with (None: plain Inductor)."""
+"""Each timed rewrite and the ``WeaveConfig.split`` it compiles with (None: plain Inductor)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -180,11 +180,11 @@ def _compiled(model, rewrite: str, mode: str):
     from weavepass.backend import WeaveBackend
 
     compile_mode = None if mode == "default" else mode
-    overlap = VARIANTS[rewrite]
-    if overlap is None:
+    split = VARIANTS[rewrite]
+    if split is None:
         return torch.compile(model, mode=compile_mode), None
     # min_world_size=1: a group of one rank is rewritten too; no table: measure, do not decide.
-    config = WeaveConfig(overlap=overlap, min_world_size=1, tuning_table="none")
+    config = WeaveConfig(split=split, min_world_size=1, tuning_table="none")
     backend = WeaveBackend(config)
     return torch.compile(model, backend=backend, mode=compile_mode), backend
 
@@ -197,7 +197,7 @@ def _missing_rewrite(rewrite: str, backend) -> str | None:
     if not graphs or not any(g.rewritten for g in graphs):
         notes = "; ".join(g.note for g in graphs) or "no graph compiled"
         return f"no site was fused ({notes})"
-    if rewrite == "split" and not any(n.startswith("token split") for g in graphs for n in g.notes):
+    if rewrite == "split" and not any(n.startswith("split (") for g in graphs for n in g.notes):
         return f"the graph was not split ({'; '.join(g.note for g in graphs)})"
     return None
 

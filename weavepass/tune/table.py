@@ -1,5 +1,5 @@
 """The tuning table: what each rewrite measured against plain Inductor, per layer shape, compile
-mode and token count, on one machine at one world size; and the rule ``overlap="auto"`` picks by.
+mode and token count, on one machine at one world size; and the rule ``split="auto"`` picks by.
 
 Written by ``python -m weavepass.tune`` (docs/usage.md), read through ``WeaveConfig.tuning_table``
 (``"builtin"``: ``BUILTIN_PATH``, our own measurements; ``"none"``: no table; else a path). JSON,

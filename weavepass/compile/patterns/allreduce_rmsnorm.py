@@ -33,6 +33,7 @@ from weavepass.compile.patterns.rmsnorm import (
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.where import module_path
 from weavepass.config import Lowering
+from weavepass.ops import arguments
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -55,6 +56,18 @@ def _node(value: object) -> Node:
     """``value`` (an argument the match has checked is a node) as a ``Node``."""
     assert isinstance(value, Node), value
     return value
+
+
+def _all_reduce_input(ar: Node) -> Node:
+    """The tensor an all_reduce sums (``input``), read by its schema name: a graph may pass it by keyword."""
+    return _node(arguments(ar)["input"])
+
+
+def _group_name(ar: Node) -> str:
+    """The group an all_reduce runs on (``group_name``), read by its schema name."""
+    group_name = arguments(ar)["group_name"]
+    assert isinstance(group_name, str)
+    return group_name
 
 
 def _tensor(node: object) -> torch.Tensor:
@@ -118,7 +131,7 @@ class PartnerSum:
 
     @property
     def partial(self) -> Node:
-        return _node(self.all_reduce.args[0])
+        return _all_reduce_input(self.all_reduce)
 
 
 @dataclass(frozen=True)
@@ -284,7 +297,7 @@ class FusedAllReduceRMSNormSite:
 
     @property
     def partial(self) -> Node:
-        return _node(self.all_reduce.args[0])
+        return _all_reduce_input(self.all_reduce)
 
     @property
     def residual(self) -> Node | None:
@@ -675,8 +688,6 @@ def _match_one(ar: Node, order: dict[Node, int]) -> FusedAllReduceRMSNormSite | 
     unfit = _unfit_all_reduce(ar)
     if unfit is not None:
         return RejectedAllReduce(ar, unfit)
-    group_name = ar.args[2]
-    assert isinstance(group_name, str)
     wait = next(iter(ar.users))
     scale = _scale_after_sum(ar, wait, order)
     summed = scale.mul if scale is not None else wait
@@ -714,8 +725,7 @@ def _post_norm_sum(ar: Node, summed: Node) -> RejectedAllReduce | None:
 def _match_readings(ar: Node, wait: Node, scale: ScaledSum | None, summed: Node,
                     order: dict[Node, int]) -> FusedAllReduceRMSNormSite | RejectedAllReduce:
     """The readings without bias rows: ``sum [+ x] [+ residual] -> norm`` (``InnerAdd``)."""
-    group_name, partial = ar.args[2], _node(ar.args[0])
-    assert isinstance(group_name, str)
+    group_name, partial = _group_name(ar), _all_reduce_input(ar)
     inner = _match_inner_add(ar, summed)
     if inner is not None and inner.partner is not None:  # before reading x as a residual
         return _inner_site(ar, wait, scale, inner, order)
@@ -768,10 +778,8 @@ def _match_sum_tree(ar: Node, wait: Node, summed: Node, scale: ScaledSum | None,
     views_to_norm, match = norm
     adds.sort(key=order.__getitem__)
     tree = SumTree(tuple(adds), tuple(own_views), tuple(sums), tuple(rows + full[:-1]), full[-1], len(rows))
-    group_name = ar.args[2]
-    assert isinstance(group_name, str)
-    site = FusedAllReduceRMSNormSite(ar, wait, group_name, (), adds[-1], tuple(views_to_norm), match,
-                                     None if sums else _producer_matmul(_node(ar.args[0])), scale,
+    site = FusedAllReduceRMSNormSite(ar, wait, _group_name(ar), (), adds[-1], tuple(views_to_norm), match,
+                                     None if sums else _producer_matmul(_all_reduce_input(ar)), scale,
                                      InnerAdd(adds[0], tuple(own_views), tree.stream, tree=tree))
     return _checked(site, order)
 
@@ -883,10 +891,10 @@ def _reaches_sum(node: Node) -> bool:
 
 def _unfit_all_reduce(ar: Node) -> Reason | None:
     """Why ``ar`` is not a row-parallel sum read through one wait, or None."""
-    reduce_op = str(ar.args[1]).lower()
+    reduce_op = str(arguments(ar)["reduce_op"]).lower()
     if reduce_op != "sum":
         return Reason.of(ReasonCode.REDUCE_OP_NOT_SUM, op=reduce_op)
-    partial = _node(ar.args[0])
+    partial = _all_reduce_input(ar)
     if val(partial) is None:
         return Reason.of(ReasonCode.INPUT_NO_METADATA, node=partial.name)
     if ar.target is c10d.all_reduce_.default and len(partial.users) > 1:
@@ -983,10 +991,10 @@ def _partner_sum(x: Node, ar: Node) -> PartnerSum | Reason | None:
     unfit = _unfit_all_reduce(other)
     if unfit is not None:
         return Reason.of(ReasonCode.PARTNER_NOT_A_SUM, partner=other.name, cause=unfit)
-    if other.args[2] != ar.args[2]:
-        return Reason.of(ReasonCode.PARTNER_OTHER_GROUP, partner=other.name, group=other.args[2],
-                         expected=ar.args[2])
-    dtype, expected = _tensor(other.args[0]).dtype, _tensor(ar.args[0]).dtype
+    if _group_name(other) != _group_name(ar):
+        return Reason.of(ReasonCode.PARTNER_OTHER_GROUP, partner=other.name, group=_group_name(other),
+                         expected=_group_name(ar))
+    dtype, expected = _tensor(_all_reduce_input(other)).dtype, _tensor(_all_reduce_input(ar)).dtype
     if dtype != expected:
         return Reason.of(ReasonCode.PARTNER_OTHER_DTYPE, partner=other.name, dtype=dtype, expected=expected)
     return PartnerSum(other, x, tuple(reversed(views)))
@@ -1014,10 +1022,8 @@ def _inner_site(ar: Node, wait: Node, scale: ScaledSum | None, inner: InnerAdd, 
             return RejectedAllReduce(ar, Reason.of(ReasonCode.PARTNER_UNFIT, cause=partner))
         if add is not None:
             inner = dataclasses.replace(inner, parallel=_parallel_sum(add, views_to_add, inner.add, ar))
-    group_name = ar.args[2]
-    assert isinstance(group_name, str)
-    site = FusedAllReduceRMSNormSite(ar, wait, group_name, views_to_add, add, views_to_norm, norm,
-                                     None if inner.merged else _producer_matmul(_node(ar.args[0])),
+    site = FusedAllReduceRMSNormSite(ar, wait, _group_name(ar), views_to_add, add, views_to_norm, norm,
+                                     None if inner.merged else _producer_matmul(_all_reduce_input(ar)),
                                      scale, inner)
     return _checked(site, order)
 

@@ -43,6 +43,7 @@ from torch.fx import Node
 
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.where import where
+from weavepass.ops import arguments
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -191,16 +192,16 @@ def _is_last_dim(dims: object, ndim: int) -> bool:
 
 def _match_fused(x: Node) -> RMSNormMatch | Reason | None:
     for user in x.users:
-        if not is_target(user, FUSED_RMS_NORMS | FUSED_LAYER_NORMS) or user.args[0] is not x:
+        if not is_target(user, FUSED_RMS_NORMS | FUSED_LAYER_NORMS):
             continue
-        shape = user.args[1]
+        given = arguments(user)  # by the schema's names: the ops differ in which follow the weight
+        if given["input"] is not x:
+            continue
+        shape = given["normalized_shape"]
         assert isinstance(shape, (list, tuple))
         if len(shape) != 1:
             return Reason.of(ReasonCode.NORM_OVER_SEVERAL_DIMS, op=str(user.target), ndims=len(shape))
         layer = user.target in FUSED_LAYER_NORMS
-        # rms_norm(x, shape, weight, eps); layer_norm(x, shape, weight, bias, eps, ...)
-        names = ("weight", "bias", "eps") if layer else ("weight", "eps")
-        given = {**dict(zip(names, user.args[2:])), **{k: v for k, v in user.kwargs.items() if k in names}}
         weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps")
         if eps is None:  # rms_norm's default: the eps of the dtype it computes in (fp32 for bf16, fp16)
             from weavepass.runtime.reference import accumulation_dtype
@@ -246,8 +247,8 @@ def _match_inv_rms(square: Node, xf: Node, ndim: int) -> tuple[Node, list[Node],
 
 def _unfit_last_dim_mean(mean: Node, ndim: int, what: str) -> Reason | None:
     """Why ``mean`` (``aten.mean.dim``) is not a mean over the last dim that keeps it, or None."""
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    dims = mean.args[1]
+    given = arguments(mean)
+    keepdim, dims = given["keepdim"], given["dim"]
     if not _is_last_dim(dims, ndim):
         return Reason.of(ReasonCode.NORM_NOT_LAST_DIM,
                          dims=list(dims) if isinstance(dims, (list, tuple)) else dims)
@@ -420,11 +421,12 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
     ``xf - mean`` nodes (one or two), and the nodes computing them; a reason; or None when nothing
     takes ``xf``'s mean over the last dim."""
     for user in xf.users:
-        if is_target(user, {VAR_MEAN}) and user.args[0] is xf:
-            correction = user.kwargs.get("correction")
+        given = arguments(user) if is_target(user, {VAR_MEAN}) else {}
+        if given and given["self"] is xf:
+            correction = given["correction"]
             correction = 1 if correction is None else correction  # var_mean's default: unbiased
-            dims = user.args[1] if len(user.args) > 1 else None
-            if dims is None or not _is_last_dim(dims, ndim) or not user.kwargs.get("keepdim", False):
+            dims = given["dim"]
+            if dims is None or not _is_last_dim(dims, ndim) or not given["keepdim"]:
                 return Reason(ReasonCode.VAR_MEAN_NOT_LAST_DIM)
             if correction != 0:
                 return Reason.of(ReasonCode.UNBIASED_VARIANCE, correction=correction)

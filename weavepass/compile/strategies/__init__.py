@@ -2,7 +2,7 @@
 
 1. FlashComm (``flashcomm.py``): when it applies, it takes the whole graph.
 2. Fuse (``fuse.py``): every planned site becomes a fused op (then the replication checks).
-3. Token split (``overlap.py`` around ``split``): overlaps the fused sites in two halves.
+3. The split (``split/strategy.py``, around the ``split`` package): overlaps the fused sites in two halves.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from weavepass.compile.strategies.base import ContractError, Decision, GraphRewrite, Strategy, check_order
 from weavepass.compile.strategies.flashcomm import FlashCommStrategy
 from weavepass.compile.strategies.fuse import FuseStrategy
-from weavepass.compile.strategies.overlap import SplitStrategy
+from weavepass.compile.strategies.split.strategy import SplitStrategy
 from weavepass.config import WeaveConfig
 
 STRATEGIES: tuple[Strategy, ...] = (FlashCommStrategy(), FuseStrategy(), SplitStrategy())

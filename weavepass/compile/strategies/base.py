@@ -29,7 +29,7 @@ from weavepass.config import WeaveConfig
 from weavepass.report import GraphReport
 
 TRAINING = Reason(ReasonCode.TRAINING)
-"""Why FlashComm and the token split refuse a training graph."""
+"""Why FlashComm and the split refuse a training graph."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ Part = Literal["sites", "fused", "records", "notes"]
 
 
 class Strategy(abc.ABC):
-    """One graph-wide rewrite (fuse, token split, FlashComm, ...), and its contract."""
+    """One graph-wide rewrite (fuse, split, FlashComm, ...), and its contract."""
 
     name: str
     reads: ClassVar[frozenset[Part]]
@@ -113,7 +113,7 @@ class ContractError(RuntimeError):
 
 def check_order(strategies: Sequence[Strategy]) -> None:
     """Raise ``ContractError`` unless ``strategies`` can run in this order: whatever a strategy
-    reads that a strategy of the list writes is written by an earlier one (the token split reads
+    reads that a strategy of the list writes is written by an earlier one (the split reads
     the fuse strategy's ``fused``), and no strategy reads the ``sites`` after one that rewrites
     them without taking the whole graph (FlashComm, which takes it, runs before fuse)."""
     for i, strategy in enumerate(strategies):

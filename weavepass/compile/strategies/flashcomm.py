@@ -682,8 +682,8 @@ FORMS: dict[str, type[PortableFlashComm]] = {
 """The FlashComm form of each device kind (``device_kind``), picked once per graph."""
 
 
-FLASHCOMM_DROPS_OVERLAP_NOTE = (
-    "overlap={overlap!r} dropped: FlashComm took this graph, and the token split overlaps only "
+FLASHCOMM_DROPS_SPLIT_NOTE = (
+    "split={split!r} dropped: FlashComm took this graph, and the split overlaps only "
     "fused all_reduce sites, of which FlashComm leaves none"
 )
 
@@ -747,8 +747,8 @@ class FlashCommStrategy(Strategy):
         report.add_note(f"FlashComm ({kind}): {decision.num_tokens} tokens padded to "
                         f"{decision.padded_tokens}, {decision.rows_per_rank} rows per rank on "
                         f"{decision.world_size} ranks")
-        if config.overlap != "off":
-            report.add_note(FLASHCOMM_DROPS_OVERLAP_NOTE.format(overlap=config.overlap))
+        if config.split != "off":
+            report.add_note(FLASHCOMM_DROPS_SPLIT_NOTE.format(split=config.split))
             log.warning("weavepass: graph %d: %s", report.graph_index, report.notes[-1])
         if config.check_replicated:  # FlashComm shards the residual stream by design
             report.add_note("check_replicated: not done in a FlashComm graph (the residual "

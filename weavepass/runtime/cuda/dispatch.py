@@ -20,12 +20,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from weavepass.config import Lowering
 from weavepass.env import disable_multicast
 from weavepass.runtime.cuda import launcher
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue
-from weavepass.runtime.cuda.support import cuda_quant_epilogue, cuda_unsupported_reason
+from weavepass.runtime.cuda.support import CudaIssue, CudaUnsupported, cuda_quant_epilogue, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
     constant_vector,
@@ -75,7 +76,6 @@ class _Launch(DirectLauncher):
     normed_stand_in: torch.Tensor | None = None  # the normed pointer when the rows are not returned
 
 
-_PORTABLE = "portable"
 """Cached for a call signature the kernel can never serve: later calls go straight to portable."""
 _LAUNCHES: dict[tuple, _Launch | str] = {}
 
@@ -262,8 +262,8 @@ def _prepare(
     layer_norm: bool = False,
     bias=None,
     quant: QuantEpilogue | str | None = None,
-) -> _Launch | str | None:
-    """Validate a new call signature and plan its launch. ``_PORTABLE`` when the kernel cannot
+) -> _Launch | Lowering | None:
+    """Validate a new call signature and plan its launch. ``Lowering.PORTABLE`` when the kernel cannot
     serve it; None when no workspace fits now (not cached: the batch may fit later outside
     CUDA-graph capture, or never: then the warning is not repeated)."""
     hidden = partial.shape[-1] if partial.dim() else 0
@@ -274,12 +274,12 @@ def _prepare(
     if reason is None and layer_norm and bias is not None and (
         bias.shape != (hidden,) or bias.device != partial.device
     ):
-        reason = "bias is not a [hidden] tensor on partial's device"
+        reason = CudaUnsupported(CudaIssue.BIAS_MISMATCH)
     if reason is None and isinstance(quant, str):
-        reason = f"the quantization of the normed rows: {quant}"
+        reason = CudaUnsupported.of(CudaIssue.QUANT_FORM, cause=quant)
     if reason is not None:
-        _warn_once(reason, f"weave cuda_symm lowering falls back to portable: {reason}")
-        return _PORTABLE
+        _warn_once(str(reason), f"weave cuda_symm lowering falls back to portable: {reason}")
+        return Lowering.PORTABLE
     num_tokens = partial.numel() // hidden
     world = resolve_group(group_name).size()
     elem = partial.element_size()

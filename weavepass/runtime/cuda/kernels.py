@@ -815,7 +815,7 @@ def fused_allreduce_rmsnorm_lamport_kernel(
         tl.atomic_add(pad_ptr + FLAG_SLOT, 1, sem="relaxed", scope="gpu")
 
 
-# ------------------------------------------------------------------ push variant of the token split
+# ------------------------------------------------------------------ push variant of the split
 
 
 @triton.jit
@@ -842,7 +842,7 @@ def push_partial_rows_kernel(
     BLOCK_H: tl.constexpr,  # next power of two >= HIDDEN
     ROWS: tl.constexpr,  # rows per load/store
 ):
-    """The side-stream half of the push variant (``WeaveConfig.overlap_comm="push"``): store all
+    """The side-stream half of the push variant (``WeaveConfig.split_comm="push"``): store all
     ``T`` partial rows into every peer's staging slot, and return once the peers' rows of the same
     call are in this rank's slot. ``reduce_pushed_rows_kernel`` then does the arithmetic on the
     compute stream, after the caller's stream has waited for this kernel.

@@ -51,7 +51,7 @@ of the 132 SMs idle here: 1.7-1.8x the four-pass HBM floor, against 1.03-1.07x u
 @dataclass(frozen=True)
 class LaunchOverrides:
     """Choices that replace the launch rule's (None: the rule decides). Benchmarks and tests pass
-    them; the token split's async op sets ``num_ctas`` (``WeaveConfig.overlap_comm_ctas``)."""
+    them; the split's async op sets ``num_ctas`` (``WeaveConfig.split_comm_ctas``)."""
 
     num_ctas: int | None = None
     one_shot: bool | None = None

@@ -1,4 +1,4 @@
-"""Host side of the token split's push variant (``WeaveConfig.overlap_comm="push"``, kernels:
+"""Host side of the split's push variant (``WeaveConfig.split_comm="push"``, kernels:
 ``kernels.push_partial_rows_kernel`` and ``kernels.reduce_pushed_rows_kernel``; the stream
 choreography is ``weavepass.runtime.streams.fused_allreduce_rmsnorm_push_async``).
 
@@ -144,7 +144,7 @@ def prepare_push(partial, residual, weight, group_name: str, out_dtype, max_toke
     serve either (``support.cuda_unsupported_reason``), non-contiguous tensors, or more rows than
     ``max_tokens`` (the op call's ``workspace_tokens``). The answer depends only on the call's
     shapes, dtypes, group and options, so every rank gets the same one. ``num_ctas`` > 0 sets the
-    push kernel's grid (``WeaveConfig.overlap_comm_ctas``)."""
+    push kernel's grid (``WeaveConfig.split_comm_ctas``)."""
     key = (partial.shape, partial.dtype, partial.device, partial.is_contiguous(),
            None if residual is None else (residual.shape, residual.dtype, residual.is_contiguous()),
            None if weight is None else (weight.shape, weight.dtype, weight.is_contiguous()),

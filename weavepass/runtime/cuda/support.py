@@ -1,72 +1,136 @@
 """Which calls the ``cuda_symm`` lowering can serve: the checks the planner asks at compile time
 (``cuda_site_unsupported_reason``) and the dispatcher repeats on a call's tensors. Asking writes
-nothing: the capacity a call may use travels in the op call (``workspace_tokens``)."""
+nothing: the capacity a call may use travels in the op call (``workspace_tokens``).
+
+A check that fails returns a ``CudaUnsupported``: a ``CudaIssue`` code and its detail as fields; code
+branches on the code, and ``str()`` renders the sentence (``ISSUE_TEXT``, the one place of these
+words). The compile side reports each code as the ``ReasonCode`` of the same value
+(``weavepass.compile.reasons``), rendered from here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from weavepass.config import StrEnum
 from weavepass.runtime.portable import resolve_group
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384  # one row per tile lives in registers
 MAX_WORLD = 8  # the kernels take per-peer addresses as 8 scalar arguments
 PUSH_WORLD = 2
-"""The only world size the token split's push variant serves (``push_unsupported_reason``)."""
+"""The only world size the split's push variant serves (``push_unsupported_reason``)."""
+
+
+class CudaIssue(StrEnum):
+    """Why the CUDA lowering (or the split's push variant) cannot serve a site or a call."""
+
+    NOT_ON_CUDA = "cuda_not_on_cuda"
+    DTYPE = "cuda_dtype"
+    OUT_DTYPE = "cuda_out_dtype"
+    HIDDEN_NOT_MULTIPLE = "cuda_hidden_not_multiple"
+    HIDDEN_TOO_LARGE = "cuda_hidden_too_large"
+    NO_TRITON = "cuda_no_triton"
+    GROUP_UNRESOLVED = "cuda_group_unresolved"
+    WORLD_SIZE = "cuda_world_size"
+    UNAVAILABLE = "cuda_unavailable"
+    """The CUDA lowering's modules do not import in this process (the compile side's check)."""
+    RESIDUAL_MISMATCH = "cuda_residual_mismatch"
+    WEIGHT_MISMATCH = "cuda_weight_mismatch"
+    BIAS_MISMATCH = "cuda_bias_mismatch"
+    QUANT_FORM = "cuda_quant_form"
+    """The call's quantization is a form the kernel does not carry (``cause``: the form's words)."""
+    PUSH_WORLD_SIZE = "push_world_size"
+
+
+ISSUE_TEXT = {
+    CudaIssue.NOT_ON_CUDA: "tensors are on {device}, not CUDA",
+    CudaIssue.DTYPE: "dtype {dtype} is not bf16, fp16 or fp32",
+    CudaIssue.OUT_DTYPE: "the norm's output dtype {dtype} is not bf16, fp16 or fp32",
+    CudaIssue.HIDDEN_NOT_MULTIPLE: "hidden size {hidden} is not a positive multiple of 8 (16-byte vectors)",
+    CudaIssue.HIDDEN_TOO_LARGE: "hidden size {hidden} exceeds {max_hidden} (a row must fit one tile)",
+    CudaIssue.NO_TRITON: "triton is not installed",
+    CudaIssue.GROUP_UNRESOLVED: "process group {group!r} cannot be resolved: {error}",
+    CudaIssue.WORLD_SIZE: "world size {world} is outside 1..{max_world}",
+    CudaIssue.UNAVAILABLE: "CUDA lowering unavailable ({error})",
+    CudaIssue.RESIDUAL_MISMATCH: "residual differs from partial in shape or device",
+    CudaIssue.WEIGHT_MISMATCH: "weight is not a [hidden] tensor on partial's device",
+    CudaIssue.BIAS_MISMATCH: "bias is not a [hidden] tensor on partial's device",
+    CudaIssue.QUANT_FORM: "the quantization of the normed rows: {cause}",
+    CudaIssue.PUSH_WORLD_SIZE: (
+        "the push variant serves 2 ranks only, not {world}: it pushes every row to every peer, "
+        "(N-1) S = {peers} S bytes per rank, where two-shot moves 2 (N-1)/N S = {two_shot:.2f} S"),
+}
+"""The sentence of each ``CudaIssue``, formatted with its fields."""
+
+
+@dataclass(frozen=True)
+class CudaUnsupported:
+    """Why the CUDA lowering cannot serve a site or call: ``issue`` and its detail (``fields``)."""
+
+    issue: CudaIssue
+    fields: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, issue: CudaIssue, **fields: object) -> CudaUnsupported:
+        return cls(issue, tuple(fields.items()))
+
+    def __str__(self) -> str:
+        return ISSUE_TEXT[self.issue].format(**dict(self.fields))
 
 
 def cuda_site_unsupported_reason(
     dtype: torch.dtype, hidden: int, device: torch.device, group_name: str, out_dtype: torch.dtype | None = None
-) -> str | None:
+) -> CudaUnsupported | None:
     """Why the CUDA lowering cannot serve sites of this kind (compile-time form), or None.
     ``out_dtype``: the normed output's dtype (the input's when None)."""
     if torch.device(device).type != "cuda":
-        return f"tensors are on {torch.device(device).type}, not CUDA"
+        return CudaUnsupported.of(CudaIssue.NOT_ON_CUDA, device=torch.device(device).type)
     if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} is not bf16, fp16 or fp32"
+        return CudaUnsupported.of(CudaIssue.DTYPE, dtype=dtype)
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-        return f"the norm's output dtype {out_dtype} is not bf16, fp16 or fp32"
+        return CudaUnsupported.of(CudaIssue.OUT_DTYPE, dtype=out_dtype)
     if hidden <= 0 or hidden % 8 != 0:
-        return f"hidden size {hidden} is not a positive multiple of 8 (16-byte vectors)"
+        return CudaUnsupported.of(CudaIssue.HIDDEN_NOT_MULTIPLE, hidden=hidden)
     if hidden > MAX_HIDDEN:
-        return f"hidden size {hidden} exceeds {MAX_HIDDEN} (a row must fit one tile)"
+        return CudaUnsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=hidden, max_hidden=MAX_HIDDEN)
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "triton is not installed"
+        return CudaUnsupported(CudaIssue.NO_TRITON)
     try:
         world = resolve_group(group_name).size()
     except Exception as exc:  # an unknown group name is a reason, not a crash
-        return f"process group {group_name!r} cannot be resolved: {exc}"
+        return CudaUnsupported.of(CudaIssue.GROUP_UNRESOLVED, group=group_name, error=str(exc))
     # A group of one runs the same code with no peers (add + RMSNorm only): one GPU can then test
     # the launch path and measure its host cost. The plan leaves such groups alone by default
     # (WeaveConfig.min_world_size).
     if not 1 <= world <= MAX_WORLD:
-        return f"world size {world} is outside 1..{MAX_WORLD}"
+        return CudaUnsupported.of(CudaIssue.WORLD_SIZE, world=world, max_world=MAX_WORLD)
     return None
 
 
 def cuda_unsupported_reason(
     partial, residual, weight, group_name: str, out_dtype: torch.dtype | None = None
-) -> str | None:
+) -> CudaUnsupported | None:
     """Why the CUDA lowering cannot serve this call (run-time form, on the call's tensors), or None.
     Batch size is not checked here: a batch larger than the workspace falls back to portable."""
     hidden = partial.shape[-1] if partial.dim() else 0
     if residual is not None and (residual.shape != partial.shape or residual.device != partial.device):
-        return "residual differs from partial in shape or device"
+        return CudaUnsupported(CudaIssue.RESIDUAL_MISMATCH)
     if weight.shape != (hidden,) or weight.device != partial.device:
-        return "weight is not a [hidden] tensor on partial's device"
+        return CudaUnsupported(CudaIssue.WEIGHT_MISMATCH)
     return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name, out_dtype)
 
 
-def push_unsupported_reason(world: int) -> str | None:
-    """Why the token split's push variant (``WeaveConfig.overlap_comm="push"``,
+def push_unsupported_reason(world: int) -> CudaUnsupported | None:
+    """Why the split's push variant (``WeaveConfig.split_comm="push"``,
     ``weavepass.runtime.cuda.push``) cannot serve a group of ``world`` ranks, or None. Asked by the
     split at compile time (it then keeps the fused async op, and says this) and by each call."""
     if world != PUSH_WORLD:
-        return (f"the push variant serves 2 ranks only, not {world}: it pushes every row to every peer, "
-                f"(N-1) S = {world - 1} S bytes per rank, where two-shot moves 2 (N-1)/N S = "
-                f"{2 * (world - 1) / world:.2f} S")
+        return CudaUnsupported.of(CudaIssue.PUSH_WORLD_SIZE, world=world, peers=world - 1,
+                              two_shot=2 * (world - 1) / world)
     return None
 
 

@@ -72,7 +72,7 @@ _WORKSPACES: dict[tuple[str, torch.dtype, int, str], list[_Workspace]] = {}
 FUSED = "fused"
 """Workspace purpose of the fused kernels: ``staging | recv | Lamport region``."""
 PUSH = "push"
-"""Workspace purpose of the token split's push variant (``weavepass.runtime.cuda.push``): two staging
+"""Workspace purpose of the split's push variant (``weavepass.runtime.cuda.push``): two staging
 slots ``[capacity] | [capacity]`` and a signal pad of its own. A buffer apart from the fused kernels':
 their pushes are not ordered after the push variant's reduces (on another stream), so sharing
 staging rows would let one overwrite rows the other has not read."""

@@ -1,4 +1,5 @@
-"""TokenWeave two-way token split of a post-grad graph whose sites are already fused.
+"""The split: a two-way token split of a post-grad graph whose sites are already fused (the design
+of TokenWeave).
 
 ``apply_token_split(graph, fused_nodes, config, report)`` cuts the token dimension into halves A
 and B from the first fused site to the last. Every token-wise node in that region is copied once
@@ -67,7 +68,7 @@ and slices them off again, *when a benchmark on this GPU finds that faster*: the
 sees then depends on a timing, which can differ between ranks, and the split has no rule for the
 pad (seen with 2 ranks on one H200, 257 tokens: "no rule for constant_pad_nd", while the same test
 on a group of one rank split). Each half has its own token count anyway. The backend merges these
-(``inductor_config_patches``) into its ``config_patches`` when ``overlap != "off"``."""
+(``inductor_config_patches``) into its ``config_patches`` when ``split != "off"``."""
 
 OVERLAP_SCHEDULING = "aten_distributed_optimizations.enable_overlap_scheduling"
 """Inductor's opt-in collective overlap scheduler (torch 2.12+). It orders nodes by data
@@ -91,24 +92,24 @@ def inductor_config_patches() -> dict[str, bool]:
 
 def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool, str | None]:
     """``(push, note)``: whether the sites become the push variant's op
-    (``WeaveConfig.overlap_comm="push"``), and the report's words for what the communication
+    (``WeaveConfig.split_comm="push"``), and the report's words for what the communication
     stream runs (None with the default, ``"fused"``). Push needs every site's group to have 2 ranks
     (``push_unsupported_reason``); a site on another lowering than ``cuda_symm`` still gets the op,
     which runs there as the fused async op, and the note says so. Every rank decides the same: group
     sizes and lowerings are the plan's, equal on every rank (``weavepass.compile.plan_check``)."""
-    if config.overlap_comm != "push":
+    if config.split_comm != "push":
         return False, None
     from weavepass.runtime.cuda.support import push_unsupported_reason
     from weavepass.runtime.portable import resolve_group
 
     if any(site.target is FUSED_ALLREDUCE_LAYERNORM for site in sites):
-        return False, ("communication: fused kernel (overlap_comm='push' not used: the push variant's "
+        return False, ("communication: fused kernel (split_comm='push' not used: the push variant's "
                        "reduce kernel carries RMSNorm sites only, and this graph has LayerNorm sites)")
     groups = sorted({str(arguments(site)["group_name"]) for site in sites})
     for group in groups:
         reason = push_unsupported_reason(resolve_group(group).size())
         if reason is not None:
-            return False, f"communication: fused kernel (overlap_comm='push' not used: {reason})"
+            return False, f"communication: fused kernel (split_comm='push' not used: {reason})"
     others = sorted({str(arguments(site)["lowering"]) for site in sites} - {Lowering.CUDA_SYMM})
     if others:
         return True, (f"communication: push (slot 0 for A, 1 for B); sites on lowering {', '.join(others)} "
@@ -117,9 +118,9 @@ def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool,
 
 
 def split_skip_level(config: WeaveConfig) -> int:
-    """The log level of a graph left fuse-only: a warning where ``overlap="force"`` asked for the
+    """The log level of a graph left fuse-only: a warning where ``split="force"`` asked for the
     split; under ``"auto"`` not splitting is the cost model's call (INFO)."""
-    return logging.WARNING if config.overlap == "force" else logging.INFO
+    return logging.WARNING if config.split == "force" else logging.INFO
 
 
 def apply_token_split(
@@ -131,7 +132,7 @@ def apply_token_split(
     """
     def skip(reason: Reason) -> bool:
         report.decline("fuse-only", reason)
-        log.log(split_skip_level(config), "weavepass: graph %d: token split skipped: %s", report.graph_index, reason)
+        log.log(split_skip_level(config), "weavepass: graph %d: split skipped: %s", report.graph_index, reason)
         return False
 
     fused_nodes = [n for n in fused_nodes if n.target in (FUSED_ALLREDUCE_RMSNORM, FUSED_ALLREDUCE_LAYERNORM)]
@@ -161,7 +162,7 @@ def apply_token_split(
         info = analyse(graph, sites, cut)  # re-check every view against the real cut
     except Unsupported as error:
         return skip(Reason.of(ReasonCode.SPLIT_NOT_POSSIBLE, cause=error.reason))
-    if info.run_time_masks and config.overlap == "auto":
+    if info.run_time_masks and config.split == "auto":
         # A bidirectional mask would stop the run (on CUDA a device-side assertion ends the
         # process): `auto` never risks that; `force` splits with the check.
         names = ", ".join(m.name for m in info.run_time_masks)
@@ -172,6 +173,6 @@ def apply_token_split(
         f"A = {plan.first} / B = {plan.tokens - plan.first} tokens"
         + (", wave inequality holds" if plan.free else ", wave inequality does not hold"))
     comm = "" if comm is None else f"; {comm}"
-    report.add_note(f"token split ({plan.mode}): {where}; {len(fused_nodes)} sites x 2 halves{comm}")
+    report.add_note(f"split ({plan.mode}): {where}; {len(fused_nodes)} sites x 2 halves{comm}")
     log.info("weavepass: %s", report.notes[-1])
     return True

@@ -10,6 +10,7 @@ from torch.fx import Graph, Node
 
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import GemmShape
+from weavepass.ops import arguments
 
 from .base import Unsupported
 from .routing import check_block, routed, routed_dims
@@ -46,7 +47,7 @@ def analyse(graph: Graph, sites: list[Node], cut: Cut) -> Analysis:
         info.segment[node] = max(info.segment[a] for a in token_inputs)
         info.token[node] = token_dims(node, info)
         if node.target in (aten.mm.default, aten.addmm.default):
-            weight_node = node.args[-1]
+            weight_node = arguments(node)["mat2"]  # by name: addmm's bias comes first
             assert isinstance(weight_node, Node)  # mm / addmm: the weight is a tensor
             weight = shape(weight_node)
             info.gemms.append(GemmShape(n=weight[1], k=weight[0]))

@@ -142,9 +142,9 @@ def emit_attention(rw: HalfEmitter, node: Node, half: str, args: tuple[Argument,
 
 
 HIDDEN_KEYS_MESSAGE = (
-    "weave token split: the attention mask lets a query before the cut attend to a key after it "
+    "weave split: the attention mask lets a query before the cut attend to a key after it "
     "(bidirectional attention); the split computes the first half before the second half's keys "
-    "exist. Compile this model with WeaveConfig(overlap='off')."
+    "exist. Compile this model with WeaveConfig(split='off')."
 )
 
 

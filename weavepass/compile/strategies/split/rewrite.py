@@ -41,7 +41,7 @@ HALVES = ("A", "B")
 
 def rewrite(graph: Graph, info: Analysis, config: WeaveConfig, push: bool = False) -> None:
     """Replace the region of ``info`` by its two halves (``info`` from ``analyse`` at the planned cut);
-    ``push``: the sites become the push variant's op (``WeaveConfig.overlap_comm="push"``)."""
+    ``push``: the sites become the push variant's op (``WeaveConfig.split_comm="push"``)."""
     Rewrite(graph, info, config, push).run()
 
 
@@ -188,11 +188,11 @@ class Rewrite:
         if node in info.sites:
             if self.push:  # one staging slot per half: a slot is reused only after its join
                 target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
-                args = (*args, self.config.overlap_comm_ctas, HALVES.index(half))
+                args = (*args, self.config.split_comm_ctas, HALVES.index(half))
             else:
                 layer_norm = target is FUSED_ALLREDUCE_LAYERNORM
                 target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if layer_norm else FUSED_ALLREDUCE_RMSNORM_ASYNC
-                args = (*args, self.config.overlap_comm_ctas)
+                args = (*args, self.config.split_comm_ctas)
         elif target in VIEWS:
             size = half_view_size(node, info.dim(node), args[1])
             if node in info.keys:  # the half's key count, from the scores it views

@@ -1,5 +1,6 @@
-"""The TokenWeave overlap strategy: a thin adapter around the split (``strategies/split``), which
-plans and rewrites the fused sites and reports its own reasons not to split."""
+"""The split as a strategy (``base.Strategy``): a thin adapter around the split's package
+(``strategies/split``), which plans and rewrites the fused sites and reports its own reasons not
+to split."""
 
 from __future__ import annotations
 
@@ -8,29 +9,28 @@ from typing import Any
 
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
+from weavepass.compile.strategies.split import apply_token_split, inductor_config_patches, split_skip_level
 from weavepass.config import WeaveConfig
 
 log = logging.getLogger("weavepass")
 
 
 class SplitStrategy(Strategy):
-    """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.overlap``)."""
+    """Split the fused sites' tokens into two overlapped halves (``WeaveConfig.split``)."""
 
-    name = "token split"
+    name = "split"
     reads = frozenset({"fused", "records"})
     writes = frozenset({"notes"})
 
     def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
-        if config.overlap == "off":
+        if config.split == "off":
             return {}
-        from weavepass.compile.strategies.split import inductor_config_patches
-
         return inductor_config_patches()
 
     def decide(self, rewrite: GraphRewrite) -> Decision:
         # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not
         # split (also when nothing was fused).
-        if rewrite.config.overlap == "off" or not rewrite.report.records:
+        if rewrite.config.split == "off" or not rewrite.report.records:
             return Decision(False, Reason(ReasonCode.NOT_ASKED))
         if rewrite.fused and rewrite.training:
             return Decision(False, TRAINING)
@@ -45,13 +45,11 @@ class SplitStrategy(Strategy):
         return Decision(True)
 
     def apply(self, rewrite: GraphRewrite, decision: Decision) -> bool:
-        from weavepass.compile.strategies.split import apply_token_split
-
         config = rewrite.config
         if decision.code is ReasonCode.TUNED_SPLIT:  # the table's token range replaces the window
             assert rewrite.tuned is not None and rewrite.tuned.window is not None
             low, high = rewrite.tuned.window
-            config = config.replace(overlap_min_tokens=low, overlap_min_tokens_moe=low, overlap_max_tokens=high)
+            config = config.replace(split_min_tokens=low, split_min_tokens_moe=low, split_max_tokens=high)
             rewrite.report.add_note(decision.reason.render())
         apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)
         if decision.code is ReasonCode.TUNING_TABLE_NOT_APPLICABLE:
@@ -59,8 +57,6 @@ class SplitStrategy(Strategy):
         return False
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
-        from weavepass.compile.strategies.split import split_skip_level
-
         if decision.code in (ReasonCode.TUNED_NO_REWRITE, ReasonCode.TUNED_FUSE_ONLY):
             rewrite.report.reasons.append(decision.reason)  # its sentence starts with "auto: "
             rewrite.report.add_note(decision.reason.render())
