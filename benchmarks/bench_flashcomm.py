@@ -11,7 +11,7 @@ same process and against the same weights:
   all_gather; NCCL functional collectives);
 * ``flashcomm_mmrs``: the same plus ``enable_mmrs_fusion`` (symmetric-memory
   ``fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul``);
-* ``overlap``: weave's TokenWeave split (``overlap="force"``), no FlashComm.
+* ``split``: weave's split (TokenWeave's design) (``split="force"``), no FlashComm.
 
 Timing: CUDA events around each forward, a fixed number of iterations on every rank (so collectives
 stay matched), median of rank 0. Prints a table (ms, speedup over inductor), writes
@@ -43,17 +43,17 @@ LLAMA70B = TPConfig(vocab=4096, hidden=8192, n_layers=4, n_heads=64, n_kv_heads=
                     intermediate=28672, rms_eps=1e-5, dtype=torch.bfloat16)
 TOKENS = (4096, 8192, 16384, 32768)
 QUICK_TOKENS = (8192, 16384)
-MODES = ("inductor", "flashcomm", "flashcomm_mmrs", "overlap")
+MODES = ("inductor", "flashcomm", "flashcomm_mmrs", "split")
 
 
 def _compiled(model, mode: str):
     torch._dynamo.reset()  # a fresh cache per (mode, size): no recompile limit, no automatic dynamic
     if mode == "inductor":
         return torch.compile(model, backend="inductor", dynamic=False), None
-    if mode == "overlap":  # TokenWeave's strategy, for comparison (docs/overlap.md)
-        config = WeaveConfig(overlap="force")
+    if mode == "split":  # TokenWeave's strategy, for comparison (docs/overlap.md)
+        config = WeaveConfig(split="force")
     else:
-        config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, overlap="off",
+        config = WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1, split="off",
                              enable_mmrs_fusion=mode == "flashcomm_mmrs")
     backend = make_backend(config)
     return torch.compile(model, backend=backend, dynamic=False), backend

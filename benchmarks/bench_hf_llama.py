@@ -11,7 +11,7 @@ prefill):
     eager            the model as loaded (DTensor/funcol all_reduce, unfused)
     inductor         torch.compile, default backend
     weave_fuse       backend weave, default config (fused all_reduce + RMSNorm)
-    weave_split      backend weave, overlap="force" (the two-way token split)
+    weave_split      backend weave, split="force" (the two-way token split)
     weave_flashcomm  backend weave, FlashComm forced (enable_flashcomm, every size)
 
 Every compiled variant's logits are checked against an fp32 copy of the model, as the tests do
@@ -51,7 +51,7 @@ def _config(variant: str):
 
     return {
         "weave_fuse": WeaveConfig(),
-        "weave_split": WeaveConfig(overlap="force"),
+        "weave_split": WeaveConfig(split="force"),
         "weave_flashcomm": WeaveConfig(enable_flashcomm=True, flashcomm_min_prefill_tokens=1),
     }.get(variant)
 

@@ -18,7 +18,7 @@ for these ways of running all_reduce + add + RMSNorm:
     async_op       ``torch.ops.weave.fused_allreduce_rmsnorm_async`` + ``torch.ops.weave.join_async``
                    on its outputs and inputs (what a split graph calls, per half and site)
     push_op        ``torch.ops.weave.fused_allreduce_rmsnorm_push_async`` (slot 0) + ``join_async``
-                   (``overlap_comm="push"``: two launches through Triton's dispatch; on a world
+                   (``split_comm="push"``: two launches through Triton's dispatch; on a world
                    other than 2 it runs as async_op)
     graph_op       the fused op as a weave-compiled graph calls it: its kernel, directly
                    (``extern_kernels.weave_fused_allreduce_rmsnorm``, ``weavepass.compile.direct_calls``)

@@ -23,15 +23,15 @@ same processes:
 
     eager          the model as written (NCCL all_reduce, unfused)
     inductor       torch.compile default backend
-    weave_fuse     backend weave, overlap="off" (fused all_reduce + RMSNorm, no split)
-    weave_overlap  backend weave, overlap="force" (two-way split, comm on a second stream)
-    weave_overlap_c8  the same with the fused kernel on 8 CTAs (``overlap_comm_ctas=8``)
+    weave_fuse     backend weave, split="off" (fused all_reduce + RMSNorm, no split)
+    weave_overlap  backend weave, split="force" (two-way split, comm on a second stream)
+    weave_overlap_c8  the same with the fused kernel on 8 CTAs (``split_comm_ctas=8``)
     weave_overlap_push, weave_overlap_push_cg
-                   weave_overlap (and with mode="reduce-overhead") with ``overlap_comm="push"``: only
+                   weave_overlap (and with mode="reduce-overhead") with ``split_comm="push"``: only
                    a push of the partial rows on the communication stream (16 CTAs), the reduce +
                    add + RMSNorm as a full-width kernel at the op's join
                    (docs/overlap.md, "The push variant"; world 2 only, else it is weave_overlap)
-    weave_auto     backend weave, overlap="auto": the per-size strategy (split, fuse-only or plain
+    weave_auto     backend weave, split="auto": the per-size strategy (split, fuse-only or plain
                    all_reduce, whichever the scheduler picks for the batch), what a user gets; with
                    ``--tuning-table PATH`` decided from a table of ``python -m weavepass.tune``
                    (default: the built-in table, which has only world-1 entries)
@@ -59,7 +59,7 @@ same processes:
 
 ``vs_mode`` in the CSV (and ``auto check`` below the table) is a variant's time over Inductor's in
 the same compile mode (``inductor_cg`` for the ``_cg`` variants, ``inductor`` for the others): what
-``overlap="auto"`` promises is ``weave_auto <= inductor`` and ``weave_auto_cg <= inductor_cg``.
+``split="auto"`` promises is ``weave_auto <= inductor`` and ``weave_auto_cg <= inductor_cg``.
 
 ``hidden`` in the table and CSV is the fraction of the removable communication a weave variant
 hides: ``(inductor - variant) / (inductor - no_comm)`` (1 = as fast as without communication,
@@ -114,7 +114,7 @@ VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c
 CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
 # Variants that need CUDA: Inductor CUDA graphs, CTA counts of the CUDA kernel, SM carve-out, NCCL.
 CUDA_ONLY = {
-    "weave_overlap_c8": "overlap_comm_ctas sets the CTA count of the CUDA kernel",
+    "weave_overlap_c8": "split_comm_ctas sets the CTA count of the CUDA kernel",
     "inductor_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_fuse_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_cg": 'mode="reduce-overhead" records CUDA graphs',
@@ -140,18 +140,18 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
     made = {
         "eager": lambda: model,
         "inductor": lambda: torch.compile(model),
-        "weave_fuse": weave(overlap="off"),
-        "weave_overlap": weave(overlap="force"),
-        "weave_overlap_c8": weave(overlap="force", overlap_comm_ctas=8),
-        "weave_overlap_push": weave(overlap="force", overlap_comm="push"),
-        "weave_auto": weave(overlap="auto", tuning_table=tuning_table),
+        "weave_fuse": weave(split="off"),
+        "weave_overlap": weave(split="force"),
+        "weave_overlap_c8": weave(split="force", split_comm_ctas=8),
+        "weave_overlap_push": weave(split="force", split_comm="push"),
+        "weave_auto": weave(split="auto", tuning_table=tuning_table),
         "no_comm": lambda: torch.compile(no_comm),
         "inductor_cg": lambda: torch.compile(model, mode="reduce-overhead"),
-        "weave_fuse_cg": weave("reduce-overhead", overlap="off", allow_inductor_cudagraphs=True),
-        "weave_overlap_cg": weave("reduce-overhead", overlap="force", allow_inductor_cudagraphs=True),
-        "weave_auto_cg": weave("reduce-overhead", overlap="auto", tuning_table=tuning_table,
+        "weave_fuse_cg": weave("reduce-overhead", split="off", allow_inductor_cudagraphs=True),
+        "weave_overlap_cg": weave("reduce-overhead", split="force", allow_inductor_cudagraphs=True),
+        "weave_auto_cg": weave("reduce-overhead", split="auto", tuning_table=tuning_table,
                                allow_inductor_cudagraphs=True),
-        "weave_overlap_push_cg": weave("reduce-overhead", overlap="force", overlap_comm="push",
+        "weave_overlap_push_cg": weave("reduce-overhead", split="force", split_comm="push",
                                        allow_inductor_cudagraphs=True),
         "inductor_nccl_symm": lambda: torch.compile(model),  # wrapped per size in _run_rank
         "inductor_splitcfg": lambda: torch.compile(model, options=inductor_config_patches()),
@@ -159,7 +159,7 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
             model, options={**inductor_config_patches(), "triton.cudagraphs": True}),
     }
     for name, sms in CARVEOUT.items():
-        made[name] = weave(overlap="force", overlap_comm_ctas=sms)
+        made[name] = weave(split="force", split_comm_ctas=sms)
     return made
 
 
@@ -375,7 +375,7 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
         print(f"{shape:>10} {seqs:>4} {tokens:>6} " + " ".join(f"{c:>28}" for c in cells))
     autos = [r for r in rows if r["variant"] in ("weave_auto", "weave_auto_cg") and r["vs_mode"] == r["vs_mode"]]
     if autos:
-        print("auto check (time / Inductor in the same compile mode; overlap='auto' promises <= 1.00):")
+        print("auto check (time / Inductor in the same compile mode; split='auto' promises <= 1.00):")
         for r in sorted(autos, key=lambda r: (r["shape"], r["variant"], r["sequences"], r["tokens"])):
             verdict = "ok" if r["vs_mode"] <= 1.0 else "SLOWER"
             print(f"  {r['shape']:>10} {r['variant']:>13} {r['sequences']:>2} seq {r['tokens']:>6} tokens: "

@@ -105,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name, config in [("fuse-only", WeaveConfig(lowering="portable")),
-                         ("split", WeaveConfig(lowering="portable", overlap="force"))]:
+                         ("split", WeaveConfig(lowering="portable", split="force"))]:
         lines, described = describe_rewritten_graph(config, args.repeats)
         new, known = time_exchange(lines, args.repeats)
         rows.append({"graph": name, "collectives": len(lines), "lines_ms": statistics.median(described),

@@ -50,7 +50,7 @@ def layer_gemms(shape: Shape) -> dict[str, GemmShape]:
 
 def cut_points(tokens: int, gemms: list[GemmShape], model: WaveModel) -> dict[str, int]:
     """Half A's size for each cut of ``CUTS`` (the wave cut as the split plans a static count)."""
-    plan = plan_token_split(1, tokens, gemms, WeaveConfig(overlap="force", tuning_table="none"), model)
+    plan = plan_token_split(1, tokens, gemms, WeaveConfig(split="force", tuning_table="none"), model)
     half = tokens // 2
     tile = max(half // model.tile_m * model.tile_m, min(half, model.tile_m - 1))
     return {"wave": plan.first, "tile": tile, "half": half, "5/8": 5 * tokens // 8}

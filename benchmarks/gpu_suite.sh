@@ -218,7 +218,7 @@ if [ -n "$QUICK" ]; then
 else
   OVERLAP_VARIANTS="${OVERLAP_VARIANTS:-eager,inductor,weave_fuse,weave_overlap,weave_auto,no_comm,inductor_cg,weave_fuse_cg,weave_overlap_cg}"
 fi
-# The push variant (overlap_comm="push"): its kernels passed the simulator tests (step sim) on
+# The push variant (split_comm="push"): its kernels passed the simulator tests (step sim) on
 # one H200, and its pytest_push tests with 2 ranks sharing one H200 (SHARED=1, 2026-12-01); add
 # weave_overlap_push and weave_overlap_push_cg (environment OVERLAP_VARIANTS overrides the lists
 # above) once the pytest_push step has passed on 2 GPUs.

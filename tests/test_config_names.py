@@ -95,8 +95,8 @@ def test_the_old_name_pattern_finds_uses():
 
 
 def test_no_old_names_left_in_the_package_scripts_and_tests():
-    """Only this file (the alias tests) and config.py's table of the old names name them."""
-    files = [p for d in ("weavepass", "scripts", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
+    """Only this file (the alias tests) and config.py's table of the old names name them (benchmarks too)."""
+    files = [p for d in ("weavepass", "scripts", "tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
     files = [p for p in files if p.resolve() != Path(__file__).resolve()]
     assert len(files) > 50, files  # the scan reads the tree, not an empty folder
     table = re.compile(r'^    "overlap\w*": "split\w*",$')  # RENAMED_FIELDS' entries
