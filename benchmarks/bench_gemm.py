@@ -25,12 +25,19 @@ at each token count, bf16, the variants:
 
 The plain Triton result and rank 0's own staged rows of each scatter are checked against the fp32
 product (column ``check``: "ok" or why not; a failed check is printed and the run goes on). Times are
-``triton.testing.do_bench`` medians (``--rep`` ms per variant), every variant of a cell in the same
-process right after the others. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster
-than cuBLAS) and ``vs_triton`` = plain Triton time / time. The issue's targets: plain >= 0.97x
-cuBLAS at >= 4K tokens and >= 0.93x at 2K; scatter >= 0.97x plain.
+``triton.testing.do_bench`` medians (``--rep`` ms per variant; each call launched from Python after
+an L2 flush, so a launch whose host work outlasts the flush shows in the time), every variant of a
+cell in the same process right after the others; ``graph_ms`` (cuBLAS, plain Triton, scatter with
+signals; ``--no-graph`` leaves it out): ``triton.testing.do_bench_cudagraph`` medians, back-to-back
+calls replayed from a CUDA graph, so no host work and a warm L2: the kernels alone, as under
+reduce-overhead. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster than cuBLAS),
+``graph_speed_vs_cublas`` the same of the graph times, and ``vs_triton`` = plain Triton time / time.
+The issue's targets: plain >= 0.97x cuBLAS at >= 4K tokens and >= 0.93x at 2K; scatter >= 0.97x plain.
 
-Writes ``bench_gemm.csv`` and ``bench_gemm.png`` under ``--out``. ``--quick``: 70b_tp8 and 8b_tp2 at 2K
+Writes ``bench_gemm.csv`` (after every cell, so a run cut short keeps what it measured),
+``bench_gemm_tune.csv`` (every config's time per cell: what ``gemm.MEASURED_CONFIGS`` is read from)
+and ``bench_gemm.png`` under ``--out``. ``--configs`` limits the tuning to some of
+``gemm.GPU_CONFIGS`` (indices), to fit a short device lease. ``--quick``: 70b_tp8 and 8b_tp2 at 2K
 and 8K tokens. ``--smoke``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the script),
 a tiny shape, fp16, 2 owners, wall-clock times that mean nothing: it checks the script and the outputs.
 
@@ -66,6 +73,7 @@ QUICK_TOKENS = (2048, 8192)
 GEMMS = ("o", "down", "qkv", "gate_up")
 ROW_PARALLEL = ("o", "down")
 OWNERS = (2, 4, 8)
+DEFAULT_SCATTER = gemm.DEFAULT_SCATTER_CONFIG
 FAR_AHEAD = 1 << 30
 """REDUCE_SEQ the simulated owners are given: the GEMM's wait for readers of the previous call passes."""
 
@@ -83,7 +91,7 @@ def gemm_dims(model: str, name: str) -> tuple[int, int]:
 
 def _timer(rep_ms: int):
     """Median ms of a callable: do_bench on a GPU, a few wall-clock calls in the interpreter."""
-    if torch.cuda.is_available() and not gemm.interpreting():
+    if _on_gpu():
         from triton.testing import do_bench
 
         return lambda fn: do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")
@@ -95,6 +103,19 @@ def _timer(rep_ms: int):
         return (time.perf_counter() - start) * 1e3
 
     return wall
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and not gemm.interpreting()
+
+
+def _graph_timer(rep_ms: int):
+    """Median ms of a callable replayed from a CUDA graph (no host work per call), or None off the GPU."""
+    if not _on_gpu():
+        return None
+    from triton.testing import do_bench_cudagraph
+
+    return lambda fn: do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
 
 
 def choose_path(dtype, device, config, owner_counts) -> bool:
@@ -120,7 +141,9 @@ def choose_path(dtype, device, config, owner_counts) -> bool:
     return False
 
 
-def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, owner_counts, check) -> list[dict]:
+def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, owner_counts, check, graph_ms=None,
+                 tuned=None) -> list[dict]:
+    """The cell's rows (one per variant); ``tuned`` (a list), if given, gets a row per tried config."""
     n, k = gemm_dims(model, name)
     gen = torch.Generator(device=device).manual_seed(tokens + n + k)
     x = torch.randn(tokens, k, generator=gen, device=device).to(dtype)
@@ -130,20 +153,31 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
     flop = 2.0 * tokens * n * k
     rows = []
 
-    def row(variant, ms, config=None, **extra):
+    def row(variant, ms, config=None, fn=None, **extra):
+        graph = round(graph_ms(fn), 4) if graph_ms is not None and fn is not None else ""
         rows.append(dict(base, variant=variant, path=("descriptors" if path else "pointers") if config else "",
-                         config=_config_text(config), ms=ms, tflops=round(flop / ms / 1e9, 1), **extra))
+                         config=config.label() if config else "", ms=ms, tflops=round(flop / ms / 1e9, 1),
+                         graph_ms=graph, **extra))
 
-    cublas_ms = time_ms(lambda: torch.mm(x, w.T, out=y))
-    row("cublas", cublas_ms)
-    best = unflattened = configs[0]
+    cublas = functools.partial(torch.mm, x, w.T, out=y)
+    cublas_ms = time_ms(cublas)
+    row("cublas", cublas_ms, fn=cublas)
+    best = configs[0]
+    unflattened = DEFAULT_SCATTER if best.flatten else best
     if len(configs) > 1:
         best, results = gemm.tune(lambda c: gemm.matmul(x, w, out=y, config=c, use_descriptors=path), configs)
+        if tuned is not None:
+            tuned += [dict(base, config=c.label(), ms=round(ms, 4) if isinstance(ms, float) else "",
+                           error="" if isinstance(ms, float) else ms, cublas_ms=round(cublas_ms, 4))
+                      for c, ms in results.items()]
         timed = {c: ms for c, ms in results.items() if isinstance(ms, float) and not c.flatten}
-        unflattened = min(timed, key=timed.get)
-    triton_ms = time_ms(lambda: gemm.matmul(x, w, out=y, config=best, use_descriptors=path))
+        unflattened = min(timed, key=timed.get) if timed else DEFAULT_SCATTER
+    plain = functools.partial(gemm.matmul, x, w, out=y, config=best, use_descriptors=path)
+    triton_ms = time_ms(plain)
     reference = (x.float() @ w.float().T) if check else None
-    row("triton", triton_ms, best, check=_check(y, reference))
+    y.fill_(float("nan"))  # poisoned: the check below sees every element the timed calls' GEMM wrote
+    plain()
+    row("triton", triton_ms, best, fn=plain, check=_check(y, reference))
     if unflattened != best:
         row("triton_unflattened", time_ms(lambda: gemm.matmul(x, w, out=y, config=unflattened,
                                                               use_descriptors=path)), unflattened)
@@ -154,17 +188,20 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
                 pad[REDUCE_SEQ.value] = FAR_AHEAD
             table = gemm.OwnerRows.build(tokens, owners, device)
             for signals, suffix, config in ((True, "", unflattened), (False, "_nosig", best)):
-                ms = time_ms(functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
-                                               signals=signals))
+                call = functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
+                                         signals=signals)
+                ms = time_ms(call)
                 verdict = ""
                 if check:  # rank 0's own rows, stored last into its own staging: the slot of its latest
                     # call with signals (read from its pad), slot 0 without
                     slot = sim.workspaces[0].last_slot() if signals else 0
                     verdict = _check(sim.workspaces[0].staged(0, table.count(0), slot), reference[table.rows(0)])
-                row(f"scatter{owners}{suffix}", ms, config, check=verdict)
+                row(f"scatter{owners}{suffix}", ms, config, fn=call if signals else None, check=verdict)
             del sim
+    cublas_graph = rows[0]["graph_ms"]
     for r in rows:
         r["speed_vs_cublas"] = round(cublas_ms / r["ms"], 3)
+        r["graph_speed_vs_cublas"] = round(cublas_graph / r["graph_ms"], 3) if r["graph_ms"] else ""
         r["vs_triton"] = round(triton_ms / r["ms"], 3)
         r["ms"] = round(r["ms"], 4)
     return rows
@@ -184,14 +221,6 @@ def _check(got: torch.Tensor, reference: torch.Tensor | None) -> str:
         print(f"CHECK FAILED: {text}", flush=True)
         return text
     return "ok"
-
-
-def _config_text(config) -> str:
-    if config is None:
-        return ""
-    c = config
-    loop = (" flat" if c.flatten else "") + (" ws" if c.warp_specialize else "")
-    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}{loop}"
 
 
 def plot(rows: list[dict], path) -> None:
@@ -231,6 +260,9 @@ def main() -> None:
     parser.add_argument("--owners", nargs="+", type=int, help="simulated owners of the scatter variants "
                         "(default 2 4 8; 2 with --smoke)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per variant, ms")
+    parser.add_argument("--configs", nargs="+", type=int, help="indices into gemm.GPU_CONFIGS to tune over "
+                        "(default all)")
+    parser.add_argument("--no-graph", action="store_true", help="leave out the CUDA-graph replay times")
     args = parser.parse_args()
     if args.smoke:
         SHAPES["smoke"] = SHAPES["tiny"]
@@ -242,18 +274,21 @@ def main() -> None:
             sys.exit("bench_gemm needs a CUDA GPU (or --smoke)")
         models = args.models or list(QUICK_MODELS if args.quick else MODELS)
         tokens = args.tokens or list(QUICK_TOKENS if args.quick else TOKENS)
-        device, configs, dtype = "cuda", list(gemm.GPU_CONFIGS), torch.bfloat16
+        configs = [gemm.GPU_CONFIGS[i] for i in args.configs] if args.configs else list(gemm.GPU_CONFIGS)
+        device, dtype = "cuda", torch.bfloat16
         owner_counts = args.owners or list(OWNERS)
         print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     time_ms = _timer(args.rep)
+    graph_ms = None if args.no_graph else _graph_timer(max(10, args.rep // 2))
     path = choose_path(dtype, device, configs[0], owner_counts)
     cells = list(itertools.product(models, GEMMS, tokens))
     progress = progress_bar(len(cells), "bench_gemm")
-    rows = []
+    rows: list[dict] = []
+    tuned: list[dict] = []
     for model, name, count in cells:
         try:
             cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
-                                check=True)
+                                check=True, graph_ms=graph_ms, tuned=tuned)
         except RuntimeError as error:
             if not path or "no GEMM config ran" not in str(error):
                 raise
@@ -261,15 +296,18 @@ def main() -> None:
                   flush=True)
             path = False
             cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
-                                check=True)
+                                check=True, graph_ms=graph_ms, tuned=tuned)
         for r in cell:
-            print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms",
-                                                         "speed_vs_cublas", "vs_triton", "config")), flush=True)
+            print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms", "graph_ms",
+                                                         "speed_vs_cublas", "graph_speed_vs_cublas", "vs_triton",
+                                                         "config")), flush=True)
         rows += cell
+        write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)  # after every cell: a cut run keeps these
+        if tuned:
+            write_csv(os.path.join(args.out, "bench_gemm_tune.csv"), tuned)
         progress.update()
     progress.close()
-    out = write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)
-    print(f"wrote {out}")
+    print(f"wrote {os.path.join(args.out, 'bench_gemm.csv')}")
     plot(rows, os.path.join(args.out, "bench_gemm.png"))
 
 
