@@ -14,14 +14,14 @@ at each token count, bf16, the variants:
 * ``triton``: the plain persistent GEMM, the fastest of ``gemm.GPU_CONFIGS`` for this cell
   (``gemm.tune``), tensor-descriptor (TMA) loads where the GPU and Triton support them; if that path
   fails to compile, a printed notice and the pointer loads instead (column ``path``);
-* ``triton_unflattened``: the fastest config whose tile loop is not flattened, where the fastest
-  overall is flattened: the signals variant cannot flatten (``gemm.GPU_CONFIGS`` says why);
-* ``scatterN``: the same GEMM (the unflattened config) as rank 0 of N simulated ranks (``testing.gemm_sim``):
+* ``triton_ptr`` (row-parallel GEMMs, where the fastest config stores through a tensor descriptor):
+  the same config storing through pointers, as the scatter must (one destination per owner): what the
+  TMA stores gain, apart from the routing;
+* ``scatterN``: the same GEMM (the same config, pointer stores) as rank 0 of N simulated ranks (``testing.gemm_sim``):
   every tile stored into its owner's staging buffer (the peers' buffers are local memory here), the
   per-(owner, row block) signals released. No owner reduces: the owners' REDUCE_SEQ is set far ahead
   once, so the GEMM's wait for the previous call's readers passes at once and nothing else runs in
-  the timed loop. ``scatterN_nosig``: the stores alone, the fastest config (routing cost without the
-  signals).
+  the timed loop. ``scatterN_nosig``: the stores alone (routing cost without the signals).
 
 The plain Triton result and rank 0's own staged rows of each scatter are checked against the fp32
 product (column ``check``: "ok" or why not; a failed check is printed and the run goes on). Times are
@@ -31,7 +31,8 @@ cell in the same process right after the others; ``graph_ms`` (cuBLAS, plain Tri
 signals; ``--no-graph`` leaves it out): ``triton.testing.do_bench_cudagraph`` medians, back-to-back
 calls replayed from a CUDA graph, so no host work and a warm L2: the kernels alone, as under
 reduce-overhead. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster than cuBLAS),
-``graph_speed_vs_cublas`` the same of the graph times, and ``vs_triton`` = plain Triton time / time.
+``graph_speed_vs_cublas`` the same of the graph times, ``vs_triton`` = plain Triton time / time and
+``graph_vs_triton`` the same of the graph times.
 The issue's targets: plain >= 0.97x cuBLAS at >= 4K tokens and >= 0.93x at 2K; scatter >= 0.97x plain.
 
 Writes ``bench_gemm.csv`` (after every cell, so a run cut short keeps what it measured),
@@ -47,6 +48,7 @@ Run: ``python3 benchmarks/bench_gemm.py --quick --out $OUT``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import os
@@ -73,7 +75,6 @@ QUICK_TOKENS = (2048, 8192)
 GEMMS = ("o", "down", "qkv", "gate_up")
 ROW_PARALLEL = ("o", "down")
 OWNERS = (2, 4, 8)
-DEFAULT_SCATTER = gemm.DEFAULT_SCATTER_CONFIG
 FAR_AHEAD = 1 << 30
 """REDUCE_SEQ the simulated owners are given: the GEMM's wait for readers of the previous call passes."""
 
@@ -163,32 +164,30 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
     cublas_ms = time_ms(cublas)
     row("cublas", cublas_ms, fn=cublas)
     best = configs[0]
-    unflattened = DEFAULT_SCATTER if best.flatten else best
     if len(configs) > 1:
         best, results = gemm.tune(lambda c: gemm.matmul(x, w, out=y, config=c, use_descriptors=path), configs)
         if tuned is not None:
             tuned += [dict(base, config=c.label(), ms=round(ms, 4) if isinstance(ms, float) else "",
                            error="" if isinstance(ms, float) else ms, cublas_ms=round(cublas_ms, 4))
                       for c, ms in results.items()]
-        timed = {c: ms for c, ms in results.items() if isinstance(ms, float) and not c.flatten}
-        unflattened = min(timed, key=timed.get) if timed else DEFAULT_SCATTER
     plain = functools.partial(gemm.matmul, x, w, out=y, config=best, use_descriptors=path)
     triton_ms = time_ms(plain)
     reference = (x.float() @ w.float().T) if check else None
     y.fill_(float("nan"))  # poisoned: the check below sees every element the timed calls' GEMM wrote
     plain()
     row("triton", triton_ms, best, fn=plain, check=_check(y, reference))
-    if unflattened != best:
-        row("triton_unflattened", time_ms(lambda: gemm.matmul(x, w, out=y, config=unflattened,
-                                                              use_descriptors=path)), unflattened)
+    if name in ROW_PARALLEL and best.store_desc and path:
+        pointers = dataclasses.replace(best, store_desc=False)
+        row("triton_ptr", time_ms(functools.partial(gemm.matmul, x, w, out=y, config=pointers, use_descriptors=path)),
+            pointers)
     if name in ROW_PARALLEL:
         for owners in owner_counts:
             sim = SimulatedScatterRanks(owners, n, -(-tokens // owners), dtype, device)
             for pad in sim.pads[1:]:
                 pad[REDUCE_SEQ.value] = FAR_AHEAD
             table = gemm.OwnerRows.build(tokens, owners, device)
-            for signals, suffix, config in ((True, "", unflattened), (False, "_nosig", best)):
-                call = functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
+            for signals, suffix in ((True, ""), (False, "_nosig")):
+                call = functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, best, path,
                                          signals=signals)
                 ms = time_ms(call)
                 verdict = ""
@@ -196,13 +195,15 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
                     # call with signals (read from its pad), slot 0 without
                     slot = sim.workspaces[0].last_slot() if signals else 0
                     verdict = _check(sim.workspaces[0].staged(0, table.count(0), slot), reference[table.rows(0)])
-                row(f"scatter{owners}{suffix}", ms, config, fn=call if signals else None, check=verdict)
+                row(f"scatter{owners}{suffix}", ms, dataclasses.replace(best, store_desc=False),
+                    fn=call if signals else None, check=verdict)
             del sim
-    cublas_graph = rows[0]["graph_ms"]
+    cublas_graph, triton_graph = rows[0]["graph_ms"], next(r["graph_ms"] for r in rows if r["variant"] == "triton")
     for r in rows:
         r["speed_vs_cublas"] = round(cublas_ms / r["ms"], 3)
         r["graph_speed_vs_cublas"] = round(cublas_graph / r["graph_ms"], 3) if r["graph_ms"] else ""
         r["vs_triton"] = round(triton_ms / r["ms"], 3)
+        r["graph_vs_triton"] = round(triton_graph / r["graph_ms"], 3) if r["graph_ms"] else ""
         r["ms"] = round(r["ms"], 4)
     return rows
 
@@ -250,6 +251,24 @@ def plot(rows: list[dict], path) -> None:
     save_figure(fig, path)
 
 
+def measured_table(tune_csv: str) -> str:
+    """``gemm.MEASURED_CONFIGS`` as Python source from a ``bench_gemm_tune.csv``: per ``(N, K, token
+    bucket)`` the config with the lowest median (cells of one bucket: the lowest sum over them)."""
+    import csv
+
+    index = {c.label(): i for i, c in enumerate(gemm.GPU_CONFIGS)}
+    totals: dict[tuple, dict[int, float]] = {}
+    with open(tune_csv) as f:
+        for r in csv.DictReader(f):
+            if r["ms"] and r["config"] in index:
+                key = (int(r["n"]), int(r["k"]), gemm.token_bucket(int(r["m"])))
+                cell = totals.setdefault(key, {})
+                cell[index[r["config"]]] = cell.get(index[r["config"]], 0.0) + float(r["ms"])
+    lines = [f"    {key}: GPU_CONFIGS[{min(ms, key=ms.get)}],  # {gemm.GPU_CONFIGS[min(ms, key=ms.get)].label()}"
+             for key, ms in sorted(totals.items())]
+    return "MEASURED_CONFIGS = {\n" + "\n".join(lines) + "\n}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="70b_tp8 and 8b_tp2 at 2K and 8K tokens")
@@ -263,7 +282,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", type=int, help="indices into gemm.GPU_CONFIGS to tune over "
                         "(default all)")
     parser.add_argument("--no-graph", action="store_true", help="leave out the CUDA-graph replay times")
+    parser.add_argument("--table-from", metavar="TUNE_CSV", help="print gemm.MEASURED_CONFIGS read from a "
+                        "bench_gemm_tune.csv, and exit")
     args = parser.parse_args()
+    if args.table_from:
+        print(measured_table(args.table_from))
+        return
     if args.smoke:
         SHAPES["smoke"] = SHAPES["tiny"]
         models, tokens, device = ["smoke"], args.tokens or [40], "cpu"
@@ -300,7 +324,7 @@ def main() -> None:
         for r in cell:
             print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms", "graph_ms",
                                                          "speed_vs_cublas", "graph_speed_vs_cublas", "vs_triton",
-                                                         "config")), flush=True)
+                                                         "graph_vs_triton", "config")), flush=True)
         rows += cell
         write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)  # after every cell: a cut run keeps these
         if tuned:
