@@ -41,11 +41,8 @@ def test_owner_row_starts():
         owner_row_starts(7, 3, [1, 2, 3])
 
 
-def test_scatter_refuses_a_flattened_loop_with_signals():
-    """The signals' barrier stops Triton from pipelining a flattened loop (gemm.GPU_CONFIGS): refused
-    before any launch, with the reason."""
-    import dataclasses
-
+def test_scatter_refuses_rows_past_the_staging_capacity():
+    """An owner with more rows than the staging holds is refused before any launch, with the reason."""
     import torch
 
     from weavepass.runtime.cuda.gemm import (
@@ -61,8 +58,5 @@ def test_scatter_refuses_a_flattened_loop_with_signals():
                           torch.zeros(layout.pad_slots, dtype=torch.int32), torch.zeros(2, dtype=torch.int64),
                           torch.zeros(2, dtype=torch.int64))
     x, w = torch.zeros(16, 16, dtype=torch.float16), torch.zeros(16, 16, dtype=torch.float16)
-    flattened = dataclasses.replace(INTERPRETER_CONFIG, flatten=True)
-    with pytest.raises(ValueError, match="flattens the tile loop"):
-        scatter_matmul(x, w, ws, OwnerRows.build(16, 2, "cpu"), flattened, use_descriptors=False)
     with pytest.raises(ValueError, match="exceed the staging capacity"):
         scatter_matmul(x, w, ws, OwnerRows.build(16, 2, "cpu", [16, 0]), INTERPRETER_CONFIG, use_descriptors=False)

@@ -50,7 +50,7 @@ class GemmConfig:
     group_m: int
     num_stages: int
     num_warps: int
-    flatten: bool = False  # one pipelined loop over tiles and K steps: plain GEMM and stores-only scatter
+    flatten: bool = False  # one pipelined loop over tiles and K steps (the next tile's loads overlap the epilogue)
     warp_specialize: bool = False
     epilogue_split: int = 1  # each tile stored in 1, 2 or 4 column slices (less shared memory, more stages)
     store_desc: bool = False  # the plain GEMM stores through a tensor descriptor (TMA) where it loads through
@@ -82,20 +82,18 @@ GPU_CONFIGS = (
     GemmConfig(128, 128, 64, 8, 4, 8, flatten=True, store_desc=True),
     GemmConfig(128, 128, 64, 8, 5, 4, flatten=True, epilogue_split=2, store_desc=True),
     GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2, store_desc=True),
-    # Unflattened with pointer stores: what the scatter with signals can take (its signals' CTA
-    # barrier stops Triton 3.6 pipelining a flattened loop), and the first version's default.
+    # Unflattened with pointer stores: the first version's default and its variants, for comparison.
     GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 256, 64, 8, 3, 8),
 )
 """What ``tune`` tries on a GPU (Hopper-sized tiles; a config that does not compile or fit is skipped).
 128x128 tiles are there for the shapes whose 128x256 tiles leave the last wave of the 132 SMs mostly
-idle (N = 7168 at 2K tokens: 448 tiles, 3.4 waves). ``store_desc`` and ``flatten`` serve the plain
-GEMM; the scatter stores through pointers, and with signals refuses a flattened loop
-(``scatter_matmul``)."""
+idle (N = 7168 at 2K tokens: 448 tiles, 3.4 waves). The scatter takes the same configs but stores
+through pointers (``store_desc`` serves the plain GEMM only)."""
 DEFAULT_GPU_CONFIG = GPU_CONFIGS[0]
-DEFAULT_SCATTER_CONFIG = GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2)
-"""The scatter's default: unflattened (its signals need that), pointer stores."""
+DEFAULT_SCATTER_CONFIG = GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, epilogue_split=2)
+"""The scatter's default: ``DEFAULT_GPU_CONFIG`` with pointer stores."""
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 4)
 """Tiny tiles for ``TRITON_INTERPRET=1`` (each program runs in numpy)."""
 
@@ -267,7 +265,7 @@ def _launch(x, w, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blo
     persistent_gemm_kernel[grid](
         a, b, staging, y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n, x.shape[1], capacity, num_blocks,
         watch, timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows, USE_DESC=use_descriptors,
-        HAS_SIGNALS=has_signals, **config.meta(store_desc))
+        HAS_SIGNALS=has_signals, THREADS=config.num_warps * 32, **config.meta(store_desc))
 
 
 def _resolve(x, w, config: GemmConfig, use_descriptors) -> tuple[GemmConfig, bool]:
@@ -343,9 +341,6 @@ def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owner
     if config is None:
         config = INTERPRETER_CONFIG if interpreting() or x.device.type != "cuda" else DEFAULT_SCATTER_CONFIG
     config, use_descriptors = _resolve(x, w, config, use_descriptors)
-    if signals and config.flatten:
-        raise ValueError(f"{config} flattens the tile loop, which Triton does not pipeline with the signals' "
-                         "barrier: take a config with flatten=False")
     # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
     tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
     _launch(x, w, ws.staging, owners.table, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,

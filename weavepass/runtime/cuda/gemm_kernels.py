@@ -21,7 +21,7 @@ stores (Triton 3.6 failed to compile that shape in a flattened, warp-specialised
 Signal pad of every rank (int32, symmetric), ``B = ceil(capacity / SIGNAL_ROWS)`` row blocks::
 
     [0] GEMM_SEQ  [1] GEMM_DONE  [2] REDUCE_SEQ  [3] REDUCE_DONE
-    [4 ..]                 COUNT[owner][B]     tiles of (owner, row block) this GEMM has stored
+    [4 ..]                 COUNT[owner][B]     threads x tiles of (owner, row block) stored so far
     [4 + WORLD*B ..]       FLAG[slot][src][B]  the call (seq) whose rows src stored here
 
 Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same calls) uses slot
@@ -29,10 +29,12 @@ Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same call
 
 1. GEMM on rank ``r``: before storing, wait until every peer's REDUCE_SEQ >= ``seq - 2`` (the peer
    has read this slot's previous rows; system-scope acquire, bounded as ``runtime.cuda.peer_wait``).
-   After each stored tile: CTA barrier, ``COUNT[owner][b] += 1`` (acq_rel, system scope); the CTA
-   that brings it to the row block's tile count resets it and writes ``FLAG[slot][r][b] = seq`` into
-   the owner's pad with release at system scope (cumulative: the other CTAs' stores were acquired
-   through the count). The last CTA to finish advances GEMM_SEQ.
+   After each stored tile, every thread of the CTA adds 1 to ``COUNT[owner][b]`` (acq_rel, system
+   scope): each releases its own stores, so no CTA barrier is needed (with one, Triton 3.6 does not
+   pipeline a flattened tile loop). The thread that brings the count to ``THREADS`` x the row
+   block's tile count resets it and writes ``FLAG[slot][r][b] = seq`` into the owner's pad with
+   release at system scope (cumulative: every other thread's release was acquired through the
+   count's chain of read-modify-writes). The last CTA to finish advances GEMM_SEQ.
 2. Reduce on owner ``j``, per tile of ``ROWS`` rows inside row block ``b``: wait until every
    ``FLAG[slot][src][b] >= seq`` (acquire), sum ``staging[slot][src]`` in rank order in fp32, round
    to ``dtype`` (as eager's all_reduce output), add the residual, round (``residual_out``), RMSNorm.
@@ -158,11 +160,12 @@ def persistent_gemm_kernel(
     SIGNAL_ROWS: tl.constexpr,  # rows per signal (a multiple of BLOCK_M)
     USE_DESC: tl.constexpr,  # x and w are tensor descriptors (TMA loads; zero padding out of bounds)
     HAS_SIGNALS: tl.constexpr,  # the scatter protocol (module docstring); False: plain stores only
-    FLATTEN: tl.constexpr = False,  # one pipelined loop over tiles and K steps (not with HAS_SIGNALS)
+    FLATTEN: tl.constexpr = False,  # one pipelined loop over tiles and K steps
     WARP_SPECIALIZE: tl.constexpr = False,  # producer / consumer warps (Triton's warp specialisation)
     STORE_DESC: tl.constexpr = False,  # the plain GEMM's tiles leave through y_desc (TMA stores)
     EPILOGUE_SPLIT: tl.constexpr = 1,  # 1, 2 or 4 column slices per tile's store: less shared memory
     # and fewer live registers in the epilogue, so more pipeline stages fit (Triton's persistent tutorial)
+    THREADS: tl.constexpr = 128,  # num_warps * 32: one signal lane per thread (HAS_SIGNALS)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -243,16 +246,17 @@ def persistent_gemm_kernel(
         if HAS_SIGNALS:
             block = (pid_m * BLOCK_M) // SIGNAL_ROWS
             block_rows = tl.minimum(count - block * SIGNAL_ROWS, SIGNAL_ROWS)
-            target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles
-            counter = counts + owner * num_blocks + block
-            flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block
-            # The barrier orders every thread's stores before the release; Triton 3.6 then does not
-            # pipeline a flattened loop (one stage), so the host refuses FLATTEN with signals. The
-            # masked atomics instead of an `if` keep the loop flattenable (3.6 fails on an scf.if).
-            tl.debug_barrier()
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") == target - 1
-            tl.atomic_xchg(counter, 0, mask=done, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(flag, seq, mask=done, sem="release", scope="sys")
+            target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles * THREADS
+            # One lane per thread (a [THREADS] tensor is one element per thread): each thread's
+            # acq_rel add releases its own stores above, so no CTA barrier, which would stop Triton
+            # 3.6 pipelining a flattened loop. Masked atomics rather than an `if`: 3.6 fails to
+            # compile an scf.if there (DEVICE-FACTS).
+            lane0 = tl.arange(0, THREADS) * 0
+            counter = counts + owner * num_blocks + block + lane0
+            flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block + lane0
+            done = tl.atomic_add(counter, lane0 + 1, sem="acq_rel", scope="sys") == target - 1
+            tl.atomic_xchg(counter, lane0, mask=done, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(flag, lane0 + seq, mask=done, sem="release", scope="sys")
 
     if HAS_SIGNALS:  # the last CTA to finish advances this rank's call count
         tl.debug_barrier()
