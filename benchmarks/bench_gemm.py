@@ -264,9 +264,17 @@ def measured_table(tune_csv: str) -> str:
                 key = (int(r["n"]), int(r["k"]), gemm.token_bucket(int(r["m"])))
                 cell = totals.setdefault(key, {})
                 cell[index[r["config"]]] = cell.get(index[r["config"]], 0.0) + float(r["ms"])
-    lines = [f"    {key}: GPU_CONFIGS[{min(ms, key=ms.get)}],  # {gemm.GPU_CONFIGS[min(ms, key=ms.get)].label()}"
-             for key, ms in sorted(totals.items())]
-    return "MEASURED_CONFIGS = {\n" + "\n".join(lines) + "\n}"
+    lines = [f"    {key}: {_literal(gemm.GPU_CONFIGS[min(ms, key=ms.get)])}," for key, ms in sorted(totals.items())]
+    return "MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {\n" + "\n".join(lines) + "\n}"
+
+
+def _literal(config: gemm.GemmConfig) -> str:
+    """``config`` as the shortest ``GemmConfig(...)`` source: the six numbers, then what is not default."""
+    c = config
+    extra = [f"{f.name}={getattr(c, f.name)!r}" for f in dataclasses.fields(c)[6:]
+             if getattr(c, f.name) != f.default]
+    numbers = [str(n) for n in (c.block_m, c.block_n, c.block_k, c.group_m, c.num_stages, c.num_warps)]
+    return f"GemmConfig({', '.join(numbers + extra)})"
 
 
 def main() -> None:

@@ -79,8 +79,10 @@ GPU_CONFIGS = (
     # TMA stores in two column slices, as Triton's persistent-matmul tutorial does.
     GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
     GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=4, store_desc=True),
     GemmConfig(128, 128, 64, 8, 4, 8, flatten=True, store_desc=True),
     GemmConfig(128, 128, 64, 8, 5, 4, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 128, 128, 8, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
     GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2, store_desc=True),
     # Unflattened with pointer stores: the first version's default and its variants, for comparison.
     GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2),
