@@ -60,3 +60,22 @@ def test_scatter_refuses_rows_past_the_staging_capacity():
     x, w = torch.zeros(16, 16, dtype=torch.float16), torch.zeros(16, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="exceed the staging capacity"):
         scatter_matmul(x, w, ws, OwnerRows.build(16, 2, "cpu", [16, 0]), INTERPRETER_CONFIG, use_descriptors=False)
+
+
+def test_select_config_reads_the_measured_table(monkeypatch):
+    """The plain GEMM's config: the measured table's entry for (N, K, token bucket), else the default;
+    every entry is one of the configs the benchmark tunes over (the table is its winners)."""
+    import torch
+
+    from weavepass.runtime.cuda import gemm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda", 0)  # only the device type is read: no GPU needed
+    assert all(config in gemm.GPU_CONFIGS for config in gemm.MEASURED_CONFIGS.values())
+    assert all(bucket in (2048, 8192) for _, _, bucket in gemm.MEASURED_CONFIGS)
+    table = {(8192, 1024, 2048): gemm.GPU_CONFIGS[3]}
+    monkeypatch.setattr(gemm, "MEASURED_CONFIGS", table)
+    assert gemm.select_config(2048, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]
+    assert gemm.select_config(4096, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]  # up to 4096 rows: the 2K entry
+    assert gemm.select_config(4097, 8192, 1024, cuda) == gemm.DEFAULT_GPU_CONFIG  # no 8K entry
+    assert gemm.select_config(2048, 8192, 1024, torch.device("cpu")) == gemm.INTERPRETER_CONFIG
