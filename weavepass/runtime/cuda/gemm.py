@@ -78,6 +78,7 @@ GPU_CONFIGS = (
     # The plain GEMM: the tile loop flattened (the next tile's loads overlap this one's epilogue) and
     # TMA stores in two column slices, as Triton's persistent-matmul tutorial does.
     GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 256, 64, 16, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
     GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
     GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=4, store_desc=True),
     GemmConfig(128, 128, 64, 8, 4, 8, flatten=True, store_desc=True),
