@@ -73,9 +73,12 @@ def test_select_config_reads_the_measured_table(monkeypatch):
     cuda = torch.device("cuda", 0)  # only the device type is read: no GPU needed
     assert all(config in gemm.GPU_CONFIGS for config in gemm.MEASURED_CONFIGS.values())
     assert all(bucket in (2048, 8192) for _, _, bucket in gemm.MEASURED_CONFIGS)
+    assert set(gemm.MEASURED_SPEED) == set(gemm.MEASURED_CONFIGS)  # one run wrote both
     table = {(8192, 1024, 2048): gemm.GPU_CONFIGS[3]}
     monkeypatch.setattr(gemm, "MEASURED_CONFIGS", table)
     assert gemm.select_config(2048, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]
     assert gemm.select_config(4096, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]  # up to 4096 rows: the 2K entry
     assert gemm.select_config(4097, 8192, 1024, cuda) == gemm.DEFAULT_GPU_CONFIG  # no 8K entry
     assert gemm.select_config(2048, 8192, 1024, torch.device("cpu")) == gemm.INTERPRETER_CONFIG
+    monkeypatch.setattr(gemm, "MEASURED_SPEED", {(8192, 1024, 2048): 0.95})
+    assert gemm.measured_speed(3000, 8192, 1024) == 0.95 and gemm.measured_speed(8192, 8192, 1024) is None

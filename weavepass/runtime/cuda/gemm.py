@@ -106,6 +106,17 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
 ``DEFAULT_GPU_CONFIG``."""
 
 
+MEASURED_SPEED: dict[tuple[int, int, int], float] = {}
+"""cuBLAS's time / the plain GEMM's with ``MEASURED_CONFIGS``' config, same keys and run
+(``do_bench`` medians; above 1: the Triton GEMM is faster): what a planner reads to keep cuBLAS where
+the Triton GEMM is slower (``measured_speed``)."""
+
+
+def measured_speed(m: int, n: int, k: int) -> float | None:
+    """``MEASURED_SPEED``'s entry for ``x[m, k] @ w[n, k]^T``, or None where the shape was not measured."""
+    return MEASURED_SPEED.get((n, k, token_bucket(m)))
+
+
 def token_bucket(m: int) -> int:
     """The measured token count whose config serves ``m`` rows: 2048 up to 4096, else 8192."""
     return 2048 if m <= 4096 else 8192
