@@ -251,26 +251,30 @@ def plot(rows: list[dict], path) -> None:
     save_figure(fig, path)
 
 
-def measured_table(tune_csv: str) -> str:
-    """``gemm.MEASURED_CONFIGS`` and ``gemm.MEASURED_SPEED`` as Python source from a
-    ``bench_gemm_tune.csv``: per ``(N, K, token bucket)`` the config with the lowest median (cells of
-    one bucket: the lowest sum over them) and its speed against cuBLAS in the same run (cuBLAS time
-    / its time, summed over the bucket's cells)."""
+def measured_table(tune_csvs: list[str]) -> str:
+    """``gemm.MEASURED_CONFIGS`` and ``gemm.MEASURED_SPEED`` as Python source from one or more
+    ``bench_gemm_tune.csv``: per ``(N, K, token bucket)`` the config with the lowest median (several
+    cells in a bucket: the lowest sum, among the configs that ran in all of them) and its speed
+    against cuBLAS in the same run (cuBLAS time / its time, summed over the bucket's cells)."""
     import csv
 
     index = {c.label(): i for i, c in enumerate(gemm.GPU_CONFIGS)}
-    totals: dict[tuple, dict[int, float]] = {}
+    times: dict[tuple, dict[int, dict[int, float]]] = {}  # key -> config -> m -> ms
     cublas: dict[tuple, dict[int, float]] = {}
-    with open(tune_csv) as f:
-        for r in csv.DictReader(f):
-            if r["ms"] and r["config"] in index:
+    for tune_csv in tune_csvs:
+        with open(tune_csv) as f:
+            for r in csv.DictReader(f):
                 key = (int(r["n"]), int(r["k"]), gemm.token_bucket(int(r["m"])))
-                cell = totals.setdefault(key, {})
-                cell[index[r["config"]]] = cell.get(index[r["config"]], 0.0) + float(r["ms"])
                 cublas.setdefault(key, {})[int(r["m"])] = float(r["cublas_ms"])
-    best = {key: min(ms, key=ms.get) for key, ms in totals.items()}
-    configs = [f"    {key}: {_literal(gemm.GPU_CONFIGS[best[key]])}," for key in sorted(totals)]
-    speeds = [f"    {key}: {sum(cublas[key].values()) / totals[key][best[key]]:.2f}," for key in sorted(totals)]
+                if r["ms"] and r["config"] in index:
+                    times.setdefault(key, {}).setdefault(index[r["config"]], {})[int(r["m"])] = float(r["ms"])
+    configs, speeds = [], []
+    for key in sorted(times):
+        complete = {i: sum(ms.values()) for i, ms in times[key].items() if set(ms) == set(cublas[key])}
+        if complete:
+            best = min(complete, key=complete.__getitem__)
+            configs.append(f"    {key}: {_literal(gemm.GPU_CONFIGS[best])},")
+            speeds.append(f"    {key}: {sum(cublas[key].values()) / complete[best]:.2f},")
     return ("MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {\n" + "\n".join(configs) + "\n}\n"
             "MEASURED_SPEED: dict[tuple[int, int, int], float] = {\n" + "\n".join(speeds) + "\n}")
 
@@ -297,7 +301,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", type=int, help="indices into gemm.GPU_CONFIGS to tune over "
                         "(default all)")
     parser.add_argument("--no-graph", action="store_true", help="leave out the CUDA-graph replay times")
-    parser.add_argument("--table-from", metavar="TUNE_CSV", help="print gemm.MEASURED_CONFIGS and "
+    parser.add_argument("--table-from", nargs="+", metavar="TUNE_CSV", help="print gemm.MEASURED_CONFIGS and "
                         "MEASURED_SPEED read from a bench_gemm_tune.csv, and exit")
     args = parser.parse_args()
     if args.table_from:
