@@ -14,23 +14,31 @@ at each token count, bf16, the variants:
 * ``triton``: the plain persistent GEMM, the fastest of ``gemm.GPU_CONFIGS`` for this cell
   (``gemm.tune``), tensor-descriptor (TMA) loads where the GPU and Triton support them; if that path
   fails to compile, a printed notice and the pointer loads instead (column ``path``);
-* ``triton_unflattened``: the fastest config whose tile loop is not flattened, where the fastest
-  overall is flattened: the signals variant cannot flatten (``gemm.GPU_CONFIGS`` says why);
-* ``scatterN``: the same GEMM (the unflattened config) as rank 0 of N simulated ranks (``testing.gemm_sim``):
+* ``triton_ptr`` (row-parallel GEMMs, where the fastest config stores through a tensor descriptor):
+  the same config storing through pointers, as the scatter must (one destination per owner): what the
+  TMA stores gain, apart from the routing;
+* ``scatterN``: the same GEMM (the same config, pointer stores) as rank 0 of N simulated ranks (``testing.gemm_sim``):
   every tile stored into its owner's staging buffer (the peers' buffers are local memory here), the
   per-(owner, row block) signals released. No owner reduces: the owners' REDUCE_SEQ is set far ahead
   once, so the GEMM's wait for the previous call's readers passes at once and nothing else runs in
-  the timed loop. ``scatterN_nosig``: the stores alone, the fastest config (routing cost without the
-  signals).
+  the timed loop. ``scatterN_nosig``: the stores alone (routing cost without the signals).
 
 The plain Triton result and rank 0's own staged rows of each scatter are checked against the fp32
 product (column ``check``: "ok" or why not; a failed check is printed and the run goes on). Times are
-``triton.testing.do_bench`` medians (``--rep`` ms per variant), every variant of a cell in the same
-process right after the others. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster
-than cuBLAS) and ``vs_triton`` = plain Triton time / time. The issue's targets: plain >= 0.97x
-cuBLAS at >= 4K tokens and >= 0.93x at 2K; scatter >= 0.97x plain.
+``triton.testing.do_bench`` medians (``--rep`` ms per variant; each call launched from Python after
+an L2 flush, so a launch whose host work outlasts the flush shows in the time), every variant of a
+cell in the same process right after the others; ``graph_ms`` (cuBLAS, plain Triton, scatter with
+signals; ``--no-graph`` leaves it out): ``triton.testing.do_bench_cudagraph`` medians, back-to-back
+calls replayed from a CUDA graph, so no host work and a warm L2: the kernels alone, as under
+reduce-overhead. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster than cuBLAS),
+``graph_speed_vs_cublas`` the same of the graph times, ``vs_triton`` = plain Triton time / time and
+``graph_vs_triton`` the same of the graph times.
+The issue's targets: plain >= 0.97x cuBLAS at >= 4K tokens and >= 0.93x at 2K; scatter >= 0.97x plain.
 
-Writes ``bench_gemm.csv`` and ``bench_gemm.png`` under ``--out``. ``--quick``: 70b_tp8 and 8b_tp2 at 2K
+Writes ``bench_gemm.csv`` (after every cell, so a run cut short keeps what it measured),
+``bench_gemm_tune.csv`` (every config's time per cell: what ``gemm.MEASURED_CONFIGS`` is read from)
+and ``bench_gemm.png`` under ``--out``. ``--configs`` limits the tuning to some of
+``gemm.GPU_CONFIGS`` (indices), to fit a short device lease. ``--quick``: 70b_tp8 and 8b_tp2 at 2K
 and 8K tokens. ``--smoke``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the script),
 a tiny shape, fp16, 2 owners, wall-clock times that mean nothing: it checks the script and the outputs.
 
@@ -40,6 +48,7 @@ Run: ``python3 benchmarks/bench_gemm.py --quick --out $OUT``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import os
@@ -83,7 +92,7 @@ def gemm_dims(model: str, name: str) -> tuple[int, int]:
 
 def _timer(rep_ms: int):
     """Median ms of a callable: do_bench on a GPU, a few wall-clock calls in the interpreter."""
-    if torch.cuda.is_available() and not gemm.interpreting():
+    if _on_gpu():
         from triton.testing import do_bench
 
         return lambda fn: do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median")
@@ -95,6 +104,19 @@ def _timer(rep_ms: int):
         return (time.perf_counter() - start) * 1e3
 
     return wall
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and not gemm.interpreting()
+
+
+def _graph_timer(rep_ms: int):
+    """Median ms of a callable replayed from a CUDA graph (no host work per call), or None off the GPU."""
+    if not _on_gpu():
+        return None
+    from triton.testing import do_bench_cudagraph
+
+    return lambda fn: do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
 
 
 def choose_path(dtype, device, config, owner_counts) -> bool:
@@ -120,7 +142,9 @@ def choose_path(dtype, device, config, owner_counts) -> bool:
     return False
 
 
-def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, owner_counts, check) -> list[dict]:
+def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, owner_counts, check, graph_ms=None,
+                 tuned=None) -> list[dict]:
+    """The cell's rows (one per variant); ``tuned`` (a list), if given, gets a row per tried config."""
     n, k = gemm_dims(model, name)
     gen = torch.Generator(device=device).manual_seed(tokens + n + k)
     x = torch.randn(tokens, k, generator=gen, device=device).to(dtype)
@@ -130,42 +154,56 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
     flop = 2.0 * tokens * n * k
     rows = []
 
-    def row(variant, ms, config=None, **extra):
+    def row(variant, ms, config=None, fn=None, **extra):
+        graph = round(graph_ms(fn), 4) if graph_ms is not None and fn is not None else ""
         rows.append(dict(base, variant=variant, path=("descriptors" if path else "pointers") if config else "",
-                         config=_config_text(config), ms=ms, tflops=round(flop / ms / 1e9, 1), **extra))
+                         config=config.label() if config else "", ms=ms, tflops=round(flop / ms / 1e9, 1),
+                         graph_ms=graph, **extra))
 
-    cublas_ms = time_ms(lambda: torch.mm(x, w.T, out=y))
-    row("cublas", cublas_ms)
-    best = unflattened = configs[0]
+    cublas = functools.partial(torch.mm, x, w.T, out=y)
+    cublas_ms = time_ms(cublas)
+    row("cublas", cublas_ms, fn=cublas)
+    best = configs[0]
     if len(configs) > 1:
         best, results = gemm.tune(lambda c: gemm.matmul(x, w, out=y, config=c, use_descriptors=path), configs)
-        timed = {c: ms for c, ms in results.items() if isinstance(ms, float) and not c.flatten}
-        unflattened = min(timed, key=timed.get)
-    triton_ms = time_ms(lambda: gemm.matmul(x, w, out=y, config=best, use_descriptors=path))
+        if tuned is not None:
+            tuned += [dict(base, config=c.label(), ms=round(ms, 4) if isinstance(ms, float) else "",
+                           error="" if isinstance(ms, float) else ms, cublas_ms=round(cublas_ms, 4))
+                      for c, ms in results.items()]
+    plain = functools.partial(gemm.matmul, x, w, out=y, config=best, use_descriptors=path)
+    triton_ms = time_ms(plain)
     reference = (x.float() @ w.float().T) if check else None
-    row("triton", triton_ms, best, check=_check(y, reference))
-    if unflattened != best:
-        row("triton_unflattened", time_ms(lambda: gemm.matmul(x, w, out=y, config=unflattened,
-                                                              use_descriptors=path)), unflattened)
+    y.fill_(float("nan"))  # poisoned: the check below sees every element the timed calls' GEMM wrote
+    plain()
+    row("triton", triton_ms, best, fn=plain, check=_check(y, reference))
+    if name in ROW_PARALLEL and best.store_desc and path:
+        pointers = dataclasses.replace(best, store_desc=False)
+        row("triton_ptr", time_ms(functools.partial(gemm.matmul, x, w, out=y, config=pointers, use_descriptors=path)),
+            pointers)
     if name in ROW_PARALLEL:
         for owners in owner_counts:
             sim = SimulatedScatterRanks(owners, n, -(-tokens // owners), dtype, device)
             for pad in sim.pads[1:]:
                 pad[REDUCE_SEQ.value] = FAR_AHEAD
             table = gemm.OwnerRows.build(tokens, owners, device)
-            for signals, suffix, config in ((True, "", unflattened), (False, "_nosig", best)):
-                ms = time_ms(functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
-                                               signals=signals))
+            for signals, suffix in ((True, ""), (False, "_nosig")):
+                call = functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, best, path,
+                                         signals=signals)
+                ms = time_ms(call)
                 verdict = ""
                 if check:  # rank 0's own rows, stored last into its own staging: the slot of its latest
                     # call with signals (read from its pad), slot 0 without
                     slot = sim.workspaces[0].last_slot() if signals else 0
                     verdict = _check(sim.workspaces[0].staged(0, table.count(0), slot), reference[table.rows(0)])
-                row(f"scatter{owners}{suffix}", ms, config, check=verdict)
+                row(f"scatter{owners}{suffix}", ms, dataclasses.replace(best, store_desc=False),
+                    fn=call if signals else None, check=verdict)
             del sim
+    cublas_graph, triton_graph = rows[0]["graph_ms"], next(r["graph_ms"] for r in rows if r["variant"] == "triton")
     for r in rows:
         r["speed_vs_cublas"] = round(cublas_ms / r["ms"], 3)
+        r["graph_speed_vs_cublas"] = round(cublas_graph / r["graph_ms"], 3) if r["graph_ms"] else ""
         r["vs_triton"] = round(triton_ms / r["ms"], 3)
+        r["graph_vs_triton"] = round(triton_graph / r["graph_ms"], 3) if r["graph_ms"] else ""
         r["ms"] = round(r["ms"], 4)
     return rows
 
@@ -184,14 +222,6 @@ def _check(got: torch.Tensor, reference: torch.Tensor | None) -> str:
         print(f"CHECK FAILED: {text}", flush=True)
         return text
     return "ok"
-
-
-def _config_text(config) -> str:
-    if config is None:
-        return ""
-    c = config
-    loop = (" flat" if c.flatten else "") + (" ws" if c.warp_specialize else "")
-    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}{loop}"
 
 
 def plot(rows: list[dict], path) -> None:
@@ -221,6 +251,43 @@ def plot(rows: list[dict], path) -> None:
     save_figure(fig, path)
 
 
+def measured_table(tune_csvs: list[str]) -> str:
+    """``gemm.MEASURED_CONFIGS`` and ``gemm.MEASURED_SPEED`` as Python source from one or more
+    ``bench_gemm_tune.csv``: per ``(N, K, token bucket)`` the config with the lowest median (several
+    cells in a bucket: the lowest sum, among the configs that ran in all of them) and its speed
+    against cuBLAS in the same run (cuBLAS time / its time, summed over the bucket's cells)."""
+    import csv
+
+    index = {c.label(): i for i, c in enumerate(gemm.GPU_CONFIGS)}
+    times: dict[tuple, dict[int, dict[int, float]]] = {}  # key -> config -> m -> ms
+    cublas: dict[tuple, dict[int, float]] = {}
+    for tune_csv in tune_csvs:
+        with open(tune_csv) as f:
+            for r in csv.DictReader(f):
+                key = (int(r["n"]), int(r["k"]), gemm.token_bucket(int(r["m"])))
+                cublas.setdefault(key, {})[int(r["m"])] = float(r["cublas_ms"])
+                if r["ms"] and r["config"] in index:
+                    times.setdefault(key, {}).setdefault(index[r["config"]], {})[int(r["m"])] = float(r["ms"])
+    configs, speeds = [], []
+    for key in sorted(times):
+        complete = {i: sum(ms.values()) for i, ms in times[key].items() if set(ms) == set(cublas[key])}
+        if complete:
+            best = min(complete, key=complete.__getitem__)
+            configs.append(f"    {key}: {_literal(gemm.GPU_CONFIGS[best])},")
+            speeds.append(f"    {key}: {sum(cublas[key].values()) / complete[best]:.2f},")
+    return ("MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {\n" + "\n".join(configs) + "\n}\n"
+            "MEASURED_SPEED: dict[tuple[int, int, int], float] = {\n" + "\n".join(speeds) + "\n}")
+
+
+def _literal(config: gemm.GemmConfig) -> str:
+    """``config`` as the shortest ``GemmConfig(...)`` source: the six numbers, then what is not default."""
+    c = config
+    extra = [f"{f.name}={getattr(c, f.name)!r}" for f in dataclasses.fields(c)[6:]
+             if getattr(c, f.name) != f.default]
+    numbers = [str(n) for n in (c.block_m, c.block_n, c.block_k, c.group_m, c.num_stages, c.num_warps)]
+    return f"GemmConfig({', '.join(numbers + extra)})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="70b_tp8 and 8b_tp2 at 2K and 8K tokens")
@@ -231,7 +298,15 @@ def main() -> None:
     parser.add_argument("--owners", nargs="+", type=int, help="simulated owners of the scatter variants "
                         "(default 2 4 8; 2 with --smoke)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per variant, ms")
+    parser.add_argument("--configs", nargs="+", type=int, help="indices into gemm.GPU_CONFIGS to tune over "
+                        "(default all)")
+    parser.add_argument("--no-graph", action="store_true", help="leave out the CUDA-graph replay times")
+    parser.add_argument("--table-from", nargs="+", metavar="TUNE_CSV", help="print gemm.MEASURED_CONFIGS and "
+                        "MEASURED_SPEED read from a bench_gemm_tune.csv, and exit")
     args = parser.parse_args()
+    if args.table_from:
+        print(measured_table(args.table_from))
+        return
     if args.smoke:
         SHAPES["smoke"] = SHAPES["tiny"]
         models, tokens, device = ["smoke"], args.tokens or [40], "cpu"
@@ -242,18 +317,21 @@ def main() -> None:
             sys.exit("bench_gemm needs a CUDA GPU (or --smoke)")
         models = args.models or list(QUICK_MODELS if args.quick else MODELS)
         tokens = args.tokens or list(QUICK_TOKENS if args.quick else TOKENS)
-        device, configs, dtype = "cuda", list(gemm.GPU_CONFIGS), torch.bfloat16
+        configs = [gemm.GPU_CONFIGS[i] for i in args.configs] if args.configs else list(gemm.GPU_CONFIGS)
+        device, dtype = "cuda", torch.bfloat16
         owner_counts = args.owners or list(OWNERS)
         print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     time_ms = _timer(args.rep)
+    graph_ms = None if args.no_graph else _graph_timer(max(10, args.rep // 2))
     path = choose_path(dtype, device, configs[0], owner_counts)
     cells = list(itertools.product(models, GEMMS, tokens))
     progress = progress_bar(len(cells), "bench_gemm")
-    rows = []
+    rows: list[dict] = []
+    tuned: list[dict] = []
     for model, name, count in cells:
         try:
             cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
-                                check=True)
+                                check=True, graph_ms=graph_ms, tuned=tuned)
         except RuntimeError as error:
             if not path or "no GEMM config ran" not in str(error):
                 raise
@@ -261,15 +339,18 @@ def main() -> None:
                   flush=True)
             path = False
             cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
-                                check=True)
+                                check=True, graph_ms=graph_ms, tuned=tuned)
         for r in cell:
-            print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms",
-                                                         "speed_vs_cublas", "vs_triton", "config")), flush=True)
+            print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms", "graph_ms",
+                                                         "speed_vs_cublas", "graph_speed_vs_cublas", "vs_triton",
+                                                         "graph_vs_triton", "config")), flush=True)
         rows += cell
+        write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)  # after every cell: a cut run keeps these
+        if tuned:
+            write_csv(os.path.join(args.out, "bench_gemm_tune.csv"), tuned)
         progress.update()
     progress.close()
-    out = write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)
-    print(f"wrote {out}")
+    print(f"wrote {os.path.join(args.out, 'bench_gemm.csv')}")
     plot(rows, os.path.join(args.out, "bench_gemm.png"))
 
 

@@ -42,6 +42,10 @@ RESIDUAL_TOL = dict(rtol=2**-10, atol=1e-5)
 NORMED_TOL = dict(rtol=2**-9, atol=2**-9)
 SIGNAL_ROWS = 16  # = INTERPRETER_CONFIG.block_m: several signals per owner at these sizes
 FLATTENED = dataclasses.replace(INTERPRETER_CONFIG, flatten=True, warp_specialize=True)
+SPLIT_STORES = (dataclasses.replace(INTERPRETER_CONFIG, block_n=32, epilogue_split=2),
+                dataclasses.replace(INTERPRETER_CONFIG, block_n=32, epilogue_split=4))
+"""The epilogue in column slices (pointer stores, or TMA stores where the loads use descriptors)."""
+TMA_STORES = tuple(dataclasses.replace(c, store_desc=True) for c in (INTERPRETER_CONFIG, FLATTENED) + SPLIT_STORES)
 
 
 def _draw(gen, *shape):
@@ -49,19 +53,25 @@ def _draw(gen, *shape):
 
 
 def case_gemm() -> None:
-    """Plain GEMM, both load paths, odd sizes (rows, columns and K not multiples of the tiles), and
-    the flattened, warp-specialised loop (the interpreter runs it as the plain loop: the flags' syntax)."""
+    """Plain GEMM, both load paths, odd sizes (rows, columns and K not multiples of the tiles), the
+    flattened, warp-specialised loop (the interpreter runs it as the plain loop: the flags' syntax),
+    the epilogue in 2 and 4 column slices, and TMA stores (the descriptor clips the edge tiles). The
+    output is poisoned first: a tile or slice never stored shows as NaN."""
     gen = torch.Generator().manual_seed(0)
-    for m, n, k in ((37, 40, 48), (1, 16, 16), (50, 24, 72)):
+    configs = ([(False, INTERPRETER_CONFIG), (True, INTERPRETER_CONFIG), (True, FLATTENED)]
+               + [(False, c) for c in SPLIT_STORES] + [(True, c) for c in SPLIT_STORES + TMA_STORES])
+    for m, n, k in ((37, 40, 48), (1, 16, 16), (50, 24, 72), (33, 72, 16)):
         x, w = _draw(gen, m, k), _draw(gen, n, k)
         want = torch.mm(x, w.T)
-        for desc, config in ((False, INTERPRETER_CONFIG), (True, INTERPRETER_CONFIG), (True, FLATTENED)):
-            got = matmul(x, w, config=config, use_descriptors=desc, max_ctas=3)
+        for desc, config in configs:
+            got = matmul(x, w, out=torch.full((m, n), float("nan"), dtype=DTYPE), config=config,
+                         use_descriptors=desc, max_ctas=3)
             torch.testing.assert_close(got, want, **GEMM_TOL, msg=lambda e: f"{m}x{n}x{k} {config} desc={desc}: {e}")
     print("gemm: OK")
 
 
-def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int, desc: bool, residual: bool):
+def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int, desc: bool, residual: bool,
+               config=INTERPRETER_CONFIG):
     """``calls`` back-to-back calls of ``world`` simulated ranks; checks every call's staged partials
     and outputs, and the signals after the last."""
     gen = torch.Generator().manual_seed(world * 100 + tokens)
@@ -73,13 +83,13 @@ def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int,
         xs = [_draw(gen, tokens, k) for _ in range(world)]
         ws = [_draw(gen, hidden, k) for _ in range(world)]
         res = _draw(gen, tokens, hidden) if residual else None
-        outputs = sim.run(xs, ws, res, weight, EPS, counts, INTERPRETER_CONFIG, desc, reduce_ctas=2, gemm_ctas=3)
+        outputs = sim.run(xs, ws, res, weight, EPS, counts, config, desc, reduce_ctas=2, gemm_ctas=3)
         slot = (call + 1) % STAGING_SLOTS
-        label = f"world {world}, counts {counts}, call {call}, desc={desc}"
+        label = f"world {world}, counts {counts}, call {call}, desc={desc}, {config.label()}"
         assert sim.counts_clear(), f"{label}: tile counters not reset: {[p.tolist() for p in sim.pads]}"
         # Routing: owner j's staging[slot][src] holds exactly src's GEMM of j's rows (the same
         # kernel and K order as the plain GEMM of all rows, so equal to the bit).
-        plain = [matmul(xs[s], ws[s], config=INTERPRETER_CONFIG, use_descriptors=desc) for s in range(world)]
+        plain = [matmul(xs[s], ws[s], config=config, use_descriptors=desc) for s in range(world)]
         for j in range(world):
             rows = starts[j + 1] - starts[j]
             for s in range(world):
@@ -107,11 +117,13 @@ def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int,
 def case_scatter() -> None:
     """World 2, 3 and 4, default and ragged splits (an owner without rows, counts that are not
     multiples of the tile or the signal block), three calls each (both slots, then slot 1 again),
-    alternating the pointer and the descriptor loads."""
+    alternating the pointer and the descriptor loads, and the epilogue in one, two or four column
+    slices (pointer stores: the scatter never stores through a descriptor)."""
     splits = ((2, 37, None), (2, 33, [33, 0]), (3, 41, [20, 4, 17]), (3, 7, None), (4, 45, [1, 16, 0, 28]),
               (4, 37, None))
+    configs = (INTERPRETER_CONFIG, *SPLIT_STORES)
     for i, (world, tokens, counts) in enumerate(splits):  # each world through both load paths
-        _world_run(world, tokens, 24, 32, counts, 3, desc=bool(i % 2), residual=True)
+        _world_run(world, tokens, 24, 32, counts, 3, desc=bool(i % 2), residual=True, config=configs[i % 3])
     print("scatter: OK")
 
 

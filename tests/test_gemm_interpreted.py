@@ -41,11 +41,8 @@ def test_owner_row_starts():
         owner_row_starts(7, 3, [1, 2, 3])
 
 
-def test_scatter_refuses_a_flattened_loop_with_signals():
-    """The signals' barrier stops Triton from pipelining a flattened loop (gemm.GPU_CONFIGS): refused
-    before any launch, with the reason."""
-    import dataclasses
-
+def test_scatter_refuses_rows_past_the_staging_capacity():
+    """An owner with more rows than the staging holds is refused before any launch, with the reason."""
     import torch
 
     from weavepass.runtime.cuda.gemm import (
@@ -61,8 +58,27 @@ def test_scatter_refuses_a_flattened_loop_with_signals():
                           torch.zeros(layout.pad_slots, dtype=torch.int32), torch.zeros(2, dtype=torch.int64),
                           torch.zeros(2, dtype=torch.int64))
     x, w = torch.zeros(16, 16, dtype=torch.float16), torch.zeros(16, 16, dtype=torch.float16)
-    flattened = dataclasses.replace(INTERPRETER_CONFIG, flatten=True)
-    with pytest.raises(ValueError, match="flattens the tile loop"):
-        scatter_matmul(x, w, ws, OwnerRows.build(16, 2, "cpu"), flattened, use_descriptors=False)
     with pytest.raises(ValueError, match="exceed the staging capacity"):
         scatter_matmul(x, w, ws, OwnerRows.build(16, 2, "cpu", [16, 0]), INTERPRETER_CONFIG, use_descriptors=False)
+
+
+def test_select_config_reads_the_measured_table(monkeypatch):
+    """The plain GEMM's config: the measured table's entry for (N, K, token bucket), else the default;
+    every entry is one of the configs the benchmark tunes over (the table is its winners)."""
+    import torch
+
+    from weavepass.runtime.cuda import gemm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda", 0)  # only the device type is read: no GPU needed
+    assert all(config in gemm.GPU_CONFIGS for config in gemm.MEASURED_CONFIGS.values())
+    assert all(bucket in (2048, 8192) for _, _, bucket in gemm.MEASURED_CONFIGS)
+    assert set(gemm.MEASURED_SPEED) == set(gemm.MEASURED_CONFIGS)  # one run wrote both
+    table = {(8192, 1024, 2048): gemm.GPU_CONFIGS[3]}
+    monkeypatch.setattr(gemm, "MEASURED_CONFIGS", table)
+    assert gemm.select_config(2048, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]
+    assert gemm.select_config(4096, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]  # up to 4096 rows: the 2K entry
+    assert gemm.select_config(4097, 8192, 1024, cuda) == gemm.DEFAULT_GPU_CONFIG  # no 8K entry
+    assert gemm.select_config(2048, 8192, 1024, torch.device("cpu")) == gemm.INTERPRETER_CONFIG
+    monkeypatch.setattr(gemm, "MEASURED_SPEED", {(8192, 1024, 2048): 0.95})
+    assert gemm.measured_speed(3000, 8192, 1024) == 0.95 and gemm.measured_speed(8192, 8192, 1024) is None

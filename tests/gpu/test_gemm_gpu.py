@@ -117,6 +117,27 @@ def test_gemm_matches_torch_mm(m, n, k, use_descriptors, dtype, request):
     torch.testing.assert_close(got, torch.mm(x, w.T), rtol=ULP[dtype], atol=GEMM_ATOL)
 
 
+def test_every_gpu_config_matches_torch_mm(request):
+    """Every tiling ``gemm.tune`` may pick (``gemm.GPU_CONFIGS``: flattened or not, TMA or pointer
+    stores, the epilogue in slices), bf16, through the descriptor loads where supported, at a size
+    that is not a multiple of any tile; the output poisoned first (a slice never stored stays NaN).
+    A config that does not compile or fit on this GPU fails here: ``tune`` would skip it silently."""
+    if _in_child(request):
+        return
+    from weavepass.runtime.cuda.gemm import GPU_CONFIGS, descriptor_unsupported_reason, matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    m, n, k = 1000, 1280 + 48, 1024 + 32
+    x, w = _draw(gen, m, k, torch.bfloat16), _draw(gen, n, k, torch.bfloat16, scale=k**-0.5)
+    reference = x.float() @ w.float().T
+    use_descriptors = descriptor_unsupported_reason(x, w) is None
+    for config in GPU_CONFIGS:
+        got = matmul(x, w, out=torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda"), config=config,
+                     use_descriptors=use_descriptors)
+        torch.testing.assert_close(got.float(), reference, rtol=ULP[torch.bfloat16], atol=GEMM_ATOL,
+                                   msg=lambda e, c=config: f"{c.label()}: {e}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_scatter_and_reduce_simulated(world, dtype, request):

@@ -50,43 +50,88 @@ class GemmConfig:
     group_m: int
     num_stages: int
     num_warps: int
-    flatten: bool = False  # one pipelined loop over tiles and K steps: plain GEMM and stores-only scatter
+    flatten: bool = False  # one pipelined loop over tiles and K steps (the next tile's loads overlap the epilogue)
     warp_specialize: bool = False
+    epilogue_split: int = 1  # each tile stored in 1, 2 or 4 column slices (less shared memory, more stages)
+    store_desc: bool = False  # the plain GEMM stores through a tensor descriptor (TMA) where it loads through
+    # them; the scatter always stores through pointers (one destination per owner)
 
-    def meta(self) -> dict:
+    def __post_init__(self) -> None:
+        if self.epilogue_split not in (1, 2, 4) or self.block_n % (8 * self.epilogue_split):
+            raise ValueError(f"epilogue_split {self.epilogue_split} must be 1, 2 or 4 and leave slices of at "
+                             f"least 8 of block_n {self.block_n}'s columns")
+
+    def meta(self, store_desc: bool = False) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                    FLATTEN=self.flatten, WARP_SPECIALIZE=self.warp_specialize, num_stages=self.num_stages,
-                    num_warps=self.num_warps)
+                    FLATTEN=self.flatten, WARP_SPECIALIZE=self.warp_specialize, EPILOGUE_SPLIT=self.epilogue_split,
+                    STORE_DESC=store_desc, num_stages=self.num_stages, num_warps=self.num_warps)
+
+    def label(self) -> str:
+        """Short text, as the benchmark's CSV writes it: ``128x256x64 g8 s3 w8 flat e2 tma``."""
+        loop = (" flat" if self.flatten else "") + (" ws" if self.warp_specialize else "")
+        tail = (f" e{self.epilogue_split}" if self.epilogue_split > 1 else "") + (" tma" if self.store_desc else "")
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} "
+                f"w{self.num_warps}{loop}{tail}")
 
 
 GPU_CONFIGS = (
-    GemmConfig(128, 256, 64, 8, 3, 8),  # the best of the 2026-12-03 run on most row-parallel shapes
-    GemmConfig(128, 256, 64, 8, 4, 8),
-    GemmConfig(128, 256, 64, 16, 3, 8),
+    # The plain GEMM: the tile loop flattened (the next tile's loads overlap this one's epilogue) and
+    # TMA stores in two column slices, as Triton's persistent-matmul tutorial does.
+    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 256, 64, 16, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=4, store_desc=True),
+    GemmConfig(128, 128, 64, 8, 4, 8, flatten=True, store_desc=True),
+    GemmConfig(128, 128, 64, 8, 5, 4, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 128, 128, 8, 3, 8, flatten=True, epilogue_split=2, store_desc=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2, store_desc=True),
+    # Unflattened with pointer stores: the first version's default and its variants, for comparison.
+    GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2),
     GemmConfig(128, 128, 64, 8, 4, 8),
-    GemmConfig(128, 128, 64, 8, 4, 4),
-    GemmConfig(128, 128, 128, 8, 3, 8),
-    GemmConfig(128, 256, 128, 8, 2, 8),
-    GemmConfig(64, 256, 64, 8, 4, 4),
-    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True),
-    GemmConfig(128, 128, 64, 8, 4, 8, flatten=True),
-    GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, warp_specialize=True),
+    GemmConfig(128, 256, 64, 8, 3, 8),
 )
 """What ``tune`` tries on a GPU (Hopper-sized tiles; a config that does not compile or fit is skipped).
-The flattened ones serve the plain GEMM and stores-only scatter: with signals the loop holds a CTA
-barrier, and Triton 3.6 then pipelines a flattened loop with one stage (checked by compiling for
-sm_90), so ``scatter_matmul`` refuses them there."""
+128x128 tiles are there for the shapes whose 128x256 tiles leave the last wave of the 132 SMs mostly
+idle (N = 7168 at 2K tokens: 448 tiles, 3.4 waves). The scatter takes the same configs but stores
+through pointers (``store_desc`` serves the plain GEMM only)."""
 DEFAULT_GPU_CONFIG = GPU_CONFIGS[0]
+DEFAULT_SCATTER_CONFIG = GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, epilogue_split=2)
+"""The scatter's default: ``DEFAULT_GPU_CONFIG`` with pointer stores."""
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 4)
 """Tiny tiles for ``TRITON_INTERPRET=1`` (each program runs in numpy)."""
+
+MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
+"""The fastest plain config per ``(N, K, token bucket)`` (``token_bucket``), measured on one H200
+(docs/gemm_epilogue.md's speed table says when and how); shapes not in it take
+``DEFAULT_GPU_CONFIG``."""
+
+
+MEASURED_SPEED: dict[tuple[int, int, int], float] = {}
+"""cuBLAS's time / the plain GEMM's with ``MEASURED_CONFIGS``' config, same keys and run
+(``do_bench`` medians; above 1: the Triton GEMM is faster): what a planner reads to keep cuBLAS where
+the Triton GEMM is slower (``measured_speed``)."""
+
+
+def measured_speed(m: int, n: int, k: int) -> float | None:
+    """``MEASURED_SPEED``'s entry for ``x[m, k] @ w[n, k]^T``, or None where the shape was not measured."""
+    return MEASURED_SPEED.get((n, k, token_bucket(m)))
+
+
+def token_bucket(m: int) -> int:
+    """The measured token count whose config serves ``m`` rows: 2048 up to 4096, else 8192."""
+    return 2048 if m <= 4096 else 8192
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def default_config(device: torch.device) -> GemmConfig:
-    return INTERPRETER_CONFIG if interpreting() or device.type != "cuda" else DEFAULT_GPU_CONFIG
+def select_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The plain GEMM's config for ``x[m, k] @ w[n, k]^T``: ``MEASURED_CONFIGS``' entry for the shape,
+    else the default."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER_CONFIG
+    return MEASURED_CONFIGS.get((n, k, token_bucket(m)), DEFAULT_GPU_CONFIG)
 
 
 def descriptor_unsupported_reason(*tensors: torch.Tensor) -> str | None:
@@ -98,7 +143,7 @@ def descriptor_unsupported_reason(*tensors: torch.Tensor) -> str | None:
     if not interpreting():
         if tensors[0].device.type != "cuda":
             return "tensor descriptors need a CUDA device (or TRITON_INTERPRET=1)"
-        if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        if _capability(tensors[0].device.index or 0)[0] < 9:
             return "TMA needs compute capability 9.0 or newer"
     for t in tensors:
         if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(-1) != 1:
@@ -207,27 +252,37 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)  # per call it costs microseconds of host time
+
+
 def _grid(num_tiles: int, device: torch.device, max_ctas: int | None) -> tuple[int]:
     ctas = max_ctas if max_ctas else (_sm_count(device.index or 0) if device.type == "cuda" else 4)
     return (max(1, min(ctas, num_tiles)),)
 
 
 def _launch(x, w, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blocks, watch, timeout_ns, rank,
-            world, signal_rows, config, use_descriptors, has_signals, num_tiles, max_ctas):
+            world, signal_rows, config, use_descriptors, has_signals, num_tiles, max_ctas, store_desc=False):
     from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
 
     if signal_rows % config.block_m:
         raise ValueError(f"signal rows {signal_rows} are not a multiple of block_m {config.block_m}")
     a, b = _operands(x, w, config, use_descriptors)
+    y_desc = staging
+    if store_desc:  # the plain GEMM: staging is y [M, N]
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        y_desc = TensorDescriptor(staging, list(staging.shape), list(staging.stride()),
+                                  [config.block_m, config.block_n // config.epilogue_split])
     grid = _grid(num_tiles, x.device, max_ctas)
     persistent_gemm_kernel[grid](
-        a, b, staging, starts, deltas, pad, pad_deltas, x.shape[0], n, x.shape[1], capacity, num_blocks, watch,
-        timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows, USE_DESC=use_descriptors,
-        HAS_SIGNALS=has_signals, **config.meta())
+        a, b, staging, y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n, x.shape[1], capacity, num_blocks,
+        watch, timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows, USE_DESC=use_descriptors,
+        HAS_SIGNALS=has_signals, THREADS=config.num_warps * 32, **config.meta(store_desc))
 
 
-def _resolve(x, w, config, use_descriptors) -> tuple[GemmConfig, bool]:
-    config = config or default_config(x.device)
+def _resolve(x, w, config: GemmConfig, use_descriptors) -> tuple[GemmConfig, bool]:
     if use_descriptors is None:
         use_descriptors = descriptor_unsupported_reason(x, w) is None
     elif use_descriptors and (why := descriptor_unsupported_reason(x, w)):
@@ -243,17 +298,21 @@ def _plain_tables(m: int, device: torch.device):
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None,
            use_descriptors: bool | None = None, max_ctas: int | None = None) -> torch.Tensor:
-    """``x[M, K] @ w[N, K]^T`` into ``out`` ([M, N], new if None). ``use_descriptors`` None: TMA loads
-    where supported; ``max_ctas`` None: one CTA per SM (persistent)."""
+    """``x[M, K] @ w[N, K]^T`` into ``out`` ([M, N], contiguous; new if None). ``config`` None:
+    ``select_config``'s for the shape; ``use_descriptors`` None: TMA loads (and, where the config
+    says so, TMA stores) where supported; ``max_ctas`` None: one CTA per SM (persistent)."""
     _check(x, w, x.dtype)
-    config, use_descriptors = _resolve(x, w, config, use_descriptors)
     m, n = x.shape[0], w.shape[0]
+    config, use_descriptors = _resolve(x, w, config or select_config(m, n, x.shape[1], x.device), use_descriptors)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor; got {tuple(out.shape)} {out.dtype}")
+    store_desc = use_descriptors and config.store_desc and descriptor_unsupported_reason(out) is None
     starts, deltas, pad = _plain_tables(m, x.device)
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     if m:
         _launch(x, w, out, starts, deltas, pad, deltas, n, m, 1, 0, 0, 0, 1, config.block_m, config,
-                use_descriptors, False, tiles, max_ctas)
+                use_descriptors, False, tiles, max_ctas, store_desc)
     return out
 
 
@@ -293,10 +352,9 @@ def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owner
         raise ValueError(f"row offsets {owners.starts} do not split x's {x.shape[0]} rows among {lay.world} owners")
     if max(owners.count(j) for j in range(lay.world)) > lay.capacity:
         raise ValueError(f"row counts of {owners.starts} exceed the staging capacity of {lay.capacity} rows")
+    if config is None:
+        config = INTERPRETER_CONFIG if interpreting() or x.device.type != "cuda" else DEFAULT_SCATTER_CONFIG
     config, use_descriptors = _resolve(x, w, config, use_descriptors)
-    if signals and config.flatten:
-        raise ValueError(f"{config} flattens the tile loop, which Triton does not pipeline with the signals' "
-                         "barrier: take a config with flatten=False")
     # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
     tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
     _launch(x, w, ws.staging, owners.table, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,

@@ -21,7 +21,7 @@ stores (Triton 3.6 failed to compile that shape in a flattened, warp-specialised
 Signal pad of every rank (int32, symmetric), ``B = ceil(capacity / SIGNAL_ROWS)`` row blocks::
 
     [0] GEMM_SEQ  [1] GEMM_DONE  [2] REDUCE_SEQ  [3] REDUCE_DONE
-    [4 ..]                 COUNT[owner][B]     tiles of (owner, row block) this GEMM has stored
+    [4 ..]                 COUNT[owner][B]     threads x tiles of (owner, row block) stored so far
     [4 + WORLD*B ..]       FLAG[slot][src][B]  the call (seq) whose rows src stored here
 
 Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same calls) uses slot
@@ -29,10 +29,12 @@ Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same call
 
 1. GEMM on rank ``r``: before storing, wait until every peer's REDUCE_SEQ >= ``seq - 2`` (the peer
    has read this slot's previous rows; system-scope acquire, bounded as ``runtime.cuda.peer_wait``).
-   After each stored tile: CTA barrier, ``COUNT[owner][b] += 1`` (acq_rel, system scope); the CTA
-   that brings it to the row block's tile count resets it and writes ``FLAG[slot][r][b] = seq`` into
-   the owner's pad with release at system scope (cumulative: the other CTAs' stores were acquired
-   through the count). The last CTA to finish advances GEMM_SEQ.
+   After each stored tile, every thread of the CTA adds 1 to ``COUNT[owner][b]`` (acq_rel, system
+   scope): each releases its own stores, so no CTA barrier is needed (with one, Triton 3.6 does not
+   pipeline a flattened tile loop). The thread that brings the count to ``THREADS`` x the row
+   block's tile count resets it and writes ``FLAG[slot][r][b] = seq`` into the owner's pad with
+   release at system scope (cumulative: every other thread's release was acquired through the
+   count's chain of read-modify-writes). The last CTA to finish advances GEMM_SEQ.
 2. Reduce on owner ``j``, per tile of ``ROWS`` rows inside row block ``b``: wait until every
    ``FLAG[slot][src][b] >= seq`` (acquire), sum ``staging[slot][src]`` in rank order in fp32, round
    to ``dtype`` (as eager's all_reduce output), add the residual, round (``residual_out``), RMSNorm.
@@ -62,10 +64,13 @@ HEADER_SLOTS = tl.constexpr(4)
 
 
 @triton.jit
-def _locate_tile(tile, starts_ptr, num_n_tiles, BLOCK_M: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _locate_tile(tile, starts_ptr, M, num_n_tiles, BLOCK_M: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Which owner tile ``tile`` belongs to, in the order peers first, own rows last: returns
     ``(owner, first row of the owner in x, its row count, the tile's index among the owner's tiles,
-    the owner's row-tile count)``. Branch-free (``tl.where`` over the ``WORLD`` owners)."""
+    the owner's row-tile count)``. Branch-free (``tl.where`` over the ``WORLD`` owners). One owner
+    (the plain GEMM): arithmetic on ``M`` only, no table load before the tile's first TMA load."""
+    if WORLD == 1:
+        return tile * 0, tile * 0, M + tile * 0, tile, tl.cdiv(M, BLOCK_M) + tile * 0
     owner = tile * 0
     start = tile * 0
     count = tile * 0
@@ -88,8 +93,10 @@ def _locate_tile(tile, starts_ptr, num_n_tiles, BLOCK_M: tl.constexpr, RANK: tl.
 
 
 @triton.jit
-def _total_row_tiles(starts_ptr, BLOCK_M: tl.constexpr, WORLD: tl.constexpr):
+def _total_row_tiles(starts_ptr, M, BLOCK_M: tl.constexpr, WORLD: tl.constexpr):
     """Row tiles over all owners (each owner's rows tiled on their own)."""
+    if WORLD == 1:
+        return tl.cdiv(M, BLOCK_M)
     total = tl.load(starts_ptr) * 0
     for o in tl.static_range(WORLD):
         total += tl.cdiv(tl.load(starts_ptr + o + 1) - tl.load(starts_ptr + o), BLOCK_M)
@@ -106,6 +113,27 @@ def _grouped(u, m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     return first_m + (u % size_m), (u % in_group) // size_m
 
 
+@triton.jit
+def _store_columns(part, col0, y_desc, staging_ptr, delta, dst_rows, row_ok, desc_row, N,
+                   STORE_DESC: tl.constexpr, WIDTH: tl.constexpr):
+    """Store ``part`` (``[BLOCK_M, WIDTH]`` fp32, columns ``col0 ..`` of the tile), rounded once:
+    through the tensor descriptor ``y_desc`` at row ``desc_row`` (TMA: asynchronous, clipped at the
+    tensor's bounds), or through pointers at ``staging_ptr + delta + dst_rows * N``, masked."""
+    out = part.to(staging_ptr.dtype.element_ty)
+    if STORE_DESC:
+        y_desc.store([desc_row, col0], out)
+    else:
+        cols = col0 + tl.arange(0, WIDTH)
+        dst = staging_ptr + delta + dst_rows[:, None] * N + cols[None, :]
+        tl.store(dst, out, mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _halves(acc, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns ``[0, WIDTH / 2)`` and ``[WIDTH / 2, WIDTH)`` of ``acc`` (``[ROWS, WIDTH]``)."""
+    return tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
+
+
 # Row counts change from call to call; specialising on them (value 1, multiples of 16) would compile
 # a kernel per split, and a module loaded while another rank's kernel spins can deadlock
 # (testing.kernel_sim). N, K and HIDDEN stay specialised: they keep the loads and stores vectorised.
@@ -114,6 +142,7 @@ def persistent_gemm_kernel(
     x,  # [M, K] activations: a tensor descriptor (block [BLOCK_M, BLOCK_K]) or a pointer (USE_DESC)
     w,  # [N, K] weight, row-major (y = x @ w^T): a descriptor (block [BLOCK_N, BLOCK_K]) or a pointer
     staging_ptr,  # this rank's staging buffer (dtype of y); the plain GEMM: y itself
+    y_desc,  # STORE_DESC: y as a tensor descriptor (block [BLOCK_M, BLOCK_N // EPILOGUE_SPLIT]); else unused
     starts_ptr,  # int32 [WORLD + 1]: owner j owns rows [starts[j], starts[j + 1]) of x
     deltas_ptr,  # int64 [WORLD]: owner j's staging address - this rank's, in elements
     pad_ptr,  # int32 this rank's signal pad (unused without HAS_SIGNALS)
@@ -131,14 +160,18 @@ def persistent_gemm_kernel(
     SIGNAL_ROWS: tl.constexpr,  # rows per signal (a multiple of BLOCK_M)
     USE_DESC: tl.constexpr,  # x and w are tensor descriptors (TMA loads; zero padding out of bounds)
     HAS_SIGNALS: tl.constexpr,  # the scatter protocol (module docstring); False: plain stores only
-    FLATTEN: tl.constexpr = False,  # one pipelined loop over tiles and K steps (not with HAS_SIGNALS)
+    FLATTEN: tl.constexpr = False,  # one pipelined loop over tiles and K steps
     WARP_SPECIALIZE: tl.constexpr = False,  # producer / consumer warps (Triton's warp specialisation)
+    STORE_DESC: tl.constexpr = False,  # the plain GEMM's tiles leave through y_desc (TMA stores)
+    EPILOGUE_SPLIT: tl.constexpr = 1,  # 1, 2 or 4 column slices per tile's store: less shared memory
+    # and fewer live registers in the epilogue, so more pipeline stages fit (Triton's persistent tutorial)
+    THREADS: tl.constexpr = 128,  # num_warps * 32: one signal lane per thread (HAS_SIGNALS)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = _total_row_tiles(starts_ptr, BLOCK_M, WORLD) * num_n_tiles
+    num_tiles = _total_row_tiles(starts_ptr, M, BLOCK_M, WORLD) * num_n_tiles
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -158,7 +191,7 @@ def persistent_gemm_kernel(
     flags = pad_ptr + HEADER_SLOTS + WORLD * num_blocks
 
     for tile in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        owner, start, count, u, m_tiles = _locate_tile(tile, starts_ptr, num_n_tiles, BLOCK_M, RANK, WORLD)
+        owner, start, count, u, m_tiles = _locate_tile(tile, starts_ptr, M, num_n_tiles, BLOCK_M, RANK, WORLD)
         pid_m, pid_n = _grouped(u, m_tiles, num_n_tiles, GROUP_M)
         row0 = start + pid_m * BLOCK_M  # first row of the tile in x
         n0 = pid_n * BLOCK_N
@@ -180,27 +213,50 @@ def persistent_gemm_kernel(
                 b = tl.load(w + b_rows[:, None] * K + k[None, :], mask=(k < K)[None, :], other=0.0)
                 acc = tl.dot(a, b.T, acc)
 
-        # Epilogue: the tile into owner's staging[slot][RANK], rows local to the owner.
+        # Epilogue: the tile into owner's staging[slot][RANK], rows local to the owner (the plain
+        # GEMM with STORE_DESC: into y at row0 through the descriptor).
         local = pid_m * BLOCK_M + rows
         dst_rows = ((slot * WORLD + RANK) * capacity + local).to(tl.int64)
-        delta = tl.multiple_of(tl.load(deltas_ptr + owner), 16)  # (host-checked) keeps the stores vectorised
-        dst = staging_ptr + delta + dst_rows[:, None] * N + (n0 + cols)[None, :]
-        mask = (local < count)[:, None] & ((n0 + cols) < N)[None, :]
-        tl.store(dst, acc.to(staging_ptr.dtype.element_ty), mask=mask)
+        row_ok = local < count
+        if STORE_DESC:
+            delta = 0
+        else:
+            delta = tl.multiple_of(tl.load(deltas_ptr + owner), 16)  # (host-checked) keeps the stores vectorised
+        if EPILOGUE_SPLIT == 1:
+            _store_columns(acc, n0, y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N, STORE_DESC, BLOCK_N)
+        else:
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            if EPILOGUE_SPLIT == 2:
+                _store_columns(left, n0, y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N, STORE_DESC,
+                               BLOCK_N // 2)
+                _store_columns(right, n0 + BLOCK_N // 2, y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N,
+                               STORE_DESC, BLOCK_N // 2)
+            else:  # 4: each half in two (the interpreter needs the widths as constexpr expressions)
+                a, b = _halves(left, BLOCK_M, BLOCK_N // 2)
+                _store_columns(a, n0, y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N, STORE_DESC,
+                               BLOCK_N // 4)
+                _store_columns(b, n0 + BLOCK_N // 4, y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N,
+                               STORE_DESC, BLOCK_N // 4)
+                c, d = _halves(right, BLOCK_M, BLOCK_N // 2)
+                _store_columns(c, n0 + BLOCK_N // 2, y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N,
+                               STORE_DESC, BLOCK_N // 4)
+                _store_columns(d, n0 + 3 * (BLOCK_N // 4), y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N,
+                               STORE_DESC, BLOCK_N // 4)
 
         if HAS_SIGNALS:
             block = (pid_m * BLOCK_M) // SIGNAL_ROWS
             block_rows = tl.minimum(count - block * SIGNAL_ROWS, SIGNAL_ROWS)
-            target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles
-            counter = counts + owner * num_blocks + block
-            flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block
-            # The barrier orders every thread's stores before the release; Triton 3.6 then does not
-            # pipeline a flattened loop (one stage), so the host refuses FLATTEN with signals. The
-            # masked atomics instead of an `if` keep the loop flattenable (3.6 fails on an scf.if).
-            tl.debug_barrier()
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys") == target - 1
-            tl.atomic_xchg(counter, 0, mask=done, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(flag, seq, mask=done, sem="release", scope="sys")
+            target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles * THREADS
+            # One lane per thread (a [THREADS] tensor is one element per thread): each thread's
+            # acq_rel add releases its own stores above, so no CTA barrier, which would stop Triton
+            # 3.6 pipelining a flattened loop. Masked atomics rather than an `if`: 3.6 fails to
+            # compile an scf.if there (DEVICE-FACTS).
+            lane0 = tl.arange(0, THREADS) * 0
+            counter = counts + owner * num_blocks + block + lane0
+            flag = flags + tl.load(pad_deltas_ptr + owner) + (slot * WORLD + RANK) * num_blocks + block + lane0
+            done = tl.atomic_add(counter, lane0 + 1, sem="acq_rel", scope="sys") == target - 1
+            tl.atomic_xchg(counter, lane0, mask=done, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(flag, lane0 + seq, mask=done, sem="release", scope="sys")
 
     if HAS_SIGNALS:  # the last CTA to finish advances this rank's call count
         tl.debug_barrier()
