@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 
 import weavepass
 from weavepass import WeaveConfig
+from weavepass.config import Lowering
 from weavepass.ops import FUSED_ALLREDUCE_RMSNORM
 from weavepass.runtime.cuda import dispatch, workspace
 from weavepass.testing import fake_process_group
@@ -70,7 +71,7 @@ def test_cuda_lowering_caches_per_capacity():
         new = [key for key in dispatch._LAUNCHES if key not in known]
     capacity_index = 8  # the key: partial's 4 properties, residual, weight, group, out_dtype, capacity, ...
     assert sorted(key[capacity_index] for key in new) == [256, 1024]
-    assert all(dispatch._LAUNCHES[key] == dispatch._PORTABLE for key in new)
+    assert all(dispatch._LAUNCHES[key] == Lowering.PORTABLE for key in new)
     without_capacity = {key[:capacity_index] + key[capacity_index + 1:] for key in new}
     assert len(without_capacity) == 1  # the capacity is the only difference
 
