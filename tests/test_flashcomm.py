@@ -452,6 +452,13 @@ def _calls(calls, op):
     return [args for name, args in calls if name == op]
 
 
+def _note(record, code: ReasonCode) -> Reason:
+    """The record's FlashComm note with ``code`` (there is one)."""
+    found = [n for n in record.notes if n.code is code]
+    assert len(found) == 1, (code, record.notes)
+    return found[0]
+
+
 def test_npu_graph_calls_mmrs_all_gather_mm_and_add_rms_norm():
     graph, calls = _npu_graph()
     assert graph.ops_after["weave.npu_mm_reduce_scatter.default"] == 2
@@ -461,8 +468,13 @@ def test_npu_graph_calls_mmrs_all_gather_mm_and_add_rms_norm():
     assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == 1  # the output norm
     assert "_c10d_functional.reduce_scatter_tensor.default" not in graph.ops_after
     assert [r.lowering for r in graph.records] == ["flashcomm:npu_mmrs"] * 2
-    assert "consumers: npu_all_gather_base_mm (mm_2)" in graph.records[0].reason, graph.records[0].reason
-    assert "all_gather+matmul not fused: no mm reads the normed rows" in graph.records[1].reason
+    assert [n.code for n in graph.records[0].notes] == [
+        ReasonCode.FLASHCOMM_NORM_NPU, ReasonCode.FLASHCOMM_CONSUMERS_FUSED], graph.records[0].notes
+    assert graph.records[0].notes[1].field("matmul") == "mm_2"
+    assert "consumers: npu_all_gather_base_mm (mm_2)" in graph.records[0].reason, graph.records[0].reason  # rendered
+    not_fused = _note(graph.records[1], ReasonCode.FLASHCOMM_GATHER_NOT_FUSED)
+    assert list(not_fused.codes()) == [ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, ReasonCode.FLASHCOMM_NO_ROWS_MM]
+    assert "all_gather+matmul not fused: no mm reads the normed rows" in graph.records[1].reason  # rendered
     mmrs = _calls(calls, "npu_mm_reduce_scatter_base")
     assert [(a["self"], a["x2"]) for a in mmrs] == [
         (((32, 256), torch.bfloat16), ((256, 320), torch.bfloat16)),  # 20 tokens padded to 32
@@ -566,8 +578,14 @@ def test_cuda_graph_under_inductor_cuda_graphs_uses_plain_collectives(monkeypatc
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * sites
     assert not any(op.startswith("symm_mem.") for op in graph.ops_after), graph.ops_after
     assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == sites
-    assert all(flashcomm.SYMM_MEM_CUDAGRAPHS_NOTE in r.reason for r in graph.records), (
-        [r.reason for r in graph.records])
+    for record in graph.records[1:]:  # (the first site's sum has no producer matmul)
+        skipped = _note(record, ReasonCode.FLASHCOMM_MMRS_SKIPPED)
+        assert skipped.field("cause") == Reason(ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS), record.notes
+        assert list(_note(record, ReasonCode.FLASHCOMM_GATHER_NOT_FUSED).codes())[1:] == [
+            ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS]
+    assert _note(graph.records[0], ReasonCode.FLASHCOMM_MMRS_SKIPPED).field("cause") == Reason(
+        ReasonCode.FLASHCOMM_NO_PRODUCER_MATMUL)
+    assert all("CUDA graphs are on" in r.reason for r in graph.records[1:]), [r.reason for r in graph.records]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,6 +173,40 @@ class ReasonCode(enum.Enum):
     FLASHCOMM_DECLINED = "flashcomm_declined"
     """On the record of the site that stopped FlashComm: why (``cause``)."""
 
+    # -- FlashComm per site (``strategies/flashcomm.py``): the record's ``notes``, how a site was
+    # rewritten where there was a choice; a ``cause`` is one of the codes after them, or (from the
+    # runtime's checks: ``runtime.npu``, ``runtime.symm_mem_matmul``) the runtime's words
+    FLASHCOMM_MMRS_SKIPPED = "flashcomm_mmrs_skipped"
+    """The producer matmul is not fused with the reduce_scatter (``cause``)."""
+    FLASHCOMM_NORM_NPU = "flashcomm_norm_npu"
+    """Information: the shard's add + norm runs as ``npu_add_rms_norm``."""
+    FLASHCOMM_NORM_ATEN = "flashcomm_norm_aten"
+    """The shard's add + norm runs as the graph's aten ops, not ``npu_add_rms_norm`` (``cause``)."""
+    FLASHCOMM_CONSUMERS_FUSED = "flashcomm_consumers_fused"
+    """Information: the normed rows' matmul consumers are fused with the all_gather (``op``, ``matmul``)."""
+    FLASHCOMM_GATHER_NOT_FUSED = "flashcomm_gather_not_fused"
+    """The all_gather of the normed rows is not fused with its matmul consumers (``cause``)."""
+    FLASHCOMM_NO_OPERAND_METADATA = "flashcomm_no_operand_metadata"
+    FLASHCOMM_NO_FUSED_MMRS = "flashcomm_no_fused_mmrs"
+    """The portable form has no fused matmul + reduce_scatter."""
+    FLASHCOMM_SYMM_MEM_CUDAGRAPHS = "flashcomm_symm_mem_cudagraphs"
+    FLASHCOMM_NO_PRODUCER_MATMUL = "flashcomm_no_producer_matmul"
+    FLASHCOMM_PRODUCER_NOT_MM = "flashcomm_producer_not_mm"
+    """The partial comes from ``op``, not a 2-D mm."""
+    FLASHCOMM_PRODUCER_NOT_VIEW = "flashcomm_producer_not_view"
+    """``node`` (``op``) between the matmul and the all_reduce is not a view."""
+    FLASHCOMM_PRODUCER_VIEW_READ = "flashcomm_producer_view_read"
+    """``node`` between the matmul and the all_reduce has other readers."""
+    FLASHCOMM_PRODUCER_READ = "flashcomm_producer_read"
+    FLASHCOMM_PRODUCER_SHAPE = "flashcomm_producer_shape"
+    """The matmul's output (``shape``) is not ``[tokens, hidden]``."""
+    FLASHCOMM_NO_ROWS_MM = "flashcomm_no_rows_mm"
+    """No mm reads the normed rows (``as_rows``: as ``[tokens, hidden]``)."""
+    FLASHCOMM_READER_NOT_MM = "flashcomm_reader_not_mm"
+    """``node`` (``op``) reads the normed rows, and is not a ``[tokens, hidden]`` mm."""
+    FLASHCOMM_WEIGHT_AFTER_NORM = "flashcomm_weight_after_norm"
+    """The weight of ``matmul`` is computed after the norm."""
+
     # -- The split (``strategies/split``): why a graph stays fuse-only
     SPLIT_NOT_POSSIBLE = "split_not_possible"
     """The split has no way to cut a node of the region (``cause``, one of the ``SPLIT_*`` below)."""
@@ -586,6 +620,29 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
                               "be replayed on [rows, hidden] shard rows"),
     ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
+    ReasonCode.FLASHCOMM_MMRS_SKIPPED: "MMRS skipped: {cause}",
+    ReasonCode.FLASHCOMM_NORM_NPU: "norm: npu_add_rms_norm",
+    ReasonCode.FLASHCOMM_NORM_ATEN: "norm: aten on the shard (npu_add_rms_norm: {cause})",
+    ReasonCode.FLASHCOMM_CONSUMERS_FUSED: lambda f: (
+        f"consumers: {f['op']}" + (f" ({f['matmul']})" if f.get("matmul") else "")),
+    ReasonCode.FLASHCOMM_GATHER_NOT_FUSED: "all_gather+matmul not fused: {cause}",
+    ReasonCode.FLASHCOMM_NO_OPERAND_METADATA: "the matmul operands have no tensor metadata",
+    ReasonCode.FLASHCOMM_NO_FUSED_MMRS: "no fused matmul + reduce_scatter for this device (portable lowering)",
+    ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS: (
+        "Inductor CUDA graphs are on: PyTorch's symm_mem fused matmul ops allocate their symmetric "
+        "workspace on first use, inside the CUDA-graph pool, which CUDA-graph trees reject ('tensors in "
+        "the cudagraph pool not tracked as outputs', 2 x H200, 2026-11-30); plain reduce_scatter and "
+        "all_gather instead"),
+    ReasonCode.FLASHCOMM_NO_PRODUCER_MATMUL: "no matmul produces the partial sum",
+    ReasonCode.FLASHCOMM_PRODUCER_NOT_MM: "the partial sum comes from {op}, not a 2-D mm",
+    ReasonCode.FLASHCOMM_PRODUCER_NOT_VIEW: "{node} ({op}) between the matmul and the all_reduce is not a view",
+    ReasonCode.FLASHCOMM_PRODUCER_VIEW_READ: "{node} between the matmul and the all_reduce has other users",
+    ReasonCode.FLASHCOMM_PRODUCER_READ: "the matmul output has other users",
+    ReasonCode.FLASHCOMM_PRODUCER_SHAPE: "the matmul output is {shape}, not [tokens, hidden]",
+    ReasonCode.FLASHCOMM_NO_ROWS_MM: lambda f: (
+        "no mm reads the normed rows" + (" as [tokens, hidden]" if f.get("as_rows") else "")),
+    ReasonCode.FLASHCOMM_READER_NOT_MM: "{node} ({op}) reads the normed rows, not a [tokens, hidden] mm",
+    ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM: "the weight of {matmul} is computed after the norm",
     ReasonCode.SPLIT_NOT_POSSIBLE: "split not possible: {cause}",
     ReasonCode.SPLIT_NOTHING_FUSED: ("no site was fused, so there is no communication to overlap (each "
                                      "site's line says why it was kept)"),
