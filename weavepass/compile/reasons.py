@@ -326,7 +326,12 @@ class ReasonCode(enum.Enum):
     QUANT_LAYER_NORM = "quant_layer_norm"
     QUANT_TRAINING = "quant_training"
     QUANT_LOWERING = "quant_lowering"
-    """The site's lowering does not carry the quantization (``cause``: the runtime's words)."""
+    """The site's lowering does not carry the quantization (``cause``: one of the next four)."""
+    # Why (``runtime.QuantIssue``, the same values; the sentences are the runtime's, ``QUANT_ISSUE_TEXT``)
+    QUANT_LOWERING_NOT_CARRIED = "quant_lowering_not_carried"
+    QUANT_CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
+    QUANT_CUDA_FORM = "quant_cuda_form"
+    QUANT_CUDA_UNVERIFIED = "quant_cuda_unverified"
     QUANT_FLASHCOMM = "quant_flashcomm"
     """FlashComm took the graph: the quantization runs on the rows it gathers."""
     QUANT_SPLIT = "quant_split"
@@ -854,3 +859,21 @@ CUDA_ISSUES = (
 """The codes of ``runtime.cuda.support.CudaIssue`` (the same values)."""
 MESSAGES.update({code: _cuda_words(code) for code in CUDA_ISSUES})
 
+
+
+def _quant_words(code: ReasonCode) -> Message:
+    """The runtime's sentence for a ``QuantIssue`` code (``runtime.QUANT_ISSUE_TEXT``)."""
+    def render(fields: dict[str, object]) -> str:
+        from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
+
+        return QUANT_ISSUE_TEXT[QuantIssue(code.value)].format(**fields)
+
+    return render
+
+
+QUANT_ISSUES = (
+    ReasonCode.QUANT_LOWERING_NOT_CARRIED, ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE, ReasonCode.QUANT_CUDA_FORM,
+    ReasonCode.QUANT_CUDA_UNVERIFIED,
+)
+"""The codes of ``runtime.QuantIssue`` (the same values)."""
+MESSAGES.update({code: _quant_words(code) for code in QUANT_ISSUES})
