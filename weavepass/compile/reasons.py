@@ -12,6 +12,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weavepass.runtime.issue import Unsupported
 
 
 class ReasonCode(enum.Enum):
@@ -206,6 +210,36 @@ class ReasonCode(enum.Enum):
     """``node`` (``op``) reads the normed rows, and is not a ``[tokens, hidden]`` mm."""
     FLASHCOMM_WEIGHT_AFTER_NORM = "flashcomm_weight_after_norm"
     """The weight of ``matmul`` is computed after the norm."""
+    # Why a torch_npu or symm_mem fused op does not take a site (``runtime.npu.NpuIssue``,
+    # ``runtime.symm_mem_matmul.SymmMemIssue``, the same values; the sentences are the runtime's,
+    # ``runtime.issue.ISSUE_TEXT``)
+    NPU_NO_CHIP_NAME = "npu_no_chip_name"
+    NPU_UNKNOWN_CHIP = "npu_unknown_chip"
+    NPU_COMM_MODE = "npu_comm_mode"
+    NPU_BIAS = "npu_bias"
+    NPU_NOT_2D = "npu_not_2d"
+    NPU_DTYPES = "npu_dtypes"
+    NPU_WORLD_SIZE = "npu_world_size"
+    NPU_WORLD_SIZE_FAILING = "npu_world_size_failing"
+    NPU_INNER_DIMS = "npu_inner_dims"
+    NPU_K_RANGE = "npu_k_range"
+    NPU_M_NOT_DIVISIBLE = "npu_m_not_divisible"
+    NPU_X1_LAYOUT = "npu_x1_layout"
+    NPU_X2_LAYOUT = "npu_x2_layout"
+    NPU_GATHER_BYTES = "npu_gather_bytes"
+    NPU_NORM_LAYER_NORM = "npu_norm_layer_norm"
+    NPU_NORM_NO_RESIDUAL = "npu_norm_no_residual"
+    NPU_NORM_DTYPE = "npu_norm_dtype"
+    NPU_NORM_NO_WEIGHT = "npu_norm_no_weight"
+    NPU_NORM_WEIGHT_DTYPE = "npu_norm_weight_dtype"
+    NPU_NORM_OUT_DTYPE = "npu_norm_out_dtype"
+    SYMM_MEM_UNAVAILABLE = "symm_mem_unavailable"
+    SYMM_MEM_NOT_ON_CUDA = "symm_mem_not_on_cuda"
+    SYMM_MEM_GROUP_UNRESOLVED = "symm_mem_group_unresolved"
+    SYMM_MEM_NOT_NCCL = "symm_mem_not_nccl"
+    SYMM_MEM_BIAS = "symm_mem_bias"
+    SYMM_MEM_NOT_2D = "symm_mem_not_2d"
+    SYMM_MEM_M_NOT_DIVISIBLE = "symm_mem_m_not_divisible"
 
     # -- The split (``strategies/split``): why a graph stays fuse-only
     SPLIT_NOT_POSSIBLE = "split_not_possible"
@@ -877,3 +911,26 @@ QUANT_ISSUES = (
 )
 """The codes of ``runtime.QuantIssue`` (the same values)."""
 MESSAGES.update({code: _quant_words(code) for code in QUANT_ISSUES})
+
+
+def _runtime_words(code: ReasonCode) -> Message:
+    """The runtime's sentence for a ``runtime.issue`` code (``runtime.issue.ISSUE_TEXT``)."""
+    def render(fields: dict[str, object]) -> str:
+        import weavepass.runtime.npu
+        import weavepass.runtime.symm_mem_matmul  # noqa: F401  (each registers its sentences)
+        from weavepass.runtime.issue import ISSUE_TEXT
+
+        return ISSUE_TEXT[code.value].format(**fields)
+
+    return render
+
+
+RUNTIME_ISSUES = tuple(code for code in ReasonCode if code.value.startswith(("npu_", "symm_mem_")))
+"""The codes of ``runtime.npu.NpuIssue`` and ``runtime.symm_mem_matmul.SymmMemIssue`` (the same values)."""
+MESSAGES.update({code: _runtime_words(code) for code in RUNTIME_ISSUES})
+
+
+def runtime_issue_reason(issue: Unsupported) -> Reason:
+    """A runtime check's answer (``runtime.issue.Unsupported``) as the ``Reason`` of the same code
+    (``RUNTIME_ISSUES``), with its fields."""
+    return Reason(ReasonCode(issue.issue.value), issue.fields)

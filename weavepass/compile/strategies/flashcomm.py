@@ -57,7 +57,7 @@ from weavepass.compile.planner import (
     group_size,
     inductor_cudagraphs_on,
 )
-from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode, runtime_issue_reason
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import Lowering, WeaveConfig
@@ -69,6 +69,7 @@ from weavepass.ops import (
     NPU_MM_REDUCE_SCATTER,
 )
 from weavepass.runtime import npu, symm_mem_matmul
+from weavepass.runtime.issue import Unsupported
 
 log = logging.getLogger("weavepass")
 _EXPECTED_DECLINES = (ReasonCode.TOO_FEW_TOKENS, ReasonCode.NO_SITES, ReasonCode.GROUP_TOO_SMALL)
@@ -226,9 +227,9 @@ class _Matmul:
     chain: list[Node]
 
 
-Why = Reason | str
-"""Why a fused op does not take a site: a ``Reason``, or the runtime's words (``runtime.npu``,
-``runtime.symm_mem_matmul``)."""
+def _runtime(issue: Unsupported | None) -> Reason | None:
+    """A runtime check's answer (``runtime.npu``, ``runtime.symm_mem_matmul``) as its ``Reason``."""
+    return None if issue is None else runtime_issue_reason(issue)
 
 
 def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | Reason:
@@ -421,7 +422,7 @@ class PortableFlashComm:
         self.dead.update([*matmul.views, matmul.mm])
         return self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1), None
 
-    def mmrs_unsupported_reason(self, mm: _Matmul) -> Why | None:
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> Reason | None:
         """Why this form cannot fuse ``mm`` with its reduce_scatter (None: it can)."""
         return _operands_reason(mm) or Reason(ReasonCode.FLASHCOMM_NO_FUSED_MMRS)
 
@@ -515,7 +516,7 @@ class NpuFlashComm(PortableFlashComm):
             raise RuntimeError("weavepass internal error: an NPU fused op without enable_mmrs_fusion")
         return self.npu_target
 
-    def mmrs_unsupported_reason(self, mm: _Matmul) -> Why | None:
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> Reason | None:
         operands = _operands_reason(mm)
         if operands is not None:
             return operands
@@ -523,9 +524,9 @@ class NpuFlashComm(PortableFlashComm):
         padded = self.d.padded_tokens != self.d.num_tokens
         x_shape = (self.d.padded_tokens, *xv.shape[1:])
         x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
-        return npu.matmul_comm_unsupported_reason(
+        return _runtime(npu.matmul_comm_unsupported_reason(
             npu.MMRS, self.fused_target(), x_shape, x_stride, xv.dtype, tuple(wv.shape),
-            tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None)
+            tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None))
 
     def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
         d = self.d
@@ -536,8 +537,8 @@ class NpuFlashComm(PortableFlashComm):
                     residual: Node | None) -> tuple[Node, Node, Reason | None]:
         norm = site.norm
         weight_dtype = tensor(norm.weight).dtype if norm.weight is not None else None
-        reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
-                                                     residual is not None, norm.kind == LAYER_NORM)
+        reason = _runtime(npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
+                                                     residual is not None, norm.kind == LAYER_NORM))
         if reason is None:
             fused = self.call(NPU_ADD_RMS_NORM, shard, residual, norm.weight, norm.eps)
             return (self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1),
@@ -551,7 +552,7 @@ class NpuFlashComm(PortableFlashComm):
         if self.npu_target is None:
             return super().gather_normed(site, normed, point)
         found = self.npu_all_gather_mm(site, normed, point)
-        if not isinstance(found, (Reason, str)):
+        if not isinstance(found, Reason):
             return found
         log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
                  site.all_reduce.name, found)
@@ -559,7 +560,7 @@ class NpuFlashComm(PortableFlashComm):
             Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=found)
 
     def npu_all_gather_mm(self, site: FusedAllReduceRMSNormSite, normed: Node,
-                          point: int) -> tuple[Node, Reason] | Why:
+                          point: int) -> tuple[Node, Reason] | Reason:
         """Gather the normed shard through ``npu_all_gather_base_mm`` with the first
         ``[tokens, hidden] @ w`` reader: ``(gathered rows for the other readers, note)``, or why not.
 
@@ -570,17 +571,17 @@ class NpuFlashComm(PortableFlashComm):
         candidates: list[tuple[Node, Node | None]] = [(user, None) for user in out.users]
         candidates += [(reader, view) for view in out.users if is_target(view, VIEWS)
                        for reader in view.users]
-        first_reason: Why | None = None
+        first_reason: Reason | None = None
         for mm, view in candidates:
             rows = out if view is None else view
             if not (is_target(mm, {aten.mm.default}) and mm.args[0] is rows
                     and tuple(tensor(rows).shape) == rows_shape):
                 continue
             wv, xv = val(mm.args[1]), val(normed)
-            reason: Why | None = Reason(ReasonCode.FLASHCOMM_NO_OPERAND_METADATA) if wv is None or xv is None else \
-                npu.matmul_comm_unsupported_reason(
+            reason: Reason | None = Reason(ReasonCode.FLASHCOMM_NO_OPERAND_METADATA) if wv is None or xv is None else \
+                _runtime(npu.matmul_comm_unsupported_reason(
                     npu.AGMM, self.fused_target(), tuple(xv.shape), tuple(xv.stride()), xv.dtype,
-                    tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False)
+                    tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False))
             w = self.weight_before(mm, point) if reason is None else None
             if w is None:
                 first_reason = first_reason or reason or Reason.of(ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM,
@@ -611,20 +612,20 @@ class CudaFlashComm(PortableFlashComm):
 
     def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         super().__init__(graph, decision, config)
-        self.symm_reason: Why | None = None
+        self.symm_reason: Reason | None = None
         if config.enable_mmrs_fusion:
             self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
-                symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
+                _runtime(symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda"))))
 
-    def mmrs_unsupported_reason(self, mm: _Matmul) -> Why | None:
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> Reason | None:
         operands = _operands_reason(mm)
         if operands is not None:
             return operands
         if self.symm_reason is not None:
             return self.symm_reason
         x_shape = (self.d.padded_tokens, *tensor(mm.x).shape[1:])  # (checked by ``_operands_reason``)
-        return symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
-            x_shape, self.d.world_size, mm.bias is not None)
+        return _runtime(symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
+            x_shape, self.d.world_size, mm.bias is not None))
 
     def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
         return self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_MATMUL_REDUCE_SCATTER),
