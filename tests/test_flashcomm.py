@@ -181,12 +181,20 @@ def _target(chip: str, mode: str = "auto") -> npu.FusedCommTarget:
 def test_comm_mode_per_chip(chip, mode, resolved, words):
     target = _target(chip, mode)
     assert (target.device_name, target.comm_mode) == (chip, resolved)
-    assert target.reason is None if words is None else words in target.reason
+    if words is None:
+        assert target.reason is None
+    else:
+        assert target.reason is not None
+        issue = npu.NpuIssue.UNKNOWN_CHIP if words.startswith("chip") else npu.NpuIssue.COMM_MODE
+        assert target.reason.issue is issue
+        assert words in str(target.reason)  # rendered
 
 
 def test_unreadable_chip_name_turns_the_fused_ops_off(monkeypatch):
     monkeypatch.setattr(npu, "resolve_torch_npu", lambda: (_ for _ in ()).throw(RuntimeError("no torch_npu")))
-    assert "cannot read the NPU chip name: no torch_npu" in npu.fused_comm_target("auto").reason
+    reason = npu.fused_comm_target("auto").reason
+    assert reason is not None and reason.issue is npu.NpuIssue.NO_CHIP_NAME
+    assert str(reason) == "cannot read the NPU chip name: no torch_npu"  # rendered
 
 
 _OK = dict(x_shape=(64, 256), x_stride=(256, 1), x_dtype=torch.bfloat16, w_shape=(256, 32),
@@ -198,26 +206,32 @@ def test_matmul_comm_conditions(op):
     a2 = _target(A2)
     assert npu.matmul_comm_unsupported_reason(op, a2, **_OK) is None
     assert npu.matmul_comm_unsupported_reason(op, a2, **{**_OK, "w_stride": (1, 256)}) is None  # w.t()
-    for chip, change, words in [
-        (A2, dict(x_shape=(64, 128), x_stride=(128, 1), w_shape=(128, 32)), "k=128"),
-        (A2, dict(has_bias=True), "bias"),
-        (A2, dict(x_dtype=torch.float32, w_dtype=torch.float32), "float32"),
-        (A2, dict(w_dtype=torch.float16), "fp16 or bf16"),
-        (A2, dict(world_size=3), "world size 3 is not one of (2, 4, 8) documented"),
-        (A2, dict(world_size=16), "world size 16 is not one of (2, 4, 8) documented"),
-        (A3, dict(world_size=16), "off from 16 ranks"),
-        (A3, dict(world_size=32), "off from 16 ranks"),
-        (A950, dict(world_size=16), "off from 16 ranks"),
-        (A2, dict(x_stride=(1, 64)), "x1 is a transposed"),
-        (A2, dict(w_stride=(64, 1)), "neither contiguous nor a plain transpose"),
-        (A2, dict(w_stride=(1, 512)), "neither contiguous nor a plain transpose"),
-        (A2, dict(x_shape=(64, 65535), w_shape=(65535, 32), x_stride=(65535, 1)), "outside"),
+    issue = npu.NpuIssue
+    for chip, change, code in [
+        (A2, dict(x_shape=(64, 128), x_stride=(128, 1), w_shape=(128, 32)), issue.K_RANGE),
+        (A2, dict(has_bias=True), issue.BIAS),
+        (A2, dict(x_dtype=torch.float32, w_dtype=torch.float32), issue.DTYPES),
+        (A2, dict(w_dtype=torch.float16), issue.DTYPES),
+        (A2, dict(world_size=3), issue.WORLD_SIZE),
+        (A2, dict(world_size=16), issue.WORLD_SIZE),
+        (A3, dict(world_size=16), issue.WORLD_SIZE_FAILING),
+        (A3, dict(world_size=32), issue.WORLD_SIZE_FAILING),
+        (A950, dict(world_size=16), issue.WORLD_SIZE_FAILING),
+        (A2, dict(x_stride=(1, 64)), issue.X1_LAYOUT),
+        (A2, dict(w_stride=(64, 1)), issue.X2_LAYOUT),
+        (A2, dict(w_stride=(1, 512)), issue.X2_LAYOUT),
+        (A2, dict(x_shape=(64, 65535), w_shape=(65535, 32), x_stride=(65535, 1)), issue.K_RANGE),
     ]:
-        assert words in npu.matmul_comm_unsupported_reason(op, _target(chip), **{**_OK, **change}), (chip, change)
+        reason = npu.matmul_comm_unsupported_reason(op, _target(chip), **{**_OK, **change})
+        assert reason is not None and reason.issue is code, (chip, change, reason)
+    k_small = npu.matmul_comm_unsupported_reason(op, a2, **{**_OK, "x_shape": (64, 128), "x_stride": (128, 1),
+                                                             "w_shape": (128, 32)})
+    assert str(k_small) == "k=128 is outside [256, 65535)"  # rendered
     odd_m = npu.matmul_comm_unsupported_reason(op, a2, **{**_OK, "x_shape": (63, 256)})
-    assert (odd_m is not None and "divisible" in odd_m) if op == npu.MMRS else odd_m is None
+    assert (odd_m is not None and odd_m.issue is issue.M_NOT_DIVISIBLE) if op == npu.MMRS else odd_m is None
     huge = dict(x_shape=(2**20, 4096), x_stride=(4096, 1), w_shape=(4096, 32))  # 16 GiB gathered on 2
-    assert "over CANN's" in npu.matmul_comm_unsupported_reason(npu.AGMM, _target(A950), **{**_OK, **huge})
+    too_much = npu.matmul_comm_unsupported_reason(npu.AGMM, _target(A950), **{**_OK, **huge})
+    assert too_much is not None and too_much.issue is issue.GATHER_BYTES
 
 
 @pytest.mark.parametrize("op", [npu.MMRS, npu.AGMM])
@@ -243,7 +257,7 @@ def test_chip_rules_agree_with_the_emulated_op(op):
                 if reason is None:
                     assert emulated_error is None, (chip, mode, world, emulated_error)
                 elif emulated_error is None:
-                    assert "off from 16 ranks" in reason, (chip, mode, world, reason)
+                    assert reason.issue is npu.NpuIssue.WORLD_SIZE_FAILING, (chip, mode, world, reason)
                     refused_by_field_rule += 1
     assert refused_by_field_rule == 2 * 2 + 2  # A3 ai_cpu/none at 16 and 32, A950 ccu at 16 and 32
 
@@ -452,6 +466,13 @@ def _calls(calls, op):
     return [args for name, args in calls if name == op]
 
 
+def _note(record, code: ReasonCode) -> Reason:
+    """The record's FlashComm note with ``code`` (there is one)."""
+    found = [n for n in record.notes if n.code is code]
+    assert len(found) == 1, (code, record.notes)
+    return found[0]
+
+
 def test_npu_graph_calls_mmrs_all_gather_mm_and_add_rms_norm():
     graph, calls = _npu_graph()
     assert graph.ops_after["weave.npu_mm_reduce_scatter.default"] == 2
@@ -461,8 +482,13 @@ def test_npu_graph_calls_mmrs_all_gather_mm_and_add_rms_norm():
     assert graph.ops_after["_c10d_functional.all_gather_into_tensor.default"] == 1  # the output norm
     assert "_c10d_functional.reduce_scatter_tensor.default" not in graph.ops_after
     assert [r.lowering for r in graph.records] == ["flashcomm:npu_mmrs"] * 2
-    assert "consumers: npu_all_gather_base_mm (mm_2)" in graph.records[0].reason, graph.records[0].reason
-    assert "all_gather+matmul not fused: no mm reads the normed rows" in graph.records[1].reason
+    assert [n.code for n in graph.records[0].notes] == [
+        ReasonCode.FLASHCOMM_NORM_NPU, ReasonCode.FLASHCOMM_CONSUMERS_FUSED], graph.records[0].notes
+    assert graph.records[0].notes[1].field("matmul") == "mm_2"
+    assert "consumers: npu_all_gather_base_mm (mm_2)" in graph.records[0].reason, graph.records[0].reason  # rendered
+    not_fused = _note(graph.records[1], ReasonCode.FLASHCOMM_GATHER_NOT_FUSED)
+    assert list(not_fused.codes()) == [ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, ReasonCode.FLASHCOMM_NO_ROWS_MM]
+    assert "all_gather+matmul not fused: no mm reads the normed rows" in graph.records[1].reason  # rendered
     mmrs = _calls(calls, "npu_mm_reduce_scatter_base")
     assert [(a["self"], a["x2"]) for a in mmrs] == [
         (((32, 256), torch.bfloat16), ((256, 320), torch.bfloat16)),  # 20 tokens padded to 32
@@ -482,15 +508,19 @@ def test_npu_graph_on_ascend950_uses_ccu():
     assert len(fused) == 3 and {a["comm_mode"] for a in fused} == {"ccu"}
 
 
-@pytest.mark.parametrize("chip, world, config, words", [
-    (A950, 2, dict(mmrs_comm_mode="aiv"), "comm_mode 'aiv' is not taken on Ascend 950"),
-    (A2, 2, dict(mmrs_comm_mode="ccu"), "comm_mode 'ccu' is not taken on Atlas A2"),
-    (A3, 16, {}, "world size 16: npu_mm_reduce_scatter_base is off from 16 ranks"),
-    (A2, 16, {}, "world size 16 is not one of (2, 4, 8) documented for npu_mm_reduce_scatter_base on Atlas A2"),
+@pytest.mark.parametrize("chip, world, config, code, words", [
+    (A950, 2, dict(mmrs_comm_mode="aiv"), ReasonCode.NPU_COMM_MODE, "comm_mode 'aiv' is not taken on Ascend 950"),
+    (A2, 2, dict(mmrs_comm_mode="ccu"), ReasonCode.NPU_COMM_MODE, "comm_mode 'ccu' is not taken on Atlas A2"),
+    (A3, 16, {}, ReasonCode.NPU_WORLD_SIZE_FAILING, "world size 16: npu_mm_reduce_scatter_base is off from 16 ranks"),
+    (A2, 16, {}, ReasonCode.NPU_WORLD_SIZE,
+     "world size 16 is not one of (2, 4, 8) documented for npu_mm_reduce_scatter_base on Atlas A2"),
 ])
-def test_npu_chip_rule_refusals_fall_back_with_the_reason(chip, world, config, words):
+def test_npu_chip_rule_refusals_fall_back_with_the_reason(chip, world, config, code, words):
     graph, calls = _npu_graph(chip, world, **config)
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * 2
+    for record in graph.records:
+        assert list(_note(record, ReasonCode.FLASHCOMM_MMRS_SKIPPED).codes()) == [
+            ReasonCode.FLASHCOMM_MMRS_SKIPPED, code], record.notes
     assert all(f"MMRS skipped: {words}" in r.reason for r in graph.records), [r.reason for r in graph.records]
     assert "all_gather+matmul not fused" in graph.records[0].reason
     assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == 2
@@ -566,8 +596,14 @@ def test_cuda_graph_under_inductor_cuda_graphs_uses_plain_collectives(monkeypatc
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] * sites
     assert not any(op.startswith("symm_mem.") for op in graph.ops_after), graph.ops_after
     assert graph.ops_after["_c10d_functional.reduce_scatter_tensor.default"] == sites
-    assert all(flashcomm.SYMM_MEM_CUDAGRAPHS_NOTE in r.reason for r in graph.records), (
-        [r.reason for r in graph.records])
+    for record in graph.records[1:]:  # (the first site's sum has no producer matmul)
+        skipped = _note(record, ReasonCode.FLASHCOMM_MMRS_SKIPPED)
+        assert skipped.field("cause") == Reason(ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS), record.notes
+        assert list(_note(record, ReasonCode.FLASHCOMM_GATHER_NOT_FUSED).codes())[1:] == [
+            ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS]
+    assert _note(graph.records[0], ReasonCode.FLASHCOMM_MMRS_SKIPPED).field("cause") == Reason(
+        ReasonCode.FLASHCOMM_NO_PRODUCER_MATMUL)
+    assert all("CUDA graphs are on" in r.reason for r in graph.records[1:]), [r.reason for r in graph.records]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -242,7 +242,8 @@ def test_cuda_kernel_carries_every_fused_form(fake_world, form, monkeypatch):
     monkeypatch.setattr(runtime, "CUDA_QUANT_EPILOGUE_VERIFIED", False)
     planned = _plan_quant(site, "cuda_symm")
     assert planned.quant is None and planned.quant_left.code is ReasonCode.QUANT_LOWERING
-    assert planned.quant_left.reason.field("cause") == runtime.CUDA_QUANT_EPILOGUE_UNVERIFIED
+    assert list(planned.quant_left.reason.codes()) == [ReasonCode.QUANT_LOWERING, ReasonCode.QUANT_CUDA_UNVERIFIED]
+    assert str(planned.quant_left.reason.field("cause")) == runtime.CUDA_QUANT_EPILOGUE_UNVERIFIED  # rendered
     assert f"+ {LABELS[form]}" not in planned.kind and "stays outside" in planned.kind
 
 
@@ -263,7 +264,8 @@ def test_cuda_lowering_keeps_a_form_it_does_not_carry_outside(fake_world):
     assert site.quant is not None  # the portable lowering carries it
     site = _plan_quant(site, "cuda_symm")
     assert site.quant is None and site.quant_left.code is ReasonCode.QUANT_LOWERING
-    assert site.quant_left.text == (
+    assert list(site.quant_left.reason.codes()) == [ReasonCode.QUANT_LOWERING, ReasonCode.QUANT_CUDA_FORM]
+    assert site.quant_left.text == (  # rendered
         "fp8 per-row quant stays outside the fused op: the CUDA kernel does not carry it: its codes are not "
         "clamped to +-448 before the fp8 cast (eager makes an overflow NaN; the kernel rounds clamped values "
         "only)")
@@ -448,3 +450,20 @@ def test_codes_scales_and_matmul_against_eager(world):
     checked, fused = results[0]
     assert set(checked) == {(f, str(d)) for f in FUSED_FORMS for d in (torch.bfloat16, torch.float16)}
     assert fused == (len(FUSED_FORMS) if world == 2 else None)
+
+
+def test_quant_unsupported_reason_answers_with_codes():
+    """The runtime answers with a ``QuantIssue`` (its fields), the planner's ``Reason`` has the same
+    code, and the sentence is the runtime's."""
+    from weavepass import runtime
+    from weavepass.compile.planner import quant_issue_reason
+
+    kwargs = dict(out_dtype=torch.bfloat16, hidden=H, device=torch.device("cpu"))
+    other = runtime.quant_unsupported_reason("npu", False, 0, "", "", **kwargs)
+    assert other is not None and other.issue is runtime.QuantIssue.LOWERING
+    assert dict(other.fields) == {"lowering": "npu"}
+    reason = quant_issue_reason(other)
+    assert reason.code is ReasonCode.QUANT_LOWERING_NOT_CARRIED
+    assert reason.render() == str(other) == "the 'npu' lowering does not carry it yet"  # rendered
+    no_dtype = runtime.quant_unsupported_reason("cuda_symm", True, 0, "", "", static_scale=None, **kwargs)
+    assert no_dtype is not None and quant_issue_reason(no_dtype).code is ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE

@@ -29,8 +29,9 @@ class AllReduceRecord:
     kind: str = ""
     lowering: str = ""
     matmul: str = ""
-    notes: list[str] = field(default_factory=list)
-    """How it was rewritten, where there was a choice (FlashComm's per-site notes)."""
+    notes: list[Reason] = field(default_factory=list)
+    """How it was rewritten, where there was a choice (FlashComm's per-site notes, each a code and
+    its fields; ``reason`` renders them)."""
     where: str = ""
     """The module that produced the sum and the source line of its all_reduce
     (``model.layers.0.mlp.down_proj (modeling_llama.py:123: ...)``, ``weavepass.compile.where``);
@@ -43,7 +44,7 @@ class AllReduceRecord:
     @property
     def reason(self) -> str:
         """The reasons and notes, as users read them."""
-        return "; ".join([r.render() for r in self.reasons] + self.notes)
+        return "; ".join([r.render() for r in [*self.reasons, *self.notes]])
 
 
 @dataclass

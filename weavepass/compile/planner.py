@@ -23,6 +23,7 @@ from weavepass.config import Lowering, WeaveConfig
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+    from weavepass.runtime import QuantUnsupported
     from weavepass.runtime.cuda.support import CudaUnsupported
 
 
@@ -66,6 +67,12 @@ def group_size(group_name: str) -> int | None:
 def cuda_issue_reason(issue: CudaUnsupported) -> Reason:
     """The runtime's support check's answer (``runtime.cuda.support.CudaUnsupported``) as the
     ``Reason`` of the same code (``reasons.CUDA_ISSUES``), with its fields."""
+    return Reason(ReasonCode(issue.issue.value), issue.fields)
+
+
+def quant_issue_reason(issue: QuantUnsupported) -> Reason:
+    """The runtime's answer on a quantization (``runtime.QuantUnsupported``) as the ``Reason`` of the
+    same code (``reasons.QUANT_ISSUES``), with its fields."""
     return Reason(ReasonCode(issue.issue.value), issue.fields)
 
 
@@ -224,7 +231,7 @@ def plan_sites(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig) -> l
 
 def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: Lowering | None) -> FusedAllReduceRMSNormSite:
     """``site``, with its quantization left outside the fused op where its lowering does not carry
-    it (``runtime.quant_unsupported_reason``: the runtime's words; the CUDA kernel answers with its
+    it (``runtime.quant_unsupported_reason``: a ``QuantIssue``, as its ``ReasonCode``; the CUDA kernel answers with its
     own check); the norm is fused all the same, and the site's kind says why."""
     from weavepass.compile.patterns.rmsnorm import val
     from weavepass.runtime import quant_unsupported_reason
@@ -237,4 +244,5 @@ def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: Lowering | None) -> F
         lowering, quant.static, quant.group_size, quant.scale_steps, quant.code_steps,
         out_dtype=site.norm.out_dtype, hidden=site.hidden, device=site.device,
         static_scale=None if scale is None else (scale.dtype, scale.dim()), return_normed=quant.return_normed)
-    return site if cause is None else site.without_quant(Reason.of(ReasonCode.QUANT_LOWERING, cause=cause))
+    return site if cause is None else site.without_quant(
+        Reason.of(ReasonCode.QUANT_LOWERING, cause=quant_issue_reason(cause)))

@@ -12,6 +12,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weavepass.runtime.issue import Unsupported
 
 
 class ReasonCode(enum.Enum):
@@ -173,6 +177,70 @@ class ReasonCode(enum.Enum):
     FLASHCOMM_DECLINED = "flashcomm_declined"
     """On the record of the site that stopped FlashComm: why (``cause``)."""
 
+    # -- FlashComm per site (``strategies/flashcomm.py``): the record's ``notes``, how a site was
+    # rewritten where there was a choice; a ``cause`` is one of the codes after them, or (from the
+    # runtime's checks: ``runtime.npu``, ``runtime.symm_mem_matmul``) the runtime's words
+    FLASHCOMM_MMRS_SKIPPED = "flashcomm_mmrs_skipped"
+    """The producer matmul is not fused with the reduce_scatter (``cause``)."""
+    FLASHCOMM_NORM_NPU = "flashcomm_norm_npu"
+    """Information: the shard's add + norm runs as ``npu_add_rms_norm``."""
+    FLASHCOMM_NORM_ATEN = "flashcomm_norm_aten"
+    """The shard's add + norm runs as the graph's aten ops, not ``npu_add_rms_norm`` (``cause``)."""
+    FLASHCOMM_CONSUMERS_FUSED = "flashcomm_consumers_fused"
+    """Information: the normed rows' matmul consumers are fused with the all_gather (``op``, ``matmul``)."""
+    FLASHCOMM_GATHER_NOT_FUSED = "flashcomm_gather_not_fused"
+    """The all_gather of the normed rows is not fused with its matmul consumers (``cause``)."""
+    FLASHCOMM_NO_OPERAND_METADATA = "flashcomm_no_operand_metadata"
+    FLASHCOMM_NO_FUSED_MMRS = "flashcomm_no_fused_mmrs"
+    """The portable form has no fused matmul + reduce_scatter."""
+    FLASHCOMM_SYMM_MEM_CUDAGRAPHS = "flashcomm_symm_mem_cudagraphs"
+    FLASHCOMM_NO_PRODUCER_MATMUL = "flashcomm_no_producer_matmul"
+    FLASHCOMM_PRODUCER_NOT_MM = "flashcomm_producer_not_mm"
+    """The partial comes from ``op``, not a 2-D mm."""
+    FLASHCOMM_PRODUCER_NOT_VIEW = "flashcomm_producer_not_view"
+    """``node`` (``op``) between the matmul and the all_reduce is not a view."""
+    FLASHCOMM_PRODUCER_VIEW_READ = "flashcomm_producer_view_read"
+    """``node`` between the matmul and the all_reduce has other readers."""
+    FLASHCOMM_PRODUCER_READ = "flashcomm_producer_read"
+    FLASHCOMM_PRODUCER_SHAPE = "flashcomm_producer_shape"
+    """The matmul's output (``shape``) is not ``[tokens, hidden]``."""
+    FLASHCOMM_NO_ROWS_MM = "flashcomm_no_rows_mm"
+    """No mm reads the normed rows (``as_rows``: as ``[tokens, hidden]``)."""
+    FLASHCOMM_READER_NOT_MM = "flashcomm_reader_not_mm"
+    """``node`` (``op``) reads the normed rows, and is not a ``[tokens, hidden]`` mm."""
+    FLASHCOMM_WEIGHT_AFTER_NORM = "flashcomm_weight_after_norm"
+    """The weight of ``matmul`` is computed after the norm."""
+    # Why a torch_npu or symm_mem fused op does not take a site (``runtime.npu.NpuIssue``,
+    # ``runtime.symm_mem_matmul.SymmMemIssue``, the same values; the sentences are the runtime's,
+    # ``runtime.issue.ISSUE_TEXT``)
+    NPU_NO_CHIP_NAME = "npu_no_chip_name"
+    NPU_UNKNOWN_CHIP = "npu_unknown_chip"
+    NPU_COMM_MODE = "npu_comm_mode"
+    NPU_BIAS = "npu_bias"
+    NPU_NOT_2D = "npu_not_2d"
+    NPU_DTYPES = "npu_dtypes"
+    NPU_WORLD_SIZE = "npu_world_size"
+    NPU_WORLD_SIZE_FAILING = "npu_world_size_failing"
+    NPU_INNER_DIMS = "npu_inner_dims"
+    NPU_K_RANGE = "npu_k_range"
+    NPU_M_NOT_DIVISIBLE = "npu_m_not_divisible"
+    NPU_X1_LAYOUT = "npu_x1_layout"
+    NPU_X2_LAYOUT = "npu_x2_layout"
+    NPU_GATHER_BYTES = "npu_gather_bytes"
+    NPU_NORM_LAYER_NORM = "npu_norm_layer_norm"
+    NPU_NORM_NO_RESIDUAL = "npu_norm_no_residual"
+    NPU_NORM_DTYPE = "npu_norm_dtype"
+    NPU_NORM_NO_WEIGHT = "npu_norm_no_weight"
+    NPU_NORM_WEIGHT_DTYPE = "npu_norm_weight_dtype"
+    NPU_NORM_OUT_DTYPE = "npu_norm_out_dtype"
+    SYMM_MEM_UNAVAILABLE = "symm_mem_unavailable"
+    SYMM_MEM_NOT_ON_CUDA = "symm_mem_not_on_cuda"
+    SYMM_MEM_GROUP_UNRESOLVED = "symm_mem_group_unresolved"
+    SYMM_MEM_NOT_NCCL = "symm_mem_not_nccl"
+    SYMM_MEM_BIAS = "symm_mem_bias"
+    SYMM_MEM_NOT_2D = "symm_mem_not_2d"
+    SYMM_MEM_M_NOT_DIVISIBLE = "symm_mem_m_not_divisible"
+
     # -- The split (``strategies/split``): why a graph stays fuse-only
     SPLIT_NOT_POSSIBLE = "split_not_possible"
     """The split has no way to cut a node of the region (``cause``, one of the ``SPLIT_*`` below)."""
@@ -292,7 +360,12 @@ class ReasonCode(enum.Enum):
     QUANT_LAYER_NORM = "quant_layer_norm"
     QUANT_TRAINING = "quant_training"
     QUANT_LOWERING = "quant_lowering"
-    """The site's lowering does not carry the quantization (``cause``: the runtime's words)."""
+    """The site's lowering does not carry the quantization (``cause``: one of the next four)."""
+    # Why (``runtime.QuantIssue``, the same values; the sentences are the runtime's, ``QUANT_ISSUE_TEXT``)
+    QUANT_LOWERING_NOT_CARRIED = "quant_lowering_not_carried"
+    QUANT_CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
+    QUANT_CUDA_FORM = "quant_cuda_form"
+    QUANT_CUDA_UNVERIFIED = "quant_cuda_unverified"
     QUANT_FLASHCOMM = "quant_flashcomm"
     """FlashComm took the graph: the quantization runs on the rows it gathers."""
     QUANT_SPLIT = "quant_split"
@@ -586,6 +659,29 @@ MESSAGES: dict[ReasonCode, Message] = {
     ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
                               "be replayed on [rows, hidden] shard rows"),
     ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
+    ReasonCode.FLASHCOMM_MMRS_SKIPPED: "MMRS skipped: {cause}",
+    ReasonCode.FLASHCOMM_NORM_NPU: "norm: npu_add_rms_norm",
+    ReasonCode.FLASHCOMM_NORM_ATEN: "norm: aten on the shard (npu_add_rms_norm: {cause})",
+    ReasonCode.FLASHCOMM_CONSUMERS_FUSED: lambda f: (
+        f"consumers: {f['op']}" + (f" ({f['matmul']})" if f.get("matmul") else "")),
+    ReasonCode.FLASHCOMM_GATHER_NOT_FUSED: "all_gather+matmul not fused: {cause}",
+    ReasonCode.FLASHCOMM_NO_OPERAND_METADATA: "the matmul operands have no tensor metadata",
+    ReasonCode.FLASHCOMM_NO_FUSED_MMRS: "no fused matmul + reduce_scatter for this device (portable lowering)",
+    ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS: (
+        "Inductor CUDA graphs are on: PyTorch's symm_mem fused matmul ops allocate their symmetric "
+        "workspace on first use, inside the CUDA-graph pool, which CUDA-graph trees reject ('tensors in "
+        "the cudagraph pool not tracked as outputs', 2 x H200, 2026-11-30); plain reduce_scatter and "
+        "all_gather instead"),
+    ReasonCode.FLASHCOMM_NO_PRODUCER_MATMUL: "no matmul produces the partial sum",
+    ReasonCode.FLASHCOMM_PRODUCER_NOT_MM: "the partial sum comes from {op}, not a 2-D mm",
+    ReasonCode.FLASHCOMM_PRODUCER_NOT_VIEW: "{node} ({op}) between the matmul and the all_reduce is not a view",
+    ReasonCode.FLASHCOMM_PRODUCER_VIEW_READ: "{node} between the matmul and the all_reduce has other users",
+    ReasonCode.FLASHCOMM_PRODUCER_READ: "the matmul output has other users",
+    ReasonCode.FLASHCOMM_PRODUCER_SHAPE: "the matmul output is {shape}, not [tokens, hidden]",
+    ReasonCode.FLASHCOMM_NO_ROWS_MM: lambda f: (
+        "no mm reads the normed rows" + (" as [tokens, hidden]" if f.get("as_rows") else "")),
+    ReasonCode.FLASHCOMM_READER_NOT_MM: "{node} ({op}) reads the normed rows, not a [tokens, hidden] mm",
+    ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM: "the weight of {matmul} is computed after the norm",
     ReasonCode.SPLIT_NOT_POSSIBLE: "split not possible: {cause}",
     ReasonCode.SPLIT_NOTHING_FUSED: ("no site was fused, so there is no communication to overlap (each "
                                      "site's line says why it was kept)"),
@@ -797,3 +893,44 @@ CUDA_ISSUES = (
 """The codes of ``runtime.cuda.support.CudaIssue`` (the same values)."""
 MESSAGES.update({code: _cuda_words(code) for code in CUDA_ISSUES})
 
+
+
+def _quant_words(code: ReasonCode) -> Message:
+    """The runtime's sentence for a ``QuantIssue`` code (``runtime.QUANT_ISSUE_TEXT``)."""
+    def render(fields: dict[str, object]) -> str:
+        from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
+
+        return QUANT_ISSUE_TEXT[QuantIssue(code.value)].format(**fields)
+
+    return render
+
+
+QUANT_ISSUES = (
+    ReasonCode.QUANT_LOWERING_NOT_CARRIED, ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE, ReasonCode.QUANT_CUDA_FORM,
+    ReasonCode.QUANT_CUDA_UNVERIFIED,
+)
+"""The codes of ``runtime.QuantIssue`` (the same values)."""
+MESSAGES.update({code: _quant_words(code) for code in QUANT_ISSUES})
+
+
+def _runtime_words(code: ReasonCode) -> Message:
+    """The runtime's sentence for a ``runtime.issue`` code (``runtime.issue.ISSUE_TEXT``)."""
+    def render(fields: dict[str, object]) -> str:
+        import weavepass.runtime.npu
+        import weavepass.runtime.symm_mem_matmul  # noqa: F401  (each registers its sentences)
+        from weavepass.runtime.issue import ISSUE_TEXT
+
+        return ISSUE_TEXT[code.value].format(**fields)
+
+    return render
+
+
+RUNTIME_ISSUES = tuple(code for code in ReasonCode if code.value.startswith(("npu_", "symm_mem_")))
+"""The codes of ``runtime.npu.NpuIssue`` and ``runtime.symm_mem_matmul.SymmMemIssue`` (the same values)."""
+MESSAGES.update({code: _runtime_words(code) for code in RUNTIME_ISSUES})
+
+
+def runtime_issue_reason(issue: Unsupported) -> Reason:
+    """A runtime check's answer (``runtime.issue.Unsupported``) as the ``Reason`` of the same code
+    (``RUNTIME_ISSUES``), with its fields."""
+    return Reason(ReasonCode(issue.issue.value), issue.fields)

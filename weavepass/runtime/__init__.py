@@ -12,11 +12,12 @@ the support checks (``weavepass.runtime.cuda.support``).
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from weavepass.config import Lowering
+from weavepass.config import Lowering, StrEnum
 from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
 
 
@@ -180,32 +181,70 @@ per row) at a group of one rank (bf16 H=8192 at 1 / 1024 / 4099 tokens, fp16 H=4
 simulated ranks through every kernel, codes and scales bit for bit against eager's quantization of the
 kernel's own rows on the GPU, and the op's CUDA lowering at a group of one (docs/cuda_kernel.md).
 Not run there yet: 2 real GPUs, ``SHARED=1``."""
-CUDA_QUANT_EPILOGUE_UNVERIFIED = (
-    "the CUDA kernel's quantized epilogue is not verified on a GPU (runtime.CUDA_QUANT_EPILOGUE_VERIFIED "
-    "is False)")
+
+
+class QuantIssue(StrEnum):
+    """Why a lowering cannot compute a site's quantization in its fused op
+    (``quant_unsupported_reason``); the compile side reports each as the ``ReasonCode`` of the same
+    value (``weavepass.compile.reasons.QUANT_ISSUES``), rendered from ``QUANT_ISSUE_TEXT``."""
+
+    LOWERING = "quant_lowering_not_carried"
+    """The lowering (``lowering``) has no quantized kernel."""
+    CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
+    CUDA_FORM = "quant_cuda_form"
+    """The CUDA kernel has no program for this form (``cause``: ``support.cuda_quant_epilogue``'s words)."""
+    CUDA_UNVERIFIED = "quant_cuda_unverified"
+    """``CUDA_QUANT_EPILOGUE_VERIFIED`` is False."""
+
+
+QUANT_ISSUE_TEXT = {
+    QuantIssue.LOWERING: "the {lowering!r} lowering does not carry it yet",
+    QuantIssue.CUDA_STATIC_SCALE_DTYPE: "the CUDA kernel needs its static scale's dtype",
+    QuantIssue.CUDA_FORM: "the CUDA kernel does not carry it: {cause}",
+    QuantIssue.CUDA_UNVERIFIED: (
+        "the CUDA kernel's quantized epilogue is not verified on a GPU (runtime.CUDA_QUANT_EPILOGUE_VERIFIED "
+        "is False)"),
+}
+"""The sentence of each ``QuantIssue``, formatted with its fields."""
+CUDA_QUANT_EPILOGUE_UNVERIFIED = QUANT_ISSUE_TEXT[QuantIssue.CUDA_UNVERIFIED]
+
+
+@dataclass(frozen=True)
+class QuantUnsupported:
+    """Why a lowering cannot compute a site's quantization: ``issue`` and its detail (``fields``)."""
+
+    issue: QuantIssue
+    fields: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, issue: QuantIssue, **fields: object) -> QuantUnsupported:
+        return cls(issue, tuple(fields.items()))
+
+    def __str__(self) -> str:
+        return QUANT_ISSUE_TEXT[self.issue].format(**dict(self.fields))
 
 
 def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str, code_steps: str, *,
                              out_dtype: torch.dtype, hidden: int, device: torch.device,
                              static_scale: tuple[torch.dtype, int] | None = None,
-                             return_normed: bool = False) -> str | None:
+                             return_normed: bool = False) -> QuantUnsupported | None:
     """Why ``lowering`` cannot compute this quantization (``weavepass.runtime.quant``) in its fused
     op, or None. The planner asks here: a lowering with a quantized kernel answers for itself (CUDA:
     the forms ``runtime.cuda.support.cuda_quant_epilogue`` accepts for rows of ``out_dtype`` and
     width ``hidden`` on ``device``; ``static_scale``: the static scale's ``(dtype, ndim)``)."""
     if lowering not in _QUANT_LOWERINGS:
-        return f"the {str(lowering)!r} lowering does not carry it yet"
+        return QuantUnsupported.of(QuantIssue.LOWERING, lowering=str(lowering))
     if lowering == Lowering.CUDA_SYMM:
         from weavepass.runtime.cuda.support import cuda_quant_epilogue
 
         if static and static_scale is None:
-            return "the CUDA kernel needs its static scale's dtype"
+            return QuantUnsupported(QuantIssue.CUDA_STATIC_SCALE_DTYPE)
         epilogue = cuda_quant_epilogue(out_dtype, hidden, device, static_scale if static else None, group_size,
                                        scale_steps, code_steps, return_normed)
         if isinstance(epilogue, str):
-            return f"the CUDA kernel does not carry it: {epilogue}"
+            return QuantUnsupported.of(QuantIssue.CUDA_FORM, cause=epilogue)
         if not CUDA_QUANT_EPILOGUE_VERIFIED:
-            return CUDA_QUANT_EPILOGUE_UNVERIFIED
+            return QuantUnsupported(QuantIssue.CUDA_UNVERIFIED)
     return None
 
 

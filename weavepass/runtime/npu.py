@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from weavepass.config import StrEnum
+from weavepass.runtime.issue import Unsupported, register
+
 MMRS = "npu_mm_reduce_scatter_base"
 AGMM = "npu_all_gather_base_mm"
 FUSED_COMM_DTYPES = (torch.float16, torch.bfloat16)
@@ -105,6 +108,60 @@ def _hcom_for(group_name: str) -> str:
     return hccl_comm_name(resolve_group(group_name))
 
 
+class NpuIssue(StrEnum):
+    """Why a torch_npu fused op cannot take a site (``fused_comm_target``,
+    ``matmul_comm_unsupported_reason``, ``add_rms_norm_unsupported_reason``)."""
+
+    NO_CHIP_NAME = "npu_no_chip_name"
+    UNKNOWN_CHIP = "npu_unknown_chip"
+    COMM_MODE = "npu_comm_mode"
+    BIAS = "npu_bias"
+    NOT_2D = "npu_not_2d"
+    DTYPES = "npu_dtypes"
+    WORLD_SIZE = "npu_world_size"
+    WORLD_SIZE_FAILING = "npu_world_size_failing"
+    INNER_DIMS = "npu_inner_dims"
+    K_RANGE = "npu_k_range"
+    M_NOT_DIVISIBLE = "npu_m_not_divisible"
+    X1_LAYOUT = "npu_x1_layout"
+    X2_LAYOUT = "npu_x2_layout"
+    GATHER_BYTES = "npu_gather_bytes"
+    NORM_LAYER_NORM = "npu_norm_layer_norm"
+    NORM_NO_RESIDUAL = "npu_norm_no_residual"
+    NORM_DTYPE = "npu_norm_dtype"
+    NORM_NO_WEIGHT = "npu_norm_no_weight"
+    NORM_WEIGHT_DTYPE = "npu_norm_weight_dtype"
+    NORM_OUT_DTYPE = "npu_norm_out_dtype"
+
+
+NPU_ISSUE_TEXT = {
+    NpuIssue.NO_CHIP_NAME: "cannot read the NPU chip name: {error}",
+    NpuIssue.UNKNOWN_CHIP: "chip {chip!r} is not one weavepass has fused-op rules for ({known})",
+    NpuIssue.COMM_MODE: "comm_mode {mode!r} is not taken on {family} ({chip}); it takes {modes}",
+    NpuIssue.BIAS: "the matmul adds a bias (addmm); {op} takes no bias",
+    NpuIssue.NOT_2D: "operands are {x_dims}-D and {w_dims}-D; {op} needs 2-D (m, k) @ (k, n)",
+    NpuIssue.DTYPES: "dtypes {x_dtype} @ {w_dtype}; {op} needs fp16 or bf16, both the same",
+    NpuIssue.WORLD_SIZE: "world size {world} is not one of {world_sizes} documented for {op} on {family} ({chip})",
+    NpuIssue.WORLD_SIZE_FAILING: ("world size {world}: {op} is off from {failing} ranks "
+                                  "(vllm-ascend found npu_mm_reduce_scatter_base failing at TP 16)"),
+    NpuIssue.INNER_DIMS: "inner dims differ ({k} vs {k2})",
+    NpuIssue.K_RANGE: "k={k} is outside [{min_k}, {max_k})",
+    NpuIssue.M_NOT_DIVISIBLE: "m={m} is not divisible by the world size {world}",
+    NpuIssue.X1_LAYOUT: "x1 is a transposed or strided view (strides {stride}); {op} needs it row-major",
+    NpuIssue.X2_LAYOUT: ("x2 {shape} has strides {stride}: neither contiguous nor a plain transpose, the only "
+                         "layouts {op} takes"),
+    NpuIssue.GATHER_BYTES: "the gather moves {bytes} bytes, over CANN's {limit} on {family}",
+    NpuIssue.NORM_LAYER_NORM: "the norm is a LayerNorm (npu_add_rms_norm normalises by the root mean square only)",
+    NpuIssue.NORM_NO_RESIDUAL: "no residual add",
+    NpuIssue.NORM_DTYPE: "dtype {dtype} is not fp16, bf16 or fp32",
+    NpuIssue.NORM_NO_WEIGHT: "the norm has no weight (gamma)",
+    NpuIssue.NORM_WEIGHT_DTYPE: "norm weight is {weight_dtype}, activations {dtype}",
+    NpuIssue.NORM_OUT_DTYPE: "norm output is {out_dtype}, activations {dtype}",
+}
+"""The sentence of each ``NpuIssue``, formatted with its fields."""
+register(NPU_ISSUE_TEXT)
+
+
 @dataclass(frozen=True)
 class FusedCommTarget:
     """The chip and ``comm_mode`` the fused matmul + communication ops of one graph use."""
@@ -113,7 +170,7 @@ class FusedCommTarget:
     rules: ChipRules | None
     comm_mode: str
     """Resolved: never ``"auto"``."""
-    reason: str | None
+    reason: Unsupported | None
     """Why no fused communication op can run on this chip with this mode (None: they can)."""
 
 
@@ -122,17 +179,17 @@ def fused_comm_target(configured_mode: str) -> FusedCommTarget:
     try:
         name = str(resolve_torch_npu().npu.get_device_name())
     except Exception as error:  # noqa: BLE001  (any failure to read the chip turns the fusion off)
-        return FusedCommTarget("", None, configured_mode, f"cannot read the NPU chip name: {error}")
+        return FusedCommTarget("", None, configured_mode, Unsupported.of(NpuIssue.NO_CHIP_NAME, error=str(error)))
     rules = chip_rules(name)
     if rules is None:
         known = ", ".join(f"{c.family} ({c.name_prefix}*)" for c in CHIPS)
         return FusedCommTarget(name, None, configured_mode,
-                               f"chip {name!r} is not one weavepass has fused-op rules for ({known})")
+                               Unsupported.of(NpuIssue.UNKNOWN_CHIP, chip=name, known=known))
     mode = rules.default_comm_mode if configured_mode == "auto" else configured_mode
     reason = None
     if mode not in rules.comm_modes:
-        reason = (f"comm_mode {mode!r} is not taken on {rules.family} ({name}); it takes "
-                  f"{rules.comm_modes}")
+        reason = Unsupported.of(NpuIssue.COMM_MODE, mode=mode, family=rules.family, chip=name,
+                                modes=rules.comm_modes)
     return FusedCommTarget(name, rules, mode, reason)
 
 
@@ -158,7 +215,7 @@ def matmul_comm_unsupported_reason(
     w_dtype: torch.dtype,
     world_size: int,
     has_bias: bool,
-) -> str | None:
+) -> Unsupported | None:
     """Why ``op`` (``MMRS`` or ``AGMM``) cannot take ``x @ w`` on ``target``, or None.
 
     torch_npu's wrapper checks (C++): 2-D operands, equal k, world size in {2, 4, 8, 16, 32}, and for
@@ -171,33 +228,31 @@ def matmul_comm_unsupported_reason(
         return target.reason
     rules = target.rules
     if has_bias:
-        return f"the matmul adds a bias (addmm); {op} takes no bias"
+        return Unsupported.of(NpuIssue.BIAS, op=op)
     if len(x_shape) != 2 or len(w_shape) != 2:
-        return f"operands are {len(x_shape)}-D and {len(w_shape)}-D; {op} needs 2-D (m, k) @ (k, n)"
+        return Unsupported.of(NpuIssue.NOT_2D, x_dims=len(x_shape), w_dims=len(w_shape), op=op)
     if x_dtype not in FUSED_COMM_DTYPES or w_dtype != x_dtype:
-        return f"dtypes {x_dtype} @ {w_dtype}; {op} needs fp16 or bf16, both the same"
+        return Unsupported.of(NpuIssue.DTYPES, x_dtype=x_dtype, w_dtype=w_dtype, op=op)
     if world_size not in rules.world_sizes:
-        return (f"world size {world_size} is not one of {rules.world_sizes} documented for {op} on "
-                f"{rules.family} ({target.device_name})")
+        return Unsupported.of(NpuIssue.WORLD_SIZE, world=world_size, world_sizes=rules.world_sizes, op=op,
+                              family=rules.family, chip=target.device_name)
     if world_size >= FIELD_FAILING_WORLD_SIZE:
-        return (f"world size {world_size}: {op} is off from {FIELD_FAILING_WORLD_SIZE} ranks "
-                "(vllm-ascend found npu_mm_reduce_scatter_base failing at TP 16)")
+        return Unsupported.of(NpuIssue.WORLD_SIZE_FAILING, world=world_size, op=op, failing=FIELD_FAILING_WORLD_SIZE)
     (m, k), (k2, _n) = x_shape, w_shape
     if k != k2:
-        return f"inner dims differ ({k} vs {k2})"
+        return Unsupported.of(NpuIssue.INNER_DIMS, k=k, k2=k2)
     if not MIN_K <= k < MAX_K:
-        return f"k={k} is outside [{MIN_K}, {MAX_K})"
+        return Unsupported.of(NpuIssue.K_RANGE, k=k, min_k=MIN_K, max_k=MAX_K)
     if op == MMRS and m % world_size:
-        return f"m={m} is not divisible by the world size {world_size}"
+        return Unsupported.of(NpuIssue.M_NOT_DIVISIBLE, m=m, world=world_size)
     if not _row_major(x_shape, x_stride):
-        return f"x1 is a transposed or strided view (strides {tuple(x_stride)}); {op} needs it row-major"
+        return Unsupported.of(NpuIssue.X1_LAYOUT, stride=tuple(x_stride), op=op)
     if not (_row_major(w_shape, w_stride) or _transposed(w_shape, w_stride)):
-        return (f"x2 {tuple(w_shape)} has strides {tuple(w_stride)}: neither contiguous nor a plain "
-                f"transpose, the only layouts {op} takes")
+        return Unsupported.of(NpuIssue.X2_LAYOUT, shape=tuple(w_shape), stride=tuple(w_stride), op=op)
     gather_bytes = m * k * x_dtype.itemsize * world_size
     if op == AGMM and rules.agmm_max_gather_bytes and gather_bytes > rules.agmm_max_gather_bytes:
-        return (f"the gather moves {gather_bytes} bytes, over CANN's {rules.agmm_max_gather_bytes} on "
-                f"{rules.family}")
+        return Unsupported.of(NpuIssue.GATHER_BYTES, bytes=gather_bytes, limit=rules.agmm_max_gather_bytes,
+                              family=rules.family)
     return None
 
 
@@ -239,18 +294,18 @@ def add_rms_norm(
 def add_rms_norm_unsupported_reason(
     dtype: torch.dtype, weight_dtype: torch.dtype | None, out_dtype: torch.dtype, has_residual: bool,
     layer_norm: bool = False,
-) -> str | None:
+) -> Unsupported | None:
     """Why the shard's add + norm cannot run as ``npu_add_rms_norm``, or None."""
     if layer_norm:
-        return "the norm is a LayerNorm (npu_add_rms_norm normalises by the root mean square only)"
+        return Unsupported(NpuIssue.NORM_LAYER_NORM)
     if not has_residual:
-        return "no residual add"
+        return Unsupported(NpuIssue.NORM_NO_RESIDUAL)
     if dtype not in ADD_RMS_NORM_DTYPES:
-        return f"dtype {dtype} is not fp16, bf16 or fp32"
+        return Unsupported.of(NpuIssue.NORM_DTYPE, dtype=dtype)
     if weight_dtype is None:
-        return "the norm has no weight (gamma)"
+        return Unsupported(NpuIssue.NORM_NO_WEIGHT)
     if weight_dtype != dtype:
-        return f"norm weight is {weight_dtype}, activations {dtype}"
+        return Unsupported.of(NpuIssue.NORM_WEIGHT_DTYPE, weight_dtype=weight_dtype, dtype=dtype)
     if out_dtype != dtype:
-        return f"norm output is {out_dtype}, activations {dtype}"
+        return Unsupported.of(NpuIssue.NORM_OUT_DTYPE, out_dtype=out_dtype, dtype=dtype)
     return None

@@ -57,7 +57,7 @@ from weavepass.compile.planner import (
     group_size,
     inductor_cudagraphs_on,
 )
-from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode, runtime_issue_reason
 from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, Strategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import Lowering, WeaveConfig
@@ -69,18 +69,14 @@ from weavepass.ops import (
     NPU_MM_REDUCE_SCATTER,
 )
 from weavepass.runtime import npu, symm_mem_matmul
+from weavepass.runtime.issue import Unsupported
 
 log = logging.getLogger("weavepass")
 _EXPECTED_DECLINES = (ReasonCode.TOO_FEW_TOKENS, ReasonCode.NO_SITES, ReasonCode.GROUP_TOO_SMALL)
 """FlashComm's declines that are the configuration at work (logged at INFO); every other one is a
 warning: the user enabled FlashComm and this graph runs without it."""
 
-SYMM_MEM_CUDAGRAPHS_NOTE = (
-    "Inductor CUDA graphs are on: PyTorch's symm_mem fused matmul ops allocate their symmetric "
-    "workspace on first use, inside the CUDA-graph pool, which CUDA-graph trees reject ('tensors in "
-    "the cudagraph pool not tracked as outputs', 2 x H200, 2026-11-30); plain reduce_scatter and "
-    "all_gather instead"
-)
+SYMM_MEM_CUDAGRAPHS_NOTE = Reason(ReasonCode.FLASHCOMM_SYMM_MEM_CUDAGRAPHS)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -231,25 +227,30 @@ class _Matmul:
     chain: list[Node]
 
 
-def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | str:
+def _runtime(issue: Unsupported | None) -> Reason | None:
+    """A runtime check's answer (``runtime.npu``, ``runtime.symm_mem_matmul``) as its ``Reason``."""
+    return None if issue is None else runtime_issue_reason(issue)
+
+
+def _producer_matmul(site: FusedAllReduceRMSNormSite, tokens: int) -> _Matmul | Reason:
     mm = site.matmul
     if mm is None:
-        return "no matmul produces the partial sum"
+        return Reason(ReasonCode.FLASHCOMM_NO_PRODUCER_MATMUL)
     if mm.target not in (aten.mm.default, aten.addmm.default):
-        return f"the partial sum comes from {mm.target}, not a 2-D mm"
+        return Reason.of(ReasonCode.FLASHCOMM_PRODUCER_NOT_MM, op=str(mm.target))
     chain: list[Node] = []
     node = site.partial
     while node is not mm:
         if not is_target(node, VIEWS):  # e.g. a Granite scale moved onto the partial: not dropped
-            return f"{node.name} ({node.target}) between the matmul and the all_reduce is not a view"
+            return Reason.of(ReasonCode.FLASHCOMM_PRODUCER_NOT_VIEW, node=node.name, op=str(node.target))
         if len(node.users) != 1:
-            return f"{node.name} between the matmul and the all_reduce has other users"
+            return Reason.of(ReasonCode.FLASHCOMM_PRODUCER_VIEW_READ, node=node.name)
         chain.append(node)
         node = arg_node(node, 0)
     if len(site.partial.users) != 1 or len(mm.users) != 1:
-        return "the matmul output has other users"
+        return Reason(ReasonCode.FLASHCOMM_PRODUCER_READ)
     if tuple(tensor(mm).shape) != (tokens, site.hidden):
-        return f"the matmul output is {tuple(tensor(mm).shape)}, not [tokens, hidden]"
+        return Reason.of(ReasonCode.FLASHCOMM_PRODUCER_SHAPE, shape=tuple(tensor(mm).shape))
     if mm.target is aten.addmm.default:
         return _Matmul(mm, arg_node(mm, 1), arg_node(mm, 2), arg_node(mm, 0), [*chain, mm])
     return _Matmul(mm, arg_node(mm, 0), arg_node(mm, 1), None, [*chain, mm])
@@ -310,7 +311,7 @@ class PortableFlashComm:
 
     # -- one site
 
-    def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[str]]:
+    def rewrite_site(self, site: FusedAllReduceRMSNormSite) -> tuple[str, list[Reason]]:
         """Rewrite ``site`` on the shard; returns ``(communication label, notes for the report)``."""
         shared = site.shared
         stream_in = site.residual
@@ -358,7 +359,7 @@ class PortableFlashComm:
                 and all(user in self.dead for user in stream_view.users):
             self.dead.add(stream_view)
             stream_view = arg_node(stream_view, 0)
-        return label, [n for n in notes if n]
+        return label, [n for n in notes if n is not None and n.code is not ReasonCode.NONE]
 
     def shard_rows(self, full: Node, hidden: int) -> Node:
         """This rank's ``[R, H]`` rows of a replicated value of ``T x H`` elements (any view)."""
@@ -380,25 +381,25 @@ class PortableFlashComm:
             x_rows = arg_node(x_rows, 0)
         return self.call(aten.add.Tensor, self.shard_rows(x_rows, site.hidden), stream_shard)
 
-    def reduce_scatter(self, site: FusedAllReduceRMSNormSite) -> tuple[Node, str, list[str]]:
+    def reduce_scatter(self, site: FusedAllReduceRMSNormSite) -> tuple[Node, str, list[Reason | None]]:
         """The site's reduced rows ``[R, H]``: fused with the producer matmul where possible."""
         d = self.d
-        notes: list[str] = []
+        notes: list[Reason | None] = []
         if self.config.enable_mmrs_fusion:
             mm = _producer_matmul(site, d.num_tokens)
-            reason = mm if isinstance(mm, str) else self.mmrs_unsupported_reason(mm)
-            if reason is None and not isinstance(mm, str):
+            reason = mm if isinstance(mm, Reason) else self.mmrs_unsupported_reason(mm)
+            if reason is None and not isinstance(mm, Reason):
                 out, label = self.matmul_reduce_scatter(self.pad_rows(mm.x), mm)
                 self.dead.update(mm.chain)
                 return out, label, notes
-            notes.append(f"MMRS skipped: {reason}")
+            notes.append(Reason.of(ReasonCode.FLASHCOMM_MMRS_SKIPPED, cause=reason))
             log.warning("weavepass: FlashComm MMRS skipped for %s: %s", site.all_reduce.name, reason)
         rows = self.call(aten.reshape.default, site.partial, [d.num_tokens, site.hidden])
         scattered = self.call(c10d.reduce_scatter_tensor.default, self.pad_rows(rows), "sum",
                               d.world_size, d.group_name)
         return self.call(c10d.wait_tensor.default, scattered), "portable", notes
 
-    def epilogue_matmul(self, site: FusedAllReduceRMSNormSite) -> tuple[RowParallelMatmul | None, str]:
+    def epilogue_matmul(self, site: FusedAllReduceRMSNormSite) -> tuple[RowParallelMatmul | None, Reason]:
         """The matmul ``weave.matmul_reduce_scatter_rmsnorm_shard`` takes in for ``site`` (as the
         finder matched it), and the report's note on it ("" with ``gemm_epilogue="off"``). The
         quantization of a site stays outside under FlashComm, so it does not count against it."""
@@ -407,10 +408,10 @@ class PortableFlashComm:
         if reason.code is not ReasonCode.NONE and matmul is None:
             level = logging.WARNING if gemm_epilogue_warns(reason, self.config.gemm_epilogue) else logging.INFO
             log.log(level, "weavepass: FlashComm: %s: %s", site.all_reduce.name, reason)
-        return matmul, reason.render()
+        return matmul, reason
 
     def matmul_norm_shard(self, site: FusedAllReduceRMSNormSite, matmul: RowParallelMatmul,
-                          residual: Node | None) -> tuple[Node, Node, str]:
+                          residual: Node | None) -> tuple[Node, Node, Reason | None]:
         """``(normed [R, H], new stream value [R, H], note)``: the matmul, its reduce_scatter and
         the add + RMSNorm of the shard in one ``weave.matmul_reduce_scatter_rmsnorm_shard`` (the
         fused op's math, not the graph's norm ops)."""
@@ -419,11 +420,11 @@ class PortableFlashComm:
                           norm.eps, d.group_name, norm.out_dtype, d.rows_per_rank, str(self.matmul_lowering),
                           self.config.cuda_workspace_tokens)
         self.dead.update([*matmul.views, matmul.mm])
-        return self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1), ""
+        return self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1), None
 
-    def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> Reason | None:
         """Why this form cannot fuse ``mm`` with its reduce_scatter (None: it can)."""
-        return _operands_reason(mm) or "no fused matmul + reduce_scatter for this device (portable lowering)"
+        return _operands_reason(mm) or Reason(ReasonCode.FLASHCOMM_NO_FUSED_MMRS)
 
     def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
         """``(reduced rows [R, H], label)`` of the fused ``x @ mm.w`` + reduce_scatter (only where
@@ -431,11 +432,11 @@ class PortableFlashComm:
         raise NotImplementedError(f"{self.kind}: no fused matmul + reduce_scatter")
 
     def add_rmsnorm(self, site: FusedAllReduceRMSNormSite, shard: Node,
-                    residual: Node | None) -> tuple[Node, Node, str]:
+                    residual: Node | None) -> tuple[Node, Node, Reason | None]:
         """``(normed [R, H], new stream value [R, H], note)`` for the shard: the residual added,
         then the site's own norm ops replayed on the shard."""
         carried = shard if residual is None else self.call(aten.add.Tensor, residual, shard)
-        return self.replay_norm(site, carried), carried, ""
+        return self.replay_norm(site, carried), carried, None
 
     def replay_norm(self, site: FusedAllReduceRMSNormSite, x: Node) -> Node:
         """The site's own RMSNorm nodes, copied to read ``x`` [R, H]: eager's rounding, on 1/N rows.
@@ -456,11 +457,12 @@ class PortableFlashComm:
         out = env[norm.output]
         return out if rank == 2 else self.call(aten.view.default, out, [self.d.rows_per_rank, site.hidden])
 
-    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node | None, str]:
+    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node,
+                      point: int) -> tuple[Node | None, Reason | None]:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when a fused
         all_gather + matmul took over every consumer. ``point``: the site's position
         (``rewrite_site``); a matmul weight computed after it is not read."""
-        return self.gather_rows(normed, tensor(site.norm.output).shape), ""
+        return self.gather_rows(normed, tensor(site.norm.output).shape), None
 
     def weight_before(self, mm: Node, point: int) -> Node | None:
         """``mm``'s weight as a node the fused op at ``point`` can read, or None (computed later)."""
@@ -489,9 +491,9 @@ class PortableFlashComm:
             raise RuntimeError(f"FlashComm left replaced nodes in the graph: {left}")
 
 
-def _operands_reason(mm: _Matmul) -> str | None:
+def _operands_reason(mm: _Matmul) -> Reason | None:
     if val(mm.x) is None or val(mm.w) is None:
-        return "the matmul operands have no tensor metadata"
+        return Reason(ReasonCode.FLASHCOMM_NO_OPERAND_METADATA)
     return None
 
 
@@ -514,7 +516,7 @@ class NpuFlashComm(PortableFlashComm):
             raise RuntimeError("weavepass internal error: an NPU fused op without enable_mmrs_fusion")
         return self.npu_target
 
-    def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> Reason | None:
         operands = _operands_reason(mm)
         if operands is not None:
             return operands
@@ -522,9 +524,9 @@ class NpuFlashComm(PortableFlashComm):
         padded = self.d.padded_tokens != self.d.num_tokens
         x_shape = (self.d.padded_tokens, *xv.shape[1:])
         x_stride = (xv.shape[-1], 1) if padded else tuple(xv.stride())
-        return npu.matmul_comm_unsupported_reason(
+        return _runtime(npu.matmul_comm_unsupported_reason(
             npu.MMRS, self.fused_target(), x_shape, x_stride, xv.dtype, tuple(wv.shape),
-            tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None)
+            tuple(wv.stride()), wv.dtype, self.d.world_size, mm.bias is not None))
 
     def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
         d = self.d
@@ -532,31 +534,33 @@ class NpuFlashComm(PortableFlashComm):
                          self.fused_target().comm_mode), "npu_mmrs"
 
     def add_rmsnorm(self, site: FusedAllReduceRMSNormSite, shard: Node,
-                    residual: Node | None) -> tuple[Node, Node, str]:
+                    residual: Node | None) -> tuple[Node, Node, Reason | None]:
         norm = site.norm
         weight_dtype = tensor(norm.weight).dtype if norm.weight is not None else None
-        reason = npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
-                                                     residual is not None, norm.kind == LAYER_NORM)
+        reason = _runtime(npu.add_rms_norm_unsupported_reason(site.dtype, weight_dtype, norm.out_dtype,
+                                                     residual is not None, norm.kind == LAYER_NORM))
         if reason is None:
             fused = self.call(NPU_ADD_RMS_NORM, shard, residual, norm.weight, norm.eps)
             return (self.call(operator.getitem, fused, 0), self.call(operator.getitem, fused, 1),
-                    "norm: npu_add_rms_norm")
+                    Reason(ReasonCode.FLASHCOMM_NORM_NPU))
         normed, carried, _ = super().add_rmsnorm(site, shard, residual)
-        return normed, carried, f"norm: aten on the shard (npu_add_rms_norm: {reason})"
+        return normed, carried, Reason.of(ReasonCode.FLASHCOMM_NORM_ATEN, cause=reason)
 
-    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node | None, str]:
+    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node,
+                      point: int) -> tuple[Node | None, Reason | None]:
         """On NPU the rows come from ``npu_all_gather_base_mm`` where it can take one consumer matmul."""
         if self.npu_target is None:
             return super().gather_normed(site, normed, point)
         found = self.npu_all_gather_mm(site, normed, point)
-        if not isinstance(found, str):
+        if not isinstance(found, Reason):
             return found
         log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
                  site.all_reduce.name, found)
         return self.gather_rows(normed, tensor(site.norm.output).shape), \
-            f"all_gather+matmul not fused: {found}"
+            Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=found)
 
-    def npu_all_gather_mm(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node, str] | str:
+    def npu_all_gather_mm(self, site: FusedAllReduceRMSNormSite, normed: Node,
+                          point: int) -> tuple[Node, Reason] | Reason:
         """Gather the normed shard through ``npu_all_gather_base_mm`` with the first
         ``[tokens, hidden] @ w`` reader: ``(gathered rows for the other readers, note)``, or why not.
 
@@ -567,20 +571,21 @@ class NpuFlashComm(PortableFlashComm):
         candidates: list[tuple[Node, Node | None]] = [(user, None) for user in out.users]
         candidates += [(reader, view) for view in out.users if is_target(view, VIEWS)
                        for reader in view.users]
-        first_reason = None
+        first_reason: Reason | None = None
         for mm, view in candidates:
             rows = out if view is None else view
             if not (is_target(mm, {aten.mm.default}) and mm.args[0] is rows
                     and tuple(tensor(rows).shape) == rows_shape):
                 continue
             wv, xv = val(mm.args[1]), val(normed)
-            reason = "the matmul operands have no tensor metadata" if wv is None or xv is None else \
-                npu.matmul_comm_unsupported_reason(
+            reason: Reason | None = Reason(ReasonCode.FLASHCOMM_NO_OPERAND_METADATA) if wv is None or xv is None else \
+                _runtime(npu.matmul_comm_unsupported_reason(
                     npu.AGMM, self.fused_target(), tuple(xv.shape), tuple(xv.stride()), xv.dtype,
-                    tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False)
+                    tuple(wv.shape), tuple(wv.stride()), wv.dtype, d.world_size, False))
             w = self.weight_before(mm, point) if reason is None else None
             if w is None:
-                first_reason = first_reason or reason or f"the weight of {mm.name} is computed after the norm"
+                first_reason = first_reason or reason or Reason.of(ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM,
+                                                                   matmul=mm.name)
                 continue
             fused = self.call(NPU_ALL_GATHER_MM, normed, w, d.group_name,
                               d.world_size, self.fused_target().comm_mode)
@@ -593,8 +598,9 @@ class NpuFlashComm(PortableFlashComm):
             self.dead.add(mm)
             if view is not None and len(view.users) == 1:
                 self.dead.add(view)
-            return gathered, f"consumers: npu_all_gather_base_mm ({mm.name})"
-        return first_reason or "no mm reads the normed rows as [tokens, hidden]"
+            return gathered, Reason.of(ReasonCode.FLASHCOMM_CONSUMERS_FUSED, op="npu_all_gather_base_mm",
+                                       matmul=mm.name)
+        return first_reason or Reason.of(ReasonCode.FLASHCOMM_NO_ROWS_MM, as_rows=True)
 
 
 class CudaFlashComm(PortableFlashComm):
@@ -606,36 +612,38 @@ class CudaFlashComm(PortableFlashComm):
 
     def __init__(self, graph: Graph, decision: FlashCommDecision, config: WeaveConfig):
         super().__init__(graph, decision, config)
-        self.symm_reason: str | None = None
+        self.symm_reason: Reason | None = None
         if config.enable_mmrs_fusion:
             self.symm_reason = SYMM_MEM_CUDAGRAPHS_NOTE if inductor_cudagraphs_on() else (
-                symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda")))
+                _runtime(symm_mem_matmul.symm_mem_unavailable_reason(decision.group_name, torch.device("cuda"))))
 
-    def mmrs_unsupported_reason(self, mm: _Matmul) -> str | None:
+    def mmrs_unsupported_reason(self, mm: _Matmul) -> Reason | None:
         operands = _operands_reason(mm)
         if operands is not None:
             return operands
         if self.symm_reason is not None:
             return self.symm_reason
         x_shape = (self.d.padded_tokens, *tensor(mm.x).shape[1:])  # (checked by ``_operands_reason``)
-        return symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
-            x_shape, self.d.world_size, mm.bias is not None)
+        return _runtime(symm_mem_matmul.matmul_reduce_scatter_unsupported_reason(
+            x_shape, self.d.world_size, mm.bias is not None))
 
     def matmul_reduce_scatter(self, x: Node, mm: _Matmul) -> tuple[Node, str]:
         return self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_MATMUL_REDUCE_SCATTER),
                          x, mm.w, "sum", 0, self.d.group_name), "cuda_symm"
 
-    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> tuple[Node | None, str]:
+    def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node,
+                      point: int) -> tuple[Node | None, Reason | None]:
         if not self.config.enable_mmrs_fusion:
             return super().gather_normed(site, normed, point)
         reason = self.symm_reason or self.all_gather_matmul(site, normed, point)
         if reason is None:
-            return None, "consumers: fused_all_gather_matmul"
+            return None, Reason.of(ReasonCode.FLASHCOMM_CONSUMERS_FUSED, op="fused_all_gather_matmul")
         log.info("weavepass: FlashComm all_gather+matmul not fused after %s: %s",
                  site.all_reduce.name, reason)
-        return self.gather_rows(normed, tensor(site.norm.output).shape), f"all_gather+matmul not fused: {reason}"
+        return self.gather_rows(normed, tensor(site.norm.output).shape), \
+            Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=reason)
 
-    def all_gather_matmul(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> str | None:
+    def all_gather_matmul(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> Reason | None:
         """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
         d, out = self.d, site.norm.output
         rows_shape = (d.num_tokens, site.hidden)
@@ -651,15 +659,15 @@ class CudaFlashComm(PortableFlashComm):
             for reader, rows in readers:
                 if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
                         and tuple(tensor(rows).shape) == rows_shape):
-                    return f"{reader.name} ({reader.target}) reads the normed rows, not a [tokens, hidden] mm"
+                    return Reason.of(ReasonCode.FLASHCOMM_READER_NOT_MM, node=reader.name, op=str(reader.target))
                 mms.append(reader)
         if not mms:
-            return "no mm reads the normed rows"
+            return Reason.of(ReasonCode.FLASHCOMM_NO_ROWS_MM, as_rows=False)
         weights = []
         for mm in mms:
             w = self.weight_before(mm, point)
             if w is None:
-                return f"the weight of {mm.name} is computed after the norm"
+                return Reason.of(ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM, matmul=mm.name)
             weights.append(w)
         fused = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_ALL_GATHER_MATMUL),
                           normed, weights, 0, d.group_name, return_A=True)

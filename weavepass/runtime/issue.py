@@ -1,0 +1,40 @@
+"""Why-nots of the runtime's checks, as codes: the runtime cannot import ``weavepass.compile``, so a
+check answers with an ``Unsupported`` (a ``StrEnum`` member of its module and the detail as fields);
+``str()`` renders the sentence from ``ISSUE_TEXT`` (each module registers its table with
+``register``). The compile side reports each as the ``ReasonCode`` of the same value
+(``weavepass.compile.reasons.RUNTIME_ISSUES``), rendered from here (``runtime.cuda.support`` and
+``runtime.QuantIssue`` keep their own, older, forms of the same pattern)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from weavepass.config import StrEnum
+
+ISSUE_TEXT: dict[str, str] = {}
+"""Each registered issue's sentence (a ``str.format`` template over its fields), by the issue's value."""
+
+
+def register(texts: Mapping[StrEnum, str]) -> None:
+    """Add a module's issue sentences to ``ISSUE_TEXT`` (every member of its enum has one)."""
+    for issue, text in texts.items():
+        ISSUE_TEXT[issue.value] = text
+    members = {member.value for issue in texts for member in type(issue)}
+    missing = members - ISSUE_TEXT.keys()
+    assert not missing, f"issues without a sentence: {sorted(missing)}"
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why a runtime fused op cannot take a call: ``issue`` and its detail (``fields``)."""
+
+    issue: StrEnum
+    fields: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, issue: StrEnum, **fields: object) -> Unsupported:
+        return cls(issue, tuple(fields.items()))
+
+    def __str__(self) -> str:
+        return ISSUE_TEXT[self.issue.value].format(**dict(self.fields))
