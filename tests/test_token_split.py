@@ -93,7 +93,8 @@ def _check_case(case, result):
     assert diff < 1e-5, (case, diff)
     if batch * seq < 2:
         (reason,) = reasons
-        assert reason == Reason.of(ReasonCode.SPLIT_PLAN, cause=Reason.of(ReasonCode.SPLIT_TOO_FEW_TOKENS, tokens=1)), note
+        too_few = Reason.of(ReasonCode.SPLIT_TOO_FEW_TOKENS, tokens=1)
+        assert reason == Reason.of(ReasonCode.SPLIT_PLAN, cause=too_few), note
         assert after.get(ASYNC, 0) == 0
         return
     assert note.startswith("split"), (case, note)

@@ -57,7 +57,8 @@ class GraphReport:
     ops_after: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     reasons: list[Reason] = field(default_factory=list)
-    """The graph-wide reasons behind the declines among ``notes`` (``decline``), in order."""
+    """The graph-wide reasons among ``notes``, in order: why a strategy was not used (``decline``),
+    or was used otherwise than the config asked (the split's ``split_comm="push"`` not used)."""
     logged_as: int | None = None
     """In a report that numbers its graphs itself (``explain``, ``weave``): the number the backend
     gave this graph, which its log lines and errors use; None where the two are the same."""

@@ -12,10 +12,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeGuard
 
-if TYPE_CHECKING:
-    from weavepass.runtime.issue import Unsupported
+from weavepass.config import StrEnum
+from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
+from weavepass.runtime.cuda.quant_epilogue import QuantFormIssue
+from weavepass.runtime.cuda.support import ISSUE_TEXT as CUDA_ISSUE_TEXT
+from weavepass.runtime.cuda.support import CudaIssue
+from weavepass.runtime.issue import ISSUE_TEXT
+from weavepass.runtime.npu import NpuIssue
+from weavepass.runtime.symm_mem_matmul import SymmMemIssue
 
 
 class ReasonCode(enum.Enum):
@@ -128,6 +134,8 @@ class ReasonCode(enum.Enum):
     CUDA_BIAS_MISMATCH = "cuda_bias_mismatch"
     CUDA_QUANT_FORM = "cuda_quant_form"
     PUSH_WORLD_SIZE = "push_world_size"
+    PUSH_LAYER_NORM = "push_layer_norm"
+    """``split_comm="push"`` not used: the graph has LayerNorm sites (the push kernel reduces RMSNorm ones)."""
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
     INDUCTOR_SETTINGS = "inductor_settings"
@@ -366,6 +374,27 @@ class ReasonCode(enum.Enum):
     QUANT_CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
     QUANT_CUDA_FORM = "quant_cuda_form"
     QUANT_CUDA_UNVERIFIED = "quant_cuda_unverified"
+    # The form the CUDA kernel does not carry (the ``cause`` of ``QUANT_CUDA_FORM`` and
+    # ``CUDA_QUANT_FORM``: ``runtime.cuda.quant_epilogue.QuantFormIssue``, the same values)
+    QUANT_FORM_STATIC_SCALE_PER_GROUP = "quant_form_static_scale_per_group"
+    QUANT_FORM_GROUP_SIZE = "quant_form_group_size"
+    QUANT_FORM_STATIC_SCALE_DTYPE = "quant_form_static_scale_dtype"
+    QUANT_FORM_STATIC_SCALE_NOT_SCALAR = "quant_form_static_scale_not_scalar"
+    QUANT_FORM_TOO_MANY_STEPS = "quant_form_too_many_steps"
+    QUANT_FORM_SCALE_NOT_AMAX = "quant_form_scale_not_amax"
+    QUANT_FORM_SCALE_CAST = "quant_form_scale_cast"
+    QUANT_FORM_SCALE_STEP = "quant_form_scale_step"
+    QUANT_FORM_SCALE_NO_AMAX = "quant_form_scale_no_amax"
+    QUANT_FORM_CODE_DTYPE = "quant_form_code_dtype"
+    QUANT_FORM_FP8_NOT_CLAMPED = "quant_form_fp8_not_clamped"
+    QUANT_FORM_CODE_CAST_EARLY = "quant_form_code_cast_early"
+    QUANT_FORM_DIVISION_NOT_FIRST = "quant_form_division_not_first"
+    QUANT_FORM_RECIPROCAL_DTYPE = "quant_form_reciprocal_dtype"
+    QUANT_FORM_DIVISION_DTYPE = "quant_form_division_dtype"
+    QUANT_FORM_STEP_BEFORE_DIVISION = "quant_form_step_before_division"
+    QUANT_FORM_CODE_STEP = "quant_form_code_step"
+    QUANT_FORM_NO_CODE_CAST = "quant_form_no_code_cast"
+    QUANT_FORM_FP8_CAPABILITY = "quant_form_fp8_capability"
     QUANT_FLASHCOMM = "quant_flashcomm"
     """FlashComm took the graph: the quantization runs on the rows it gathers."""
     QUANT_SPLIT = "quant_split"
@@ -589,6 +618,8 @@ MESSAGES: dict[ReasonCode, Message] = {
         "capture CUDA graphs yourself (torch.cuda.graph)"),
     ReasonCode.PORTABLE_FALLBACK: "portable instead of cuda_symm: {cause}",
     ReasonCode.CUDA_COPY: CUDA_COPY_TEXT,
+    ReasonCode.PUSH_LAYER_NORM: ("the push variant's reduce kernel carries RMSNorm sites only, and this graph has "
+                                 "LayerNorm sites"),
     ReasonCode.INDUCTOR_CUDAGRAPHS: INDUCTOR_CUDAGRAPHS_TEXT,
     ReasonCode.INDUCTOR_SETTINGS: _inductor_settings,
     ReasonCode.NO_SITES: "no all_reduce -> RMSNorm site in the graph",
@@ -873,64 +904,57 @@ MESSAGES: dict[ReasonCode, Message] = {
 """Each code's sentence: a ``str.format`` template over the reason's fields, or a function of them."""
 
 
-def _cuda_words(code: ReasonCode) -> Message:
-    """The runtime's sentence for a ``CudaIssue`` code (``runtime.cuda.support.ISSUE_TEXT``)."""
-    def render(fields: dict[str, object]) -> str:
-        from weavepass.runtime.cuda.support import ISSUE_TEXT, CudaIssue
-
-        return ISSUE_TEXT[CudaIssue(code.value)].format(**fields)
-
-    return render
-
-
-CUDA_ISSUES = (
-    ReasonCode.CUDA_NOT_ON_CUDA, ReasonCode.CUDA_DTYPE, ReasonCode.CUDA_OUT_DTYPE, ReasonCode.CUDA_HIDDEN_NOT_MULTIPLE,
-    ReasonCode.CUDA_HIDDEN_TOO_LARGE, ReasonCode.CUDA_NO_TRITON, ReasonCode.CUDA_GROUP_UNRESOLVED,
-    ReasonCode.CUDA_WORLD_SIZE, ReasonCode.CUDA_UNAVAILABLE, ReasonCode.CUDA_RESIDUAL_MISMATCH,
-    ReasonCode.CUDA_WEIGHT_MISMATCH, ReasonCode.CUDA_BIAS_MISMATCH, ReasonCode.CUDA_QUANT_FORM,
-    ReasonCode.PUSH_WORLD_SIZE,
-)
-"""The codes of ``runtime.cuda.support.CudaIssue`` (the same values)."""
-MESSAGES.update({code: _cuda_words(code) for code in CUDA_ISSUES})
-
-
-
-def _quant_words(code: ReasonCode) -> Message:
-    """The runtime's sentence for a ``QuantIssue`` code (``runtime.QUANT_ISSUE_TEXT``)."""
-    def render(fields: dict[str, object]) -> str:
-        from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
-
-        return QUANT_ISSUE_TEXT[QuantIssue(code.value)].format(**fields)
-
-    return render
-
-
-QUANT_ISSUES = (
-    ReasonCode.QUANT_LOWERING_NOT_CARRIED, ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE, ReasonCode.QUANT_CUDA_FORM,
-    ReasonCode.QUANT_CUDA_UNVERIFIED,
-)
-"""The codes of ``runtime.QuantIssue`` (the same values)."""
-MESSAGES.update({code: _quant_words(code) for code in QUANT_ISSUES})
-
-
 def _runtime_words(code: ReasonCode) -> Message:
-    """The runtime's sentence for a ``runtime.issue`` code (``runtime.issue.ISSUE_TEXT``)."""
+    """The runtime's sentence for the code of a runtime issue (``RUNTIME_ISSUE_TEXTS``)."""
     def render(fields: dict[str, object]) -> str:
-        import weavepass.runtime.npu
-        import weavepass.runtime.symm_mem_matmul  # noqa: F401  (each registers its sentences)
-        from weavepass.runtime.issue import ISSUE_TEXT
-
-        return ISSUE_TEXT[code.value].format(**fields)
+        return RUNTIME_ISSUE_TEXTS[code.value].format(**fields)
 
     return render
 
 
-RUNTIME_ISSUES = tuple(code for code in ReasonCode if code.value.startswith(("npu_", "symm_mem_")))
-"""The codes of ``runtime.npu.NpuIssue`` and ``runtime.symm_mem_matmul.SymmMemIssue`` (the same values)."""
+RUNTIME_ISSUE_TEXTS: dict[str, str] = {
+    **{issue.value: text for issue, text in CUDA_ISSUE_TEXT.items()},
+    **{issue.value: text for issue, text in QUANT_ISSUE_TEXT.items()},
+    **ISSUE_TEXT,  # runtime.npu's, runtime.symm_mem_matmul's, runtime.cuda.quant_epilogue's
+}
+"""The runtime's sentence of each issue, by the issue's value."""
+
+RUNTIME_ISSUE_ENUMS: tuple[type[StrEnum], ...] = (CudaIssue, QuantIssue, NpuIssue, SymmMemIssue, QuantFormIssue)
+"""The runtime's why-not enums: each member is reported as the ``ReasonCode`` of the same value,
+rendered from the runtime's sentence (``tests/test_reason_codes.py`` checks both ways)."""
+
+
+def _runtime_codes(*enums: type[StrEnum]) -> tuple[ReasonCode, ...]:
+    return tuple(ReasonCode(issue.value) for enum_type in enums for issue in enum_type)
+
+
+CUDA_ISSUES = _runtime_codes(CudaIssue)
+"""The codes of ``runtime.cuda.support.CudaIssue``."""
+QUANT_ISSUES = _runtime_codes(QuantIssue)
+"""The codes of ``runtime.QuantIssue``."""
+RUNTIME_ISSUES = _runtime_codes(*RUNTIME_ISSUE_ENUMS)
+"""The codes of every runtime issue (``RUNTIME_ISSUE_ENUMS``), ``CUDA_ISSUES`` and ``QUANT_ISSUES`` among them."""
 MESSAGES.update({code: _runtime_words(code) for code in RUNTIME_ISSUES})
 
 
-def runtime_issue_reason(issue: Unsupported) -> Reason:
-    """A runtime check's answer (``runtime.issue.Unsupported``) as the ``Reason`` of the same code
-    (``RUNTIME_ISSUES``), with its fields."""
-    return Reason(ReasonCode(issue.issue.value), issue.fields)
+class RuntimeIssue(Protocol):
+    """A runtime check's answer: ``runtime.issue.Unsupported``, ``runtime.cuda.support.CudaUnsupported``
+    or ``runtime.QuantUnsupported``."""
+
+    @property
+    def issue(self) -> StrEnum: ...
+
+    @property
+    def fields(self) -> Fields: ...
+
+
+def runtime_issue_reason(issue: RuntimeIssue) -> Reason:
+    """A runtime check's answer as the ``Reason`` of the same code (``RUNTIME_ISSUES``), with its
+    fields; a field that is itself a runtime issue (a ``cause``) becomes its ``Reason`` too."""
+    fields = tuple((key, runtime_issue_reason(value) if _is_runtime_issue(value) else value)
+                   for key, value in issue.fields)
+    return Reason(ReasonCode(issue.issue.value), fields)
+
+
+def _is_runtime_issue(value: object) -> TypeGuard[RuntimeIssue]:
+    return isinstance(getattr(value, "issue", None), RUNTIME_ISSUE_ENUMS) and hasattr(value, "fields")
