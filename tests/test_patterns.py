@@ -581,7 +581,7 @@ def test_push_variant_keeps_the_fused_kernel_for_layer_norm_sites():
                            config=WeaveConfig(split="force", split_comm="push"))
     assert graph.ops_after["weave.fused_allreduce_layernorm_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm_push_async.default" not in graph.ops_after
-    assert "the push variant's reduce kernel carries RMSNorm sites only" in graph.note, graph.note
+    assert graph.reasons == [Reason(ReasonCode.PUSH_LAYER_NORM)], graph.note
 
 
 def test_reject_group_below_min_world_size():

@@ -36,7 +36,7 @@ import weavepass
 from weavepass import WeaveConfig
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import _plan_quant
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
@@ -140,7 +140,7 @@ def test_each_form_fused_and_its_quantization_gone(fake_world, form):
     if form != "fp8_group":  # (the group form's matmul is the dequantize-then-matmul fallback)
         assert graph.ops_after[matmul] == graph.ops_before[matmul] == 1
     (record,) = graph.records
-    assert f"+ {LABELS[form]}," in record.kind and "stays outside" not in record.kind
+    assert f"+ {LABELS[form]}," in record.kind and record.quant_left is None, record.kind
 
 
 def test_fp16_site_fused(fake_world):
@@ -158,7 +158,7 @@ def test_dynamic_per_tensor_scale_stays_outside(fake_world):
     assert graph.ops_after[FUSED] == 1 and graph.ops_after[QUANT] == 0  # the norm is fused all the same
     assert graph.ops_after["aten.amax.default"] == 1
     (record,) = graph.records
-    assert "fp8 per-tensor dynamic quant stays outside the fused op: its scale is the amax of all rows" in record.kind
+    assert record.quant_left == Reason(ReasonCode.QUANT_GLOBAL_SCALE), record.kind
 
 
 def test_quant_steps_are_the_graphs(fake_world):
@@ -238,13 +238,13 @@ def test_cuda_kernel_carries_every_fused_form(fake_world, form, monkeypatch):
     assert runtime.CUDA_QUANT_EPILOGUE_VERIFIED
     planned = _plan_quant(site, "cuda_symm")
     assert planned.quant is quant and planned.quant_left is None
-    assert f"+ {LABELS[form]}" in planned.kind and "stays outside" not in planned.kind
+    assert f"+ {LABELS[form]}" in planned.kind
     # the gate still works: an unverified kernel keeps the quantization outside, with the reason
     monkeypatch.setattr(runtime, "CUDA_QUANT_EPILOGUE_VERIFIED", False)
     planned = _plan_quant(site, "cuda_symm")
     assert planned.quant is None and planned.quant_left.code is ReasonCode.QUANT_LOWERING
     assert list(planned.quant_left.reason.codes()) == [ReasonCode.QUANT_LOWERING, ReasonCode.QUANT_CUDA_UNVERIFIED]
-    assert f"+ {LABELS[form]}" not in planned.kind and "stays outside" in planned.kind
+    assert f"+ {LABELS[form]}" not in planned.kind and planned.quant_left.text in planned.kind
 
 
 def _unclamped_fp8_row(group):
@@ -291,7 +291,7 @@ def test_flashcomm_leaves_the_quantization_outside(fake_world):
     assert graph.ops_after[QUANT] == 0 and graph.ops_after["aten.amax.default"] == 1
     (record,) = graph.records
     assert record.lowering.startswith("flashcomm:")
-    assert "fp8 per-row quant stays outside the fused op: FlashComm does not carry it yet" in record.kind
+    assert record.quant_left == Reason(ReasonCode.QUANT_FLASHCOMM), record.kind
 
 
 def test_quantized_decoder(fake_world):

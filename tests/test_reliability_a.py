@@ -328,7 +328,6 @@ def test_training_rejection_says_saved_for_backward():
 
     graph = graph_report(sqrt_form, x, w, r, weight, grad=True)
     assert_left_alone(graph, ReasonCode.SAVED_FOR_BACKWARD, node="sqrt")
-    assert "torch.no_grad()" in graph.records[0].reason  # the sentence says what to do
 
     def returns_rsqrt(x, w, r, weight):  # inference: the same output is the model's own
         h = (ar(x @ w) + r).float()

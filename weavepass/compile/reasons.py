@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, TypeGuard
+from typing import Protocol, TypeGuard, cast
 
 from weavepass.config import StrEnum
 from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
@@ -403,14 +403,25 @@ class ReasonCode(enum.Enum):
     # ``split="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
     TUNED_NO_REWRITE = "tuned_no_rewrite"
     """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
-    neighbouring cells: the sites stay all_reduce (``text``: the table's words)."""
+    neighbouring cells: the sites stay all_reduce. Each ``TUNED_*`` code's fields: the static
+    ``tokens`` (None for a symbolic count, decided for ``low <= tokens < high``, either bound None
+    where open), the rule's ``basis`` (``cell``, ``between``, ``below``, ``above``: ``weavepass.tune.table``),
+    the ``fuse`` and ``split`` time ratios to Inductor at the neighbouring cells ``at``, ``min_gain``,
+    and the entry: ``table``, ``shape``, ``mode``, ``world``."""
     TUNED_FUSE_ONLY = "tuned_fuse_only"
     """The table chose fuse-only: the split was not measured faster at the neighbouring cells."""
     TUNED_SPLIT = "tuned_split"
     """The table chose the split (information; the split may still find the graph unsplittable)."""
     TUNING_TABLE_NOT_APPLICABLE = "tuning_table_not_applicable"
-    """The table has no entry for this graph (another world size, device, dtype, compile mode or layer
-    widths): the split window (``split_min_tokens``..``split_max_tokens``) decides."""
+    """The table (``table``) has no entry for this graph (``cause``: one of the next six): the split
+    window (``split_min_tokens``..``split_max_tokens``) decides."""
+    TUNING_TABLE_SITES_DIFFER = "tuning_table_sites_differ"
+    TUNING_TABLE_TOKEN_COUNTS = "tuning_table_token_counts"
+    TUNING_TABLE_DEVICE = "tuning_table_device"
+    TUNING_TABLE_WORLD = "tuning_table_world"
+    TUNING_TABLE_DTYPE = "tuning_table_dtype"
+    TUNING_TABLE_NO_ENTRY = "tuning_table_no_entry"
+    """No entry for ``hidden`` and the row-parallel ``widths`` in ``mode`` (``entries``: what it has)."""
 
 
 Fields = tuple[tuple[str, object], ...]
@@ -536,6 +547,29 @@ def _inductor_settings(fields: dict[str, object]) -> str:
     listed = ", ".join(f"{key}={needed!r} (this compile: {current!r})" for key, needed, current in settings)
     return (f"{fields['strategy']} needs the Inductor settings {listed}; patch in the pass's "
             "config_patches() (weavepass.inductor_pass), not only the pass")
+
+
+def _tuned(word: str, rule: bool = False) -> Callable[[dict[str, object]], str]:
+    """The sentence of a ``TUNED_*`` code: the table's call (``word``) and the measurements behind it,
+    in the words of the rule (``weavepass.tune.table``); ``rule``: the rewrite was not ``min_gain`` faster."""
+    where = {"cell": "", "between": " (both neighbouring cells)",
+             "below": " (below the measured range: the nearest cell; the split is not extrapolated)",
+             "above": " (above the measured range: the nearest cell; the split is not extrapolated)"}
+
+    def render(f: dict[str, object]) -> str:
+        if f["tokens"] is not None:
+            span = f"{f['tokens']} tokens"
+        else:
+            span = " <= ".join(str(x) for x in (f["low"], "tokens") if x is not None)
+            span += (f" < {f['high']}" if f["high"] is not None else "") + " (symbolic, guarded)"
+        basis = str(f["basis"])
+        measured = f"fuse {f['fuse']}" + (f" and split {f['split']}" if basis in ("cell", "between") else "")
+        gain = f"; a rewrite must be at least {f['min_gain']:.0%} faster than Inductor at every neighbouring cell" \
+            if rule else ""
+        return (f"auto: {word} at {span}: measured {measured} Inductor at {f['at']} tokens{where[basis]}{gain} "
+                f"in tuning table {f['table']} ({f['shape']}, {f['mode']} mode, world {f['world']})")
+
+    return render
 
 
 Message = str | Callable[[dict[str, object]], str]
@@ -683,10 +717,19 @@ MESSAGES: dict[ReasonCode, Message] = {
                                         "matmul op: {cause}; the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the split (split={split!r}) rewrites fused ops, "
                                      "so the matmul stays outside for it to cut the site"),
-    ReasonCode.TUNED_NO_REWRITE: "{text}",
-    ReasonCode.TUNED_FUSE_ONLY: "{text}",
-    ReasonCode.TUNED_SPLIT: "{text}",
-    ReasonCode.TUNING_TABLE_NOT_APPLICABLE: "{text}",
+    ReasonCode.TUNED_NO_REWRITE: _tuned("no rewrite (plain Inductor)", rule=True),
+    ReasonCode.TUNED_FUSE_ONLY: _tuned("fuse-only"),
+    ReasonCode.TUNED_SPLIT: _tuned("split"),
+    ReasonCode.TUNING_TABLE_NOT_APPLICABLE: "auto: tuning table {table} not used: {cause}; the split window decides",
+    ReasonCode.TUNING_TABLE_SITES_DIFFER: "its sites differ in group, hidden size or dtype",
+    ReasonCode.TUNING_TABLE_TOKEN_COUNTS: "its sites have different token counts",
+    ReasonCode.TUNING_TABLE_DEVICE: "measured on {measured}, this graph runs on {device}",
+    ReasonCode.TUNING_TABLE_WORLD: ("measured at world {measured}, this group has {world} rank(s) "
+                                    "(python -m weavepass.tune --world {world} measures it)"),
+    ReasonCode.TUNING_TABLE_DTYPE: "measured in {measured}, this graph computes in {dtype}",
+    ReasonCode.TUNING_TABLE_NO_ENTRY: lambda f: (
+        f"no entry for hidden {f['hidden']} with row-parallel matmul widths {list(cast(tuple[int, ...], f['widths']))} "
+        f"in {f['mode']} mode (it has: {f['entries']})"),
     ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
                               "be replayed on [rows, hidden] shard rows"),
     ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
