@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
-from weavepass.ops import arguments
 from weavepass.tune.table import TuningTable, choose, load_table, region_of
 
 log = logging.getLogger("weavepass")

@@ -43,11 +43,12 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.reasons import Reason, ReasonCode, runtime_issue_reason
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import plan_split, too_few_tokens_reason
 from weavepass.config import Lowering, WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, arguments
+from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM
 from weavepass.report import GraphReport
 
 from .analysis import analyse
