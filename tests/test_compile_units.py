@@ -803,5 +803,6 @@ def test_a_fallback_shared_by_many_sites_is_one_warning(world2, caplog):
         report = weavepass.explain(two_sites, *_args(40), config=WeaveConfig(lowering="cuda_symm"))
     warnings = [r.getMessage() for r in caplog.records if "instead of cuda_symm" in r.getMessage()]
     assert len(warnings) == 1, warnings
+    # rendering test: a warning's text, once for the sites that share its reason
     assert "all_reduce, all_reduce_1" in warnings[0] and "2 site(s)" in warnings[0], warnings
     assert all(r.codes == [ReasonCode.PORTABLE_FALLBACK] for r in report.records)

@@ -297,7 +297,7 @@ def test_records_name_the_module_and_source_line():
     for record in graph.records:
         assert record.where.startswith("layers.0 (test_family_forms.py:"), record.where
         assert "funcol.all_reduce(self.down_proj(x)" in record.where, record.where
-    assert f"in {kept.where}" in str(WeaveReport([graph]))
+    assert f"in {kept.where}" in str(WeaveReport([graph]))  # rendering test: the report names the module
 
 
 def test_module_path_and_source_line_of_hand_made_metadata():
