@@ -143,7 +143,7 @@ def _alpha_chain(x, w1, w2, r, weight, alphas):
 # kept site at either end of the chain.
 ALPHA_CASES = [
     ("fuse-only", (1, 2.0, 1), [], ""),
-    ("split", (1, 2.0, 1), [ReasonCode.SPLIT_NOT_POSSIBLE], "fuse-only: split not possible"),
+    ("split", (1, 2.0, 1), [ReasonCode.SPLIT_NOT_POSSIBLE], "fuse-only: "),
     ("flashcomm", (2.0, 1, 1), [], "FlashComm (portable)"),
     ("flashcomm", (1, 1, 2.0), [], "FlashComm (portable)"),
 ]
