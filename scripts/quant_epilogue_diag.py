@@ -22,7 +22,7 @@ import torch
 import triton
 
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides
-from weavepass.runtime.cuda.quant_epilogue import plan_quant_epilogue
+from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, plan_quant_epilogue
 from weavepass.runtime.quant import quantize_rows
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.kernel_sim import SimulatedRanks
@@ -80,7 +80,7 @@ def main() -> None:
         scale_steps, code_steps, group = form_steps(form, dtype)
         quant = plan_quant_epilogue(dtype, args.hidden, None if static is None else (torch.float32, 0), group,
                                     scale_steps, code_steps, True)
-        assert not isinstance(quant, str), quant
+        assert isinstance(quant, QuantEpilogue), quant
         for t in args.tokens:
             label = f"{form} world={args.world} T={t}"
             partials, residual, weight = _inputs(args.world, t, args.hidden, dtype, seed=t)

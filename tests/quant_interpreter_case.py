@@ -31,7 +31,7 @@ import torch
 
 from weavepass.runtime.cuda.dispatch import kernel_arguments
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
-from weavepass.runtime.cuda.quant_epilogue import plan_quant_epilogue
+from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, plan_quant_epilogue
 from weavepass.runtime.cuda.support import MAX_WORLD
 from weavepass.runtime.cuda.workspace import _Workspace, lamport_flag_slot, lamport_region_elements
 from weavepass.runtime.portable import rows_per_rank
@@ -144,7 +144,7 @@ def check_form(form, world, algorithm, dtype):
     for return_normed in (True, False):
         epilogue = plan_quant_epilogue(dtype, HIDDEN, None if static is None else (torch.float32, 0), group,
                                        scale_steps, code_steps, return_normed)
-        assert not isinstance(epilogue, str), (form, epilogue)
+        assert isinstance(epilogue, QuantEpilogue), (form, epilogue)
         assert epilogue.code_dtype == code_dtype
         outputs = [(torch.full((TOKENS, HIDDEN), float("nan"), dtype=dtype).share_memory_(),
                     torch.empty(TOKENS, HIDDEN, dtype=dtype).share_memory_(),

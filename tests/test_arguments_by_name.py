@@ -1,4 +1,4 @@
-"""The finder reads op arguments by their schema names (``weavepass.ops.arguments``), so a graph
+"""The finder reads op arguments by their schema names (``weavepass.compile.fx_args.arguments``), so a graph
 whose collectives and norms take their arguments by keyword is matched and rewritten as the same
 graph with positional arguments (a position holds only for one schema: LayerNorm has a bias after
 the weight, ``rms_norm`` has not; a keyword holds for every schema that names it).
@@ -15,9 +15,10 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from weavepass import WeaveConfig
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.graph_pass import WeavePass
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
-from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, arguments
+from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM
 
 H = 32
 C10D = torch.ops._c10d_functional

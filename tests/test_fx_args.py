@@ -4,6 +4,8 @@ expected, when the graph holds something else. Hand-built graphs, no tracing."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch.fx import Graph
@@ -15,6 +17,7 @@ from weavepass.compile.fx_args import (
     arg_ints,
     arg_list,
     arg_node,
+    arguments,
     as_optional_node,
     as_str,
     node_list,
@@ -47,13 +50,21 @@ def test_accessors_return_the_checked_arguments():
     assert as_str("tp", n["t"], "group_name") == "tp"
 
 
-def test_position_then_keyword_then_default():
-    _, n = _graph()
+def test_a_schema_position_is_read_by_its_name():
+    """``arg`` reads through ``arguments``: the schema's name for the position, given positionally
+    or as a keyword, else the schema's default, else ``default``."""
+    g, n = _graph()
     assert arg(n["s"], 2, "keepdim", False) is True  # a keyword
+    assert arg(n["s"], 2) is True  # the schema names position 2 keepdim: no name needed
     assert arg(n["s"], 1, "dim") == [1]  # positional
-    assert arg(n["t"], 5, "missing", 7) == 7  # neither: the default
-    assert arg(n["s"], 2, None, False) is False  # no name: keywords are not read
+    assert arguments(n["s"]) == {"self": n["x"], "dim": [1], "keepdim": True, "dtype": None}
+    assert arg_int(n["c"], 1) == 0  # cat's dim: the schema's default
+    assert arg(n["t"], 5, "missing", 7) == 7  # past the schema: neither given, the default
     assert arg_int(n["t"], 3, "dim", -1) == -1
+    item = g.call_function(operator.getitem, (n["x"], 1))  # no schema: by position, then keyword
+    assert arg_int(item, 1) == 1 and arg(item, 2, "missing", 3) == 3
+    with pytest.raises(UnexpectedArgument, match="an op with a schema"):
+        arguments(item)
 
 
 @pytest.mark.parametrize("read,expected", [

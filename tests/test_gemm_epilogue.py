@@ -129,7 +129,6 @@ def test_row_parallel_matmuls_move_into_the_op(fake_world, caplog):
     embedding, *layers = graph.records
     assert embedding.codes == [ReasonCode.GEMM_EPILOGUE_NO_MATMUL]
     assert embedding.reasons[0].field("module") == "embed"
-    assert "not produced by a matmul the lowering can replace: embed" in embedding.reason
     for record in layers:
         assert record.codes == [ReasonCode.GEMM_EPILOGUE] and record.lowering == "portable"
         assert record.reasons[0].field("matmul") == record.matmul  # the finder's matmul is the one taken in

@@ -197,7 +197,7 @@ def test_a_strategy_whose_inductor_settings_are_missing_is_declined_with_a_warni
     ops = alone.report.graphs[0].ops_after
     assert ops[FUSED_OP] == SITES and ops["weave.fused_allreduce_rmsnorm_async.default"] == 0
     assert alone.report.graphs[0].codes == [ReasonCode.INDUCTOR_SETTINGS]
-    # the rendered warning names the setting, its needed and its current value, and the fix
+    # rendering test: the warning names the setting, its needed and its current value, and the fix
     assert any("reorder_for_peak_memory=False (this compile: True)" in r.getMessage()
                and "config_patches()" in r.getMessage() for r in caplog.records)
 

@@ -369,9 +369,6 @@ def test_sum_written_back_into_an_input_is_named_in_the_reason(form):
     readers = dict(reason.field("readers"))
     assert len(readers) == 2 and len([written for written in readers.values() if written]) == 1, readers
     assert any(name.startswith("mul") for name in readers) and any(name.startswith("copy_") for name in readers)
-    # the rendered reason says what a write-back into an input is
-    assert "2 other user(s) besides the residual add" in record.reason, record.reason
-    assert "written back into the graph input" in record.reason, record.reason
 
 
 def test_reject_norm_over_another_dim():
@@ -402,7 +399,7 @@ def test_reject_all_reduce_without_norm():
     # The add may not be a residual add (a shared expert, another all_reduce): the reason names
     # what was added and does not call it a residual.
     assert ReasonCode.AFTER_ADD in graph.records[0].reasons[0].codes(), graph.records[0].reason
-    assert "residual" not in graph.records[0].reason
+    assert not any(code.name.startswith("RESIDUAL") for code in graph.records[0].reasons[0].codes())
 
 
 def cohere_layer_norm(x, weight, eps=1e-5):
@@ -584,7 +581,7 @@ def test_push_variant_keeps_the_fused_kernel_for_layer_norm_sites():
                            config=WeaveConfig(split="force", split_comm="push"))
     assert graph.ops_after["weave.fused_allreduce_layernorm_async.default"] == 4
     assert "weave.fused_allreduce_rmsnorm_push_async.default" not in graph.ops_after
-    assert "the push variant's reduce kernel carries RMSNorm sites only" in graph.note, graph.note
+    assert graph.reasons == [Reason(ReasonCode.PUSH_LAYER_NORM)], graph.note
 
 
 def test_reject_group_below_min_world_size():
@@ -595,8 +592,7 @@ def test_reject_group_below_min_world_size():
     assert graph.ops_after == graph.ops_before
     (record,) = graph.records
     assert record.matched and not record.lowering
-    assert record.codes == [ReasonCode.GROUP_TOO_SMALL]
-    assert record.reason == "group of 2 rank(s) < min_world_size=4"  # the rendered sentence
+    assert record.reasons == [Reason.of(ReasonCode.GROUP_TOO_SMALL, size=2, min_world_size=4)]
 
 
 def test_disabled_config_leaves_graph_alone():
@@ -654,7 +650,8 @@ def test_report_text_lists_every_all_reduce():
     text = str(backend.report)
     assert "1 rewritten" in text
     assert "fused  -> portable" in text
-    assert "all_reduce op is 'max'" in text
+    assert [r.reasons for r in backend.report.records if not r.matched] == [
+        [Reason.of(ReasonCode.REDUCE_OP_NOT_SUM, op="max")]]
 
 
 def test_cuda_lowering_requested_on_cpu_falls_back_with_reason():
@@ -666,7 +663,7 @@ def test_cuda_lowering_requested_on_cpu_falls_back_with_reason():
     (record,) = graph.records
     assert record.lowering == "portable"
     assert record.codes == [ReasonCode.PORTABLE_FALLBACK]
-    assert record.reason.startswith("portable instead of cuda_symm:")  # the rendered sentence
+    assert record.reasons[0].field("cause").code is ReasonCode.CUDA_NOT_ON_CUDA, record.reasons
 
 
 def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
@@ -691,7 +688,6 @@ def test_dynamic_true_eps_input_is_reported_and_specialize_float_fixes_it():
     lifted = run(specialize_float=False)
     assert lifted.ops_after == lifted.ops_before
     assert ReasonCode.EPS_NOT_CONSTANT in lifted.records[0].reasons[0].codes()
-    assert "specialize_float" in lifted.records[0].reason  # the sentence says what to do
     assert_fused(run(specialize_float=True), 1)
 
 
@@ -904,7 +900,6 @@ def test_two_sums_on_different_groups_normed_directly_claim_the_add_once():
     assert first.lowering == "portable" and first.kind.startswith("residual,"), first
     assert not second.matched and second.reasons == [
         Reason.of(ReasonCode.ALREADY_CLAIMED, node="add", site=first.node)], second
-    assert second.reason == f"add is already part of the site of {first.node}"  # the rendered sentence
 
 
 def moe_sums(x, w, r, weight):
@@ -986,6 +981,5 @@ def test_dynamic_true_eps_input_is_given_once_per_site():
     assert len(graph.records) == 3 and graph.rewritten == 0
     for record in graph.records:
         assert ReasonCode.EPS_NOT_CONSTANT in record.reasons[0].codes(), record.reason
-        assert record.reason.count("the norm's eps is not a constant") == 1, record.reason  # rendered once
     # every sum does feed an RMSNorm here: the graph's note must not say that none does
     assert "feeds an" not in graph.note and "each one's reason is listed" in graph.note, graph.note

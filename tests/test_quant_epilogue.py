@@ -36,7 +36,7 @@ import weavepass
 from weavepass import WeaveConfig
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import _plan_quant
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.distributed import spawn
 from weavepass.testing.models import TPConfig, build_tp_model, random_token_ids
@@ -140,7 +140,7 @@ def test_each_form_fused_and_its_quantization_gone(fake_world, form):
     if form != "fp8_group":  # (the group form's matmul is the dequantize-then-matmul fallback)
         assert graph.ops_after[matmul] == graph.ops_before[matmul] == 1
     (record,) = graph.records
-    assert f"+ {LABELS[form]}," in record.kind and "stays outside" not in record.kind
+    assert f"+ {LABELS[form]}," in record.kind and record.quant_left is None, record.kind
 
 
 def test_fp16_site_fused(fake_world):
@@ -158,7 +158,7 @@ def test_dynamic_per_tensor_scale_stays_outside(fake_world):
     assert graph.ops_after[FUSED] == 1 and graph.ops_after[QUANT] == 0  # the norm is fused all the same
     assert graph.ops_after["aten.amax.default"] == 1
     (record,) = graph.records
-    assert "fp8 per-tensor dynamic quant stays outside the fused op: its scale is the amax of all rows" in record.kind
+    assert record.quant_left == Reason(ReasonCode.QUANT_GLOBAL_SCALE), record.kind
 
 
 def test_quant_steps_are_the_graphs(fake_world):
@@ -221,6 +221,7 @@ def test_chain_not_matched_when_the_matmul_scale_is_not_the_quantizations(fake_w
 def test_cuda_kernel_carries_every_fused_form(fake_world, form, monkeypatch):
     import weavepass.runtime as runtime
     from weavepass.compile.patterns.rmsnorm import val
+    from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue
     from weavepass.runtime.cuda.support import cuda_quant_epilogue
 
     linear = QuantLinear(torch.randn(N_OUT, H), form)
@@ -232,19 +233,18 @@ def test_cuda_kernel_carries_every_fused_form(fake_world, form, monkeypatch):
     epilogue = cuda_quant_epilogue(site.norm.out_dtype, site.hidden, site.device,
                                    None if scale is None else (scale.dtype, scale.dim()), quant.group_size,
                                    quant.scale_steps, quant.code_steps, quant.return_normed)
-    assert not isinstance(epilogue, str), epilogue  # the kernel's form of it: runtime.cuda.quant_epilogue
+    assert isinstance(epilogue, QuantEpilogue), epilogue  # the kernel's form of it: runtime.cuda.quant_epilogue
     # verified on a GPU (tests/gpu/test_quant_epilogue_gpu.py): the planner fuses the quantization
     assert runtime.CUDA_QUANT_EPILOGUE_VERIFIED
     planned = _plan_quant(site, "cuda_symm")
     assert planned.quant is quant and planned.quant_left is None
-    assert f"+ {LABELS[form]}" in planned.kind and "stays outside" not in planned.kind
+    assert f"+ {LABELS[form]}" in planned.kind
     # the gate still works: an unverified kernel keeps the quantization outside, with the reason
     monkeypatch.setattr(runtime, "CUDA_QUANT_EPILOGUE_VERIFIED", False)
     planned = _plan_quant(site, "cuda_symm")
     assert planned.quant is None and planned.quant_left.code is ReasonCode.QUANT_LOWERING
     assert list(planned.quant_left.reason.codes()) == [ReasonCode.QUANT_LOWERING, ReasonCode.QUANT_CUDA_UNVERIFIED]
-    assert str(planned.quant_left.reason.field("cause")) == runtime.CUDA_QUANT_EPILOGUE_UNVERIFIED  # rendered
-    assert f"+ {LABELS[form]}" not in planned.kind and "stays outside" in planned.kind
+    assert f"+ {LABELS[form]}" not in planned.kind and planned.quant_left.text in planned.kind
 
 
 def _unclamped_fp8_row(group):
@@ -264,11 +264,8 @@ def test_cuda_lowering_keeps_a_form_it_does_not_carry_outside(fake_world):
     assert site.quant is not None  # the portable lowering carries it
     site = _plan_quant(site, "cuda_symm")
     assert site.quant is None and site.quant_left.code is ReasonCode.QUANT_LOWERING
-    assert list(site.quant_left.reason.codes()) == [ReasonCode.QUANT_LOWERING, ReasonCode.QUANT_CUDA_FORM]
-    assert site.quant_left.text == (  # rendered
-        "fp8 per-row quant stays outside the fused op: the CUDA kernel does not carry it: its codes are not "
-        "clamped to +-448 before the fp8 cast (eager makes an overflow NaN; the kernel rounds clamped values "
-        "only)")
+    assert list(site.quant_left.reason.codes()) == [
+        ReasonCode.QUANT_LOWERING, ReasonCode.QUANT_CUDA_FORM, ReasonCode.QUANT_FORM_FP8_NOT_CLAMPED]
     assert "+ fp8" not in site.kind and site.quant_left.text in site.kind
 
 
@@ -277,7 +274,7 @@ def test_split_refuses_quantized_sites(fake_world):
     graph = compile_report(site_fn(linear, fake_world), *site_inputs(torch.bfloat16),
                            config=WeaveConfig(split="force"))
     assert graph.ops_after[QUANT] == 1  # fuse-only, the quantization in the fused op
-    assert "the split does not carry quantized sites" in graph.note
+    assert graph.codes == [ReasonCode.QUANT_SPLIT], graph.note
 
 
 def test_check_replicated_on_a_quantized_site(fake_world):
@@ -294,7 +291,7 @@ def test_flashcomm_leaves_the_quantization_outside(fake_world):
     assert graph.ops_after[QUANT] == 0 and graph.ops_after["aten.amax.default"] == 1
     (record,) = graph.records
     assert record.lowering.startswith("flashcomm:")
-    assert "fp8 per-row quant stays outside the fused op: FlashComm does not carry it yet" in record.kind
+    assert record.quant_left == Reason(ReasonCode.QUANT_FLASHCOMM), record.kind
 
 
 def test_quantized_decoder(fake_world):
@@ -456,14 +453,14 @@ def test_quant_unsupported_reason_answers_with_codes():
     """The runtime answers with a ``QuantIssue`` (its fields), the planner's ``Reason`` has the same
     code, and the sentence is the runtime's."""
     from weavepass import runtime
-    from weavepass.compile.planner import quant_issue_reason
+    from weavepass.compile.reasons import runtime_issue_reason
 
     kwargs = dict(out_dtype=torch.bfloat16, hidden=H, device=torch.device("cpu"))
     other = runtime.quant_unsupported_reason("npu", False, 0, "", "", **kwargs)
     assert other is not None and other.issue is runtime.QuantIssue.LOWERING
     assert dict(other.fields) == {"lowering": "npu"}
-    reason = quant_issue_reason(other)
+    reason = runtime_issue_reason(other)
     assert reason.code is ReasonCode.QUANT_LOWERING_NOT_CARRIED
-    assert reason.render() == str(other) == "the 'npu' lowering does not carry it yet"  # rendered
+    assert reason.render() == str(other)  # rendering test: the runtime's sentence
     no_dtype = runtime.quant_unsupported_reason("cuda_symm", True, 0, "", "", static_scale=None, **kwargs)
-    assert no_dtype is not None and quant_issue_reason(no_dtype).code is ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE
+    assert no_dtype is not None and runtime_issue_reason(no_dtype).code is ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE

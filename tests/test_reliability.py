@@ -225,6 +225,7 @@ def test_weave_and_explain_reuse_one_backend_past_the_recompile_limit():
             assert graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0
         reports = [weavepass.explain(layers[0], x, r, config=config) for _ in range(10)]
         assert all(report.rewritten == 1 for report in reports), [str(r) for r in reports]
+        # rendering test: the report states the assumption it rests on
         assert "assumes: the residual stream and the norm weights are the same on every rank" in str(reports[-1])
         # one compile for all of them: the shared backend saw one graph per distinct code
         assert len(weavepass.shared_backend(config).report.graphs) <= 2

@@ -95,7 +95,7 @@ def test_edge_cases_and_thresholds():
     assert batches.reason.field("tokens") == 16384
 
 
-def test_planner_reasons_render():
+def test_planner_reasons_render():  # rendering test
     """The planner's codes render the sentences the report shows (the rest branch on codes)."""
     assert str(Reason.of(ReasonCode.SPLIT_TOO_FEW_TOKENS, tokens=1)) == "1 token(s): nothing to split"
     assert str(plan_token_split(1, 1023, LLAMA70B_TP2, AUTO, H200).reason) == (
@@ -167,7 +167,6 @@ def test_inductor_cuda_graphs_leave_cuda_sites_alone_only_when_forbidden():
 
     mixed = [site("cuda:0"), site("cuda:0")]
     note = scheduler.INDUCTOR_CUDAGRAPHS
-    assert "reduce-overhead" in note.render()
     with inductor_config.patch({"triton.cudagraphs": True}):
         for fields in ({}, {"lowering": "portable"}, {"split": "force"}, {"enable_flashcomm": True}):
             config = WeaveConfig(allow_inductor_cudagraphs=False, **fields)
@@ -200,7 +199,6 @@ def test_small_cuda_batches_stay_all_reduce_without_cuda_graphs(monkeypatch):
     gated = WeaveConfig(cuda_min_tokens=1024)
     lowering, reason = scheduler.choose_lowering(site(512, 8), gated)
     assert lowering is None and reason == Reason.of(ReasonCode.CUDA_MIN_TOKENS, tokens=512, min_tokens=1024)
-    assert "512 tokens < cuda_min_tokens=1024" in reason.render() and "torch.cuda.graph" in reason.render()
     assert scheduler.choose_lowering(site(1, 1024, 8), gated)[0] == "cuda_symm"  # at the bound
     assert scheduler.choose_lowering(site(512, 8), gated.replace(lowering="cuda_symm"))[0] == "cuda_symm"
     with inductor_config.patch({"triton.cudagraphs": True}):

@@ -100,7 +100,6 @@ def test_pointwise_ops_need_no_registration_and_unknown_ops_are_refused():
     # flip has no rule: the reason names the node and the op.
     reason = _refused(lambda x: x.flip(-1), [(1, 8, 16)], {0: 1})
     assert reason == Reason.of(ReasonCode.SPLIT_NO_RULE, node="flip", op="flip.default")
-    assert reason.render() == "flip: the split has no rule for flip.default"
     with pytest.raises(ValueError, match="two token-dim rules"):
         register(aten.mm.default)(broadcast_dims)
 
@@ -111,7 +110,6 @@ def test_a_token_tensor_outside_the_first_argument_is_refused():
     ids = torch.zeros(1, 8, dtype=torch.long)
     reason = _refused(lambda w, i: F.embedding(i, w), [(100, 16), ids], {1: 1})
     assert reason == Reason.of(ReasonCode.SPLIT_TOKEN_ARGUMENT_POSITION, node="embedding", op="embedding.default")
-    assert reason.render() == "embedding (embedding.default): token tensor in an unsupported argument position"
 
 
 def test_a_node_that_is_not_a_function_call_is_refused():
@@ -173,7 +171,6 @@ def test_view_that_cuts_a_row_is_refused():
     """[1, 8, 16] -> [1, 2, 64] keeps whole halves only when the cut is a multiple of 4 tokens."""
     reason = _refused(lambda x: x.view(1, 2, 64), [(1, 8, 16)], {0: 1}, _cut("sequence", 8, 3))
     assert _is(reason, ReasonCode.SPLIT_VIEW_MOVES_CUT, node="view"), reason
-    assert reason.render() == "view: view [1, 8, 16] -> [1, 2, 64] does not keep the token cut in one dim"
 
 
 def test_hf_heads_view_writes_the_inferred_size_out():

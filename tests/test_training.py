@@ -178,8 +178,8 @@ def test_training_saves_the_residual_add_not_the_sum(joint_pass):
         assert forward_report.ops_after[TRAIN_OP] == 2 and second.lowering == "portable", second
         assert not any(forward_report.ops_after[op] for op in ALL_REDUCES)
     else:
-        assert not second.matched and "other user(s) besides the residual add" in second.reason, second
-        assert second.reason.endswith(": output"), second.reason
+        assert not second.matched and second.codes == [ReasonCode.SUM_OTHER_READERS], second
+        assert [name for name, _ in second.reasons[0].field("readers")][-1] == "output", second.reasons
 
 
 def test_training_norm_in_bf16_is_refused_with_a_training_reason():
@@ -204,14 +204,12 @@ def test_training_layer_norm_fuses_where_backward_saves_only_its_outputs():
     saved = first.reasons[0].find(ReasonCode.SAVED_FOR_BACKWARD)
     assert not first.lowering and saved == Reason.of(ReasonCode.SAVED_FOR_BACKWARD, node="rsqrt", user="div_1",
                                                      norm_kind="LayerNorm"), first.reason
-    assert ("training: rsqrt is saved for backward (as div_1), and the fused op for a LayerNorm returns only "
-            "its outputs") in first.reason  # the rendered sentence
     assert second.lowering == "portable" and "LayerNorm (var_mean)" in second.kind
 
 
 @pytest.mark.parametrize("config,note", [
-    (weavepass.WeaveConfig(split="force"), "fuse-only: training"),
-    (weavepass.WeaveConfig(enable_flashcomm=True), "FlashComm not used: training"),
+    (weavepass.WeaveConfig(split="force"), "fuse-only: "),
+    (weavepass.WeaveConfig(enable_flashcomm=True), "FlashComm not used: "),
 ])
 def test_training_graphs_skip_the_split_and_flashcomm_with_a_note(config, note):
     backend, _ = _train_compile(config, torch.float32)

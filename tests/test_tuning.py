@@ -22,7 +22,7 @@ from weavepass import WeaveConfig
 from weavepass.compile.graph_pass import op_counts
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
 from weavepass.compile.planner import plan_sites
-from weavepass.compile.reasons import ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies import GraphRewrite
 from weavepass.compile.strategies.fuse import FuseStrategy
 from weavepass.compile.strategies.split.strategy import SplitStrategy
@@ -249,32 +249,33 @@ def test_regions_of_a_symbolic_count_merge_and_cover_everything():
 # --- decisions on graphs --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cells, tokens, code, fused, split, text", [
+@pytest.mark.parametrize("cells, tokens, code, fused, split, measured", [
     ({640: {"fuse": 1.05, "split": 1.2}}, 640, ReasonCode.TUNED_NO_REWRITE, 0, 0,
-     "auto: no rewrite (plain Inductor) at 640 tokens: measured fuse 1.05x and split 1.20x Inductor at 640 tokens"),
+     {"basis": "cell", "fuse": "1.05x", "split": "1.20x", "at": "640"}),
     ({640: {"fuse": 0.9, "split": 1.1}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0,
-     "auto: fuse-only at 640 tokens: measured fuse 0.90x and split 1.10x Inductor at 640 tokens"),
+     {"basis": "cell", "fuse": "0.90x", "split": "1.10x", "at": "640"}),
     ({640: {"fuse": 0.9, "split": 0.8}}, 640, ReasonCode.TUNED_SPLIT, 0, 4,
-     "auto: split at 640 tokens: measured fuse 0.90x and split 0.80x Inductor at 640 tokens"),
+     {"basis": "cell", "fuse": "0.90x", "split": "0.80x", "at": "640"}),
     ({512: {"fuse": 0.9, "split": 0.8}, 1024: {"fuse": 0.9, "split": 1.01}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0,
-     "split 0.80x/1.01x Inductor at 512/1024 tokens (both neighbouring cells)"),
-    ({256: {"fuse": 0.9, "split": 0.5}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0,
-     "above the measured range: the nearest cell; the split is not extrapolated"),
+     {"basis": "between", "split": "0.80x/1.01x", "at": "512/1024"}),
+    ({256: {"fuse": 0.9, "split": 0.5}}, 640, ReasonCode.TUNED_FUSE_ONLY, 2, 0, {"basis": "above", "at": "256"}),
     ({1024: {"fuse": 1.0, "split": 0.5}}, 640, ReasonCode.TUNED_NO_REWRITE, 0, 0,
-     "auto: no rewrite (plain Inductor) at 640 tokens: measured fuse 1.00x Inductor at 1024 tokens (below"),
+     {"basis": "below", "fuse": "1.00x", "at": "1024"}),
 ], ids=["inductor", "fuse", "split", "between", "above", "below"])
-def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, split, text):
+def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, split, measured):
     path = _write(tmp_path, _table(cells))
     rewrite = _compile(WeaveConfig(split="auto", tuning_table=path), tokens)
     ops = op_counts(rewrite.graph)
     assert (ops[FUSED], ops[ASYNC], ops[ALL_REDUCE]) == (fused, split, 2 if fused + split == 0 else 0)
     assert {plan.tuned.code for plan in rewrite.plans} == {code}
-    note = rewrite.report.notes[0]
-    assert note.startswith("auto: ") and text in note and path in note, note
+    tuned = rewrite.report.tuned
+    assert tuned is not None and tuned.code is code and rewrite.report.notes[0] == tuned.render()
+    assert {k: tuned.field(k) for k in ("tokens", "table", "shape", "mode", "world")} == {
+        "tokens": tokens, "table": path, "shape": "two_sites", "mode": "default", "world": 2}, tuned
+    assert {k: tuned.field(k) for k in measured} == measured, tuned
     if code is ReasonCode.TUNED_NO_REWRITE:
         assert [(p.lowering, p.code) for p in rewrite.plans] == [(None, code)] * 2
         assert all(r.codes == [code] for r in rewrite.report.records)
-        assert all(r.reason.startswith("auto: no rewrite") for r in rewrite.report.records)  # the rendering
         assert rewrite.decisions[-1].code is code
     elif code is ReasonCode.TUNED_FUSE_ONLY:
         assert (rewrite.decisions[-1].use, rewrite.decisions[-1].code) == (False, code)
@@ -283,11 +284,15 @@ def test_auto_follows_the_table(world2, tmp_path, cells, tokens, code, fused, sp
 
 
 @pytest.mark.parametrize("table, why", [
-    ({"world": 4}, "measured at world 4, this group has 2 rank(s) (python -m weavepass.tune --world 2"),
-    ({"device_type": "cuda"}, "measured on cuda, this graph runs on cpu"),
-    ({"dtype": "bfloat16"}, "measured in bfloat16, this graph computes in float32"),
-    ({"mode": "reduce-overhead"}, "no entry for hidden 64 with row-parallel matmul widths [32, 64] in default mode"),
-    ({"widths": {**TWO_SITES, "mlp": 128}}, "no entry for hidden 64 with row-parallel matmul widths [32, 64]"),
+    ({"world": 4}, Reason.of(ReasonCode.TUNING_TABLE_WORLD, measured=4, world=2)),
+    ({"device_type": "cuda"}, Reason.of(ReasonCode.TUNING_TABLE_DEVICE, measured="cuda", device="cpu")),
+    ({"dtype": "bfloat16"}, Reason.of(ReasonCode.TUNING_TABLE_DTYPE, measured="bfloat16", dtype="float32")),
+    ({"mode": "reduce-overhead"}, Reason.of(
+        ReasonCode.TUNING_TABLE_NO_ENTRY, hidden=64, widths=(32, 64), mode="default",
+        entries="hidden 64, 4/2 heads of 8, MLP 64 (reduce-overhead)")),
+    ({"widths": {**TWO_SITES, "mlp": 128}}, Reason.of(
+        ReasonCode.TUNING_TABLE_NO_ENTRY, hidden=64, widths=(32, 64), mode="default",
+        entries="hidden 64, 4/2 heads of 8, MLP 128 (default)")),
 ], ids=["world", "device", "dtype", "mode", "widths"])
 def test_a_table_without_an_entry_leaves_it_to_the_window(world2, tmp_path, table, why):
     """Another world size, device, dtype, compile mode or layer widths: the table is not used, the
@@ -297,20 +302,22 @@ def test_a_table_without_an_entry_leaves_it_to_the_window(world2, tmp_path, tabl
     rewrite = _compile(WeaveConfig(split="auto", tuning_table=path))
     assert {plan.tuned.code for plan in rewrite.plans} == {ReasonCode.TUNING_TABLE_NOT_APPLICABLE}
     assert op_counts(rewrite.graph)[FUSED] == 2
-    first, second = rewrite.report.notes
-    assert first.startswith("fuse-only: 640 tokens < split threshold 16384"), first
-    assert second.startswith(f"auto: tuning table {path} not used: ") and why in second, second
+    (declined,) = rewrite.report.reasons
+    assert declined.find(ReasonCode.SPLIT_BELOW_WINDOW) == Reason.of(ReasonCode.SPLIT_BELOW_WINDOW, tokens=640,
+                                                                     low=16384, kind="dense"), declined
+    assert rewrite.report.tuned == Reason.of(ReasonCode.TUNING_TABLE_NOT_APPLICABLE, table=path, cause=why)
 
 
 def test_builtin_table_does_not_apply_on_cpu_and_off_asks_no_table(world2):
     rewrite = _compile(WeaveConfig(split="auto"))
-    assert "auto: tuning table builtin not used: measured on cuda" in rewrite.report.notes[-1]
+    assert rewrite.report.tuned == Reason.of(ReasonCode.TUNING_TABLE_NOT_APPLICABLE, table="builtin", cause=Reason.of(
+        ReasonCode.TUNING_TABLE_DEVICE, measured="cuda", device="cpu"))
     configs = (WeaveConfig(split="off"), WeaveConfig(split="force"),
                WeaveConfig(split="auto", tuning_table="none"))
     for config in configs:
         rewrite = _compile(config)
         assert all(plan.tuned is None for plan in rewrite.plans)
-        assert not any("tuning table" in note for note in rewrite.report.notes)
+        assert rewrite.report.tuned is None
 
 
 def test_another_torch_version_warns_and_still_decides(world2, tmp_path):
@@ -335,7 +342,7 @@ def test_symbolic_token_count_is_decided_per_range_with_guards(world2, tmp_path)
     rewrite = _compile(WeaveConfig(split="auto", tuning_table=path), mode="symbolic")
     (tuned,) = {plan.tuned for plan in rewrite.plans}
     assert (tuned.code, tuned.window) == (ReasonCode.TUNED_SPLIT, (512, 1023))
-    assert "at 512 <= tokens < 1024 (symbolic, guarded)" in tuned.text, tuned.text
+    assert [tuned.reason.field(k) for k in ("tokens", "low", "high")] == [None, 512, 1024], tuned.reason
     assert op_counts(rewrite.graph)[ASYNC] == 4
     symbol = next(iter(rewrite.graph.nodes)).meta["val"].shape[0]
     guards = [str(g.expr) for g in symbol.node.shape_env.guards]
@@ -397,7 +404,7 @@ def _compile_with_table(rank, world, path, tokens):
     backend = WeaveBackend(WeaveConfig(split="auto", min_world_size=1, tuning_table=path))
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=False)(torch.randint(0, 4096, (1, tokens)))
-    return backend.report.graphs[0].notes
+    return backend.report.graphs[0].tuned
 
 
 @pytest.mark.slow
@@ -419,10 +426,10 @@ def test_tune_on_cpu_writes_a_table_that_drives_auto(tmp_path):
     (entry,) = table.entries
     assert (entry.shape, entry.mode, [c.tokens for c in entry.cells]) == ("tiny", "default", [16, 32])
     assert all(set(c.times) == {"inductor", "fuse", "split"} and min(c.times.values()) > 0 for c in entry.cells)
-    notes = spawn(_compile_with_table, 1, "gloo", str(out), 16)[0]
-    expected = {"inductor": "no rewrite (plain Inductor)", "fuse": "fuse-only", "split": "split"}
-    word = expected[choose(entry, 16, table.min_gain).rewrite]
-    assert any(n.startswith(f"auto: {word} at 16 tokens") and str(out) in n for n in notes), notes
+    tuned = spawn(_compile_with_table, 1, "gloo", str(out), 16)[0]
+    expected = {"inductor": ReasonCode.TUNED_NO_REWRITE, "fuse": ReasonCode.TUNED_FUSE_ONLY,
+                "split": ReasonCode.TUNED_SPLIT}[choose(entry, 16, table.min_gain).rewrite]
+    assert (tuned.code, tuned.field("tokens"), tuned.field("table")) == (expected, 16, str(out)), tuned
 
 
 def _auto_by_table(rank, world, path, sizes):
@@ -440,7 +447,7 @@ def _auto_by_table(rank, world, path, sizes):
         with torch.no_grad():
             worst = max(worst, (compiled(ids) - model(ids)).abs().max().item())
         graphs_after.append(len(backend.report.graphs))
-    return graphs_after, [g.notes for g in backend.report.graphs], worst
+    return graphs_after, [(g.notes, g.tuned) for g in backend.report.graphs], worst
 
 
 @pytest.mark.slow
@@ -457,11 +464,14 @@ def test_auto_by_table_on_a_dynamic_model_matches_eager(tmp_path):
     graphs_after, notes, worst = spawn(_auto_by_table, 2, "gloo", path, sizes)[0]
     assert worst < 1e-5
     assert graphs_after == [1, 2, 3, 4, 4, 4, 4, 4, 4], (graphs_after, notes)
-    assert notes[0][0].startswith("auto: fuse-only at 5 tokens") and "below the measured range" in notes[0][0], notes
-    assert notes[1][0].startswith("auto: fuse-only at tokens < 16 (symbolic, guarded)"), notes
-    assert notes[2][0].startswith("auto: split at 16 <= tokens < 32 (symbolic, guarded)"), notes
-    assert notes[2][1].startswith("split (sequence): computed at run time"), notes
-    assert notes[3][0].startswith("auto: fuse-only at 32 <= tokens (symbolic, guarded)"), notes
+    tuned = [(t.code, t.field("tokens"), t.field("low"), t.field("high"), t.field("basis")) for _, t in notes]
+    assert tuned == [
+        (ReasonCode.TUNED_FUSE_ONLY, 5, None, None, "below"),
+        (ReasonCode.TUNED_FUSE_ONLY, None, None, 16, "below"),
+        (ReasonCode.TUNED_SPLIT, None, 16, 32, "between"),
+        (ReasonCode.TUNED_FUSE_ONLY, None, 32, None, "between"),
+    ], notes
+    assert notes[2][0][1].startswith("split (sequence): computed at run time"), notes
 
 
 def test_the_tables_contents_are_part_of_the_cache_key(tmp_path):

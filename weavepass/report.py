@@ -36,6 +36,9 @@ class AllReduceRecord:
     """The module that produced the sum and the source line of its all_reduce
     (``model.layers.0.mlp.down_proj (modeling_llama.py:123: ...)``, ``weavepass.compile.where``);
     "" where the graph carries no such metadata."""
+    quant_left: Reason | None = None
+    """Why a quantization of the site's normed rows stays outside the fused op (``QUANT_*``; the
+    norm is fused all the same, and ``kind`` says it in words), or None."""
 
     @property
     def codes(self) -> list[ReasonCode]:
@@ -57,7 +60,11 @@ class GraphReport:
     ops_after: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     reasons: list[Reason] = field(default_factory=list)
-    """The graph-wide reasons behind the declines among ``notes`` (``decline``), in order."""
+    """The graph-wide reasons among ``notes``, in order: why a strategy was not used (``decline``),
+    or was used otherwise than the config asked (the split's ``split_comm="push"`` not used)."""
+    tuned: Reason | None = None
+    """``split="auto"`` with a tuning table: the table's call for this graph (``TUNED_*``, or
+    ``TUNING_TABLE_NOT_APPLICABLE``), also among ``notes``; None where no table was read."""
     logged_as: int | None = None
     """In a report that numbers its graphs itself (``explain``, ``weave``): the number the backend
     gave this graph, which its log lines and errors use; None where the two are the same."""

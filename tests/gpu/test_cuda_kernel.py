@@ -275,7 +275,7 @@ def _fallback_worker(rank, world):
         errors += _check_call(rank, world, 3, 17, 132, torch.float16, True, torch.float16)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert sum("workspace" in m for m in messages) == 1, messages  # warned once, not per call
-    assert any("multiple of 8" in m for m in messages), messages
+    assert any("multiple of 8" in m for m in messages), messages  # rendering test: the fallback's warning
     x = torch.zeros(4, 132, device="cuda")
     odd = cuda_unsupported_reason(x, None, torch.ones(132, device="cuda"), group)
     assert odd.issue is CudaIssue.HIDDEN_NOT_MULTIPLE

@@ -17,6 +17,7 @@ from test_overlap_gpu import CFG, LAYOUTS, _no_multicast  # noqa: E402  (tests/g
 
 from weavepass import WeaveConfig
 from weavepass.backend import WeaveBackend
+from weavepass.compile.reasons import ReasonCode
 from weavepass.testing import build_tp_model, check_against_eager, random_token_ids
 from weavepass.testing.shared_gpu import rank_device
 
@@ -40,7 +41,7 @@ def _push_matches_eager(rank, world):
     device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     reference = build_tp_model(CFG, device=device)
-    notes = []
+    notes, codes = [], []
     for batch, seq in LAYOUTS:
         torch._dynamo.reset()
         backend = WeaveBackend(PUSH)
@@ -48,24 +49,25 @@ def _push_matches_eager(rank, world):
         for _ in range(3):  # back to back: each slot is reused by the next call's same half
             check_against_eager(model, ids, lambda m: torch.compile(m, backend=backend), reference)
         notes.append(backend.report.graphs[0].note)
+        codes.append(backend.report.graphs[0].codes)
         after = backend.report.graphs[0].ops_after
         op = "weave.fused_allreduce_rmsnorm_push_async.default" if world == 2 else \
             "weave.fused_allreduce_rmsnorm_async.default"
         assert after[op] == 2 * (2 * CFG.n_layers + 1), ((batch, seq), after)
-    return notes, _push_ran(device)
+    return notes, codes, _push_ran(device)
 
 
 def test_push_variant_matches_eager_bf16(case_result):
     """``split_comm="push"``: the push kernels on the communication stream, the reduce + add +
     RMSNorm at the join, equal eager in bf16 (check_against_eager's tolerance) for every
     layout, three calls in a row. On more than 2 ranks the split keeps the fused kernel and says why."""
-    notes, ran = case_result[0]
+    notes, codes, ran = case_result[0]
     assert all(n.startswith("split") for n in notes), notes
     if WORLD == 2:
-        assert all(n.endswith(PUSH_NOTE) for n in notes), notes
+        assert all(n.endswith(PUSH_NOTE) for n in notes) and codes == [[]] * len(notes), notes
         assert ran  # the push kernels served the calls, not the fused fallback
     else:
-        assert all("split_comm='push' not used: the push variant serves 2 ranks only" in n for n in notes), notes
+        assert codes == [[ReasonCode.PUSH_WORLD_SIZE]] * len(notes), notes
 
 
 def _push_cuda_graph(rank, world):

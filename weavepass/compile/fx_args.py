@@ -1,11 +1,17 @@
-"""Typed reads of FX node arguments and example values.
+"""Reads of FX node arguments, by the op's schema, typed; and of example values.
+
+``arguments(node)`` is the one reading of an op call's arguments: by their schema names, positional
+or keyword, the schema's defaults filled in (code reads ``arguments(node)["group_name"]``, never
+``node.args[4]``, which holds only for one op's schema: the LayerNorm op has a bias after the
+weight). ``arg(node, index)`` reads the argument at a schema position through it, so a keyword
+argument is found where a positional one would be.
 
 torch types every ``node.args`` / ``node.kwargs`` entry as ``Argument``, a union of all a graph can
 hold (nodes, numbers, lists, dtypes, ...). A matcher knows more: it has checked the op, so argument
-0 of a ``view`` is a node and argument 1 of a ``transpose.int`` an int. These accessors say so to
-the type checker and check it when the graph is read. A graph that is not what the matcher
-expected raises ``UnexpectedArgument``: an internal error (the matcher and the op's schema
-disagree), never a silently wrong read.
+0 of a ``view`` is a node and argument 1 of a ``transpose.int`` an int. The typed accessors
+(``arg_node``, ``arg_int``, ...) say so to the type checker and check it when the graph is read. A
+graph that is not what the matcher expected raises ``UnexpectedArgument``: an internal error (the
+matcher and the op's schema disagree), never a silently wrong read.
 """
 
 from __future__ import annotations
@@ -35,8 +41,33 @@ def _where(index: int, name: str | None) -> str:
     return f"argument {index}" + (f" ({name})" if name else "")
 
 
+def _schema(node: Node) -> torch.FunctionSchema | None:
+    schema = getattr(node.target, "_schema", None)
+    return schema if isinstance(schema, torch.FunctionSchema) else None
+
+
+def arguments(node: Node) -> dict[str, Argument]:
+    """The arguments of a call of an op (``node.target``, an ``OpOverload``) by their schema names,
+    positional or keyword, defaults filled in."""
+    schema = _schema(node)
+    if schema is None:
+        raise unexpected(node, "target", node.target, "an op with a schema")
+    given: dict[str, Argument] = dict(zip((a.name for a in schema.arguments), node.args))
+    given.update(node.kwargs)
+    for argument in schema.arguments:
+        if argument.name not in given and argument.has_default_value():
+            given[argument.name] = argument.default_value
+    return given
+
+
 def arg(node: Node, index: int, name: str | None = None, default: Argument = None) -> Argument:
-    """``node``'s argument at position ``index``; else keyword ``name``; else ``default``."""
+    """``node``'s argument at position ``index`` of its op's schema, read by the schema's name for
+    that position (``arguments``; ``default`` where neither the call nor the schema gives it). A
+    target without a schema (``operator.getitem``, a Python function): position ``index``, else
+    keyword ``name``, else ``default``."""
+    schema = _schema(node)
+    if schema is not None and index < len(schema.arguments):
+        return arguments(node).get(schema.arguments[index].name, default)
     if index < len(node.args):
         return node.args[index]
     return node.kwargs.get(name, default) if name is not None else default

@@ -245,7 +245,8 @@ class WeavePass(CustomGraphPass):
             matmul = site.matmul.name if site.matmul is not None else ""
             reasons = [r for r in (plan.reason, plan.epilogue) if r.code is not ReasonCode.NONE]
             records[position[site.all_reduce]] = AllReduceRecord(
-                site.all_reduce.name, True, reasons, site.kind, "", matmul, where=where_reduced(site.all_reduce)
+                site.all_reduce.name, True, reasons, site.kind, "", matmul, where=where_reduced(site.all_reduce),
+                quant_left=None if site.quant_left is None else site.quant_left.reason,
             )
         report.records = [records[i] for i in sorted(records)]
         for plan in plans:  # a merged all_reduce has no record of its own: the graph says where it went

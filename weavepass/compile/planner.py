@@ -15,16 +15,13 @@ import torch.distributed as dist
 
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.patterns.row_matmul import RowParallelMatmul, find_row_parallel_matmul, site_form_reason
-from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.reasons import Reason, ReasonCode, runtime_issue_reason
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.tuned import TunedDecision, tuned_decision
 from weavepass.config import Lowering, WeaveConfig
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
-
-    from weavepass.runtime import QuantUnsupported
-    from weavepass.runtime.cuda.support import CudaUnsupported
 
 
 NO_REASON = Reason(ReasonCode.NONE)
@@ -64,18 +61,6 @@ def group_size(group_name: str) -> int | None:
         return None
 
 
-def cuda_issue_reason(issue: CudaUnsupported) -> Reason:
-    """The runtime's support check's answer (``runtime.cuda.support.CudaUnsupported``) as the
-    ``Reason`` of the same code (``reasons.CUDA_ISSUES``), with its fields."""
-    return Reason(ReasonCode(issue.issue.value), issue.fields)
-
-
-def quant_issue_reason(issue: QuantUnsupported) -> Reason:
-    """The runtime's answer on a quantization (``runtime.QuantUnsupported``) as the ``Reason`` of the
-    same code (``reasons.QUANT_ISSUES``), with its fields."""
-    return Reason(ReasonCode(issue.issue.value), issue.fields)
-
-
 def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> Reason | None:
     # Only asks: the workspace size travels in the op call (``WeaveConfig.cuda_workspace_tokens``),
     # and larger batches fall back to portable at run time.
@@ -84,7 +69,7 @@ def _cuda_unsupported_reason(site: FusedAllReduceRMSNormSite) -> Reason | None:
     except ImportError as error:  # the module not built for this torch
         return Reason.of(ReasonCode.CUDA_UNAVAILABLE, error=str(error))
     issue = cuda_site_unsupported_reason(site.dtype, site.hidden, site.device, site.group_name, site.norm.out_dtype)
-    return None if issue is None else cuda_issue_reason(issue)
+    return None if issue is None else runtime_issue_reason(issue)
 
 
 def unsupported_reason(site: FusedAllReduceRMSNormSite, lowering: Lowering) -> Reason | None:
@@ -245,4 +230,4 @@ def _plan_quant(site: FusedAllReduceRMSNormSite, lowering: Lowering | None) -> F
         out_dtype=site.norm.out_dtype, hidden=site.hidden, device=site.device,
         static_scale=None if scale is None else (scale.dtype, scale.dim()), return_normed=quant.return_normed)
     return site if cause is None else site.without_quant(
-        Reason.of(ReasonCode.QUANT_LOWERING, cause=quant_issue_reason(cause)))
+        Reason.of(ReasonCode.QUANT_LOWERING, cause=runtime_issue_reason(cause)))

@@ -12,10 +12,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeGuard, cast
 
-if TYPE_CHECKING:
-    from weavepass.runtime.issue import Unsupported
+from weavepass.config import StrEnum
+from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
+from weavepass.runtime.cuda.quant_epilogue import QuantFormIssue
+from weavepass.runtime.cuda.support import ISSUE_TEXT as CUDA_ISSUE_TEXT
+from weavepass.runtime.cuda.support import CudaIssue
+from weavepass.runtime.issue import ISSUE_TEXT
+from weavepass.runtime.npu import NpuIssue
+from weavepass.runtime.symm_mem_matmul import SymmMemIssue
 
 
 class ReasonCode(enum.Enum):
@@ -128,6 +134,8 @@ class ReasonCode(enum.Enum):
     CUDA_BIAS_MISMATCH = "cuda_bias_mismatch"
     CUDA_QUANT_FORM = "cuda_quant_form"
     PUSH_WORLD_SIZE = "push_world_size"
+    PUSH_LAYER_NORM = "push_layer_norm"
+    """``split_comm="push"`` not used: the graph has LayerNorm sites (the push kernel reduces RMSNorm ones)."""
     INDUCTOR_CUDAGRAPHS = "inductor_cudagraphs"
     """Graph-wide: Inductor CUDA graphs are on and the config forbids rewriting under them."""
     INDUCTOR_SETTINGS = "inductor_settings"
@@ -366,6 +374,27 @@ class ReasonCode(enum.Enum):
     QUANT_CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
     QUANT_CUDA_FORM = "quant_cuda_form"
     QUANT_CUDA_UNVERIFIED = "quant_cuda_unverified"
+    # The form the CUDA kernel does not carry (the ``cause`` of ``QUANT_CUDA_FORM`` and
+    # ``CUDA_QUANT_FORM``: ``runtime.cuda.quant_epilogue.QuantFormIssue``, the same values)
+    QUANT_FORM_STATIC_SCALE_PER_GROUP = "quant_form_static_scale_per_group"
+    QUANT_FORM_GROUP_SIZE = "quant_form_group_size"
+    QUANT_FORM_STATIC_SCALE_DTYPE = "quant_form_static_scale_dtype"
+    QUANT_FORM_STATIC_SCALE_NOT_SCALAR = "quant_form_static_scale_not_scalar"
+    QUANT_FORM_TOO_MANY_STEPS = "quant_form_too_many_steps"
+    QUANT_FORM_SCALE_NOT_AMAX = "quant_form_scale_not_amax"
+    QUANT_FORM_SCALE_CAST = "quant_form_scale_cast"
+    QUANT_FORM_SCALE_STEP = "quant_form_scale_step"
+    QUANT_FORM_SCALE_NO_AMAX = "quant_form_scale_no_amax"
+    QUANT_FORM_CODE_DTYPE = "quant_form_code_dtype"
+    QUANT_FORM_FP8_NOT_CLAMPED = "quant_form_fp8_not_clamped"
+    QUANT_FORM_CODE_CAST_EARLY = "quant_form_code_cast_early"
+    QUANT_FORM_DIVISION_NOT_FIRST = "quant_form_division_not_first"
+    QUANT_FORM_RECIPROCAL_DTYPE = "quant_form_reciprocal_dtype"
+    QUANT_FORM_DIVISION_DTYPE = "quant_form_division_dtype"
+    QUANT_FORM_STEP_BEFORE_DIVISION = "quant_form_step_before_division"
+    QUANT_FORM_CODE_STEP = "quant_form_code_step"
+    QUANT_FORM_NO_CODE_CAST = "quant_form_no_code_cast"
+    QUANT_FORM_FP8_CAPABILITY = "quant_form_fp8_capability"
     QUANT_FLASHCOMM = "quant_flashcomm"
     """FlashComm took the graph: the quantization runs on the rows it gathers."""
     QUANT_SPLIT = "quant_split"
@@ -374,14 +403,25 @@ class ReasonCode(enum.Enum):
     # ``split="auto"`` with a tuning table (``weavepass.compile.tuned``, docs/overlap.md)
     TUNED_NO_REWRITE = "tuned_no_rewrite"
     """The table measured every rewrite slower than Inductor (or not ``min_gain`` faster) at the
-    neighbouring cells: the sites stay all_reduce (``text``: the table's words)."""
+    neighbouring cells: the sites stay all_reduce. Each ``TUNED_*`` code's fields: the static
+    ``tokens`` (None for a symbolic count, decided for ``low <= tokens < high``, either bound None
+    where open), the rule's ``basis`` (``cell``, ``between``, ``below``, ``above``: ``weavepass.tune.table``),
+    the ``fuse`` and ``split`` time ratios to Inductor at the neighbouring cells ``at``, ``min_gain``,
+    and the entry: ``table``, ``shape``, ``mode``, ``world``."""
     TUNED_FUSE_ONLY = "tuned_fuse_only"
     """The table chose fuse-only: the split was not measured faster at the neighbouring cells."""
     TUNED_SPLIT = "tuned_split"
     """The table chose the split (information; the split may still find the graph unsplittable)."""
     TUNING_TABLE_NOT_APPLICABLE = "tuning_table_not_applicable"
-    """The table has no entry for this graph (another world size, device, dtype, compile mode or layer
-    widths): the split window (``split_min_tokens``..``split_max_tokens``) decides."""
+    """The table (``table``) has no entry for this graph (``cause``: one of the next six): the split
+    window (``split_min_tokens``..``split_max_tokens``) decides."""
+    TUNING_TABLE_SITES_DIFFER = "tuning_table_sites_differ"
+    TUNING_TABLE_TOKEN_COUNTS = "tuning_table_token_counts"
+    TUNING_TABLE_DEVICE = "tuning_table_device"
+    TUNING_TABLE_WORLD = "tuning_table_world"
+    TUNING_TABLE_DTYPE = "tuning_table_dtype"
+    TUNING_TABLE_NO_ENTRY = "tuning_table_no_entry"
+    """No entry for ``hidden`` and the row-parallel ``widths`` in ``mode`` (``entries``: what it has)."""
 
 
 Fields = tuple[tuple[str, object], ...]
@@ -509,6 +549,29 @@ def _inductor_settings(fields: dict[str, object]) -> str:
             "config_patches() (weavepass.inductor_pass), not only the pass")
 
 
+def _tuned(word: str, rule: bool = False) -> Callable[[dict[str, object]], str]:
+    """The sentence of a ``TUNED_*`` code: the table's call (``word``) and the measurements behind it,
+    in the words of the rule (``weavepass.tune.table``); ``rule``: the rewrite was not ``min_gain`` faster."""
+    where = {"cell": "", "between": " (both neighbouring cells)",
+             "below": " (below the measured range: the nearest cell; the split is not extrapolated)",
+             "above": " (above the measured range: the nearest cell; the split is not extrapolated)"}
+
+    def render(f: dict[str, object]) -> str:
+        if f["tokens"] is not None:
+            span = f"{f['tokens']} tokens"
+        else:
+            span = " <= ".join(str(x) for x in (f["low"], "tokens") if x is not None)
+            span += (f" < {f['high']}" if f["high"] is not None else "") + " (symbolic, guarded)"
+        basis = str(f["basis"])
+        measured = f"fuse {f['fuse']}" + (f" and split {f['split']}" if basis in ("cell", "between") else "")
+        gain = f"; a rewrite must be at least {f['min_gain']:.0%} faster than Inductor at every neighbouring cell" \
+            if rule else ""
+        return (f"auto: {word} at {span}: measured {measured} Inductor at {f['at']} tokens{where[basis]}{gain} "
+                f"in tuning table {f['table']} ({f['shape']}, {f['mode']} mode, world {f['world']})")
+
+    return render
+
+
 Message = str | Callable[[dict[str, object]], str]
 
 MESSAGES: dict[ReasonCode, Message] = {
@@ -589,6 +652,8 @@ MESSAGES: dict[ReasonCode, Message] = {
         "capture CUDA graphs yourself (torch.cuda.graph)"),
     ReasonCode.PORTABLE_FALLBACK: "portable instead of cuda_symm: {cause}",
     ReasonCode.CUDA_COPY: CUDA_COPY_TEXT,
+    ReasonCode.PUSH_LAYER_NORM: ("the push variant's reduce kernel carries RMSNorm sites only, and this graph has "
+                                 "LayerNorm sites"),
     ReasonCode.INDUCTOR_CUDAGRAPHS: INDUCTOR_CUDAGRAPHS_TEXT,
     ReasonCode.INDUCTOR_SETTINGS: _inductor_settings,
     ReasonCode.NO_SITES: "no all_reduce -> RMSNorm site in the graph",
@@ -652,10 +717,19 @@ MESSAGES: dict[ReasonCode, Message] = {
                                         "matmul op: {cause}; the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the split (split={split!r}) rewrites fused ops, "
                                      "so the matmul stays outside for it to cut the site"),
-    ReasonCode.TUNED_NO_REWRITE: "{text}",
-    ReasonCode.TUNED_FUSE_ONLY: "{text}",
-    ReasonCode.TUNED_SPLIT: "{text}",
-    ReasonCode.TUNING_TABLE_NOT_APPLICABLE: "{text}",
+    ReasonCode.TUNED_NO_REWRITE: _tuned("no rewrite (plain Inductor)", rule=True),
+    ReasonCode.TUNED_FUSE_ONLY: _tuned("fuse-only"),
+    ReasonCode.TUNED_SPLIT: _tuned("split"),
+    ReasonCode.TUNING_TABLE_NOT_APPLICABLE: "auto: tuning table {table} not used: {cause}; the split window decides",
+    ReasonCode.TUNING_TABLE_SITES_DIFFER: "its sites differ in group, hidden size or dtype",
+    ReasonCode.TUNING_TABLE_TOKEN_COUNTS: "its sites have different token counts",
+    ReasonCode.TUNING_TABLE_DEVICE: "measured on {measured}, this graph runs on {device}",
+    ReasonCode.TUNING_TABLE_WORLD: ("measured at world {measured}, this group has {world} rank(s) "
+                                    "(python -m weavepass.tune --world {world} measures it)"),
+    ReasonCode.TUNING_TABLE_DTYPE: "measured in {measured}, this graph computes in {dtype}",
+    ReasonCode.TUNING_TABLE_NO_ENTRY: lambda f: (
+        f"no entry for hidden {f['hidden']} with row-parallel matmul widths {list(cast(tuple[int, ...], f['widths']))} "
+        f"in {f['mode']} mode (it has: {f['entries']})"),
     ReasonCode.NO_TOKEN_DIM: ("site {site}: the norm reads a 1-D {shape} value; its reduction dims cannot "
                               "be replayed on [rows, hidden] shard rows"),
     ReasonCode.FLASHCOMM_DECLINED: "FlashComm: {cause}",
@@ -873,64 +947,57 @@ MESSAGES: dict[ReasonCode, Message] = {
 """Each code's sentence: a ``str.format`` template over the reason's fields, or a function of them."""
 
 
-def _cuda_words(code: ReasonCode) -> Message:
-    """The runtime's sentence for a ``CudaIssue`` code (``runtime.cuda.support.ISSUE_TEXT``)."""
-    def render(fields: dict[str, object]) -> str:
-        from weavepass.runtime.cuda.support import ISSUE_TEXT, CudaIssue
-
-        return ISSUE_TEXT[CudaIssue(code.value)].format(**fields)
-
-    return render
-
-
-CUDA_ISSUES = (
-    ReasonCode.CUDA_NOT_ON_CUDA, ReasonCode.CUDA_DTYPE, ReasonCode.CUDA_OUT_DTYPE, ReasonCode.CUDA_HIDDEN_NOT_MULTIPLE,
-    ReasonCode.CUDA_HIDDEN_TOO_LARGE, ReasonCode.CUDA_NO_TRITON, ReasonCode.CUDA_GROUP_UNRESOLVED,
-    ReasonCode.CUDA_WORLD_SIZE, ReasonCode.CUDA_UNAVAILABLE, ReasonCode.CUDA_RESIDUAL_MISMATCH,
-    ReasonCode.CUDA_WEIGHT_MISMATCH, ReasonCode.CUDA_BIAS_MISMATCH, ReasonCode.CUDA_QUANT_FORM,
-    ReasonCode.PUSH_WORLD_SIZE,
-)
-"""The codes of ``runtime.cuda.support.CudaIssue`` (the same values)."""
-MESSAGES.update({code: _cuda_words(code) for code in CUDA_ISSUES})
-
-
-
-def _quant_words(code: ReasonCode) -> Message:
-    """The runtime's sentence for a ``QuantIssue`` code (``runtime.QUANT_ISSUE_TEXT``)."""
-    def render(fields: dict[str, object]) -> str:
-        from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
-
-        return QUANT_ISSUE_TEXT[QuantIssue(code.value)].format(**fields)
-
-    return render
-
-
-QUANT_ISSUES = (
-    ReasonCode.QUANT_LOWERING_NOT_CARRIED, ReasonCode.QUANT_CUDA_STATIC_SCALE_DTYPE, ReasonCode.QUANT_CUDA_FORM,
-    ReasonCode.QUANT_CUDA_UNVERIFIED,
-)
-"""The codes of ``runtime.QuantIssue`` (the same values)."""
-MESSAGES.update({code: _quant_words(code) for code in QUANT_ISSUES})
-
-
 def _runtime_words(code: ReasonCode) -> Message:
-    """The runtime's sentence for a ``runtime.issue`` code (``runtime.issue.ISSUE_TEXT``)."""
+    """The runtime's sentence for the code of a runtime issue (``RUNTIME_ISSUE_TEXTS``)."""
     def render(fields: dict[str, object]) -> str:
-        import weavepass.runtime.npu
-        import weavepass.runtime.symm_mem_matmul  # noqa: F401  (each registers its sentences)
-        from weavepass.runtime.issue import ISSUE_TEXT
-
-        return ISSUE_TEXT[code.value].format(**fields)
+        return RUNTIME_ISSUE_TEXTS[code.value].format(**fields)
 
     return render
 
 
-RUNTIME_ISSUES = tuple(code for code in ReasonCode if code.value.startswith(("npu_", "symm_mem_")))
-"""The codes of ``runtime.npu.NpuIssue`` and ``runtime.symm_mem_matmul.SymmMemIssue`` (the same values)."""
+RUNTIME_ISSUE_TEXTS: dict[str, str] = {
+    **{issue.value: text for issue, text in CUDA_ISSUE_TEXT.items()},
+    **{issue.value: text for issue, text in QUANT_ISSUE_TEXT.items()},
+    **ISSUE_TEXT,  # runtime.npu's, runtime.symm_mem_matmul's, runtime.cuda.quant_epilogue's
+}
+"""The runtime's sentence of each issue, by the issue's value."""
+
+RUNTIME_ISSUE_ENUMS: tuple[type[StrEnum], ...] = (CudaIssue, QuantIssue, NpuIssue, SymmMemIssue, QuantFormIssue)
+"""The runtime's why-not enums: each member is reported as the ``ReasonCode`` of the same value,
+rendered from the runtime's sentence (``tests/test_reason_codes.py`` checks both ways)."""
+
+
+def _runtime_codes(*enums: type[StrEnum]) -> tuple[ReasonCode, ...]:
+    return tuple(ReasonCode(issue.value) for enum_type in enums for issue in enum_type)
+
+
+CUDA_ISSUES = _runtime_codes(CudaIssue)
+"""The codes of ``runtime.cuda.support.CudaIssue``."""
+QUANT_ISSUES = _runtime_codes(QuantIssue)
+"""The codes of ``runtime.QuantIssue``."""
+RUNTIME_ISSUES = _runtime_codes(*RUNTIME_ISSUE_ENUMS)
+"""The codes of every runtime issue (``RUNTIME_ISSUE_ENUMS``), ``CUDA_ISSUES`` and ``QUANT_ISSUES`` among them."""
 MESSAGES.update({code: _runtime_words(code) for code in RUNTIME_ISSUES})
 
 
-def runtime_issue_reason(issue: Unsupported) -> Reason:
-    """A runtime check's answer (``runtime.issue.Unsupported``) as the ``Reason`` of the same code
-    (``RUNTIME_ISSUES``), with its fields."""
-    return Reason(ReasonCode(issue.issue.value), issue.fields)
+class RuntimeIssue(Protocol):
+    """A runtime check's answer: ``runtime.issue.Unsupported``, ``runtime.cuda.support.CudaUnsupported``
+    or ``runtime.QuantUnsupported``."""
+
+    @property
+    def issue(self) -> StrEnum: ...
+
+    @property
+    def fields(self) -> Fields: ...
+
+
+def runtime_issue_reason(issue: RuntimeIssue) -> Reason:
+    """A runtime check's answer as the ``Reason`` of the same code (``RUNTIME_ISSUES``), with its
+    fields; a field that is itself a runtime issue (a ``cause``) becomes its ``Reason`` too."""
+    fields = tuple((key, runtime_issue_reason(value) if _is_runtime_issue(value) else value)
+                   for key, value in issue.fields)
+    return Reason(ReasonCode(issue.issue.value), fields)
+
+
+def _is_runtime_issue(value: object) -> TypeGuard[RuntimeIssue]:
+    return isinstance(getattr(value, "issue", None), RUNTIME_ISSUE_ENUMS) and hasattr(value, "fields")

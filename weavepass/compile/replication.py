@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from weavepass.compile.fx_args import as_optional_node, as_str
-from weavepass.ops import CHECK_REPLICATED, arguments
+from weavepass.compile.fx_args import arguments, as_optional_node, as_str
+from weavepass.ops import CHECK_REPLICATED
 
 
 def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.patterns import FusedAllReduceRMSNormSite
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import WeaveConfig
-from weavepass.ops import arguments
-from weavepass.tune.table import Choice, TuningTable, choose, load_table, region_of
+from weavepass.tune.table import TuningTable, choose, load_table, region_of
 
 log = logging.getLogger("weavepass")
 
@@ -34,7 +34,6 @@ _WEIGHT_ARGUMENT = {
 """The ``[.., K, N]`` operand of each matmul a site's partial comes from, by schema name."""
 
 _CODES = {"inductor": ReasonCode.TUNED_NO_REWRITE, "fuse": ReasonCode.TUNED_FUSE_ONLY, "split": ReasonCode.TUNED_SPLIT}
-_WORDS = {"inductor": "no rewrite (plain Inductor)", "fuse": "fuse-only", "split": "split"}
 _warned: set[tuple[str, str]] = set()
 
 
@@ -44,16 +43,20 @@ class TunedDecision:
     or None when the table has no entry for the graph (then the split window decides)."""
 
     rewrite: str | None
-    code: ReasonCode
-    text: str
+    reason: Reason
+    """The call as a reason: ``TUNED_*`` (the measurements behind it as fields) or
+    ``TUNING_TABLE_NOT_APPLICABLE`` (why, as its ``cause``)."""
     window: tuple[int, int] | None = None
     """For ``"split"``: the token range ``[low, high]`` decided alike, the split's split window
     (for a symbolic count, the range its guards keep the graph to)."""
 
     @property
-    def reason(self) -> Reason:
-        """The call as a reason: its code, and the table's sentence as the ``text`` field."""
-        return Reason.of(self.code, text=self.text)
+    def code(self) -> ReasonCode:
+        return self.reason.code
+
+    @property
+    def text(self) -> str:
+        return self.reason.render()
 
 
 def inner_width(matmul: Node) -> int | None:
@@ -67,9 +70,8 @@ def inner_width(matmul: Node) -> int | None:
     return int(value.shape[-2])
 
 
-def _not_applicable(table: TuningTable, why: str) -> TunedDecision:
-    return TunedDecision(None, ReasonCode.TUNING_TABLE_NOT_APPLICABLE,
-                         f"auto: tuning table {table.label} not used: {why}; the split window decides")
+def _not_applicable(table: TuningTable, why: Reason) -> TunedDecision:
+    return TunedDecision(None, Reason.of(ReasonCode.TUNING_TABLE_NOT_APPLICABLE, table=table.label, cause=why))
 
 
 def _warn_once(table: TuningTable, what: str, text: str) -> None:
@@ -94,7 +96,7 @@ def _check_versions(table: TuningTable, device: torch.device) -> None:
                        "re-run python -m weavepass.tune on this machine")
 
 
-def _graph_facts(sites: list[FusedAllReduceRMSNormSite]) -> tuple[str | None, TokenCount]:
+def _graph_facts(sites: list[FusedAllReduceRMSNormSite]) -> tuple[Reason | None, TokenCount]:
     """``(problem, token count)``: the sites must share group, hidden size, dtype and token count
     to be one table lookup."""
     first = sites[0]
@@ -102,9 +104,9 @@ def _graph_facts(sites: list[FusedAllReduceRMSNormSite]) -> tuple[str | None, To
     for site in sites[1:]:
         count = TokenCount.of(site.partial)
         if (site.group_name, site.hidden, site.dtype) != (first.group_name, first.hidden, first.dtype):
-            return "its sites differ in group, hidden size or dtype", tokens
+            return Reason(ReasonCode.TUNING_TABLE_SITES_DIFFER), tokens
         if (str(count.value), count.hint) != (str(tokens.value), tokens.hint):  # str: no guard
-            return "its sites have different token counts", tokens
+            return Reason(ReasonCode.TUNING_TABLE_TOKEN_COUNTS), tokens
     return None, tokens
 
 
@@ -129,17 +131,17 @@ def tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig, 
     if problem is not None:
         return _not_applicable(table, problem)
     if site.device.type != device_type:
-        return _not_applicable(table, f"measured on {device_type}, this graph runs on {site.device.type}")
+        return _not_applicable(table, Reason.of(ReasonCode.TUNING_TABLE_DEVICE, measured=device_type,
+                                                device=site.device.type))
     if world != table.world:
-        return _not_applicable(table, f"measured at world {table.world}, this group has {world} rank(s) "
-                                      f"(python -m weavepass.tune --world {world} measures it)")
+        return _not_applicable(table, Reason.of(ReasonCode.TUNING_TABLE_WORLD, measured=table.world, world=world))
     if dtype != table.dtype:
-        return _not_applicable(table, f"measured in {table.dtype}, this graph computes in {dtype}")
+        return _not_applicable(table, Reason.of(ReasonCode.TUNING_TABLE_DTYPE, measured=table.dtype, dtype=dtype))
     entry = table.entry(mode, site.hidden, widths)
     if entry is None:
         measured = "; ".join(sorted({f"{e.widths.describe()} ({e.mode})" for e in table.entries})) or "nothing"
-        return _not_applicable(table, f"no entry for hidden {site.hidden} with row-parallel matmul widths "
-                                      f"{sorted(widths)} in {mode} mode (it has: {measured})")
+        return _not_applicable(table, Reason.of(ReasonCode.TUNING_TABLE_NO_ENTRY, hidden=site.hidden,
+                                                widths=tuple(sorted(widths)), mode=mode, entries=measured))
     _check_versions(table, site.device)
     if tokens.symbolic:
         region, choice = region_of(entry, tokens.hint, table.min_gain)
@@ -148,30 +150,16 @@ def tuned_decision(sites: list[FusedAllReduceRMSNormSite], config: WeaveConfig, 
         # compiles its own graph, decided for its own range.
         if not ((low is None or tokens.value >= low) and (high is None or tokens.value < high)):
             raise AssertionError(f"token hint {tokens.hint} outside its own range [{low}, {high})")
-        span = " <= ".join(str(x) for x in (low, "tokens") if x is not None)
-        span += f" < {high}" if high is not None else ""
-        span += " (symbolic, guarded)"
+        static = None
         window = None
         if choice.rewrite == "split" and low is not None and high is not None:  # split ranges are bounded
             window = (max(2, low), max(2, high - 1))
     else:
         choice = choose(entry, tokens.hint, table.min_gain)  # the hint is the static count here
-        span = f"{tokens.hint} tokens"
+        static, low, high = tokens.hint, None, None
         # (below 2 tokens the split refuses before it reads the window: "nothing to split")
         window = (max(2, tokens.hint), max(2, tokens.hint)) if choice.rewrite == "split" else None
-    text = (f"auto: {_WORDS[choice.rewrite]} at {span}: {_why(choice, table.min_gain)} in tuning table "
-            f"{table.label} ({entry.shape}, {mode} mode, world {table.world})")
-    return TunedDecision(choice.rewrite, _CODES[choice.rewrite], text, window)
-
-
-def _why(choice: Choice, min_gain: float) -> str:
-    """The measurements behind ``choice``, in the words of the rule (``weavepass.tune.table``)."""
-    measured = [f"fuse {choice.ratios('fuse')}"]
-    if choice.basis in ("cell", "between"):
-        measured.append(f"split {choice.ratios('split')}")
-    where = {"cell": "", "between": " (both neighbouring cells)",
-             "below": " (below the measured range: the nearest cell; the split is not extrapolated)",
-             "above": " (above the measured range: the nearest cell; the split is not extrapolated)"}
-    rule = "" if choice.rewrite != "inductor" else \
-        f"; a rewrite must be at least {min_gain:.0%} faster than Inductor at every neighbouring cell"
-    return f"measured {' and '.join(measured)} Inductor at {choice.at} tokens{where[choice.basis]}{rule}"
+    reason = Reason.of(_CODES[choice.rewrite], tokens=static, low=low, high=high, basis=choice.basis,
+                       fuse=choice.ratios("fuse"), split=choice.ratios("split"), at=choice.at,
+                       min_gain=table.min_gain, table=table.label, shape=entry.shape, mode=mode, world=table.world)
+    return TunedDecision(choice.rewrite, reason, window)

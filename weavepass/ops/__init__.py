@@ -75,19 +75,6 @@ Compiled graphs call that function directly, not through the dispatcher
 (``weavepass.compile.direct_calls``)."""
 
 
-def arguments(node: torch.fx.Node) -> dict[str, object]:
-    """The arguments of a call of an op (``node.target``, an ``OpOverload``) by their schema names,
-    defaults filled in: code reads ``arguments(node)["group_name"]``, never ``node.args[4]``, which
-    holds only for one op's schema (the LayerNorm op has a bias after the weight)."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    given = dict(zip((a.name for a in schema.arguments), node.args))
-    given.update(node.kwargs)
-    for argument in schema.arguments:
-        if argument.name not in given and argument.has_default_value():
-            given[argument.name] = argument.default_value
-    return given
-
-
 def define_hot_op(name: str, schema: str, kernel: str, fake: Callable[..., Any]) -> OpOverload:
     """Define ``weave::<name><schema>`` with the runtime function ``kernel`` (``"module:function"``)
     for every device and ``fake`` for tracing; returns the op's default overload. For functional

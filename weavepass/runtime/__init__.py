@@ -192,7 +192,8 @@ class QuantIssue(StrEnum):
     """The lowering (``lowering``) has no quantized kernel."""
     CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
     CUDA_FORM = "quant_cuda_form"
-    """The CUDA kernel has no program for this form (``cause``: ``support.cuda_quant_epilogue``'s words)."""
+    """The CUDA kernel has no program for this form (``cause``: ``support.cuda_quant_epilogue``'s
+    ``Unsupported``, a ``cuda.quant_epilogue.QuantFormIssue``)."""
     CUDA_UNVERIFIED = "quant_cuda_unverified"
     """``CUDA_QUANT_EPILOGUE_VERIFIED`` is False."""
 
@@ -236,12 +237,13 @@ def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale
         return QuantUnsupported.of(QuantIssue.LOWERING, lowering=str(lowering))
     if lowering == Lowering.CUDA_SYMM:
         from weavepass.runtime.cuda.support import cuda_quant_epilogue
+        from weavepass.runtime.issue import Unsupported
 
         if static and static_scale is None:
             return QuantUnsupported(QuantIssue.CUDA_STATIC_SCALE_DTYPE)
         epilogue = cuda_quant_epilogue(out_dtype, hidden, device, static_scale if static else None, group_size,
                                        scale_steps, code_steps, return_normed)
-        if isinstance(epilogue, str):
+        if isinstance(epilogue, Unsupported):
             return QuantUnsupported.of(QuantIssue.CUDA_FORM, cause=epilogue)
         if not CUDA_QUANT_EPILOGUE_VERIFIED:
             return QuantUnsupported(QuantIssue.CUDA_UNVERIFIED)

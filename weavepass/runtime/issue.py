@@ -2,8 +2,10 @@
 check answers with an ``Unsupported`` (a ``StrEnum`` member of its module and the detail as fields);
 ``str()`` renders the sentence from ``ISSUE_TEXT`` (each module registers its table with
 ``register``). The compile side reports each as the ``ReasonCode`` of the same value
-(``weavepass.compile.reasons.RUNTIME_ISSUES``), rendered from here (``runtime.cuda.support`` and
-``runtime.QuantIssue`` keep their own, older, forms of the same pattern)."""
+(``weavepass.compile.reasons.RUNTIME_ISSUES``, built from the enums ``RUNTIME_ISSUE_ENUMS``),
+rendered from here; ``runtime.cuda.support.CudaUnsupported`` and ``runtime.QuantUnsupported`` are
+the same pattern with their own tables, and a field that is itself one of these (a ``cause``)
+becomes a ``Reason`` too (``reasons.runtime_issue_reason``)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.patterns.quant import QuantLeftOutside, QuantMatch, find_quant
 from weavepass.compile.patterns.quant import replace_outputs as replace_quant_outputs
 from weavepass.compile.patterns.rmsnorm import (
@@ -33,7 +34,6 @@ from weavepass.compile.patterns.rmsnorm import (
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.where import module_path
 from weavepass.config import Lowering
-from weavepass.ops import arguments
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -41,9 +41,9 @@ from typing import Literal
 import torch
 from torch.fx import Node
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.where import where
-from weavepass.ops import arguments
 
 aten = torch.ops.aten
 prims = torch.ops.prims

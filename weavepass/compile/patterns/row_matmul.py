@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import Argument
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.where import module_path
-from weavepass.ops import MATMUL_REDUCE_SCATTER_RMSNORM, arguments
+from weavepass.ops import MATMUL_REDUCE_SCATTER_RMSNORM
 
 aten = torch.ops.aten
 
@@ -59,7 +58,7 @@ class RowParallelMatmul:
         through views) by ``weave.matmul_reduce_scatter_rmsnorm`` on ``x`` and ``mat2``; returns the
         new op. Its ``[T, H]`` outputs go through this matmul's views and the fused op's own (the
         ``views_to_add`` ``replace_with`` replayed) to the fused op's output shapes."""
-        args = cast("dict[str, Argument]", arguments(fused))  # a call's arguments are FX arguments
+        args = arguments(fused)
         partial_in = args["partial"]
         assert isinstance(partial_in, Node), fused
         own_views = _views_between(self.partial, partial_in)

@@ -136,7 +136,7 @@ def snapshot(rewrite: GraphRewrite) -> dict[Part, object]:
     return {
         "fused": dict(rewrite.fused),
         "records": [(r.lowering, list(r.reasons), list(r.notes)) for r in report.records],
-        "notes": (list(report.notes), list(report.reasons)),
+        "notes": (list(report.notes), list(report.reasons), report.tuned),
     }
 
 

@@ -746,7 +746,8 @@ class FlashCommStrategy(Strategy):
         for plan in plans:
             record = records[plan.site.all_reduce.name]  # (before: merging sums renames the all_reduce)
             if plan.site.quant is not None:  # (FlashComm's rewrite leaves it to Inductor, after the gather)
-                record.kind = plan.site.without_quant(Reason(ReasonCode.QUANT_FLASHCOMM)).kind
+                record.quant_left = Reason(ReasonCode.QUANT_FLASHCOMM)
+                record.kind = plan.site.without_quant(record.quant_left).kind
             label, notes = flashcomm.rewrite_site(plan.site)
             record.lowering = f"flashcomm:{label}"
             record.reasons, record.notes = [], notes

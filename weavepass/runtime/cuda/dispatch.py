@@ -25,7 +25,7 @@ from weavepass.env import disable_multicast
 from weavepass.runtime.cuda import launcher
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.launcher import DirectLauncher
-from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue
+from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, QuantFormIssue
 from weavepass.runtime.cuda.support import CudaIssue, CudaUnsupported, cuda_quant_epilogue, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
@@ -34,6 +34,7 @@ from weavepass.runtime.cuda.workspace import (
     lamport_flag_slot,
     ones_weight,
 )
+from weavepass.runtime.issue import Unsupported
 from weavepass.runtime.portable import (
     fused_allreduce_layernorm_portable,
     fused_allreduce_rmsnorm_portable,
@@ -221,7 +222,7 @@ def fused_allreduce_rmsnorm_quant_cuda(
                                     return_normed)
         if isinstance(quant, QuantEpilogue) and static_scale is not None and (
                 static_scale.numel() != 1 or static_scale.device != partial.device):
-            quant = "the static scale is not one number on the partial sums' device"
+            quant = Unsupported(QuantFormIssue.STATIC_SCALE_NOT_SCALAR)
         launch = _prepare(partial, residual, weight, group_name, out_dtype, max_workspace_tokens,
                           LaunchOverrides(**overrides), quant=quant)
         if launch is not None:
@@ -261,7 +262,7 @@ def _prepare(
     return_inv_rms: bool = False,
     layer_norm: bool = False,
     bias=None,
-    quant: QuantEpilogue | str | None = None,
+    quant: QuantEpilogue | Unsupported | None = None,
 ) -> _Launch | Lowering | None:
     """Validate a new call signature and plan its launch. ``Lowering.PORTABLE`` when the kernel cannot
     serve it; None when no workspace fits now (not cached: the batch may fit later outside
@@ -275,7 +276,7 @@ def _prepare(
         bias.shape != (hidden,) or bias.device != partial.device
     ):
         reason = CudaUnsupported(CudaIssue.BIAS_MISMATCH)
-    if reason is None and isinstance(quant, str):
+    if reason is None and isinstance(quant, Unsupported):
         reason = CudaUnsupported.of(CudaIssue.QUANT_FORM, cause=quant)
     if reason is not None:
         _warn_once(str(reason), f"weave cuda_symm lowering falls back to portable: {reason}")

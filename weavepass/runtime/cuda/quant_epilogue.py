@@ -8,8 +8,9 @@ program on the normed rows while they are in registers:
     q = cast(code_ops(div(y, s)))  division in fp32, then round / clamps in fp32, cast to fp8 e4m3 or int8
 
 ``plan_quant_epilogue`` reads the step text into that shape (``QuantEpilogue``: one packed
-constexpr and 16 fp32 constants) or says why the kernel does not carry it; then the site keeps the
-quantization outside the fused op (compile time) or the call runs the portable lowering (run time).
+constexpr and 16 fp32 constants) or says why the kernel does not carry it (an ``Unsupported`` of a
+``QuantFormIssue``); then the site keeps the quantization outside the fused op (compile time) or the
+call runs the portable lowering (run time).
 
 Rounding, against eager on the same GPU (``quantize_rows`` on CUDA tensors):
 
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weavepass.config import StrEnum
+from weavepass.runtime.issue import Unsupported, register
 from weavepass.runtime.quant import decode_steps
 
 # Scale ops (after the amax), a nibble each; constants at qconst[i].
@@ -66,6 +69,59 @@ class QuantEpilogue:
         return torch.tensor(self.constants, dtype=torch.float32, device=device)
 
 
+class QuantFormIssue(StrEnum):
+    """Why the kernel's epilogue does not carry a quantization's form (``plan_quant_epilogue``,
+    ``support.cuda_quant_epilogue``); the compile side reports each as the ``ReasonCode`` of the same
+    value (``weavepass.compile.reasons.RUNTIME_ISSUES``)."""
+
+    STATIC_SCALE_PER_GROUP = "quant_form_static_scale_per_group"
+    GROUP_SIZE = "quant_form_group_size"
+    STATIC_SCALE_DTYPE = "quant_form_static_scale_dtype"
+    STATIC_SCALE_NOT_SCALAR = "quant_form_static_scale_not_scalar"
+    """(Run time) the static scale is not one number on the partial sums' device."""
+    TOO_MANY_STEPS = "quant_form_too_many_steps"
+    SCALE_NOT_AMAX = "quant_form_scale_not_amax"
+    SCALE_CAST = "quant_form_scale_cast"
+    SCALE_STEP = "quant_form_scale_step"
+    SCALE_NO_AMAX = "quant_form_scale_no_amax"
+    CODE_DTYPE = "quant_form_code_dtype"
+    FP8_NOT_CLAMPED = "quant_form_fp8_not_clamped"
+    CODE_CAST_EARLY = "quant_form_code_cast_early"
+    DIVISION_NOT_FIRST = "quant_form_division_not_first"
+    RECIPROCAL_DTYPE = "quant_form_reciprocal_dtype"
+    DIVISION_DTYPE = "quant_form_division_dtype"
+    STEP_BEFORE_DIVISION = "quant_form_step_before_division"
+    CODE_STEP = "quant_form_code_step"
+    NO_CODE_CAST = "quant_form_no_code_cast"
+    FP8_CAPABILITY = "quant_form_fp8_capability"
+    """fp8 codes on a GPU older than sm_89 (``support.FP8_CAPABILITY``): ``capability``, ``(major, minor)``."""
+
+
+register({
+    QuantFormIssue.STATIC_SCALE_PER_GROUP: "a static scale per group",
+    QuantFormIssue.GROUP_SIZE: "its groups of {group_size} are not a power of two dividing the hidden size {hidden}",
+    QuantFormIssue.STATIC_SCALE_DTYPE: "its static scale is {dtype}, not fp32",
+    QuantFormIssue.STATIC_SCALE_NOT_SCALAR: "the static scale is not one number on the partial sums' device",
+    QuantFormIssue.TOO_MANY_STEPS: "it has more than {max_ops} steps",
+    QuantFormIssue.SCALE_NOT_AMAX: "its scale does not start as amax(|x|) (step {step!r})",
+    QuantFormIssue.SCALE_CAST: "its scale is cast to {dtype}",
+    QuantFormIssue.SCALE_STEP: "its scale has a step the kernel does not run ({step!r})",
+    QuantFormIssue.SCALE_NO_AMAX: "its scale has no amax",
+    QuantFormIssue.CODE_DTYPE: "its codes are {dtype}, not fp8 e4m3 or int8",
+    QuantFormIssue.FP8_NOT_CLAMPED: ("its codes are not clamped to +-448 before the fp8 cast (eager makes an "
+                                     "overflow NaN; the kernel rounds clamped values only)"),
+    QuantFormIssue.CODE_CAST_EARLY: "its codes are cast to {dtype} before the last step",
+    QuantFormIssue.DIVISION_NOT_FIRST: "its division by the scale is not its first arithmetic step",
+    QuantFormIssue.RECIPROCAL_DTYPE: "its scale's reciprocal is taken in {dtype}",
+    QuantFormIssue.DIVISION_DTYPE: "it divides by the scale in {dtype}; the kernel divides in fp32",
+    QuantFormIssue.STEP_BEFORE_DIVISION: "its codes take step {step!r} before the division by the scale",
+    QuantFormIssue.CODE_STEP: "its codes have a step the kernel does not run ({step!r})",
+    QuantFormIssue.NO_CODE_CAST: "its codes end without a cast to fp8 or int8",
+    QuantFormIssue.FP8_CAPABILITY: (
+        "fp8 codes need a GPU of compute capability 8.9 or newer; this one is {capability[0]}.{capability[1]}"),
+})
+
+
 def _f32(value: float) -> float:
     return float(np.float32(value))
 
@@ -79,7 +135,7 @@ def _pack(ops: list[int]) -> int:
     return sum(op << (4 * i) for i, op in enumerate(ops))
 
 
-def _scale_program(steps, out_dtype: torch.dtype) -> tuple[list[int], list[float], torch.dtype] | str:
+def _scale_program(steps, out_dtype: torch.dtype) -> tuple[list[int], list[float], torch.dtype] | Unsupported:
     """``abs`` and ``amax`` (in any float dtype that holds ``out_dtype`` exactly), then numbers."""
     dtype, ops, consts, seen_abs, seen_amax = out_dtype, [], [], False, False
     for name, arg in steps:
@@ -91,11 +147,11 @@ def _scale_program(steps, out_dtype: torch.dtype) -> tuple[list[int], list[float
             elif name == "amax" and seen_abs:
                 seen_amax = True
             else:
-                return f"its scale does not start as amax(|x|) (step {name!r})"
+                return Unsupported.of(QuantFormIssue.SCALE_NOT_AMAX, step=name)
             continue
         if name == "convert":
             if arg not in _FLOATS:
-                return f"its scale is cast to {arg}"
+                return Unsupported.of(QuantFormIssue.SCALE_CAST, dtype=arg)
             if torch.promote_types(arg, dtype) != arg:  # narrowing: a rounding
                 ops.append(_ROUND[arg])
                 consts.append(0.0)
@@ -108,48 +164,47 @@ def _scale_program(steps, out_dtype: torch.dtype) -> tuple[list[int], list[float
             ops.append(SCALE_CLAMP_MIN if name == "clamp_min" else SCALE_CLAMP_MAX)
             consts.append(_f32(arg))
         else:
-            return f"its scale has a step the kernel does not run ({name!r})"
+            return Unsupported.of(QuantFormIssue.SCALE_STEP, step=name)
         if dtype in _ROUND:
             ops.append(_ROUND[dtype])
             consts.append(0.0)
     if not seen_amax:
-        return "its scale has no amax"
+        return Unsupported(QuantFormIssue.SCALE_NO_AMAX)
     return ops, consts, dtype
 
 
 def _code_program(steps, out_dtype: torch.dtype, scale_dtype: torch.dtype,
-                  scale_ndim: int) -> tuple[list[int], list[float], torch.dtype] | str:
+                  scale_ndim: int) -> tuple[list[int], list[float], torch.dtype] | Unsupported:
     """A widening cast, the division by the scale in fp32, round / clamps, the cast to the codes."""
     dtype, ops, consts, lo, hi = out_dtype, [], [], None, None
     for i, (name, arg) in enumerate(steps):
         last = i == len(steps) - 1
         if name == "convert" and last:
             if arg not in CODE_DTYPES:
-                return f"its codes are {arg}, not fp8 e4m3 or int8"
+                return Unsupported.of(QuantFormIssue.CODE_DTYPE, dtype=arg)
             if arg == torch.float8_e4m3fn and (lo is None or hi is None or lo < -FP8_MAX or hi > FP8_MAX):
-                return ("its codes are not clamped to +-448 before the fp8 cast (eager makes an "
-                        "overflow NaN; the kernel rounds clamped values only)")
+                return Unsupported(QuantFormIssue.FP8_NOT_CLAMPED)
             ops.append(CODE_CAST_FP8 if arg == torch.float8_e4m3fn else CODE_CAST_INT8)
             consts.append(0.0)
             return ops, consts, arg
         if name == "convert":
             if arg not in _FLOATS or torch.promote_types(arg, dtype) != arg:
-                return f"its codes are cast to {arg} before the last step"
+                return Unsupported.of(QuantFormIssue.CODE_CAST_EARLY, dtype=arg)
             dtype = arg
         elif name in ("div_scale", "mul_scale_reciprocal"):
             if ops:
-                return "its division by the scale is not its first arithmetic step"
+                return Unsupported(QuantFormIssue.DIVISION_NOT_FIRST)
             if name == "mul_scale_reciprocal" and scale_dtype != torch.float32:
-                return f"its scale's reciprocal is taken in {scale_dtype}"
+                return Unsupported.of(QuantFormIssue.RECIPROCAL_DTYPE, dtype=scale_dtype)
             x = torch.empty((2, 2), dtype=dtype, device="meta")
             s = torch.empty((1,) * scale_ndim, dtype=scale_dtype, device="meta")
             dtype = torch.result_type(x, s)
             if dtype != torch.float32:
-                return f"it divides by the scale in {dtype}; the kernel divides in fp32"
+                return Unsupported.of(QuantFormIssue.DIVISION_DTYPE, dtype=dtype)
             ops.append(CODE_DIV if name == "div_scale" else CODE_MUL_RECIPROCAL)
             consts.append(0.0)
         elif not ops:
-            return f"its codes take step {name!r} before the division by the scale"
+            return Unsupported.of(QuantFormIssue.STEP_BEFORE_DIVISION, step=name)
         elif name == "round":
             ops.append(CODE_ROUND)
             consts.append(0.0)
@@ -159,38 +214,38 @@ def _code_program(steps, out_dtype: torch.dtype, scale_dtype: torch.dtype,
             lo = arg if name == "clamp_min" else lo
             hi = arg if name == "clamp_max" else hi
         else:
-            return f"its codes have a step the kernel does not run ({name!r})"
-    return "its codes end without a cast to fp8 or int8"
+            return Unsupported.of(QuantFormIssue.CODE_STEP, step=name)
+    return Unsupported(QuantFormIssue.NO_CODE_CAST)
 
 
 def plan_quant_epilogue(
     out_dtype: torch.dtype, hidden: int, static_scale: tuple[torch.dtype, int] | None, group_size: int,
     scale_steps: str, code_steps: str, return_normed: bool,
-) -> QuantEpilogue | str:
+) -> QuantEpilogue | Unsupported:
     """The kernel's form of a quantization (module docstring), or why it does not carry it.
     ``static_scale``: the static scale's ``(dtype, ndim)``, or None for a dynamic one."""
     if group_size:
         if static_scale is not None:
-            return "a static scale per group"
+            return Unsupported(QuantFormIssue.STATIC_SCALE_PER_GROUP)
         if hidden % group_size or group_size & (group_size - 1) or not 2 <= group_size < 1 << 16:
-            return f"its groups of {group_size} are not a power of two dividing the hidden size {hidden}"
+            return Unsupported.of(QuantFormIssue.GROUP_SIZE, group_size=group_size, hidden=hidden)
     if static_scale is not None:
         scale_dtype, scale_ndim = static_scale
         if scale_dtype != torch.float32:
-            return f"its static scale is {scale_dtype}, not fp32"
+            return Unsupported.of(QuantFormIssue.STATIC_SCALE_DTYPE, dtype=scale_dtype)
         scale_ops, scale_consts = [], []
     else:
         scale = _scale_program(decode_steps(scale_steps), out_dtype)
-        if isinstance(scale, str):
+        if isinstance(scale, Unsupported):
             return scale
         scale_ops, scale_consts, scale_dtype = scale
         scale_ndim = 2
     codes = _code_program(decode_steps(code_steps), out_dtype, scale_dtype, scale_ndim)
-    if isinstance(codes, str):
+    if isinstance(codes, Unsupported):
         return codes
     code_ops, code_consts, code_dtype = codes
     if len(scale_ops) > MAX_OPS or len(code_ops) > MAX_OPS:
-        return f"it has more than {MAX_OPS} steps"
+        return Unsupported.of(QuantFormIssue.TOO_MANY_STEPS, max_ops=MAX_OPS)
     mode = STATIC if static_scale is not None else DYNAMIC
     group_log2 = group_size.bit_length() - 1 if group_size else 0
     packed = mode | int(return_normed) << 2 | group_log2 << 3 | _pack(scale_ops) << 8 | _pack(code_ops) << 32

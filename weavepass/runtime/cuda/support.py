@@ -10,11 +10,16 @@ words). The compile side reports each code as the ``ReasonCode`` of the same val
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from weavepass.config import StrEnum
+from weavepass.runtime.issue import Unsupported
 from weavepass.runtime.portable import resolve_group
+
+if TYPE_CHECKING:
+    from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 16384  # one row per tile lives in registers
@@ -141,22 +146,22 @@ FP8_CAPABILITY = (8, 9)
 def cuda_quant_epilogue(
     out_dtype: torch.dtype, hidden: int, device: torch.device, static_scale: tuple[torch.dtype, int] | None,
     group_size: int, scale_steps: str, code_steps: str, return_normed: bool,
-):
+) -> QuantEpilogue | Unsupported:
     """The kernel's form of a site's quantization (``quant_epilogue.QuantEpilogue``), or why the
-    CUDA lowering does not carry it (a string): a form the kernel has no program for, or fp8 codes
-    on a GPU older than sm_89. Asked by the planner (the quantization then stays outside the fused
-    op) and by each new call signature (then the call runs the portable lowering).
+    CUDA lowering does not carry it (an ``Unsupported`` of a ``quant_epilogue.QuantFormIssue``): a
+    form the kernel has no program for, or fp8 codes on a GPU older than sm_89. Asked by the
+    planner (the quantization then stays outside the fused op) and by each new call signature
+    (then the call runs the portable lowering).
     ``static_scale``: the static scale's ``(dtype, ndim)``; None for a dynamic scale."""
-    from weavepass.runtime.cuda.quant_epilogue import plan_quant_epilogue
+    from weavepass.runtime.cuda.quant_epilogue import QuantFormIssue, plan_quant_epilogue
 
     epilogue = plan_quant_epilogue(out_dtype, hidden, static_scale, group_size, scale_steps, code_steps,
                                    return_normed)
-    if isinstance(epilogue, str):
+    if isinstance(epilogue, Unsupported):
         return epilogue
     device = torch.device(device)
     if epilogue.code_dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_CAPABILITY:
-            return (f"fp8 codes need a GPU of compute capability 8.9 or newer; this one is "
-                    f"{capability[0]}.{capability[1]}")
+            return Unsupported.of(QuantFormIssue.FP8_CAPABILITY, capability=capability)
     return epilogue

@@ -43,11 +43,12 @@ import logging
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.reasons import Reason, ReasonCode
+from weavepass.compile.fx_args import arguments
+from weavepass.compile.reasons import Reason, ReasonCode, runtime_issue_reason
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import plan_split, too_few_tokens_reason
 from weavepass.config import Lowering, WeaveConfig
-from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM, arguments
+from weavepass.ops import FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM
 from weavepass.report import GraphReport
 
 from .analysis import analyse
@@ -90,31 +91,34 @@ def inductor_config_patches() -> dict[str, bool]:
     return patches
 
 
-def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool, str | None]:
-    """``(push, note)``: whether the sites become the push variant's op
-    (``WeaveConfig.split_comm="push"``), and the report's words for what the communication
-    stream runs (None with the default, ``"fused"``). Push needs every site's group to have 2 ranks
+def communication_variant(sites: list[Node], config: WeaveConfig) -> tuple[bool, str | None, Reason | None]:
+    """``(push, note, refused)``: whether the sites become the push variant's op
+    (``WeaveConfig.split_comm="push"``), the report's words for what the communication stream runs
+    (None with the default, ``"fused"``), and why push was asked for and not used (or None). Push
+    needs every site's group to have 2 ranks
     (``push_unsupported_reason``); a site on another lowering than ``cuda_symm`` still gets the op,
     which runs there as the fused async op, and the note says so. Every rank decides the same: group
     sizes and lowerings are the plan's, equal on every rank (``weavepass.compile.plan_check``)."""
     if config.split_comm != "push":
-        return False, None
+        return False, None, None
     from weavepass.runtime.cuda.support import push_unsupported_reason
     from weavepass.runtime.portable import resolve_group
 
+    def refused(reason: Reason) -> tuple[bool, str, Reason]:
+        return False, f"communication: fused kernel (split_comm='push' not used: {reason.render()})", reason
+
     if any(site.target is FUSED_ALLREDUCE_LAYERNORM for site in sites):
-        return False, ("communication: fused kernel (split_comm='push' not used: the push variant's "
-                       "reduce kernel carries RMSNorm sites only, and this graph has LayerNorm sites)")
+        return refused(Reason(ReasonCode.PUSH_LAYER_NORM))
     groups = sorted({str(arguments(site)["group_name"]) for site in sites})
     for group in groups:
-        reason = push_unsupported_reason(resolve_group(group).size())
-        if reason is not None:
-            return False, f"communication: fused kernel (split_comm='push' not used: {reason})"
+        issue = push_unsupported_reason(resolve_group(group).size())
+        if issue is not None:
+            return refused(runtime_issue_reason(issue))
     others = sorted({str(arguments(site)["lowering"]) for site in sites} - {Lowering.CUDA_SYMM})
     if others:
         return True, (f"communication: push (slot 0 for A, 1 for B); sites on lowering {', '.join(others)} "
-                      "run it as the fused async op (the push kernels are cuda_symm's)")
-    return True, "communication: push (slot 0 for A, 1 for B)"
+                      "run it as the fused async op (the push kernels are cuda_symm's)"), None
+    return True, "communication: push (slot 0 for A, 1 for B)", None
 
 
 def split_skip_level(config: WeaveConfig) -> int:
@@ -167,7 +171,9 @@ def apply_token_split(
         # process): `auto` never risks that; `force` splits with the check.
         names = ", ".join(m.name for m in info.run_time_masks)
         return skip(Reason.of(ReasonCode.SPLIT_RUN_TIME_MASK, masks=names))
-    push, comm = communication_variant(sites, config)
+    push, comm, push_refused = communication_variant(sites, config)
+    if push_refused is not None:
+        report.reasons.append(push_refused)
     rewrite(graph, info, config, push)
     where = "computed at run time from the symbolic size" if symbolic_cut else (
         f"A = {plan.first} / B = {plan.tokens - plan.first} tokens"

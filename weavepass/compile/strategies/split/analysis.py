@@ -8,9 +8,9 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.wave_model import GemmShape
-from weavepass.ops import arguments
 
 from .base import Unsupported
 from .routing import check_block, routed, routed_dims

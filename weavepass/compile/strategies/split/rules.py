@@ -27,13 +27,13 @@ from weavepass.compile.fx_args import (
     arg_ints,
     arg_list,
     arg_node,
+    arguments,
     as_list,
     as_node,
     as_optional_node,
     tensor,
 )
 from weavepass.compile.reasons import Reason, ReasonCode
-from weavepass.ops import arguments
 
 from .attention import ATTENTION, attention_dims
 from .base import Unsupported, norm_dim, op_name, val

@@ -50,15 +50,18 @@ class SplitStrategy(Strategy):
             assert rewrite.tuned is not None and rewrite.tuned.window is not None
             low, high = rewrite.tuned.window
             config = config.replace(split_min_tokens=low, split_min_tokens_moe=low, split_max_tokens=high)
+            rewrite.report.tuned = decision.reason
             rewrite.report.add_note(decision.reason.render())
         apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)
         if decision.code is ReasonCode.TUNING_TABLE_NOT_APPLICABLE:
+            rewrite.report.tuned = decision.reason
             rewrite.report.add_note(decision.reason.render())
         return False
 
     def decline(self, rewrite: GraphRewrite, decision: Decision) -> None:
         if decision.code in (ReasonCode.TUNED_NO_REWRITE, ReasonCode.TUNED_FUSE_ONLY):
             rewrite.report.reasons.append(decision.reason)  # its sentence starts with "auto: "
+            rewrite.report.tuned = decision.reason
             rewrite.report.add_note(decision.reason.render())
         else:
             rewrite.report.decline("fuse-only", decision.reason)

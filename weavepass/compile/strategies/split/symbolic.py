@@ -18,11 +18,10 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import Argument, Target, map_arg
 
-from weavepass.compile.fx_args import as_node
+from weavepass.compile.fx_args import arguments, as_node
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.tokens import size_hint
 from weavepass.compile.wave_model import device_wave_model, split_mode
-from weavepass.ops import arguments
 
 from .base import Unsupported, val
 
