@@ -137,18 +137,20 @@ def test_overlap_report_ratio_to_the_same_mode(tmp_path, capsys):
 
 
 def test_local_cost_sim_configs_and_minimum_bytes():
-    """``--sim-configs`` items, and the two-shot minimum local bytes per rank of docs/cuda_kernel.md
+    """``--sim-configs`` items (CTAs, tile KiB, warps, and the pipelined kernel's tiles per chunk and
+    load stages), and the two-shot minimum local bytes per rank of docs/cuda_kernel.md
     (5.5 S at 2 ranks, 6.25 S at 4, 6.625 S at 8; 4 S at a group of one)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_local_cost
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert bench_local_cost.sim_config("32:64:16") == (32, 64, 16)
-    assert bench_local_cost.sim_config("16") == (16, None, None)
-    assert bench_local_cost.sim_config("-:16:") == (None, 16, None)
+    assert bench_local_cost.sim_config("32:64:16") == (32, 64, 16, None, None)
+    assert bench_local_cost.sim_config("16") == (16, None, None, None, None)
+    assert bench_local_cost.sim_config("-:16:") == (None, 16, None, None, None)
+    assert bench_local_cost.sim_config("32:16:16:8:2") == (32, 16, 16, 8, 2)  # chunk tiles, load stages
     with pytest.raises(ValueError):
-        bench_local_cost.sim_config("1:2:3:4")
+        bench_local_cost.sim_config("1:2:3:4:5:6")
     s = 100 * 8192 * 2
     assert [bench_local_cost.local_bytes_per_rank(n, 100, 8192, 2) / s for n in (1, 2, 4, 8)] == \
         pytest.approx([4.0, 5.5, 6.25, 6.625])
