@@ -107,9 +107,12 @@
 #              $OUT/tuning_table_w<WORLD>.json (WORLD=1: reduce-overhead only, merged with the built-in
 #              table's default-mode entries; else both modes at WORLD ranks), then bench_overlap at
 #              those cells (2 layers) with inductor, weave_auto, inductor_cg, weave_auto_cg deciding
-#              from that table: its "auto check" lines say whether auto is <= Inductor of the same
-#              mode at every cell. WORLD=1 took 166 s on one H200 (2026-12-03); WORLD=2 is not timed
-#              (AUTO_TABLE=path: verify that table instead of measuring one; AUTO_VARIANTS)
+#              from that table, with the A/A controls inductor_aa(_cg), 8 interleaved rounds: its
+#              "auto check" lines give each cell's verdict by bench_overlap.AUTO_CHECK_RULE (ok /
+#              unresolved within the A/A band / SLOWER; met only if every cell is ok). WORLD=1 took
+#              166 s on one H200 (2026-12-03) before the A/A controls and 8 rounds (not timed since);
+#              WORLD=2 is not timed (AUTO_TABLE=path: verify that table instead of measuring one;
+#              AUTO_VARIANTS)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
@@ -311,9 +314,11 @@ if wanted auto; then
       AUTO_TABLE=builtin
     fi
   fi
-  step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" \
+  step bench_overlap_auto "${AUTO_TIMEOUT_S:-360}" python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" \
       --name "bench_overlap_auto$TP" --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
-      --variants "${AUTO_VARIANTS:-inductor,weave_auto,inductor_cg,weave_auto_cg}" --tuning-table "$AUTO_TABLE"
+      --rounds 8 --iters 48 \
+      --variants "${AUTO_VARIANTS:-inductor,inductor_aa,weave_auto,inductor_cg,inductor_aa_cg,weave_auto_cg}" \
+      --tuning-table "$AUTO_TABLE"
 fi
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"
