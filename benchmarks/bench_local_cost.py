@@ -232,7 +232,7 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
     from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
     from weavepass.testing.kernel_sim import SimulatedRanks
 
-    rows, elem = [], 2
+    rows, elem, wrong = [], 2, []
     grid_copy = _grid_copy_kernel()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for world in worlds:
@@ -254,6 +254,7 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
             label = (f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, {plan.rows_per_tile} rows x "
                      f"{plan.num_warps} warps" + (f", chunk {plan.chunk_rows} rows, load stages {plan.load_stages}"
                                                   if plan.pipelined else ""))
+            sim.poison()  # NaN in staging and recv: a case that read rows before they were written shows
             try:  # a launch that does not fit (shared memory of the pipelined loads) fails before it runs
                 outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
             except Exception as e:  # noqa: BLE001  (reported as a row; the other cases still run)
@@ -263,16 +264,17 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
                              "ms": "", "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 print(f"row: {rows[-1]}", flush=True)
                 continue
-            for normed, res_out in outs:
-                err = max(float((normed.float() - want_n).norm() / want_n.norm()),
-                          float((res_out.float() - want_r).norm() / want_r.norm()))
-                if not err < 1e-2:
-                    raise AssertionError(f"sim world {world} {label}: relative error {err}")
+            err = max(max(float((normed.float() - want_n).norm() / want_n.norm()),
+                           float((res_out.float() - want_r).norm() / want_r.norm())) for normed, res_out in outs)
             first = first or [(n.clone(), r.clone()) for n, r in outs]
             same_res = all(torch.equal(r, r0) for (_, r), (_, r0) in zip(outs, first))
             same_normed = all(torch.equal(n, n0) for (n, _), (n0, _) in zip(outs, first))
-            if not same_res:  # the sum in rank order in fp32 is the same whatever the tile or pipeline
-                raise AssertionError(f"sim world {world} {label}: residual_out differs from the first case's bits")
+            # The sum in rank order in fp32 is the same whatever the tile or the pipeline: a wrong
+            # case is reported (and fails the process at the end), the other cases still run.
+            if not (err < 1e-2 and same_res):  # bf16 outputs against fp32 (NaN fails too)
+                wrong.append(f"sim world {world} {label}: relative error {err}, residual_out bits as the first "
+                             f"case's: {same_res}")
+                print(f"WRONG: {wrong[-1]}", flush=True)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 sim.run(partials, residual, weight, EPS, DTYPE, overrides, wait=False)
@@ -302,6 +304,8 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
             graph = src = dst = None  # free them (the timed closure holds src and dst too)
         del sim, partials
         torch.cuda.empty_cache()
+    if wrong:
+        raise AssertionError("wrong results (their times are in the rows above):\n" + "\n".join(wrong))
     return rows
 
 
