@@ -101,8 +101,9 @@
 #              the rule's 64 KiB x 16 warps x 2 tiles per chunk (the before, in the same process and the
 #              bit reference), 16 KiB tiles x 8 per chunk without (control) and with 2 or 3 stages,
 #              16 tiles per chunk, 32 KiB tiles, 8 warps, the 64 KiB tile with 2 stages (2 ranks only:
-#              shared memory); then 8 ranks at 8192 tokens (16 CTAs): the rule's against 16 KiB x 8 x 2
-#              stages; then the simulator tests of the new loads (bit identity, back to back at 2 ranks)
+#              shared memory); then 8 ranks at 8192 tokens (16 CTAs): 16 KiB x 8 x 2 stages, then the
+#              rule's, each in its own process; then the simulator tests of the new loads (bit
+#              identity, back to back at 2 ranks). Limits 240 + 75 + 75 + 130 s
 #   auto       issue 33: python -m weavepass.tune (70b_tp8sim, 8b_tp2, 2K-16K, 2 layers) into
 #              $OUT/tuning_table_w<WORLD>.json (WORLD=1: reduce-overhead only, merged with the built-in
 #              table's default-mode entries; else both modes at WORLD ranks), then bench_overlap at
@@ -284,9 +285,14 @@ wanted simloads && step bench_local_cost_sim_loads "${LOADS_TIMEOUT_S:-240}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --name bench_local_cost_sim_loads \
     --sim-configs 32:64:16:2:1 32:16:16:8:1 32:16:16:8:2 32:16:16:8:3 32:16:16:16:3 32:32:16:4:2 32:64:16:2:2 \
     32:16:8:8:3
-wanted simloads && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_loads "${SIM8_TIMEOUT_S:-140}" \
-    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16:2:1 16:16:16:8:2 \
+# 8 ranks: each launch in a process of its own (a rank that gives up ends its process), the new
+# loads first (the rule's 64 KiB pipelined kernel never finished at 8 ranks x 8192 tokens so far)
+wanted simloads && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_loads "${SIM8_TIMEOUT_S:-75}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:16:16:8:2 \
     --sim-timeout 20 --name bench_local_cost_sim8_loads
+wanted simloads && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_rule "${SIM8_TIMEOUT_S:-75}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16:2:1 \
+    --sim-timeout 20 --name bench_local_cost_sim8_rule
 wanted simloads && step pytest_kernel_sim_loads "${LOADS_TEST_TIMEOUT_S:-130}" python3 -m pytest -m gpu -q -rA \
     --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k "pipelined_loads_change_no_bit or back_to_back_calls_mixing_algorithms[2]"
 # Issue 33 (c): a tuning table for both compile modes, then auto against Inductor per mode. At WORLD=1
