@@ -103,7 +103,9 @@
 #              16 tiles per chunk, 32 KiB tiles, 8 warps, the 64 KiB tile with 2 stages (2 ranks only:
 #              shared memory); then 8 ranks at 8192 tokens (16 CTAs): 16 KiB x 8 x 2 stages, then the
 #              rule's, each in its own process; then the simulator tests of the new loads (bit
-#              identity, back to back at 2 ranks). Limits 240 + 75 + 75 + 130 s
+#              identity, back to back at 2 ranks). Limits 240 + 75 + 75 + 130 s. On 2026-12-03
+#              (one H200): 168 s, 64 s, the rule's 8 ranks did not finish in 75 s, and the tests
+#              stopped at 130 s after 2 passed (the third, no_bit[4], passed alone in 51 s)
 #   auto       issue 33: python -m weavepass.tune (70b_tp8sim, 8b_tp2, 2K-16K, 2 layers) into
 #              $OUT/tuning_table_w<WORLD>.json (WORLD=1: reduce-overhead only, merged with the built-in
 #              table's default-mode entries; else both modes at WORLD ranks), then bench_overlap at
