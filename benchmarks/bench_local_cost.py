@@ -207,14 +207,18 @@ def _grid_copy_kernel():
     return grid_copy
 
 
-def sim_config(text: str) -> tuple[int | None, int | None, int | None]:
-    """``"CTAS:KIB:WARPS"`` -> ``(ctas, tile KiB, warps)``; a field that is ``-``, empty or missing
-    is None (the launch rule's choice)."""
-    fields = (text.split(":") + ["", "", ""])[:3]
-    if len(text.split(":")) > 3:
-        raise ValueError(f"--sim-configs: {text!r} is not CTAS:KIB:WARPS")
-    ctas, kib, warps = (None if f in ("", "-") else int(f) for f in fields)
-    return ctas, kib, warps
+SimConfig = tuple[int | None, int | None, int | None, int | None, int | None]
+
+
+def sim_config(text: str) -> SimConfig:
+    """``"CTAS:KIB:WARPS[:CHUNK_TILES[:LOAD_STAGES]]"`` -> ``(ctas, tile KiB, warps, chunk tiles,
+    load stages)`` (the last two: the pipelined kernel's tiles per chunk and software-pipelined
+    loads, ``LaunchOverrides``); a field that is ``-``, empty or missing is None (the rule's)."""
+    if len(text.split(":")) > 5:
+        raise ValueError(f"--sim-configs: {text!r} is not CTAS:KIB:WARPS[:CHUNK_TILES[:LOAD_STAGES]]")
+    fields = (text.split(":") + [""] * 5)[:5]
+    ctas, kib, warps, chunk, stages = (None if f in ("", "-") else int(f) for f in fields)
+    return ctas, kib, warps, chunk, stages
 
 
 def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None = None,
@@ -228,7 +232,7 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
     from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
     from weavepass.testing.kernel_sim import SimulatedRanks
 
-    rows, elem = [], 2
+    rows, elem, wrong = [], 2, []
     grid_copy = _grid_copy_kernel()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for world in worlds:
@@ -239,17 +243,38 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
         want_n, want_r = _add_rms_norm(sum(q.float() for q in partials).to(DTYPE).float(), residual.float(),
                                        weight.float())
         # all ranks resident (128 CTAs in all); 32 is the kernels' cap (signal slots per channel)
-        cases = [(c or min(32, 128 // world), t, w or num_warps) for c, t, w in (configs or [(None, None, None)])]
-        for ctas, tile_kib, warps in [case for case in cases if case[0] * world <= 128 and case[0] <= 32]:
+        cases = [(c or min(32, 128 // world), t, w or num_warps, k, s)
+                 for c, t, w, k, s in (configs or [(None,) * 5])]
+        first = None  # the first case's outputs: every later case's residual_out must equal them bit for bit
+        for ctas, tile_kib, warps, chunk_tiles, stages in [c for c in cases if c[0] * world <= 128 and c[0] <= 32]:
             overrides = LaunchOverrides(num_ctas=ctas, num_warps=warps, pipelined=pipelined,
-                                        tile_elements=None if tile_kib is None else (tile_kib << 10) // elem)
+                                        tile_elements=None if tile_kib is None else (tile_kib << 10) // elem,
+                                        chunk_tiles=chunk_tiles, load_stages=stages)
             plan = choose_launch_plan(tokens, hidden, elem, world, overrides)
-            outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
-            for normed, res_out in outs:
-                err = max(float((normed.float() - want_n).norm() / want_n.norm()),
-                          float((res_out.float() - want_r).norm() / want_r.norm()))
-                if not err < 1e-2:
-                    raise AssertionError(f"sim world {world}: relative error {err}")
+            label = (f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, {plan.rows_per_tile} rows x "
+                     f"{plan.num_warps} warps" + (f", chunk {plan.chunk_rows} rows, load stages {plan.load_stages}"
+                                                  if plan.pipelined else ""))
+            sim.poison()  # NaN in staging and recv: a case that read rows before they were written shows
+            try:  # a kernel that does not compile or fit (shared memory) fails before any rank runs
+                outs = sim.run(partials, residual, weight, EPS, DTYPE, overrides)  # compiles every rank's kernel
+            except Exception as e:  # noqa: BLE001  (reported as a row; the other cases still run)
+                if first is None:  # the reference case must run
+                    raise
+                rows.append({"part": "sim", "world": world, "hidden": hidden, "tokens": tokens, "variant": label,
+                             "ms": "", "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                print(f"row: {rows[-1]}", flush=True)
+                continue
+            err = max(max(float((normed.float() - want_n).norm() / want_n.norm()),
+                           float((res_out.float() - want_r).norm() / want_r.norm())) for normed, res_out in outs)
+            first = first or [(n.clone(), r.clone()) for n, r in outs]
+            same_res = all(torch.equal(r, r0) for (_, r), (_, r0) in zip(outs, first))
+            same_normed = all(torch.equal(n, n0) for (n, _), (n0, _) in zip(outs, first))
+            # The sum in rank order in fp32 is the same whatever the tile or the pipeline: a wrong
+            # case is reported (and fails the process at the end), the other cases still run.
+            if not (err < 1e-2 and same_res):  # bf16 outputs against fp32 (NaN fails too)
+                wrong.append(f"sim world {world} {label}: relative error {err}, residual_out bits as the first "
+                             f"case's: {same_res}")
+                print(f"WRONG: {wrong[-1]}", flush=True)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 sim.run(partials, residual, weight, EPS, DTYPE, overrides, wait=False)
@@ -269,16 +294,18 @@ def _sim_rows(worlds, tokens: int, hidden: int, reps: int, num_warps: int | None
                 lambda: grid_copy[(world * ctas,)](src, dst, n, BLOCK=32768, num_warps=16),
                 warmup=5, rep=reps, return_mode="median")
             rows.append({"part": "sim", "world": world, "hidden": hidden, "tokens": tokens,
-                         "variant": f"{'pipelined' if plan.pipelined else 'flat'} {ctas} CTAs/rank, "
-                                    f"{plan.rows_per_tile} rows x {plan.num_warps} warps", "ms": t_kernel,
+                         "variant": label, "ms": t_kernel, "normed_bits_as_first": same_normed,
                          "floor_ms": t_copy, "min_bytes_per_rank": local_bytes_per_rank(world, tokens, hidden, elem),
                          "vs_floor": t_kernel / t_copy, "grid_copy_ms": t_grid, "vs_grid_copy": t_kernel / t_grid,
                          "regs": getattr(sim.last_compiled, "n_regs", ""),
-                         "spills": getattr(sim.last_compiled, "n_spills", "")})
+                         "spills": getattr(sim.last_compiled, "n_spills", ""),
+                         "shared_bytes": getattr(getattr(sim.last_compiled, "metadata", None), "shared", "")})
             print(f"row: {rows[-1]}", flush=True)
             graph = src = dst = None  # free them (the timed closure holds src and dst too)
         del sim, partials
         torch.cuda.empty_cache()
+    if wrong:
+        raise AssertionError("wrong results (their times are in the rows above):\n" + "\n".join(wrong))
     return rows
 
 
@@ -322,9 +349,11 @@ def main() -> None:
     parser.add_argument("--sim-timeout", type=float, default=30.0, help="seconds a simulated rank waits for a peer")
     parser.add_argument("--sim-warps", type=int, default=None,
                         help="warps per CTA of the simulated kernels (default: the rule's)")
-    parser.add_argument("--sim-configs", nargs="+", default=None, metavar="CTAS:KIB:WARPS",
-                        help="simulated launches to sweep: CTAs per rank, tile KiB, warps per CTA ('-' or "
-                             "empty: the rule's; default: the rule at min(32, 128 / world) CTAs)")
+    parser.add_argument("--sim-configs", nargs="+", default=None, metavar="CTAS:KIB:WARPS[:CHUNK:STAGES]",
+                        help="simulated launches to sweep: CTAs per rank, tile KiB, warps per CTA, and for the "
+                             "pipelined kernel tiles per chunk and load stages ('-' or empty: the rule's; "
+                             "default: the rule at min(32, 128 / world) CTAs). The first case is the reference "
+                             "whose residual_out every later case must equal bit for bit")
     parser.add_argument("--sim-pipelined", choices=("rule", "on", "off"), default="rule",
                         help="the simulated two-shot kernel: the rule's choice, pipelined or flat")
     parser.add_argument("--no-op", action="store_true", help="skip the group-of-one part")
@@ -360,7 +389,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = write_csv(os.path.join(args.out, args.name + ".csv"), rows,
                      ["part", "world", "hidden", "tokens", "variant", "ms", "ms_rounds", "plan", "floor_ms",
-                      "min_bytes_per_rank", "vs_floor", "grid_copy_ms", "vs_grid_copy", "regs", "spills"])
+                      "min_bytes_per_rank", "vs_floor", "grid_copy_ms", "vs_grid_copy", "regs", "spills",
+                      "shared_bytes", "normed_bits_as_first", "error"])
     print(f"wrote {path}")
     ops = {(r["hidden"], r["tokens"], r["variant"]): r["ms"] for r in rows if r["part"] == "op"}
     if ops:
@@ -383,11 +413,14 @@ def main() -> None:
                   f"   {get('weave_quant') / get('inductor_quant'):14.2f}"
                   f" {get('weave_quant') / get('weave_norm'):11.2f}")
     for r in rows:
-        if r["part"] == "sim":
+        if r["part"] == "sim" and r.get("error"):
+            print(f"sim world {r['world']} {r['variant']}: not run ({r['error']})")
+        elif r["part"] == "sim":
             print(f"sim world {r['world']} {r['variant']}: {r['ms']:.4f} ms, copy of the minimum bytes "
                   f"{r['floor_ms']:.4f} ms, ratio {r['vs_floor']:.2f}; on the ranks' {r['variant'].split()[1]} x "
                   f"{r['world']} CTAs {r['grid_copy_ms']:.4f} ms, ratio {r['vs_grid_copy']:.2f}; "
-                  f"{r['regs']} registers, {r['spills']} spilled")
+                  f"{r['regs']} registers, {r['spills']} spilled, {r['shared_bytes']} B shared; "
+                  f"normed bits as the first case's: {r['normed_bits_as_first']}")
 
 
 if __name__ == "__main__":

@@ -96,13 +96,26 @@
 #              serialise two ranks' kernels); one GPU. On 2026-12-03 the sweep took 103 s; the first
 #              8-rank call did not finish in 40 s (8 ranks = 8 kernel compiles: RANK is a constexpr),
 #              hence 240 s each now
+#   simloads   issue 33 (a), software-pipelined loads in the pipelined kernel (LaunchOverrides
+#              load_stages): 2 and 4 ranks at 8192 tokens, 32 CTAs per rank, CTAS:KIB:WARPS:CHUNK:STAGES =
+#              the rule's 64 KiB x 16 warps x 2 tiles per chunk (the before, in the same process and the
+#              bit reference), 16 KiB tiles x 8 per chunk without (control) and with 2 or 3 stages,
+#              16 tiles per chunk, 32 KiB tiles, 8 warps, the 64 KiB tile with 2 stages (2 ranks only:
+#              shared memory); then 8 ranks at 8192 tokens (16 CTAs): 16 KiB x 8 x 2 stages, then the
+#              rule's, each in its own process; then the simulator tests of the new loads (bit
+#              identity, back to back at 2 ranks). Limits 240 + 75 + 75 + 130 s. On 2026-12-03
+#              (one H200): 168 s, 64 s, the rule's 8 ranks did not finish in 75 s, and the tests
+#              stopped at 130 s after 2 passed (the third, no_bit[4], passed alone in 51 s)
 #   auto       issue 33: python -m weavepass.tune (70b_tp8sim, 8b_tp2, 2K-16K, 2 layers) into
 #              $OUT/tuning_table_w<WORLD>.json (WORLD=1: reduce-overhead only, merged with the built-in
 #              table's default-mode entries; else both modes at WORLD ranks), then bench_overlap at
 #              those cells (2 layers) with inductor, weave_auto, inductor_cg, weave_auto_cg deciding
-#              from that table: its "auto check" lines say whether auto is <= Inductor of the same
-#              mode at every cell. WORLD=1 took 166 s on one H200 (2026-12-03); WORLD=2 is not timed
-#              (AUTO_TABLE=path: verify that table instead of measuring one; AUTO_VARIANTS)
+#              from that table, with the A/A controls inductor_aa(_cg), 8 interleaved rounds: its
+#              "auto check" lines give each cell's verdict by bench_overlap.AUTO_CHECK_RULE (ok /
+#              unresolved within the A/A band / SLOWER; met only if every cell is ok). WORLD=1 took
+#              166 s on one H200 (2026-12-03) before the A/A controls and 8 rounds (not timed since);
+#              WORLD=2 is not timed (AUTO_TABLE=path: verify that table instead of measuring one;
+#              AUTO_VARIANTS)
 #   host       bench_host_overhead (host cost per fused-op call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
@@ -170,7 +183,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,splitcost,simsweep,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -270,6 +283,20 @@ wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_819
 wanted simsweep && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_8192_rule "${SIM8_TIMEOUT_S:-240}" \
     python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16 \
     --sim-timeout 15 --name bench_local_cost_sim8_8192_rule
+wanted simloads && step bench_local_cost_sim_loads "${LOADS_TIMEOUT_S:-240}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 2 4 --name bench_local_cost_sim_loads \
+    --sim-configs 32:64:16:2:1 32:16:16:8:1 32:16:16:8:2 32:16:16:8:3 32:16:16:16:3 32:32:16:4:2 32:64:16:2:2 \
+    32:16:8:8:3
+# 8 ranks: each launch in a process of its own (a rank that gives up ends its process), the new
+# loads first (the rule's 64 KiB pipelined kernel never finished at 8 ranks x 8192 tokens so far)
+wanted simloads && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_loads "${SIM8_TIMEOUT_S:-75}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:16:16:8:2 \
+    --sim-timeout 20 --name bench_local_cost_sim8_loads
+wanted simloads && CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_local_cost_sim8_rule "${SIM8_TIMEOUT_S:-75}" \
+    python3 benchmarks/bench_local_cost.py --out "$OUT" --no-op --sim 8 --sim-configs 16:64:16:2:1 \
+    --sim-timeout 20 --name bench_local_cost_sim8_rule
+wanted simloads && step pytest_kernel_sim_loads "${LOADS_TEST_TIMEOUT_S:-130}" python3 -m pytest -m gpu -q -rA \
+    --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k "pipelined_loads_change_no_bit or back_to_back_calls_mixing_algorithms[2]"
 # Issue 33 (c): a tuning table for both compile modes, then auto against Inductor per mode. At WORLD=1
 # only the reduce-overhead entries are measured and merged with the built-in table's default-mode
 # ones; at WORLD=N > 1 both modes are measured at N ranks (the table auto needs there: the built-in
@@ -295,9 +322,11 @@ if wanted auto; then
       AUTO_TABLE=builtin
     fi
   fi
-  step bench_overlap_auto "${AUTO_TIMEOUT_S:-270}" python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" \
+  step bench_overlap_auto "${AUTO_TIMEOUT_S:-360}" python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" \
       --name "bench_overlap_auto$TP" --layers 2 --shape $AUTO_SHAPES --tokens $AUTO_TOKENS --layouts 1 \
-      --variants "${AUTO_VARIANTS:-inductor,weave_auto,inductor_cg,weave_auto_cg}" --tuning-table "$AUTO_TABLE"
+      --rounds 8 --iters 48 \
+      --variants "${AUTO_VARIANTS:-inductor,inductor_aa,weave_auto,inductor_cg,inductor_aa_cg,weave_auto_cg}" \
+      --tuning-table "$AUTO_TABLE"
 fi
 wanted host && step bench_host_overhead "${HOST_TIMEOUT_S:-150}" \
     python3 benchmarks/bench_host_overhead.py --out "$OUT" --world "$WORLD"

@@ -5,8 +5,10 @@ compiled for sm_90 on a machine WITHOUT a GPU (Triton's compiler and its bundled
 
 A tile is ``ROWS:WARPS`` (rows of ``hidden`` bf16 per tile, warps per CTA); the launch rule's
 choices are in ``weavepass/runtime/cuda/launch_plan.py``. Per kernel it prints ``REG`` (registers per
-thread), ``STACK`` (bytes of local memory per thread: spills), and the counts of 128-bit global
-loads/stores and local loads/stores (``LDL``/``STL``) in the SASS. The GPU machine's Triton may
+thread), ``STACK`` (bytes of local memory per thread: spills), ``SHARED`` (bytes of shared memory
+per CTA; at most 227 KiB on sm_90), and the counts of 128-bit global loads/stores, asynchronous
+copies into shared memory (``LDGSTS``: software-pipelined loads) and local loads/stores
+(``LDL``/``STL``) in the SASS. The GPU machine's Triton may
 allocate differently: this is a lead, ``bench_local_cost.py --sim`` reads the compiled kernel's
 registers and spills there (docs/cuda_kernel.md, "What holds the N-rank kernels back").
 """
@@ -30,7 +32,7 @@ POINTERS = {"inv_rms_ptr": "*fp32", "pad_ptr": "*i32", "scales_ptr": "*fp32", "s
             "qconst_ptr": "*fp32"}
 ADDRESS_DELTAS = {"recv_offset"} | {f"wd{i}" for i in range(8)} | {f"pd{i}" for i in range(8)}
 INT64 = ADDRESS_DELTAS | {"watch_addr", "timeout_ns"}
-SASS = {"LDG.E.128": "LDG.E.128", "STG.E.128": "STG.E.128", "LDL": "LDL", "STL": "STL"}
+SASS = {"LDG.E.128": "LDG.E.128", "STG.E.128": "STG.E.128", "LDGSTS": "LDGSTS", "LDL": "LDL", "STL": "STL"}
 
 
 def compile_sm90(fn, constants: dict, num_warps: int):
@@ -61,28 +63,33 @@ def resources(compiled) -> str:
         sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     fields = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
     counts = " ".join(f"{name} {len(re.findall(re.escape(pattern), sass))}" for name, pattern in SASS.items())
-    return f"{fields}  {counts}"
+    return f"{fields} SHARED:{compiled.metadata.shared}  {counts}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--tiles", nargs="+", default=["4:16", "1:8"], help="ROWS:WARPS per tile")
+    parser.add_argument("--tiles", nargs="+", default=["4:16", "1:8"],
+                        help="ROWS:WARPS[:CHUNK_TILES[:LOAD_STAGES]] per tile (the pipelined kernel's chunk, "
+                             "default 2 tiles, and software-pipelined loads, default 1: none)")
     parser.add_argument("--hidden", type=int, default=8192)
     args = parser.parse_args()
     block_h = 1 << (args.hidden - 1).bit_length()
     for world in args.worlds:
         for tile in args.tiles:
-            rows, warps = (int(x) for x in tile.split(":"))
+            rows, warps, chunk_tiles, stages = (int(x) for x in (tile.split(":") + ["2", "1"])[:4])
             base = dict(RANK=0, WORLD=world, HIDDEN=args.hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=True,
                         MAX_CTAS=MAX_CTAS, HAS_INV_RMS=False, NORM=0, QUANT=0)
             cases = {
                 "pipelined": (kernels.fused_allreduce_rmsnorm_pipelined_kernel,
-                              dict(base, CHUNK_ROWS=2 * rows, PUSH_ROWS=2 * rows)),
+                              dict(base, CHUNK_ROWS=chunk_tiles * rows, PUSH_ROWS=min(chunk_tiles, 2) * rows,
+                                   LOAD_STAGES=stages)),
                 "flat": (kernels.fused_allreduce_rmsnorm_kernel, dict(base, ONE_SHOT=False)),
             }
             for name, (fn, constants) in cases.items():
-                print(f"{name:>9} world {world} tile {rows} rows x {warps} warps: "
+                if name == "flat" and (chunk_tiles, stages) != (2, 1):
+                    continue  # the flat kernel has no chunks and no pipelined loads
+                print(f"{name:>9} world {world} tile {tile} (rows:warps:chunk tiles:load stages): "
                       f"{resources(compile_sm90(fn, constants, warps))}", flush=True)
 
 

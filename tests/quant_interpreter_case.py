@@ -1,7 +1,8 @@
 """The CUDA kernels' quantized norm epilogue (``kernels._quantize_rows``) run by Triton's interpreter on
 CPU: every form the kernel carries (``weavepass.testing.quant.FUSED_FORMS``), at a group of one rank
 and at two simulated ranks (one forked process per rank, as tests/push_interpreter_case.py), through
-the flat kernel (one-shot and two-shot), the pipelined two-shot kernel and the Lamport one-shot.
+the flat kernel (one-shot and two-shot), the pipelined two-shot kernel (with and without its
+software-pipelined loads) and the Lamport one-shot.
 
 Run by tests/test_quant_kernels_interpreted.py as ``TRITON_INTERPRET=1 python
 tests/quant_interpreter_case.py <world> <algorithm> <dtype>``; prints ``quant kernels: OK`` after
@@ -46,6 +47,9 @@ ALGORITHMS = {
     "one_shot": LaunchOverrides(one_shot=True, lamport=False, num_ctas=2, tile_elements=2 * HIDDEN),
     "two_shot": LaunchOverrides(one_shot=False, pipelined=False, num_ctas=2, tile_elements=2 * HIDDEN),
     "pipelined": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=1, tile_elements=HIDDEN, chunk_tiles=1),
+    # the software-pipelined loads' loops (two tiles per chunk: the loop body runs twice)
+    "pipelined_loads": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=1, tile_elements=HIDDEN,
+                                       chunk_tiles=2, load_stages=2),
     "lamport": LaunchOverrides(lamport=True, num_ctas=2, tile_elements=2 * HIDDEN),
 }
 
@@ -153,7 +157,7 @@ def check_form(form, world, algorithm, dtype):
                    for _ in range(world)]
         plan = run_ranks(world, algorithm, dtype, partials, residual, weight, epilogue, static, outputs)
         assert (plan.one_shot, plan.pipelined, plan.lamport) == (
-            algorithm in ("one_shot", "lamport"), algorithm == "pipelined", algorithm == "lamport"), plan
+            algorithm in ("one_shot", "lamport"), algorithm.startswith("pipelined"), algorithm == "lamport"), plan
         results[return_normed] = outputs
     label = f"{form} {dtype} world {world} {algorithm} ({plan})"
 

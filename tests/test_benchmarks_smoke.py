@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -137,18 +138,20 @@ def test_overlap_report_ratio_to_the_same_mode(tmp_path, capsys):
 
 
 def test_local_cost_sim_configs_and_minimum_bytes():
-    """``--sim-configs`` items, and the two-shot minimum local bytes per rank of docs/cuda_kernel.md
+    """``--sim-configs`` items (CTAs, tile KiB, warps, and the pipelined kernel's tiles per chunk and
+    load stages), and the two-shot minimum local bytes per rank of docs/cuda_kernel.md
     (5.5 S at 2 ranks, 6.25 S at 4, 6.625 S at 8; 4 S at a group of one)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_local_cost
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert bench_local_cost.sim_config("32:64:16") == (32, 64, 16)
-    assert bench_local_cost.sim_config("16") == (16, None, None)
-    assert bench_local_cost.sim_config("-:16:") == (None, 16, None)
+    assert bench_local_cost.sim_config("32:64:16") == (32, 64, 16, None, None)
+    assert bench_local_cost.sim_config("16") == (16, None, None, None, None)
+    assert bench_local_cost.sim_config("-:16:") == (None, 16, None, None, None)
+    assert bench_local_cost.sim_config("32:16:16:8:2") == (32, 16, 16, 8, 2)  # chunk tiles, load stages
     with pytest.raises(ValueError):
-        bench_local_cost.sim_config("1:2:3:4")
+        bench_local_cost.sim_config("1:2:3:4:5:6")
     s = 100 * 8192 * 2
     assert [bench_local_cost.local_bytes_per_rank(n, 100, 8192, 2) / s for n in (1, 2, 4, 8)] == \
         pytest.approx([4.0, 5.5, 6.25, 6.625])
@@ -199,3 +202,29 @@ def test_split_cost_smoke(tmp_path):
     assert {(r["tokens"], r["cut"]) for r in rows} == {(t, c) for t in ("256", "384") for c in cuts}
     assert all(int(r["first"]) + int(r["second"]) == int(r["tokens"]) and float(r["halves_ms"]) > 0 for r in rows)
     assert all(float(r["predicted"]) >= 1.0 for r in rows)  # the wave model: a split never saves waves
+
+
+def test_auto_check_decides_from_paired_rounds_and_the_aa_band(tmp_path, capsys):
+    """The auto check's rule (``bench_overlap.AUTO_CHECK_RULE``): per-round ratios to Inductor of
+    the same mode; ok at a median <= 1.00; SLOWER only above 1 + the A/A control's band with every
+    round above 1.00; else unresolved, and the target is then "not shown", never "met"."""
+    _, bench_overlap, _ = _benchmarks()
+    verdict = bench_overlap.auto_verdict
+    base, aa = [10.0, 10.0, 10.0], [10.2, 9.9, 10.1]  # A/A band 2 %
+    assert verdict([9.9, 10.1, 9.8], base, aa)[2] == "ok"  # median 0.99
+    assert verdict([10.1, 10.15, 9.9], base, aa)[2] == "unresolved"  # 1.01: inside the band
+    assert verdict([10.3, 10.4, 10.35], base, aa)[2] == "SLOWER"  # 1.035 > 1.02, every round slower
+    assert verdict([10.3, 10.4, 9.95], base, aa)[2] == "unresolved"  # one round saw auto as fast
+    assert verdict([10.1, 10.1, 10.1], base, None)[2] == "SLOWER"  # no control: band 0, as before
+    ratio, band, _ = verdict([10.1, 10.15, 9.9], base, aa)
+    assert ratio == pytest.approx(1.01) and band == pytest.approx(0.02)
+    rows = [{"shape": "tiny", "variant": v, "sequences": 1, "tokens": 16, "ms": statistics.median(ms),
+             "ms_rounds": " ".join(map(str, ms))}
+            for v, ms in (("inductor", base), ("inductor_aa", aa), ("weave_auto", [10.1, 10.15, 9.9]),
+                          ("inductor_cg", [8.0] * 3), ("weave_auto_cg", [7.9, 7.8, 8.1]))]
+    bench_overlap.report(rows, tmp_path, layers=1)
+    check = capsys.readouterr().out.split("auto check")[1]
+    assert "rule: per cell, r_i = weave_auto / Inductor" in check
+    assert "weave_auto  1 seq     16 tokens: 1.010x inductor  unresolved (A/A band 2.0%)" in check
+    assert "weave_auto_cg  1 seq     16 tokens: 0.988x inductor_cg  ok (no A/A control)" in check
+    assert "1 ok, 1 unresolved, 0 SLOWER of 2 cells: target not shown" in check

@@ -24,6 +24,7 @@ from weavepass.backend import WeaveBackend
 from weavepass.compile import dump, graph_pass
 from weavepass.compile.reasons import ReasonCode
 from weavepass.compile.strategies import STRATEGIES
+from weavepass.compile.strategies.split import inductor_config_patches
 from weavepass.testing import TPConfig, build_tp_model, random_token_ids, spawn
 
 ONE_RANK = WeaveConfig(min_world_size=1, check_plan_across_ranks=False)
@@ -209,6 +210,59 @@ def test_a_strategy_whose_inductor_settings_are_missing_is_declined_with_a_warni
     assert patched.report.graphs[0].ops_after["weave.fused_allreduce_rmsnorm_async.default"] == 2 * SITES  # 2 halves
 
 
+class SettingsProbe(CustomGraphPass):
+    """A user's pass, chained before weave's: records, for every compile that reaches the post-grad
+    passes, the split's Inductor settings as that compile has them."""
+
+    def __init__(self):
+        self.seen: list[dict[str, object]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.seen.append({key: graph_pass.current_setting(key) for key in inductor_config_patches()})
+
+    def uuid(self):
+        return "settings-probe-v1"
+
+
+def test_auto_compiles_a_graph_it_does_not_split_with_inductors_own_settings(group):
+    """``split="auto"`` used to patch the split's settings (no peak-memory reordering, no shape
+    padding) into every compile before the graph was seen, also into graphs it then did not split.
+    Now a graph auto leaves unsplit compiles with Inductor's declared defaults, and a graph it
+    splits is compiled again with the split's settings (one graph in the report, the same number)."""
+    needed = inductor_config_patches()
+    defaults = {key: inductor_config._config[key].default for key in needed}
+    assert {key: graph_pass.current_setting(key) for key in needed} == defaults  # nothing patched globally
+    assert any(needed[key] != defaults[key] for key in needed)  # the split's settings are not Inductor's
+    model, ids = _model(group)  # 6 tokens, outside auto's default window (16384)
+
+    probe, backend = SettingsProbe(), WeaveBackend(ONE_RANK.replace(split="auto"))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, options={"post_grad_custom_pre_pass": probe})(ids)
+    assert probe.seen == [defaults]
+    (graph,) = backend.report.graphs
+    assert graph.ops_after[FUSED_OP] == SITES and graph.ops_after["weave.fused_allreduce_rmsnorm_async.default"] == 0
+    assert "Inductor settings" not in graph.note
+
+    torch._dynamo.reset()  # the same model where auto splits: a window that holds its 6 tokens
+    probe = SettingsProbe()
+    backend = WeaveBackend(ONE_RANK.replace(split="auto", split_min_tokens=2, split_min_tokens_moe=2,
+                                                  split_max_tokens=64))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, options={"post_grad_custom_pre_pass": probe})(ids)
+    assert probe.seen == [defaults, {**defaults, **needed}]  # the first compile stopped at the split's decision
+    (graph,) = backend.report.graphs
+    assert graph.graph_index == 0
+    assert graph.ops_after["weave.fused_allreduce_rmsnorm_async.default"] == 2 * SITES  # 2 halves
+    assert "compiled with the split strategy's Inductor settings (reorder_for_peak_memory=False" in graph.note
+
+    torch._dynamo.reset()  # "force" splits wherever it can: its settings are patched in at once
+    probe = SettingsProbe()
+    with torch.no_grad():
+        torch.compile(model, backend=WeaveBackend(ONE_RANK.replace(split="force")),
+                      options={"post_grad_custom_pre_pass": probe})(ids)
+    assert probe.seen == [{**defaults, **needed}]
+
+
 def test_fx_graph_cache_left_on_is_a_warning(group, caplog, tmp_path, monkeypatch):
     """What the pass alone loses with Inductor's cache on: a cache hit skips it (the report misses
     the graph; the cached code is the rewritten one). The warning comes with the cache lookup."""
@@ -310,3 +364,23 @@ def test_dumps_never_leave_the_directory(tmp_path, caplog):
     (safe / "rank0" / "graph000" / "00_before.txt").symlink_to(target)
     assert dumps.write("00_before.txt", "overwritten") is False
     assert target.read_text() == "keep"
+
+
+def test_the_window_precheck_rules_out_only_counts_auto_never_splits():
+    """``may_be_in_window``: what decides whether a compile needs the split's settings before its
+    matmuls are read. Static counts outside both windows (dense and MoE) are ruled out; a symbolic
+    count only where both windows are one size (auto never splits it); ``force`` always may."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from weavepass.compile.strategies.split import may_be_in_window
+    from weavepass.compile.tokens import TokenCount
+
+    auto = WeaveConfig(split="auto", split_min_tokens=1024, split_min_tokens_moe=4096, split_max_tokens=8192)
+    assert [may_be_in_window(TokenCount(t), auto) for t in (1023, 1024, 4095, 8192, 8193)] == [
+        False, True, True, True, False]
+    moe_lower = auto.replace(split_min_tokens=4096, split_min_tokens_moe=2048)
+    assert may_be_in_window(TokenCount(2048), moe_lower)  # the MoE window is known only after the analysis
+    symbol = ShapeEnv().create_unbacked_symint()
+    assert may_be_in_window(TokenCount(symbol), auto)
+    assert not may_be_in_window(TokenCount(symbol), WeaveConfig(split="auto"))  # 16384 only: never split
+    assert may_be_in_window(TokenCount(1), WeaveConfig(split="force"))

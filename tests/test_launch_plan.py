@@ -111,3 +111,25 @@ def test_groups_of_several_ranks_keep_the_capped_grid(world):
         plan = choose_launch_plan(tokens, 8192, 2, world)
         assert launch_plan.MIN_CTAS <= plan.num_ctas <= launch_plan.MAX_CTAS
     assert choose_launch_plan(16384, 8192, 2, world, LaunchOverrides(num_ctas=64)).num_ctas == launch_plan.MAX_CTAS
+
+
+@pytest.mark.parametrize("world, stages", [(2, 1), (3, 1), (4, 3), (8, 2)])
+def test_pipelined_loads_from_four_ranks_keep_the_chunk_and_fit_shared_memory(world, stages):
+    """From ``PIPELINED_LOADS_MIN_WORLD`` (4) ranks the rule's pipelined launch keeps its chunk of
+    rows in 16 KiB tiles (one row of 8192 bf16) with software-pipelined loads, fewer stages where the
+    reduce's ``WORLD + 1`` tensors' tiles ahead would not fit the shared-memory budget (8 ranks: 9 x
+    16 KiB x 2 = 288 KiB > 200 KiB, so one tile ahead); 2 and 3 ranks keep the 64 KiB tile without
+    (measured slower with them at 2 ranks); overrides still win, uncapped."""
+    plan = choose_launch_plan(16384, 8192, 2, world)
+    assert plan.pipelined and plan.chunk_rows == 8 and plan.load_stages == stages
+    if stages == 1:
+        assert plan.rows_per_tile == 4 and plan.push_rows == 8
+    else:
+        assert plan.rows_per_tile == 1 and plan.push_rows == 2
+        assert plan.num_warps == launch_plan.PIPELINED_LOADS_NUM_WARPS
+    assert (world + 1) * 8192 * 2 * plan.rows_per_tile * (plan.load_stages - 1) <= launch_plan.SHARED_BYTES_PER_CTA
+    forced = choose_launch_plan(16384, 8192, 2, world, LaunchOverrides(load_stages=4, tile_elements=8192,
+                                                                       chunk_tiles=8))
+    assert forced.load_stages == 4 and forced.rows_per_tile == 1 and forced.chunk_rows == 8
+    assert choose_launch_plan(16384, 8192, 2, world, LaunchOverrides(load_stages=1)).rows_per_tile == 4
+    assert not choose_launch_plan(1000, 8192, 2, world).pipelined  # small batches: the flat kernel, as before

@@ -27,6 +27,8 @@ CASE = pathlib.Path(__file__).with_name("quant_interpreter_case.py")
     (2, "two_shot", "bfloat16"),
     (2, "one_shot", "float16"),
     (2, "pipelined", "bfloat16"),
+    (2, "pipelined_loads", "bfloat16"),
+    (3, "pipelined_loads", "bfloat16"),  # an odd world: uneven shards, a CTA with no chunk
     (2, "lamport", "bfloat16"),
 ])
 def test_quantized_epilogue_matches_eager(world, algorithm, dtype):

@@ -133,14 +133,18 @@ class WeaveBackend:
         import torch._inductor.config
         from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling
 
+        from weavepass.compile.graph_pass import settings_needed
         from weavepass.inductor import CURRENT, make_pass
 
         graph_reports: list[GraphReport] = []  # forward now, backward when it is compiled
-        patches = inductor_patches(mode, options)
-        pass_ = make_pass(self.config, chain=patches.pop("post_grad_custom_pre_pass", CURRENT),
-                          report=self.report, graph_ids=self._graph_ids, on_report=graph_reports.append)
-        _warn_overridden(patches, pass_.strategy_settings())
-        patches.update(pass_.config_patches())
+        user = inductor_patches(mode, options)
+        chain = user.pop("post_grad_custom_pre_pass", CURRENT)
+        # The strategies' Inductor settings, except those a strategy defers until it applies (the
+        # split with split="auto"): a graph auto does not split compiles with Inductor's own.
+        pass_ = make_pass(self.config, chain=chain, report=self.report, graph_ids=self._graph_ids,
+                          on_report=graph_reports.append, defer_settings=True)
+        _warn_overridden(user, pass_.strategy_settings())
+        patches = {**user, **pass_.config_patches()}
         if patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass) is None:
             from weavepass.compile.joint_pass import SaveSummedResiduals
 
@@ -149,8 +153,28 @@ class WeaveBackend:
         caches = contextlib.nullcontext()
         if not self.config.fx_graph_cache:  # (torch 2.13 skips the AOT-autograd cache without it anyway)
             caches = torch._functorch.config.patch(enable_autograd_cache=False)
-        with caches:
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        try:
+            with caches:
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        except Exception as error:
+            needed = settings_needed(error)
+            if needed is None:
+                raise
+            # A deferring strategy applies: the same graph again, with its settings, under the
+            # same graph number (every rank decides the same, so every rank compiles again).
+            _warn_overridden(user, needed.settings)
+            pass_ = make_pass(self.config, chain=chain, report=self.report,
+                              graph_ids=itertools.chain([needed.graph_index], self._graph_ids),
+                              on_report=graph_reports.append, defer_settings=True)
+            patches.update(post_grad_custom_pre_pass=pass_, **needed.settings)
+            with caches:
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            settings = ", ".join(f"{key}={value!r}" for key, value in needed.settings.items())
+            for report in graph_reports:
+                if report.graph_index == needed.graph_index:
+                    report.add_note(f"compiled with the {needed.strategy} strategy's Inductor settings ({settings}), "
+                                    f"patched in once its token count was in the split's window (graphs "
+                                    f"outside it keep Inductor's own)")
         if not callable(compiled):  # (AOT-export modes return paths; a backend compile never does)
             raise TypeError(f"backend weave: Inductor returned {type(compiled).__name__}, not a compiled graph")
         return _reporting(compiled, graph_reports)

@@ -62,9 +62,9 @@ def inductor_pass(config: WeaveConfig | None = None, *, chain: Any = CURRENT) ->
 
 def make_pass(config: WeaveConfig | None = None, *, chain: Any = CURRENT, report: WeaveReport | None = None,
               graph_ids: Iterator[int] | None = None,
-              on_report: Callable[[GraphReport], None] | None = None) -> WeavePass:
+              on_report: Callable[[GraphReport], None] | None = None, defer_settings: bool = False) -> WeavePass:
     """``inductor_pass`` with the backend's wiring: a shared ``report`` and ``graph_ids`` counter,
-    and ``on_report`` called with each graph's report."""
+    ``on_report`` called with each graph's report, and ``defer_settings`` (``WeavePass``)."""
     from weavepass.compile import direct_calls
     from weavepass.compile.graph_pass import WeavePass
     from weavepass.compile.plan_check import start_heartbeat
@@ -82,7 +82,8 @@ def make_pass(config: WeaveConfig | None = None, *, chain: Any = CURRENT, report
     direct_calls.install()
     if config.check_plan_across_ranks:
         start_heartbeat()  # peers waiting in a plan check can tell this process is alive (no group yet: later)
-    return WeavePass(config, on_report, graph_ids, report=report, chain=chained_passes(chain), check_settings=True)
+    return WeavePass(config, on_report, graph_ids, report=report, chain=chained_passes(chain), check_settings=True,
+                     defer_settings=defer_settings)
 
 
 def chained_passes(value: Any) -> tuple[GraphPass, ...]:

@@ -1,6 +1,7 @@
 """The ``cuda_symm`` kernels with 2, 4 and 8 simulated ranks on one GPU (weavepass.testing.kernel_sim).
 
-Every algorithm (one-shot, flat two-shot, pipelined two-shot) against the fp32-accumulating reference,
+Every algorithm (one-shot, flat two-shot, pipelined two-shot with and without software-pipelined
+loads, Lamport) against the fp32-accumulating reference,
 at world sizes the lent machines do not have, with poisoned workspaces and back-to-back calls that
 mix algorithms (each call must leave every signal slot at 0). The link itself is
 ``test_cuda_kernel.py``'s (real GPUs, symmetric memory).
@@ -30,6 +31,9 @@ ALGORITHMS = {
     "two_shot": LaunchOverrides(one_shot=False, pipelined=False),
     "pipelined": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=16),
     "lamport": LaunchOverrides(lamport=True),
+    # the pipelined kernel with software-pipelined loads (16 KiB tiles, 8 per chunk, one ahead)
+    "pipelined_loads": LaunchOverrides(one_shot=False, pipelined=True, num_ctas=16, tile_elements=8192,
+                                       chunk_tiles=8, load_stages=2),
 }
 
 
@@ -129,6 +133,32 @@ def test_back_to_back_calls_mixing_algorithms(world):
         _, partials, residual, weight = next(c for c in cases if c[0] == tokens)
         _check(outputs, partials, residual, weight, dtype, f"call {call} {name} T={tokens}")
     assert sim.signals_clear()
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_pipelined_loads_change_no_bit(world):
+    """The software-pipelined loads only move when each tile's bytes arrive: on the same tiles,
+    chunks and warps, both outputs equal the kernel without them bit for bit (the sum in rank order
+    in fp32 and the norm's reduction are the same code), with poisoned staging and signals left
+    clear."""
+    from weavepass.testing.kernel_sim import SimulatedRanks
+
+    hidden, dtype = 8192, torch.bfloat16
+    sim = SimulatedRanks(world, hidden, 4099, dtype)
+    for tokens in (4099, 2048):
+        partials, residual, weight = _inputs(7 + tokens, world, tokens, hidden, dtype)
+        outputs = {}
+        for stages in (1, 2, 3):
+            overrides = LaunchOverrides(one_shot=False, pipelined=True, num_ctas=16, tile_elements=hidden,
+                                        chunk_tiles=8, load_stages=stages)
+            sim.poison()
+            outputs[stages] = sim.run(partials, residual, weight, EPS, dtype, overrides)
+            assert sim.signals_clear(), f"world {world} T={tokens} load stages {stages}: signal slots left set"
+        _check(outputs[1], partials, residual, weight, dtype, f"world {world} T={tokens} load stages 1")
+        for stages in (2, 3):
+            for rank, ((n, r), (n1, r1)) in enumerate(zip(outputs[stages], outputs[1])):
+                assert torch.equal(r, r1), f"world {world} T={tokens} stages {stages} rank {rank}: residual_out"
+                assert torch.equal(n, n1), f"world {world} T={tokens} stages {stages} rank {rank}: normed"
 
 
 @pytest.mark.parametrize("world", (2,))

@@ -124,6 +124,30 @@ def _warn_once(*key: str, message: str) -> None:
         log.warning("weavepass: %s", message)
 
 
+class SettingsNeeded(Exception):  # noqa: N818  (a request, not an error: the backend compiles again)
+    """A strategy decided to apply to a graph whose compile lacks its Inductor settings, which the
+    pass deferred (``WeavePass.defer_settings``): raised out of the compile so that
+    ``backend="weave"`` compiles the graph again with ``settings`` (as graph ``graph_index``)."""
+
+    def __init__(self, strategy: str, settings: dict[str, Any], graph_index: int):
+        super().__init__(f"the {strategy} strategy applies to graph {graph_index} and needs the Inductor "
+                         f"settings {settings}: compile it again with them")
+        self.strategy, self.settings, self.graph_index = strategy, settings, graph_index
+
+
+def settings_needed(error: BaseException) -> SettingsNeeded | None:
+    """The ``SettingsNeeded`` that ``error`` is or wraps (Inductor wraps a pass's exception in an
+    ``InductorError``), else None."""
+    seen = 0
+    current: BaseException | None = error
+    while current is not None and seen < 8:
+        if isinstance(current, SettingsNeeded):
+            return current
+        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+        seen += 1
+    return None
+
+
 class WeavePass(CustomGraphPass):
     """Find sites, plan them, rewrite them, and add a ``GraphReport`` to ``report`` (then hand it
     to ``on_report``).
@@ -133,13 +157,18 @@ class WeavePass(CustomGraphPass):
     ``chain``: passes that were in Inductor's ``post_grad_custom_pre_pass`` before this one; each
     runs first, in order, on every graph this pass sees. ``check_settings``: a strategy whose
     Inductor settings the running compile lacks is declined (``weavepass.inductor_pass`` sets it;
-    graph-level tests that call the pass outside a compile do not)."""
+    graph-level tests that call the pass outside a compile do not). ``defer_settings`` (the
+    backend's): the settings of strategies that defer theirs (``Strategy.defers_settings``: the
+    split with ``split="auto"``) are left out of ``config_patches()``, and when such a strategy
+    decides to apply to a graph whose compile lacks them, the pass raises ``SettingsNeeded``
+    instead of declining (the backend then compiles that graph again with them)."""
 
     def __init__(self, config: WeaveConfig, on_report: Callable[[GraphReport], None] | None = None,
                  graph_ids: Iterator[int] | None = None, *, report: WeaveReport | None = None,
-                 chain: Sequence[GraphPass] = (), check_settings: bool = False):
+                 chain: Sequence[GraphPass] = (), check_settings: bool = False, defer_settings: bool = False):
         self.config = config
         self.check_settings = check_settings
+        self.defer_settings = defer_settings
         self.on_report = on_report
         self.graph_ids = graph_ids if graph_ids is not None else itertools.count()
         self.report = report if report is not None else WeaveReport()
@@ -161,6 +190,8 @@ class WeavePass(CustomGraphPass):
         dump_dir = dump.directory(self.config)
         if dump_dir is not None:
             key += f"|dump {dump_dir}"
+        if self.defer_settings:  # a graph this pass declines for lacking settings, another raises for
+            key += "|deferred settings"
         own = hashlib.sha256(key.encode()).hexdigest()
         if not self.chain:
             return own
@@ -169,8 +200,9 @@ class WeavePass(CustomGraphPass):
 
     def strategy_settings(self) -> dict[str, Any]:
         """The Inductor settings the strategies this config enables need (the split:
-        ``reorder_for_peak_memory=False``, ``shape_padding=False``; FlashComm: ``shape_padding=False``)."""
-        return inductor_patches(self.config)
+        ``reorder_for_peak_memory=False``, ``shape_padding=False``; FlashComm: ``shape_padding=False``),
+        without the deferred ones where ``defer_settings``."""
+        return inductor_patches(self.config, deferred=not self.defer_settings)
 
     def inductor_settings(self) -> dict[str, Any]:
         """``strategy_settings()``, and ``fx_graph_cache=False`` unless ``WeaveConfig.fx_graph_cache``
@@ -228,6 +260,13 @@ class WeavePass(CustomGraphPass):
         _warn_once("settings", strategy.name, *sorted(unmet), message=reason.render())
         return Decision(False, reason)
 
+    def _settings_needed(self, strategy: Strategy, graph_index: int, deferred: bool) -> None:
+        """``GraphRewrite.before_rewrite``: raise ``SettingsNeeded`` where ``strategy`` deferred
+        its Inductor settings and this compile lacks them (the backend compiles again with them)."""
+        needed = strategy.inductor_patches(self.config)
+        if deferred and unmet_settings(needed):
+            raise SettingsNeeded(strategy.name, needed, graph_index)
+
     def _rewrite(self, graph: torch.fx.Graph, report: GraphReport, dumps: dump.GraphDumps | None) -> None:
         fold_sums_read_back(graph)
         distribute_scales(graph)
@@ -269,9 +308,12 @@ class WeavePass(CustomGraphPass):
             before = snapshot(rewrite)
             decision = strategy.decide(rewrite)
             took_graph = False
-            if decision.use and self.check_settings:
+            deferred = self.check_settings and self.defer_settings and strategy.defers_settings(self.config)
+            if decision.use and self.check_settings and not deferred:
                 decision = self._unmet_settings_decision(strategy) or decision
             if decision.use:
+                rewrite.before_rewrite = functools.partial(self._settings_needed, strategy, report.graph_index,
+                                                           deferred)
                 took_graph = strategy.apply(rewrite, decision)
                 if dumps is not None:
                     dumps.after(strategy.name, graph)

@@ -44,27 +44,31 @@ def times_ms(fn, ids, warmup: int, iters: int) -> list[float]:
 
 
 def interleaved_ms(cells: list, step, inputs, warmup: int, iters: int, rounds: int, prepare=None,
-                   warmed=None) -> dict:
+                   warmed=None, per_round: dict | None = None) -> dict:
     """Median milliseconds of each cell, the cells measured in turn: every cell is first warmed up
     (``warmup`` calls of ``step(cell)`` on ``inputs(cell)``, then ``warmed(cell)``), then ``rounds``
     rounds each time every cell for ``iters // rounds`` calls (after one more warm-up call); a cell's
     time is the median of its rounds' medians. ``prepare(cell)`` runs before a cell's calls (a
     global switch the cell needs). The lent machine's host speed drifts between and within runs
     (two processes of one run read the same Inductor decode step at 7.4 and 15.2 ms, 2026-12-02):
-    measured in turn, every cell sees the same drift, so ratios between cells carry."""
+    measured in turn, every cell sees the same drift, so ratios between cells carry. ``per_round``
+    (a dict), if given, receives each cell's list of round medians (ratios of two cells per round
+    are paired: the same round saw the same drift)."""
     for cell in cells:
         if prepare is not None:
             prepare(cell)
         times_ms(step(cell), inputs(cell), warmup, 1)
         if warmed is not None:
             warmed(cell)
-    per_round = max(1, iters // rounds)
+    calls = max(1, iters // rounds)
     samples: dict = {cell: [] for cell in cells}
     for _ in range(rounds):
         for cell in cells:
             if prepare is not None:
                 prepare(cell)
-            samples[cell].append(statistics.median(times_ms(step(cell), inputs(cell), 1, per_round)))
+            samples[cell].append(statistics.median(times_ms(step(cell), inputs(cell), 1, calls)))
+    if per_round is not None:
+        per_round.update(samples)
     return {cell: statistics.median(values) for cell, values in samples.items()}
 
 

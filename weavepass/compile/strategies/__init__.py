@@ -21,11 +21,13 @@ the split after fuse (it splits the fused ops). ``check_order`` holds this order
 check_order(STRATEGIES)
 
 
-def inductor_patches(config: WeaveConfig) -> dict[str, Any]:
-    """Every strategy's Inductor config entries for ``config``, merged."""
+def inductor_patches(config: WeaveConfig, deferred: bool = True) -> dict[str, Any]:
+    """Every strategy's Inductor config entries for ``config``, merged; without ``deferred``, not
+    those of strategies that defer theirs until they apply (``Strategy.defers_settings``)."""
     patches: dict[str, Any] = {}
     for strategy in STRATEGIES:
-        patches.update(strategy.inductor_patches(config))
+        if deferred or not strategy.defers_settings(config):
+            patches.update(strategy.inductor_patches(config))
     return patches
 
 

@@ -3,7 +3,9 @@
 ``WeavePass`` runs its strategies in order on each graph: for each, ``decide()``; on yes,
 ``apply()``; on no, ``decline()`` reports why (a ``NOT_ASKED`` decision is not reported). A
 strategy whose ``apply()`` returns True has taken the whole graph: the strategies after it do not
-run. The backend merges every strategy's ``inductor_patches(config)`` into Inductor's config.
+run. The backend merges every strategy's ``inductor_patches(config)`` into Inductor's config
+(those of a strategy that ``defers_settings`` only once it may rewrite the graph: the backend then
+compiles that graph again with them).
 
 The contract: each strategy states what of the ``GraphRewrite`` it reads and writes (``reads``,
 ``writes``: ``Part`` names) and whether it may take the whole graph. ``check_order`` checks an
@@ -16,7 +18,7 @@ strategy means adding one class, stating its contract, and listing it in
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -56,6 +58,11 @@ class GraphRewrite:
     report: GraphReport
     fused: dict[str, torch.fx.Node] = field(default_factory=dict)
     """all_reduce name -> the fused op that replaced its site (filled by the fuse strategy)."""
+    before_rewrite: Callable[[], None] = field(default=lambda: None, repr=False)
+    """What a strategy that defers its Inductor settings (``Strategy.defers_settings``) calls in
+    ``apply`` once it may rewrite, before it reads what the settings change and before it changes
+    the graph: the pass sets it (``graph_pass.SettingsNeeded`` is raised from it when the compile
+    lacks the settings)."""
     training: bool = field(init=False)
     """A training graph's forward (a site's norm saves its inverse RMS for backward): read from
     the sites once, before any strategy rewrites them."""
@@ -92,6 +99,15 @@ class Strategy(abc.ABC):
     def inductor_patches(self, config: WeaveConfig) -> dict[str, Any]:
         """Inductor config entries a graph this strategy may rewrite needs (none by default)."""
         return {}
+
+    def defers_settings(self, config: WeaveConfig) -> bool:
+        """Whether a compile that can start again (``backend="weave"``) leaves ``inductor_patches``
+        out until this strategy may rewrite (``graph_pass.SettingsNeeded``), so that the graphs it
+        leaves alone compile with Inductor's own settings. Such a strategy's ``apply`` calls
+        ``GraphRewrite.before_rewrite()`` once it may rewrite, before it reads what the settings
+        change (so every rank decides the same) and before it changes the graph.
+        False by default: the settings are patched in before the graph is seen."""
+        return False
 
     @abc.abstractmethod
     def decide(self, rewrite: GraphRewrite) -> Decision:

@@ -340,7 +340,7 @@ def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: in
         return kernels.fused_allreduce_rmsnorm_lamport_kernel, tail, meta
     if plan.pipelined:
         kernel = kernels.fused_allreduce_rmsnorm_pipelined_kernel
-        meta.update(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows)
+        meta.update(CHUNK_ROWS=plan.chunk_rows, PUSH_ROWS=plan.push_rows, LOAD_STAGES=plan.load_stages)
     else:
         kernel = kernels.fused_allreduce_rmsnorm_kernel
         meta.update(ONE_SHOT=plan.one_shot)

@@ -530,22 +530,38 @@ def _push_chunk(
     HIDDEN: tl.constexpr,
     CHUNK_ROWS: tl.constexpr,
     PUSH_ROWS: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
     """Store this rank's partial rows of chunk ``chunk`` of every peer's shard into that peer's
-    ``staging[RANK]``; ``PUSH_ROWS`` rows per load/store pair (several tiles in flight)."""
+    ``staging[RANK]``; ``PUSH_ROWS`` rows per load/store pair (several tiles in flight). With
+    ``LOAD_STAGES > 1`` the loop over a chunk's row groups is software-pipelined: the loads of the
+    next ``LOAD_STAGES - 1`` groups are in flight (asynchronous copies into shared memory) while
+    this group's stores issue."""
     prow = tl.arange(0, PUSH_ROWS)
     for owner in tl.static_range(WORLD):
         if owner != RANK:
             delta = _select(owner, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
             start = owner * shard_rows
             end = tl.minimum(start + shard_rows, num_tokens)
-            for k in tl.static_range(CHUNK_ROWS // PUSH_ROWS):
-                local = chunk * CHUNK_ROWS + k * PUSH_ROWS + prow
-                mask = ((start + local) < end)[:, None] & col_mask[None, :]
-                src = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-                dst = (RANK * shard_rows + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-                x = tl.load(partial_ptr + src, mask=mask)
-                tl.store(ws_ptr + delta + dst, x, mask=mask)
+            if LOAD_STAGES == 1:
+                for k in tl.static_range(CHUNK_ROWS // PUSH_ROWS):
+                    _push_rows(partial_ptr, ws_ptr + delta, chunk * CHUNK_ROWS + k * PUSH_ROWS + prow, start, end,
+                               shard_rows, cols, col_mask, RANK, HIDDEN)
+            else:
+                for k in tl.range(0, CHUNK_ROWS // PUSH_ROWS, num_stages=LOAD_STAGES):
+                    _push_rows(partial_ptr, ws_ptr + delta, chunk * CHUNK_ROWS + k * PUSH_ROWS + prow, start, end,
+                               shard_rows, cols, col_mask, RANK, HIDDEN)
+
+
+@triton.jit
+def _push_rows(partial_ptr, peer_ws_ptr, local, start, end, shard_rows, cols, col_mask, RANK: tl.constexpr,
+               HIDDEN: tl.constexpr):
+    """Rows ``start + local`` of the partial into the peer's ``staging[RANK]`` rows ``local``."""
+    mask = ((start + local) < end)[:, None] & col_mask[None, :]
+    src = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+    dst = (RANK * shard_rows + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+    x = tl.load(partial_ptr + src, mask=mask)
+    tl.store(peer_ws_ptr + dst, x, mask=mask)
 
 
 @triton.jit
@@ -564,22 +580,57 @@ def _reduce_chunk(
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
     QUANT: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
+    """Step 3 for the chunk's tiles of this rank's shard (``LOAD_STAGES``: as in ``_push_chunk``;
+    the pipelined loop starts after the wait for the peers' pushes, so no load runs ahead of it)."""
+    if LOAD_STAGES == 1:
+        for k in tl.static_range(CHUNK_ROWS // ROWS):
+            _reduce_tile(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
+                         wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+                         chunk * CHUNK_ROWS + k * ROWS + rows, num_tokens, shard_rows, recv_offset, eps, w, b, cols,
+                         col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                         RANK, WORLD, HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM, QUANT)
+    else:
+        for k in tl.range(0, CHUNK_ROWS // ROWS, num_stages=LOAD_STAGES):
+            _reduce_tile(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
+                         wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+                         chunk * CHUNK_ROWS + k * ROWS + rows, num_tokens, shard_rows, recv_offset, eps, w, b, cols,
+                         col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                         RANK, WORLD, HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM, QUANT)
+
+
+@triton.jit
+def _reduce_tile(
+    partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
+    wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
+    local,  # [ROWS] row indices within this rank's shard
+    num_tokens, shard_rows, recv_offset, eps, w, b, cols, col_mask,
+    codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_INV_RMS: tl.constexpr,
+    NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    """One tile of step 3: reduce, push ``residual_out`` into the peers' recv, store it, normalise."""
     start = RANK * shard_rows
     end = tl.minimum(start + shard_rows, num_tokens)
-    for k in tl.static_range(CHUNK_ROWS // ROWS):
-        local = chunk * CHUNK_ROWS + k * ROWS + rows
-        mask = ((start + local) < end)[:, None] & col_mask[None, :]
-        offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-        res = _reduce_rows(partial_ptr, residual_ptr, ws_ptr, residual_out_ptr, offs, local, shard_rows, cols, mask,
-                           RANK, WORLD, HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
-        for dst in tl.static_range(WORLD):
-            if dst != RANK:
-                delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
-                tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
-        tl.store(residual_out_ptr + offs, res, mask=mask)
-        _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask,
-                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+    mask = ((start + local) < end)[:, None] & col_mask[None, :]
+    offs = (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+    res = _reduce_rows(partial_ptr, residual_ptr, ws_ptr, residual_out_ptr, offs, local, shard_rows, cols, mask,
+                       RANK, WORLD, HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
+    for dst in tl.static_range(WORLD):
+        if dst != RANK:
+            delta = _select(dst, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7)
+            tl.store(ws_ptr + delta + recv_offset + offs, res, mask=mask)
+    tl.store(residual_out_ptr + offs, res, mask=mask)
+    _norm_rows(res, w, b, eps, normed_ptr, inv_rms_ptr, offs, start + local, mask,
+               codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
                HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
 
@@ -597,16 +648,26 @@ def _finalise_chunk(
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
     QUANT: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
+    """Step 5 for the chunk's tiles of every peer's shard (``LOAD_STAGES``: as in ``_reduce_chunk``,
+    after the wait for the peers' reduces)."""
     for owner in tl.static_range(WORLD):
         if owner != RANK:
             start = owner * shard_rows
             end = tl.minimum(start + shard_rows, num_tokens)
-            for k in tl.static_range(CHUNK_ROWS // ROWS):
-                local = chunk * CHUNK_ROWS + k * ROWS + rows
-                _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
-                               local, eps, w, b, cols, col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
-                               HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
+            if LOAD_STAGES == 1:
+                for k in tl.static_range(CHUNK_ROWS // ROWS):
+                    _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
+                                   chunk * CHUNK_ROWS + k * ROWS + rows, eps, w, b, cols, col_mask,
+                                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                                   HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
+            else:
+                for k in tl.range(0, CHUNK_ROWS // ROWS, num_stages=LOAD_STAGES):
+                    _finalise_rows(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr, recv_offset, start, end,
+                                   chunk * CHUNK_ROWS + k * ROWS + rows, eps, w, b, cols, col_mask,
+                                   codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
+                                   HIDDEN, BLOCK_H, ROWS, HAS_INV_RMS, NORM, QUANT)
 
 
 @triton.jit
@@ -631,6 +692,7 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     HAS_INV_RMS: tl.constexpr,
     NORM: tl.constexpr,
     QUANT: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,  # 1: each tile loaded when it is reduced; n > 1: n - 1 tiles ahead (_push_chunk)
 ):
     """Two-shot, software-pipelined over chunks of ``CHUNK_ROWS`` rows (see the module docstring).
 
@@ -654,7 +716,7 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
     if n > 0:
         _push_chunk(partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                     pid, num_tokens, shard_rows, cols, col_mask,
-                    RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS)
+                    RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS, LOAD_STAGES)
         tl.debug_barrier()
         for peer in tl.static_range(WORLD):
             if peer != RANK:
@@ -666,26 +728,27 @@ def fused_allreduce_rmsnorm_pipelined_kernel(
         if more:
             _push_chunk(partial_ptr, ws_ptr, wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                         chunk + num_programs, num_tokens, shard_rows, cols, col_mask,
-                        RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS)
+                        RANK, WORLD, HIDDEN, CHUNK_ROWS, PUSH_ROWS, LOAD_STAGES)
         _wait_counters(pad_ptr, 2, c + 1, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
         _reduce_chunk(partial_ptr, residual_ptr, normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                       wd0, wd1, wd2, wd3, wd4, wd5, wd6, wd7,
                       chunk, num_tokens, shard_rows, recv_offset, eps, w, b, rows, cols, col_mask,
                       codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
-                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM, QUANT)
+                      RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_RESIDUAL, HAS_INV_RMS, NORM, QUANT,
+                      LOAD_STAGES)
         if c > 0:
             _wait_counters(pad_ptr, 3, c, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
             _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                             chunk - num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
                             rows, cols, col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
-                            RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM, QUANT)
+                            RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM, QUANT, LOAD_STAGES)
         _signal_counters(pad_ptr, pd0, pd1, pd2, pd3, pd4, pd5, pd6, pd7, more, RANK, WORLD, MAX_CTAS)
     if n > 0:
         _wait_counters(pad_ptr, 3, n, watch_addr, timeout_ns, RANK, WORLD, MAX_CTAS)
         _finalise_chunk(normed_ptr, residual_out_ptr, inv_rms_ptr, ws_ptr,
                         pid + (n - 1) * num_programs, num_tokens, shard_rows, recv_offset, eps, w, b,
                         rows, cols, col_mask, codes_ptr, scales_ptr, static_scale_ptr, qconst_ptr,
-                        RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM, QUANT)
+                        RANK, WORLD, HIDDEN, BLOCK_H, ROWS, CHUNK_ROWS, HAS_INV_RMS, NORM, QUANT, LOAD_STAGES)
         for peer in tl.static_range(WORLD):  # consume this call's counts (the peers' next call may
             if peer != RANK:  # already be adding: counters are exact, so subtracting keeps those)
                 tl.atomic_add(pad_ptr + (2 * MAX_CTAS + pid) * WORLD + peer, -n, sem="relaxed", scope="sys")

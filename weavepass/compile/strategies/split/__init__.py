@@ -39,6 +39,7 @@ and its size arithmetic), ``rewrite`` (the halves).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.fx import Graph, Node
@@ -69,7 +70,10 @@ and slices them off again, *when a benchmark on this GPU finds that faster*: the
 sees then depends on a timing, which can differ between ranks, and the split has no rule for the
 pad (seen with 2 ranks on one H200, 257 tokens: "no rule for constant_pad_nd", while the same test
 on a group of one rank split). Each half has its own token count anyway. The backend merges these
-(``inductor_config_patches``) into its ``config_patches`` when ``split != "off"``."""
+(``inductor_config_patches``) into its ``config_patches``: with ``split="force"`` before the graph is
+seen; with ``split="auto"`` only for a graph whose token count may be in the window
+(``may_be_in_window``), which it then compiles again with them (``graph_pass.SettingsNeeded``), so a
+graph auto leaves unsplit keeps Inductor's own settings."""
 
 OVERLAP_SCHEDULING = "aten_distributed_optimizations.enable_overlap_scheduling"
 """Inductor's opt-in collective overlap scheduler (torch 2.12+). It orders nodes by data
@@ -127,12 +131,28 @@ def split_skip_level(config: WeaveConfig) -> int:
     return logging.WARNING if config.split == "force" else logging.INFO
 
 
+def may_be_in_window(tokens: TokenCount, config: WeaveConfig) -> bool:
+    """False where ``split="auto"`` certainly does not split ``tokens``: a static count outside
+    both windows (dense and MoE: which one applies is known only after the analysis), or a
+    symbolic count where both windows are one size (``wave_model.split_window_reason``). Installs
+    no guard. True for every other count and for the other split modes."""
+    if config.split != "auto":
+        return True
+    low = min(config.split_min_tokens, config.split_min_tokens_moe)
+    if tokens.symbolic:
+        return not config.split_min_tokens == config.split_min_tokens_moe == config.split_max_tokens
+    return low <= tokens.hint <= config.split_max_tokens
+
+
 def apply_token_split(
-    graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport
+    graph: Graph, fused_nodes: list[Node], config: WeaveConfig, report: GraphReport,
+    before_rewrite: Callable[[], None] = lambda: None,
 ) -> bool:
     """Split the token dimension into two overlapped halves; returns True when the graph changed.
 
     On any reason not to split, the graph stays fuse-only and ``report.note`` says why.
+    ``before_rewrite`` (``GraphRewrite.before_rewrite``) is called once the token count alone does
+    not rule the split out (``may_be_in_window``), before the analysis reads the graph's matmuls.
     """
     def skip(reason: Reason) -> bool:
         report.decline("fuse-only", reason)
@@ -152,6 +172,10 @@ def apply_token_split(
     too_few = too_few_tokens_reason(tokens.hint)  # before the analysis: a decode step needs none
     if too_few is not None:
         return skip(Reason.of(ReasonCode.SPLIT_PLAN, cause=too_few))
+    if may_be_in_window(tokens, config):
+        # From here the split reads the graph's matmuls, which its Inductor settings (no shape
+        # padding) must have kept the same on every rank: the compile needs them now.
+        before_rewrite()
     try:
         cut = Cut.of(sites[0])
         info = analyse(graph, sites, cut)

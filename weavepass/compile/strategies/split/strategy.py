@@ -27,6 +27,13 @@ class SplitStrategy(Strategy):
             return {}
         return inductor_config_patches()
 
+    def defers_settings(self, config: WeaveConfig) -> bool:
+        # "auto" often decides not to split (the token window, the tuning table): those graphs keep
+        # Inductor's own settings. It asks for them (apply_token_split's before_rewrite) from the
+        # token count alone, before reading the matmuls that shape padding could change per rank.
+        # "force" splits wherever it can, so it patches them in at once.
+        return config.split == "auto"
+
     def decide(self, rewrite: GraphRewrite) -> Decision:
         # No records: no all_reduce at all, nothing to say. Otherwise the split says why it does not
         # split (also when nothing was fused).
@@ -52,7 +59,7 @@ class SplitStrategy(Strategy):
             config = config.replace(split_min_tokens=low, split_min_tokens_moe=low, split_max_tokens=high)
             rewrite.report.tuned = decision.reason
             rewrite.report.add_note(decision.reason.render())
-        apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report)
+        apply_token_split(rewrite.graph, list(rewrite.fused.values()), config, rewrite.report, rewrite.before_rewrite)
         if decision.code is ReasonCode.TUNING_TABLE_NOT_APPLICABLE:
             rewrite.report.tuned = decision.reason
             rewrite.report.add_note(decision.reason.render())
