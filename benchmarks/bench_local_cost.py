@@ -29,6 +29,8 @@ a group of one rank, per form of
     inductor_quant      ``torch.compile`` of add + RMSNorm + the library's quantization
     weave_norm          the fused norm alone (``fused_allreduce_rmsnorm_cuda``)
     weave_quant         the fused norm + quantization (``fused_allreduce_rmsnorm_quant_cuda``)
+    weave_quant_div_rn  the same with ``quant_epilogue.FAST_ARITHMETIC = False``: an IEEE division
+                        per element and the written-out fp8 rounding (the first version)
     weave_norm+inductor_quant  the fused norm, then the compiled quantization of its rows (what a
                         site whose quantization stays outside runs)
 
@@ -43,6 +45,7 @@ Run: ``python3 benchmarks/bench_local_cost.py --out $OUT`` (about 3 minutes on o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 
@@ -125,6 +128,7 @@ def _quant_rank(rank: int, world: int, args: dict) -> list[dict]:
     """The ``--quant`` part (module docstring), in the one rank's process."""
     import triton
 
+    from weavepass.runtime.cuda import quant_epilogue
     from weavepass.runtime.cuda.dispatch import fused_allreduce_rmsnorm_cuda, fused_allreduce_rmsnorm_quant_cuda
     from weavepass.testing.quant import ACT_QUANTS, STATIC_ACT_SCALE
     from weavepass.testing.quant_steps import form_steps
@@ -151,7 +155,8 @@ def _quant_rank(rank: int, world: int, args: dict) -> list[dict]:
                 for t in (p, res):
                     torch._dynamo.mark_dynamic(t, 0)
 
-                def weave_quant(p=p, res=res, w=w, steps=(static, group_size, scale_steps, code_steps)):
+                def weave_quant(p=p, res=res, w=w, steps=(static, group_size, scale_steps, code_steps), fast=True):
+                    quant_epilogue.FAST_ARITHMETIC = fast  # (a launch per setting, cached apart)
                     return fused_allreduce_rmsnorm_quant_cuda(p, res, w, EPS, group, DTYPE, *steps, False)
 
                 def weave_norm(p=p, res=res, w=w):
@@ -159,9 +164,14 @@ def _quant_rank(rank: int, world: int, args: dict) -> list[dict]:
 
                 calls = {"inductor_quant": lambda p=p, res=res, w=w: inductor(p, res, w),
                          "weave_norm": weave_norm, "weave_quant": weave_quant,
+                         "weave_quant_div_rn": functools.partial(weave_quant, fast=False),
                          "weave_norm+inductor_quant": lambda: inductor_quant(weave_norm()[0])}
-                # the fused codes dequantize to the fp32 rows within the format's error
+                # the fused codes dequantize to the fp32 rows within the format's error; both
+                # arithmetic settings give the same codes
+                first, _, _, _ = calls["weave_quant_div_rn"]()
                 codes, scales, _, _ = weave_quant()
+                if not torch.equal(first.view(torch.uint8), codes.view(torch.uint8)):
+                    raise AssertionError(f"{form} H={hidden} T={tokens}: the two arithmetic settings' codes differ")
                 want = _add_rms_norm(p.float(), res.float(), w.float())[0]
                 grouped = codes.float().reshape(tokens, -1, group_size or hidden)
                 back = (grouped * scales.reshape(tokens, -1, 1) if static is None else grouped * static)
@@ -404,14 +414,15 @@ def main() -> None:
                   f" {get('weave_cap32') / get('inductor'):15.2f} {get('inductor') / get('floor'):15.2f}")
     quant = {(r["hidden"], r["tokens"], *r["variant"].split(" ")): r["ms"] for r in rows if r["part"] == "quant"}
     if quant:
-        print(f"{'form':>10} {'hidden':>6} {'tokens':>6} {'inductor':>9} {'w_norm':>8} {'w_quant':>8} {'w_n+i_q':>8}"
-              "   quant/inductor  quant/norm")
+        print(f"{'form':>15} {'hidden':>6} {'tokens':>6} {'inductor':>9} {'w_norm':>8} {'w_quant':>8} {'w_q_div':>8}"
+              f" {'w_n+i_q':>8}   quant/inductor  quant/norm  div_rn/norm")
         for hidden, tokens, form in dict.fromkeys(k[:3] for k in quant):
             get = lambda n: quant[(hidden, tokens, form, n)]  # noqa: E731
-            print(f"{form:>10} {hidden:>6} {tokens:>6} {get('inductor_quant'):9.4f} {get('weave_norm'):8.4f} "
-                  f"{get('weave_quant'):8.4f} {get('weave_norm+inductor_quant'):8.4f}"
+            print(f"{form:>15} {hidden:>6} {tokens:>6} {get('inductor_quant'):9.4f} {get('weave_norm'):8.4f} "
+                  f"{get('weave_quant'):8.4f} {get('weave_quant_div_rn'):8.4f} {get('weave_norm+inductor_quant'):8.4f}"
                   f"   {get('weave_quant') / get('inductor_quant'):14.2f}"
-                  f" {get('weave_quant') / get('weave_norm'):11.2f}")
+                  f" {get('weave_quant') / get('weave_norm'):11.2f}"
+                  f" {get('weave_quant_div_rn') / get('weave_norm'):12.2f}")
     for r in rows:
         if r["part"] == "sim" and r.get("error"):
             print(f"sim world {r['world']} {r['variant']}: not run ({r['error']})")

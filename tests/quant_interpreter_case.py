@@ -17,7 +17,9 @@ checking, for every form:
 * the same against eager on the CPU (``quantize_rows`` as it is, a true division by a number):
   scales within one fp32 rounding, and codes equal where the scale is, else one code step apart;
 * every rank's codes and scales equal (each normalises every row from the same ``residual_out``);
-* without ``return_normed`` the normed rows are not written and the codes are the same.
+* without ``return_normed`` the normed rows are not written and the codes are the same;
+* all of it with the division by the scale as one reciprocal per scale and a correction per element
+  (``quant_epilogue.FAST_ARITHMETIC``, the default) and as ``div.rn`` per element.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from weavepass.runtime.cuda import quant_epilogue
 from weavepass.runtime.cuda.dispatch import kernel_arguments
 from weavepass.runtime.cuda.launch_plan import LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, plan_quant_epilogue
@@ -211,8 +214,11 @@ def check_form(form, world, algorithm, dtype):
 
 def main(world: int, algorithm: str, dtype: torch.dtype) -> None:
     assert rows_per_rank(TOKENS, world) * world >= TOKENS
-    for form in FUSED_FORMS:
-        check_form(form, world, algorithm, dtype)
+    for fast in (True, False):  # the reciprocal division (kernels._divide_rn), then div.rn per element
+        quant_epilogue.FAST_ARITHMETIC = fast
+        print(f"quant_epilogue.FAST_ARITHMETIC = {fast}")
+        for form in FUSED_FORMS:
+            check_form(form, world, algorithm, dtype)
     print("quant kernels: OK")
 
 

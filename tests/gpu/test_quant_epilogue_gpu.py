@@ -7,7 +7,10 @@ Tolerance: the codes and scales are eager's bit for bit, eager being the graph's
 fp32 reciprocal, as the kernel does: ``runtime.cuda.quant_epilogue``) applied to the kernel's own
 normed rows; the normed rows and ``residual_out`` against the fp32 reference within the kernel
 tests' tolerances (test_kernel_sim_one_gpu.py). Values reach the formats' limits (saturation at the
-static scale's +-448, the largest dynamic code, fp8 subnormals).
+static scale's +-448, the largest dynamic code, fp8 subnormals). The kernels run as launches do by
+default (``quant_epilogue.FAST_ARITHMETIC``: the division through one reciprocal per scale, the
+hardware fp8 cast without the +-448 clamps); benchmarks/bench_local_cost.py ``--quant`` checks that
+the other setting gives the same codes.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ import torch
 
 from weavepass.config import Lowering
 from weavepass.env import disable_multicast
-from weavepass.runtime.cuda import launcher
+from weavepass.runtime.cuda import launcher, quant_epilogue
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.launcher import DirectLauncher
-from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, QuantFormIssue
+from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, QuantFormIssue, kernel_quant
 from weavepass.runtime.cuda.support import CudaIssue, CudaUnsupported, cuda_quant_epilogue, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
@@ -212,7 +212,7 @@ def fused_allreduce_rmsnorm_quant_cuda(
         None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device),
         group_name, out_dtype, max_workspace_tokens, options,
         None if static_scale is None else (static_scale.shape, static_scale.dtype, static_scale.device),
-        group_size, scale_steps, code_steps, return_normed,
+        group_size, scale_steps, code_steps, return_normed, quant_epilogue.FAST_ARITHMETIC,
     )
     launch = _LAUNCHES.get(key)
     if launch is None:
@@ -329,7 +329,7 @@ def kernel_arguments(plan, ws, hidden: int, has_residual: bool, element_size: in
     meta = dict(
         RANK=ws.rank, WORLD=world, HIDDEN=hidden, BLOCK_H=plan.block_h, ROWS=plan.rows_per_tile,
         HAS_RESIDUAL=has_residual, HAS_INV_RMS=has_inv_rms, NORM=int(layer_norm), num_warps=plan.num_warps,
-        QUANT=0 if quant is None else quant.packed,
+        QUANT=0 if quant is None else kernel_quant(quant),
     )
     if quant is not None:  # every step rounds as eager's separate ops do: no fused multiply-add
         meta.update(enable_fp_fusion=False)

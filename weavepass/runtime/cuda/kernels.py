@@ -212,26 +212,85 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _code_steps(x, s, qconst_ptr, OPS: tl.constexpr):
-    """The codes of ``x`` (fp32) with scale ``s`` (fp32, broadcast to ``x``): the division first
+def _code_steps(x, s, r, sk, neg_r, neg_k, qconst_ptr, OPS: tl.constexpr, ARITH: tl.constexpr):
+    """The codes of ``x`` (fp32) with scale ``s`` (fp32) and its ``_scale_reciprocals`` (each
+    taken per scale, then broadcast to ``x``): the division first
     (``quant_epilogue.CODE_*``, a nibble each, op ``i``'s constant at ``qconst[8 + i]``), then
-    round / clamps in fp32, then the cast to the code dtype (the last op)."""
+    round / clamps in fp32, then the cast to the code dtype (the last op). ``ARITH``
+    (``quant_epilogue.ARITH_*``): bit 0 divides through one reciprocal per scale
+    (``_divide_rn``), else ``div.rn`` per element; bit 1 casts to fp8 with the GPU's own
+    ``cvt.rn.satfinite``, else rounds in software first (``_round_to_e4m3``); bit 2 (with bit 1)
+    drops the clamps, which are then fp8's own +-448. Each gives eager's codes (the interpreter
+    tests check bit 0, the GPU tests all of them)."""
     for i in tl.static_range(6):
         if (OPS >> (4 * i)) & 15 == 1:  # x / s, IEEE-rounded (eager's fp32 division)
-            x = tl.div_rn(x, s + tl.zeros_like(x))
+            if ARITH & 1 == 1:
+                x = _divide_rn(x, sk, neg_r, neg_k)
+            else:
+                x = tl.div_rn(x, s + tl.zeros_like(x))
         if (OPS >> (4 * i)) & 15 == 2:  # x * reciprocal(s), each IEEE-rounded
-            x = x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            x = x * r
         if (OPS >> (4 * i)) & 15 == 3:  # round half to even (torch.round)
             x = _round_half_even(x)
-        if (OPS >> (4 * i)) & 15 == 4:
+        if (OPS >> (4 * i)) & 15 == 4 and ARITH & 4 == 0:  # (bit 2: fp8's bound, the cast saturates)
             x = tl.maximum(x, tl.load(qconst_ptr + 8 + i))
-        if (OPS >> (4 * i)) & 15 == 5:
+        if (OPS >> (4 * i)) & 15 == 5 and ARITH & 4 == 0:
             x = tl.minimum(x, tl.load(qconst_ptr + 8 + i))
         if (OPS >> (4 * i)) & 15 == 6:  # (clamped to +-448 before: no saturation is relied on)
-            x = _round_to_e4m3(x).to(tl.float8e4nv)
+            if ARITH & 2 == 2:  # cvt.rn.satfinite.e4m3x2.f32: nearest even, -0.0 kept (GPU only)
+                x = x.to(tl.float8e4nv)
+            else:
+                x = _round_to_e4m3(x).to(tl.float8e4nv)
         if (OPS >> (4 * i)) & 15 == 7:  # (integral values in [-128, 127] after round and clamps)
             x = x.to(tl.int8)
     return x
+
+
+@triton.jit
+def _scale_reciprocals(s):
+    """What the divisions by the scales ``s`` need, per scale (before they are broadcast to the
+    elements, so that each is computed once per scale and thread): ``RN(1 / s)`` (the
+    ``x * reciprocal(s)`` form), and for ``_divide_rn`` the scale times a power of two ``k``
+    bringing it into ``[2^-64, 2^64]``, ``-RN(1 / (s k))`` and ``-k``."""
+    a = tl.abs(s)
+    tiny = a < 5.421010862427522e-20  # 2^-64
+    huge = a > 1.8446744073709552e19  # 2^64
+    k = tl.where(tiny, 1.8446744073709552e19, tl.where(huge, 5.421010862427522e-20, 1.0))
+    neg_k = tl.where(tiny, -1.8446744073709552e19, tl.where(huge, -5.421010862427522e-20, -1.0))
+    sk = s * k
+    r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    neg_r = tl.div_rn(tl.full(s.shape, -1.0, tl.float32), sk)
+    return r, sk, neg_r, neg_k
+
+
+@triton.jit
+def _divide_rn(x, sk, neg_r, neg_k):
+    """``x / s`` rounded to nearest even as ``div.rn.f32`` rounds it, from ``_scale_reciprocals(s)``
+    (taken once per scale: per row, per group, or one number; broadcast to ``x``): each element
+    costs two multiplications, two FMAs, two compares and a select instead of a ``div.rn``.
+
+    With ``r = RN(1 / s)`` and ``q0 = RN(x * r)`` (within one ulp of ``x / s``), the residual
+    ``x - q0 * s`` is exact in an FMA and ``RN(q0 + r * (x - q0 * s))`` is the correctly rounded
+    quotient (Markstein's theorem; no underflow nor overflow on the way). Both are arranged so:
+
+    * the scale is first brought into ``[2^-64, 2^64]`` by a power of two ``k`` (per scale; ``x``
+      scaled by the same ``k``, exactly wherever the quotient can reach a nonzero code, so the
+      quotient is unchanged); the residual then stays a normal number wherever
+      ``|x / s| >= 2^-11``. Smaller quotients may be off by an ulp: every code is then zero and
+      keeps the quotient's sign (fp8 e4m3's smallest step is 2^-9; int8 rounds them to 0);
+    * where the residual is zero (``q0`` exact, also every zero quotient, whose sign the
+      correction could flip: ``+0 + -0`` is +0) or the correction NaN (an infinite quotient,
+      ``s`` zero or infinite), ``q0`` stands: it is then IEEE's quotient (exact, inf, a signed
+      zero, or NaN). The residual is formed negated, ``q0 * s - x``, from negated constants (no
+      per-element negation: Triton 3.6 compiles ``-v`` as ``0 - v``).
+
+    Checked against IEEE division on every bf16 and fp16 value, every fp32 significand over
+    boundary-hard scales, and the special values (docs/cuda_kernel.md, "Quantized epilogue")."""
+    neg_xk = x * neg_k
+    q0 = neg_xk * neg_r  # RN(x k * r): the product's rounding is symmetric in sign
+    e = tl.fma(q0, sk, neg_xk)  # q0 * s k - x k, exact
+    q1 = tl.fma(e, neg_r, q0)  # q0 + (x k - q0 * s k) * r
+    return tl.where((e != 0) & (q1 == q1), q1, q0)
 
 
 @triton.jit
@@ -281,22 +340,30 @@ def _quantize_rows(
     ``GROUP`` columns (or the static one), codes ``code_steps(y, s)``."""
     MODE: tl.constexpr = QUANT & 3
     GROUP_LOG2: tl.constexpr = (QUANT >> 3) & 31  # 0: per row
+    ARITH: tl.constexpr = (QUANT >> 56) & 7  # quant_epilogue.ARITH_*: how the division, clamps and fp8 cast run
     SCALE_OPS: tl.constexpr = (QUANT >> 8) & 16777215
     CODE_OPS: tl.constexpr = (QUANT >> 32) & 16777215
     row_ok = tl.max(mask.to(tl.int32), axis=1) > 0
     if MODE == 1:  # static: one scale; the tile holding row 0 copies it out
         s = tl.load(static_scale_ptr).to(tl.float32)
-        tl.store(codes_ptr + offs, _code_steps(y, s, qconst_ptr, CODE_OPS), mask=mask)
+        r, sk, neg_r, neg_k = _scale_reciprocals(s)
+        tl.store(codes_ptr + offs, _code_steps(y, s, r, sk, neg_r, neg_k, qconst_ptr, CODE_OPS, ARITH), mask=mask)
         tl.store(scales_ptr + row * 0, s + tl.zeros([ROWS], tl.float32), mask=row_ok & (row == 0))
     elif GROUP_LOG2 == 0:  # dynamic per row
         s = _scale_steps(tl.max(tl.abs(y), axis=1), qconst_ptr, SCALE_OPS)
-        tl.store(codes_ptr + offs, _code_steps(y, s[:, None], qconst_ptr, CODE_OPS), mask=mask)
+        r, sk, neg_r, neg_k = _scale_reciprocals(s)
+        q = _code_steps(y, s[:, None], r[:, None], sk[:, None], neg_r[:, None], neg_k[:, None], qconst_ptr,
+                        CODE_OPS, ARITH)
+        tl.store(codes_ptr + offs, q, mask=mask)
         tl.store(scales_ptr + row.to(tl.int64), s.to(scales_ptr.dtype.element_ty), mask=row_ok)
     else:  # dynamic per group of GROUP columns (GROUP divides HIDDEN; both BLOCK_H and GROUP powers of 2)
         GROUP: tl.constexpr = 1 << GROUP_LOG2
         y3 = tl.reshape(y, (ROWS, BLOCK_H // GROUP, GROUP))
         s = _scale_steps(tl.max(tl.abs(y3), axis=2), qconst_ptr, SCALE_OPS)
-        q = tl.reshape(_code_steps(y3, s[:, :, None], qconst_ptr, CODE_OPS), (ROWS, BLOCK_H))
+        r, sk, neg_r, neg_k = _scale_reciprocals(s)
+        q = _code_steps(y3, s[:, :, None], r[:, :, None], sk[:, :, None], neg_r[:, :, None], neg_k[:, :, None],
+                        qconst_ptr, CODE_OPS, ARITH)
+        q = tl.reshape(q, (ROWS, BLOCK_H))
         tl.store(codes_ptr + offs, q, mask=mask)
         g = tl.arange(0, BLOCK_H // GROUP)
         tl.store(scales_ptr + row.to(tl.int64)[:, None] * (HIDDEN // GROUP) + g[None, :],

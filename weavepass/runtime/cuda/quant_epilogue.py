@@ -28,6 +28,7 @@ Rounding, against eager on the same GPU (``quantize_rows`` on CUDA tensors):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,16 @@ CODE_DIV, CODE_MUL_RECIPROCAL, CODE_ROUND, CODE_CLAMP_MIN, CODE_CLAMP_MAX, CODE_
 MAX_OPS = 6
 """Ops per program (six nibbles of the packed constexpr)."""
 STATIC, DYNAMIC = 1, 2
+ARITH_RECIPROCAL, ARITH_HARDWARE_FP8, ARITH_SATURATE = 1, 2, 4
+"""How the kernel runs three steps (bits 56-58 of its ``QUANT``; ``kernel_quant``): the division by
+the scale through one reciprocal per scale and a correction per element
+(``kernels._divide_rn``); the fp8 cast as the GPU's ``cvt.rn.satfinite`` alone; and, with that
+cast, no clamps when they are exactly fp8's [-448, 448] (the cast saturates to the same codes, and
+keeps a NaN as eager's clamp does). Either way the codes are eager's; without them, ``div.rn`` per
+element, the clamps, and a written-out fp8 rounding."""
+FAST_ARITHMETIC = True
+"""Whether launches use ``ARITH_*`` (False: the first version's per-element IEEE division and
+software fp8 rounding; benchmarks/bench_local_cost.py ``--quant`` measures both)."""
 CODE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 _ROUND = {torch.bfloat16: SCALE_ROUND_BF16, torch.float16: SCALE_ROUND_FP16}
@@ -57,7 +68,7 @@ class QuantEpilogue:
     packed: int
     """The kernels' ``QUANT`` constexpr: bits 0-1 mode (1 static, 2 dynamic), bit 2 store the normed
     rows too, bits 3-7 log2 of the group width (0: per row), bits 8-31 the scale ops, 32-55 the code
-    ops (a nibble each, first op lowest)."""
+    ops (a nibble each, first op lowest); ``kernel_quant`` adds bits 56-57 (``ARITH_*``)."""
     constants: tuple[float, ...]
     """16 fp32 values: the scale ops' constants, then (from 8) the code ops'."""
     code_dtype: torch.dtype
@@ -120,6 +131,34 @@ register({
     QuantFormIssue.FP8_CAPABILITY: (
         "fp8 codes need a GPU of compute capability 8.9 or newer; this one is {capability[0]}.{capability[1]}"),
 })
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_quant(epilogue: QuantEpilogue) -> int:
+    """The kernels' ``QUANT`` constexpr for ``epilogue``: its packed form with the ``ARITH_*`` bits
+    (while ``FAST_ARITHMETIC``). The hardware fp8 cast only on a GPU: Triton's interpreter rounds
+    fp32 -> fp8 subnormals wrongly (Triton 3.9), so there the rounding stays written out, and the
+    interpreter tests check the reciprocal division."""
+    if not FAST_ARITHMETIC:
+        return epilogue.packed
+    arith = ARITH_RECIPROCAL
+    if not interpreting():
+        arith |= ARITH_HARDWARE_FP8 | (ARITH_SATURATE if _clamps_to_fp8_range(epilogue) else 0)
+    return epilogue.packed | arith << 56
+
+
+def _clamps_to_fp8_range(epilogue: QuantEpilogue) -> bool:
+    """Whether the codes are cast to fp8 and every clamp before the cast is fp8's own bound
+    (``clamp_min(-448)``, ``clamp_max(448)``): ``cvt.rn.satfinite`` alone then gives the same codes."""
+    ops = [(epilogue.packed >> (32 + 4 * i)) & 15 for i in range(MAX_OPS)]
+    if CODE_CAST_FP8 not in ops:
+        return False
+    bounds = {CODE_CLAMP_MIN: -FP8_MAX, CODE_CLAMP_MAX: FP8_MAX}
+    return all(epilogue.constants[8 + i] == bounds[op] for i, op in enumerate(ops) if op in bounds)
 
 
 def _f32(value: float) -> float:
