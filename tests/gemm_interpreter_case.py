@@ -193,5 +193,64 @@ def case_capture() -> None:
     print("capture: OK")
 
 
+def case_matmul_op() -> None:
+    """The ``cuda_symm`` lowering of the matmul ops (``runtime.cuda.matmul``: ``MatmulCall``'s GEMM,
+    reduce, push and collect) on simulated workspaces (``SimulatedMatmulRanks``), two calls back to
+    back (both slots of staging and gather): the full stream at N = 2 and 3 with token counts no
+    owner count divides, every rank's ``[T, H]`` outputs against the reference fed the plain GEMM's
+    partials (the same tiles, checked to the bit in ``case_scatter``) and equal across ranks to the
+    bit (the gathered rows are copies of their owner's); FlashComm's split (16-row shards, an owner
+    with no rows, padding rows that get the residual's own norm) against the portable lowering's
+    math on the same partials; the call counters after the two calls."""
+    from weavepass.runtime.reference import add_rmsnorm_local
+    from weavepass.testing.gemm_sim import SimulatedMatmulRanks
+
+    hidden, k = 24, 40
+    for world, tokens, rows_per_rank, residual in [(2, 21, None, True), (3, 37, None, False), (3, 37, 16, True),
+                                                   (3, 20, 16, True), (2, 21, 16, False)]:
+        gen = torch.Generator().manual_seed(world * 100 + tokens)
+        sim = SimulatedMatmulRanks(world, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+        for call in range(2):
+            xs = [_draw(gen, tokens, k) for _ in range(world)]
+            ws = [_draw(gen, hidden, k) for _ in range(world)]
+            mat2s = [w.t() for w in ws]
+            weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+            partials = [matmul(x, w, config=INTERPRETER_CONFIG) for x, w in zip(xs, ws, strict=True)]
+            if rows_per_rank is None:
+                res = _draw(gen, tokens, hidden) if residual else None
+                calls = sim.calls(xs, mat2s, None if res is None else [res] * world, weight, EPS, num_ctas=2)
+                sim.run(calls)
+                want_n, want_r = fused_allreduce_rmsnorm_reference(partials, res, weight, EPS, DTYPE)
+                for c in calls:
+                    assert c.normed.shape == (tokens, hidden)
+                    assert torch.equal(c.normed, calls[0].normed) and torch.equal(c.residual_out,
+                                                                                  calls[0].residual_out)
+                    torch.testing.assert_close(c.residual_out, want_r, **RESIDUAL_TOL)
+                    torch.testing.assert_close(c.normed, want_n, **NORMED_TOL)
+            else:
+                padded = rows_per_rank * world
+                shards = [_draw(gen, rows_per_rank, hidden) for _ in range(world)] if residual else None
+                calls = sim.calls(xs, mat2s, shards, weight, EPS, rows_per_rank=rows_per_rank, num_ctas=2)
+                sim.run(calls)
+                summed = torch.zeros(padded, hidden, dtype=torch.float32)
+                summed[:tokens] = torch.stack([p.float() for p in partials]).sum(0)
+                for r, c in enumerate(calls):
+                    from weavepass.runtime.cuda.matmul import pad_shard_rows
+
+                    pad_shard_rows(c, None if shards is None else shards[r], weight, EPS, DTYPE)
+                    rows = slice(r * rows_per_rank, (r + 1) * rows_per_rank)
+                    want_n, want_r = add_rmsnorm_local(summed[rows], None if shards is None else shards[r], weight,
+                                                       EPS, DTYPE, DTYPE)
+                    assert c.normed.shape == (rows_per_rank, hidden)
+                    torch.testing.assert_close(c.residual_out, want_r, **RESIDUAL_TOL)
+                    torch.testing.assert_close(c.normed, want_n, **NORMED_TOL)
+        for r in range(world):
+            assert sim.pads[r][:4].tolist()[0::2] == [2, 2]  # GEMM_SEQ, REDUCE_SEQ: two calls
+            if rows_per_rank is None:
+                assert sim.gather_pads[r][0].item() == 2  # GATHER_SEQ
+    print("matmul_op: OK")
+
+
 if __name__ == "__main__":
-    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture}[sys.argv[1]]()
+    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture,
+     "matmul_op": case_matmul_op}[sys.argv[1]]()
