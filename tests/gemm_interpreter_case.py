@@ -202,6 +202,7 @@ def case_matmul_op() -> None:
     bit (the gathered rows are copies of their owner's); FlashComm's split (16-row shards, an owner
     with no rows, padding rows that get the residual's own norm) against the portable lowering's
     math on the same partials; the call counters after the two calls."""
+    from weavepass.runtime.cuda.matmul import pad_shard_rows
     from weavepass.runtime.reference import add_rmsnorm_local
     from weavepass.testing.gemm_sim import SimulatedMatmulRanks
 
@@ -210,7 +211,7 @@ def case_matmul_op() -> None:
                                                    (3, 20, 16, True), (2, 21, 16, False)]:
         gen = torch.Generator().manual_seed(world * 100 + tokens)
         sim = SimulatedMatmulRanks(world, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
-        for call in range(2):
+        for _call in range(2):
             xs = [_draw(gen, tokens, k) for _ in range(world)]
             ws = [_draw(gen, hidden, k) for _ in range(world)]
             mat2s = [w.t() for w in ws]
@@ -235,8 +236,6 @@ def case_matmul_op() -> None:
                 summed = torch.zeros(padded, hidden, dtype=torch.float32)
                 summed[:tokens] = torch.stack([p.float() for p in partials]).sum(0)
                 for r, c in enumerate(calls):
-                    from weavepass.runtime.cuda.matmul import pad_shard_rows
-
                     pad_shard_rows(c, None if shards is None else shards[r], weight, EPS, DTYPE)
                     rows = slice(r * rows_per_rank, (r + 1) * rows_per_rank)
                     want_n, want_r = add_rmsnorm_local(summed[rows], None if shards is None else shards[r], weight,

@@ -416,18 +416,18 @@ def collect_rows_kernel(
     block = capacity.to(tl.int64) * HIDDEN
     deadline = _deadline(timeout_ns)
     for i in tl.static_range(WORLD - 1):
-        src = (RANK + 1 + i) % WORLD
-        while tl.atomic_add(pad_ptr + GATHER_HEADER + slot * WORLD + src, 0, sem="acquire", scope="sys") < seq:
-            _give_up_after(deadline, watch_addr, timeout_ns, src, 9, RANK, WORLD)  # site: peer_wait.SITES
+        peer = (RANK + 1 + i) % WORLD
+        while tl.atomic_add(pad_ptr + GATHER_HEADER + slot * WORLD + peer, 0, sem="acquire", scope="sys") < seq:
+            _give_up_after(deadline, watch_addr, timeout_ns, peer, 9, RANK, WORLD)  # site: peer_wait.SITES
     tl.debug_barrier()  # no thread reads gathered rows before the acquire
     for tile in range(pid, tl.cdiv(num_tokens, ROWS), num_programs):
         token = tile * ROWS + rows
         theirs = (token < num_tokens) & ((token < start) | (token >= start + count))
         mask = theirs[:, None] & (cols < HIDDEN)[None, :]
         offs = token.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-        src = gather_ptr + 2 * slot * block + offs
-        tl.store(normed_ptr + offs, tl.load(src, mask=mask).to(normed_ptr.dtype.element_ty), mask=mask)
-        tl.store(residual_out_ptr + offs, tl.load(src + block, mask=mask), mask=mask)
+        gathered = gather_ptr + 2 * slot * block + offs
+        tl.store(normed_ptr + offs, tl.load(gathered, mask=mask).to(normed_ptr.dtype.element_ty), mask=mask)
+        tl.store(residual_out_ptr + offs, tl.load(gathered + block, mask=mask), mask=mask)
     tl.debug_barrier()  # every thread's loads are done before the next call may be pushed
     if tl.atomic_add(pad_ptr + GATHER_DONE, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
         tl.atomic_xchg(pad_ptr + GATHER_DONE, 0, sem="relaxed", scope="gpu")
