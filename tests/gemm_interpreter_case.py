@@ -250,6 +250,65 @@ def case_matmul_op() -> None:
     print("matmul_op: OK")
 
 
+def case_matmul_entry() -> None:
+    """The lowering's entry points (``matmul_reduce_scatter_rmsnorm_cuda`` and the shard form) at a
+    gloo group of one rank, the symmetric allocation replaced by ordinary CPU tensors (the kernels'
+    peers are then only itself): the workspace's size classes (a larger call allocates the next, a
+    smaller one reuses the smallest that fits), the splits it holds per token count, the residual as
+    any view of ``T x H`` elements, the shard's padding rows, against the reference."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from weavepass.runtime.cuda import matmul as lowering
+    from weavepass.runtime.cuda import workspace
+    from weavepass.runtime.reference import add_rmsnorm_local
+
+    def cpu_symmetric(group_name, dtype, device, numel, pad_slots):
+        return workspace.SymmetricBuffer(torch.full((numel,), float("nan"), dtype=dtype),
+                                         torch.zeros(pad_slots, dtype=torch.int32), [0], [0], 0, 1)
+
+    workspace.new_symmetric = cpu_symmetric
+    workspace.outside_graph_pools = lambda make, device: make()
+    lowering.unsupported_reason = lambda *args: None  # the CPU tensors: the interpreter runs the kernels
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
+        group = dist.group.WORLD.group_name
+        gen = torch.Generator().manual_seed(3)
+        hidden, k = 24, 40
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+        for tokens in (300, 21, 300, 600):
+            x, w = _draw(gen, tokens, k), _draw(gen, hidden, k)
+            residual = _draw(gen, 2, tokens // 2 if tokens % 2 == 0 else tokens, hidden)[: 1 if tokens % 2 else 2]
+            want_n, want_r = fused_allreduce_rmsnorm_reference([matmul(x, w, config=INTERPRETER_CONFIG)],
+                                                               residual.reshape(tokens, hidden), weight, EPS, DTYPE)
+            normed, res = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), residual, weight, EPS, group, DTYPE,
+                                                                      max_workspace_tokens=1024)
+            torch.testing.assert_close(res, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(normed, want_n, **NORMED_TOL)
+            per = -(-tokens // 16) * 16 + 16  # a shard with padding rows
+            shard = _draw(gen, per, hidden)
+            s_normed, s_res = lowering.matmul_reduce_scatter_rmsnorm_shard_cuda(
+                x, w.t(), shard, None, EPS, group, DTYPE, per, max_workspace_tokens=1024)
+            summed = torch.zeros(per, hidden)
+            summed[:tokens] = matmul(x, w, config=INTERPRETER_CONFIG).float()
+            want_n, want_r = add_rmsnorm_local(summed, shard, None, EPS, DTYPE, DTYPE)
+            torch.testing.assert_close(s_res, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(s_normed, want_n, **NORMED_TOL)
+        (cached,) = lowering._WORKSPACES.values()
+        assert [ws.tokens for ws in cached] == [512, 1024], [ws.tokens for ws in cached]  # 21 reused 512
+        assert sorted(cached[0].splits) == [(21, 21), (21, 48), (300, 300), (300, 320)], sorted(cached[0].splits)
+        assert sorted(cached[1].splits) == [(600, 600), (600, 624)], sorted(cached[1].splits)
+        assert not lowering._WARNED, lowering._WARNED
+        x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once
+        lowering.matmul_reduce_scatter_rmsnorm_cuda(x, _draw(gen, hidden, k).t(), None, weight, EPS, group, DTYPE,
+                                                    max_workspace_tokens=1024)
+        assert len(lowering._WARNED) == 1 and "1024-token limit" in next(iter(lowering._WARNED))
+        dist.destroy_process_group()
+    print("matmul_entry: OK")
+
+
 if __name__ == "__main__":
     {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture,
-     "matmul_op": case_matmul_op}[sys.argv[1]]()
+     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry}[sys.argv[1]]()
