@@ -172,6 +172,12 @@ def _rank_operands(rank, tokens, dtype, hidden, k, device):
     return x, w, residual, weight
 
 
+def _fallbacks(lowering) -> list[str]:
+    """The lowering's one-time warnings that a call ran the portable lowering (not the one that
+    says a weight was copied, which changes no answer)."""
+    return [key for key in lowering._WARNED if key != "mat2"]
+
+
 def _ops_rank(rank, world):
     """Both ops, called as a compiled graph calls them, on ``cuda_symm``, against the reference on
     every rank's plain-GEMM partials; the full stream's rows returned for the cross-rank check."""
@@ -203,7 +209,7 @@ def _ops_rank(rank, world):
             _close(s_normed[: hi - lo], want_n[lo:hi], NORMED_TOL[dtype], f"{label} shard normed")
             assert not s_normed[hi - lo:].any() and not s_res[hi - lo:].any()  # zero residual padding
             results.append((str(dtype), tokens, normed.cpu(), res.cpu()))
-    assert not lowering._WARNED, lowering._WARNED
+    assert not _fallbacks(lowering), lowering._WARNED
     return results
 
 
@@ -239,9 +245,9 @@ def _model_rank(rank, world, tokens):
     assert reports["force"][1] == MATMUL_SITES, reports["force"]
     assert reports["force"][2] == ["cuda_symm"] * (MATMUL_SITES + 1), reports["force"]
     assert all("gemm_epilogue" in codes for codes in reports["force"][3][1:]), reports["force"]
-    assert not lowering._WARNED, lowering._WARNED
+    assert not _fallbacks(lowering), lowering._WARNED
     diff = (outputs["force"].float() - outputs["plain"].float()).abs().max().item()
-    return dict(table=reports["force"][0], plain_vs_force=diff)
+    return dict(table=reports["force"][0], plain_vs_force=diff, mat2_copied="mat2" in lowering._WARNED)
 
 
 def _reduce_overhead_rank(rank, world):
@@ -260,7 +266,7 @@ def _reduce_overhead_rank(rank, world):
     worst = check_replays_match_eager(compiled, model, CFG, 301, 5, device)
     assert backend.report.graphs[0].ops_after.get(OP, 0) == MATMUL_SITES
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    assert not lowering._WARNED, lowering._WARNED
+    assert not _fallbacks(lowering), lowering._WARNED
     return worst
 
 
@@ -284,7 +290,8 @@ def test_ops_on_real_ranks(case_result):
 @pytest.mark.parametrize("tokens", [301, 1024])
 def test_reference_model_with_the_gemm_epilogue(case_result, tokens):
     for result in case_result:
-        print(result["table"], "\nmax |force - plain fused op| =", result["plain_vs_force"])
+        print(result["table"], "\nmax |force - plain fused op| =", result["plain_vs_force"],
+              "mat2 copied per call:", result["mat2_copied"])
 
 
 @needs_gpus(WORLD)

@@ -247,7 +247,11 @@ class MatmulCall:
         return self.owners.count(self.ws.rank)
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of an output."""
+        """This rank's rows of an output (no rows: the whole tensor, which the kernel does not touch;
+        an empty slice at the end of the rows could point one past its allocation, which Triton's
+        launcher refuses)."""
+        if self.count == 0:
+            return t
         return t[self.start: self.start + self.count] if self.full else t[: self.count]
 
     def gemm(self) -> None:
@@ -299,7 +303,7 @@ def prepare_call(ws: MatmulWorkspace, owners: OwnerRows, x: torch.Tensor, mat2: 
     if residual is not None:
         r = residual.reshape(-1, hidden)
         r = r if r.is_contiguous() else r.contiguous()
-        own = r[start: start + count] if full else r[:count]
+        own = r if count == 0 else r[start: start + count] if full else r[:count]  # (MatmulCall.own)
     if weight is None:
         weight = workspace.ones_weight(hidden, x.dtype, x.device)
     ctas = num_ctas or _sm_count(x.device)
