@@ -262,7 +262,7 @@ wanted gemm && step pytest_gemm "${GEMM_TEST_TIMEOUT_S:-240}" python3 -m pytest 
 wanted gemm && step bench_gemm "${GEMM_TIMEOUT_S:-420}" python3 benchmarks/bench_gemm.py --out "$OUT" $QUICK
 # Issue 34: the cuda_symm lowering of the matmul ops, real (or shared) ranks first, then simulated.
 wanted gemmop && WEAVE_PEER_TIMEOUT_S="${WEAVE_PEER_TIMEOUT_S:-60}" step pytest_gemm_op_ranks \
-    "${GEMMOP_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -rA --durations=10 tests/gpu/test_gemm_op_gpu.py \
+    "${GEMMOP_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -s -rA --durations=10 tests/gpu/test_gemm_op_gpu.py \
     -k "real_ranks or reference_model"
 wanted gemmop && step pytest_gemm_op_sim "${GEMMOP_SIM_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA \
     --durations=10 tests/gpu/test_gemm_op_gpu.py -k "simulated or cuda_graph"

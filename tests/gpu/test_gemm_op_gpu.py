@@ -209,6 +209,7 @@ def _ops_rank(rank, world):
             _close(s_normed[: hi - lo], want_n[lo:hi], NORMED_TOL[dtype], f"{label} shard normed")
             assert not s_normed[hi - lo:].any() and not s_res[hi - lo:].any()  # zero residual padding
             results.append((str(dtype), tokens, normed.cpu(), res.cpu()))
+            print(f"[gemm_op] {label}: full and shard within tolerance", flush=True)  # progress, for a killed step
     assert not _fallbacks(lowering), lowering._WARNED
     return results
 
@@ -247,6 +248,8 @@ def _model_rank(rank, world, tokens):
     assert all("gemm_epilogue" in codes for codes in reports["force"][3][1:]), reports["force"]
     assert not _fallbacks(lowering), lowering._WARNED
     diff = (outputs["force"].float() - outputs["plain"].float()).abs().max().item()
+    print(f"[gemm_op] rank {rank} model at {tokens} tokens:\n{reports['force'][0]}\nmax |force - plain| = {diff}",
+          flush=True)
     return dict(table=reports["force"][0], plain_vs_force=diff, mat2_copied="mat2" in lowering._WARNED)
 
 
@@ -267,6 +270,7 @@ def _reduce_overhead_rank(rank, world):
     assert backend.report.graphs[0].ops_after.get(OP, 0) == MATMUL_SITES
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert not _fallbacks(lowering), lowering._WARNED
+    print(f"[gemm_op] rank {rank} reduce-overhead: worst max abs error {worst}", flush=True)
     return worst
 
 

@@ -116,7 +116,9 @@ def _ipc_symmetric(group_name: str, dtype: torch.dtype, device: torch.device, nu
 
 
 def install() -> None:
-    """In a rank process of a shared-GPU run: build workspaces through CUDA IPC (a no-op otherwise)."""
+    """In a rank process of a shared-GPU run: build workspaces through CUDA IPC (a no-op otherwise):
+    the fused op's (``workspace._new_workspace``) and every other symmetric allocation
+    (``workspace.new_symmetric``: the matmul op's staging and gather buffers)."""
     if not enabled():
         return
     from weavepass.runtime.cuda import workspace
