@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +95,7 @@ class MatmulWorkspace:
     scatter: ScatterWorkspace
     gather: GatherWorkspace | None = None
     splits: dict[tuple[int, int], OwnerRows] = field(default_factory=dict)
-    make_gather: object = None  # () -> GatherWorkspace, collective (every rank at the same call)
+    make_gather: Callable[[], GatherWorkspace] | None = None  # collective: every rank at the same call
 
     @property
     def world(self) -> int:
@@ -125,7 +126,7 @@ class MatmulWorkspace:
         if self.gather is None:
             if _capturing() or self.make_gather is None:
                 return None
-            self.gather = self.make_gather()  # type: ignore[operator]
+            self.gather = self.make_gather()
         return self.gather
 
 
@@ -263,13 +264,16 @@ class MatmulCall:
 
     def push(self) -> None:
         if self.full and self.ws.world > 1:
-            push_rows(self.ws.gather, self.normed, self.residual_out, self.start, self.count,  # type: ignore[arg-type]
-                      self.num_ctas)
+            push_rows(self._gather(), self.normed, self.residual_out, self.start, self.count, self.num_ctas)
 
     def collect(self) -> None:
         if self.full and self.ws.world > 1:
-            collect_rows(self.ws.gather, self.normed, self.residual_out, self.start, self.count,  # type: ignore[arg-type]
-                         self.num_ctas)
+            collect_rows(self._gather(), self.normed, self.residual_out, self.start, self.count, self.num_ctas)
+
+    def _gather(self) -> GatherWorkspace:
+        if self.ws.gather is None:  # _lowering_call allocates it before any full-stream call
+            raise RuntimeError("the full stream's gather buffers are not allocated")
+        return self.ws.gather
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.gemm()
