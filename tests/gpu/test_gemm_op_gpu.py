@@ -85,41 +85,6 @@ def _close(got, want, tol, label):
     torch.testing.assert_close(got, want, rtol=tol[0], atol=tol[1], msg=lambda e: f"{label}: {e}")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_matmul_op_simulated(world, dtype, request):
-    """The lowering's calls on simulated ranks: a warm-up of both forms on one stream (every kernel
-    loaded before any rank waits), then both forms with one stream per rank, twice."""
-    if _in_child(request):
-        return
-    from weavepass.runtime.cuda.matmul import pad_shard_rows
-    from weavepass.testing.gemm_sim import SimulatedMatmulRanks
-
-    tokens, hidden, k = 1030, 4096, 512
-    per = _flashcomm_rows(tokens, world)
-    sim = SimulatedMatmulRanks(world, hidden, per * world, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(world)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
-    for call, (full, one_stream) in enumerate([(True, True), (False, True), (True, False), (False, False),
-                                               (True, False), (False, False)]):
-        xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
-        ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
-        residual = _draw(gen, tokens, hidden, dtype)
-        shards = None if full else [_draw(gen, per, hidden, dtype) for _ in range(world)]
-        calls = sim.calls(xs, [w.t() for w in ws], [residual] * world if full else shards, weight, EPS,
-                          rows_per_rank=None if full else per)
-        sim.run(calls, one_stream=one_stream)
-        for r, c in enumerate(calls):
-            if not full:
-                pad_shard_rows(c, shards[r], weight, EPS, dtype)
-        torch.cuda.synchronize()
-        partials = [_plain(x, w) for x, w in zip(xs, ws, strict=True)]
-        _check_calls(calls, partials, residual, shards, weight, dtype,
-                     f"world {world} call {call} {'full' if full else 'shard'}")
-    assert [p[:4].tolist()[0::2] for p in sim.pads] == [[6, 6]] * world  # GEMM_SEQ, REDUCE_SEQ
-    assert [int(p[0]) for p in sim.gather_pads] == [3] * world  # GATHER_SEQ: the three full calls
-
-
 def test_matmul_op_replays_in_a_cuda_graph(request):
     """One full-stream call of 2 simulated ranks captured on one stream (every GEMM, reduce, push,
     collect) and replayed three times on new inputs: each replay's answer, and the pads' call numbers
@@ -156,6 +121,41 @@ def test_matmul_op_replays_in_a_cuda_graph(request):
                      f"replay {replay}")
         assert [int(p[0]) for p in sim.pads] == [1 + replay] * world
         assert [int(p[0]) for p in sim.gather_pads] == [1 + replay] * world
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_matmul_op_simulated(world, dtype, request):
+    """The lowering's calls on simulated ranks: a warm-up of both forms on one stream (every kernel
+    loaded before any rank waits), then both forms with one stream per rank, twice."""
+    if _in_child(request):
+        return
+    from weavepass.runtime.cuda.matmul import pad_shard_rows
+    from weavepass.testing.gemm_sim import SimulatedMatmulRanks
+
+    tokens, hidden, k = 1030, 4096, 512
+    per = _flashcomm_rows(tokens, world)
+    sim = SimulatedMatmulRanks(world, hidden, per * world, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(world)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+    for call, (full, one_stream) in enumerate([(True, True), (False, True), (True, False), (False, False),
+                                               (True, False), (False, False)]):
+        xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
+        ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
+        residual = _draw(gen, tokens, hidden, dtype)
+        shards = None if full else [_draw(gen, per, hidden, dtype) for _ in range(world)]
+        calls = sim.calls(xs, [w.t() for w in ws], [residual] * world if full else shards, weight, EPS,
+                          rows_per_rank=None if full else per)
+        sim.run(calls, one_stream=one_stream)
+        for r, c in enumerate(calls):
+            if not full:
+                pad_shard_rows(c, shards[r], weight, EPS, dtype)
+        torch.cuda.synchronize()
+        partials = [_plain(x, w) for x, w in zip(xs, ws, strict=True)]
+        _check_calls(calls, partials, residual, shards, weight, dtype,
+                     f"world {world} call {call} {'full' if full else 'shard'}")
+    assert [p[:4].tolist()[0::2] for p in sim.pads] == [[6, 6]] * world  # GEMM_SEQ, REDUCE_SEQ
+    assert [int(p[0]) for p in sim.gather_pads] == [3] * world  # GATHER_SEQ: the three full calls
 
 
 # ---------------------------------------------------------------- real ranks
