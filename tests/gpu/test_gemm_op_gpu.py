@@ -242,7 +242,7 @@ def _model_rank(rank, world, tokens):
         comparison = check_against_eager(model, (ids,), compile_fn, reference, CFG.dtype)
         (graph,) = backend.report.graphs
         reports[name] = (str(comparison), graph.ops_after.get(OP, 0), [r.lowering for r in graph.records],
-                         [[str(c) for c in r.codes] for r in graph.records])
+                         [[c.value for c in r.codes] for r in graph.records])
     assert reports["force"][1] == MATMUL_SITES, reports["force"]
     assert reports["force"][2] == ["cuda_symm"] * (MATMUL_SITES + 1), reports["force"]
     assert all("gemm_epilogue" in codes for codes in reports["force"][3][1:]), reports["force"]
