@@ -88,7 +88,8 @@
 #              ranks' cases first (the ops at 1-1030 tokens, the decoder with gemm_epilogue="force",
 #              reduce-overhead; WORLD=2 GPUs, or SHARED=1), then the simulated ranks (2 and 4, each in a
 #              process of its own) and a CUDA-graph replay; bounded waits give up after 60 s
-#              (WEAVE_PEER_TIMEOUT_S) rather than hang
+#              (WEAVE_PEER_TIMEOUT_S) rather than hang. SHARED=1 on one H200 (2026-12-03): 119 s and
+#              116 s, 246 s for the call
 #   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
 #              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
 #              measured against the wave model's prediction; one GPU, well under a minute
