@@ -51,9 +51,11 @@
 #   SHARED=1 STEPS=kernel KERNEL_TIMEOUT_S=540 OUT=$OUT bash benchmarks/gpu_suite.sh
 # Issue 34 (GEMM with a scatter epilogue; docs/gemm_epilogue.md): with the one-GPU kind,
 #   STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick      (then without --quick: 64 cells)
-# and later, on 2 GPUs (kind nvidia-h200-x2), once the lowering is wired into the planner (NOT
-# runnable yet: neither the lowering nor its bench_overlap variant `weave_gemm_epilogue` exists; the
-# gemm step's kernels are its base; its tests across GPUs would join the kernel step):
+#   SHARED=1 STEPS=gemmop OUT=$OUT bash benchmarks/gpu_suite.sh   (the cuda_symm lowering of the matmul ops:
+#                                   simulated ranks, then 2 ranks sharing the GPU; on kind nvidia-h200-x2
+#                                   without SHARED, the same on 2 GPUs)
+# and later, on 2 GPUs (kind nvidia-h200-x2), the model benchmark (NOT runnable yet: its bench_overlap
+# variant `weave_gemm_epilogue` does not exist):
 #   WORLD=2 STEPS=overlap OVERLAP_VARIANTS=inductor,weave_fuse,weave_overlap,weave_gemm_epilogue,no_comm \
 #     OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   (target: >= 75 % of the removable communication hidden at 70b_tp8sim >= 4K tokens; moonshot: the
@@ -82,6 +84,12 @@
 #              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
 #              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
 #              for the `nvidia-h200` kind, not yet timed on the device
+#   gemmop     issue 34's cuda_symm lowering of the matmul ops: tests/gpu/test_gemm_op_gpu.py, the real
+#              ranks' cases first (the ops at 1-1030 tokens, the decoder with gemm_epilogue="force",
+#              reduce-overhead; WORLD=2 GPUs, or SHARED=1), then the simulated ranks (2 and 4, each in a
+#              process of its own) and a CUDA-graph replay; bounded waits give up after 60 s
+#              (WEAVE_PEER_TIMEOUT_S) rather than hang. SHARED=1 on one H200 (2026-12-03): 119 s and
+#              116 s, 246 s for the call
 #   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
 #              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
 #              measured against the wave model's prediction; one GPU, well under a minute
@@ -183,7 +191,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -194,8 +202,8 @@ for s in ${STEPS//,/ }; do
     *",$s,"*) ;;
     *) echo "unknown step '$s'; known: $ALL_STEPS" | tee -a "$LOG"; exit 2 ;;
   esac
-  if [ "$SHARED" = 1 ] && [ "$s" != tests ] && [ "$s" != kernel ]; then
-    echo "SHARED=1 runs the steps tests and kernel only (correctness; ranks sharing a GPU time nothing), not '$s'" | tee -a "$LOG"
+  if [ "$SHARED" = 1 ] && [ "$s" != tests ] && [ "$s" != kernel ] && [ "$s" != gemmop ]; then
+    echo "SHARED=1 runs the steps tests, kernel and gemmop only (correctness; ranks sharing a GPU time nothing), not '$s'" | tee -a "$LOG"
     exit 2
   fi
 done
@@ -266,6 +274,12 @@ wanted peerwait && WEAVE_GPU_SHARED=1 step pytest_peer_wait_shared "${PEERWAIT_T
 wanted gemm && step pytest_gemm "${GEMM_TEST_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA --durations=10 \
     $HANG_GUARD tests/gpu/test_gemm_gpu.py
 wanted gemm && step bench_gemm "${GEMM_TIMEOUT_S:-420}" python3 benchmarks/bench_gemm.py --out "$OUT" $QUICK
+# Issue 34: the cuda_symm lowering of the matmul ops, real (or shared) ranks first, then simulated.
+wanted gemmop && WEAVE_PEER_TIMEOUT_S="${WEAVE_PEER_TIMEOUT_S:-60}" step pytest_gemm_op_ranks \
+    "${GEMMOP_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -s -rA --durations=10 tests/gpu/test_gemm_op_gpu.py \
+    -k "real_ranks or reference_model"
+wanted gemmop && step pytest_gemm_op_sim "${GEMMOP_SIM_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA \
+    --durations=10 tests/gpu/test_gemm_op_gpu.py -k "simulated or cuda_graph"
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
     -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py

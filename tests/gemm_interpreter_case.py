@@ -193,5 +193,122 @@ def case_capture() -> None:
     print("capture: OK")
 
 
+def case_matmul_op() -> None:
+    """The ``cuda_symm`` lowering of the matmul ops (``runtime.cuda.matmul``: ``MatmulCall``'s GEMM,
+    reduce, push and collect) on simulated workspaces (``SimulatedMatmulRanks``), two calls back to
+    back (both slots of staging and gather): the full stream at N = 2 and 3 with token counts no
+    owner count divides, every rank's ``[T, H]`` outputs against the reference fed the plain GEMM's
+    partials (the same tiles, checked to the bit in ``case_scatter``) and equal across ranks to the
+    bit (the gathered rows are copies of their owner's); FlashComm's split (16-row shards, an owner
+    with no rows, padding rows that get the residual's own norm) against the portable lowering's
+    math on the same partials; the call counters after the two calls."""
+    from weavepass.runtime.cuda.matmul import pad_shard_rows
+    from weavepass.runtime.reference import add_rmsnorm_local
+    from weavepass.testing.gemm_sim import SimulatedMatmulRanks
+
+    hidden, k = 24, 40
+    for world, tokens, rows_per_rank, residual in [(2, 21, None, True), (3, 37, None, False), (3, 37, 16, True),
+                                                   (3, 20, 16, True), (2, 21, 16, False)]:
+        gen = torch.Generator().manual_seed(world * 100 + tokens)
+        sim = SimulatedMatmulRanks(world, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+        for _call in range(2):
+            xs = [_draw(gen, tokens, k) for _ in range(world)]
+            ws = [_draw(gen, hidden, k) for _ in range(world)]
+            mat2s = [w.t() for w in ws]
+            weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+            partials = [matmul(x, w, config=INTERPRETER_CONFIG) for x, w in zip(xs, ws, strict=True)]
+            if rows_per_rank is None:
+                res = _draw(gen, tokens, hidden) if residual else None
+                calls = sim.calls(xs, mat2s, None if res is None else [res] * world, weight, EPS, num_ctas=2)
+                sim.run(calls)
+                want_n, want_r = fused_allreduce_rmsnorm_reference(partials, res, weight, EPS, DTYPE)
+                for c in calls:
+                    assert c.normed.shape == (tokens, hidden)
+                    assert torch.equal(c.normed, calls[0].normed) and torch.equal(c.residual_out,
+                                                                                  calls[0].residual_out)
+                    torch.testing.assert_close(c.residual_out, want_r, **RESIDUAL_TOL)
+                    torch.testing.assert_close(c.normed, want_n, **NORMED_TOL)
+            else:
+                padded = rows_per_rank * world
+                shards = [_draw(gen, rows_per_rank, hidden) for _ in range(world)] if residual else None
+                calls = sim.calls(xs, mat2s, shards, weight, EPS, rows_per_rank=rows_per_rank, num_ctas=2)
+                sim.run(calls)
+                summed = torch.zeros(padded, hidden, dtype=torch.float32)
+                summed[:tokens] = torch.stack([p.float() for p in partials]).sum(0)
+                for r, c in enumerate(calls):
+                    pad_shard_rows(c, None if shards is None else shards[r], weight, EPS, DTYPE)
+                    rows = slice(r * rows_per_rank, (r + 1) * rows_per_rank)
+                    want_n, want_r = add_rmsnorm_local(summed[rows], None if shards is None else shards[r], weight,
+                                                       EPS, DTYPE, DTYPE)
+                    assert c.normed.shape == (rows_per_rank, hidden)
+                    torch.testing.assert_close(c.residual_out, want_r, **RESIDUAL_TOL)
+                    torch.testing.assert_close(c.normed, want_n, **NORMED_TOL)
+        for r in range(world):
+            assert sim.pads[r][:4].tolist()[0::2] == [2, 2]  # GEMM_SEQ, REDUCE_SEQ: two calls
+            if rows_per_rank is None:
+                assert sim.gather_pads[r][0].item() == 2  # GATHER_SEQ
+    print("matmul_op: OK")
+
+
+def case_matmul_entry() -> None:
+    """The lowering's entry points (``matmul_reduce_scatter_rmsnorm_cuda`` and the shard form) at a
+    gloo group of one rank, the symmetric allocation replaced by ordinary CPU tensors (the kernels'
+    peers are then only itself): the workspace's size classes (a larger call allocates the next, a
+    smaller one reuses the smallest that fits), the splits it holds per token count, the residual as
+    any view of ``T x H`` elements, the shard's padding rows, against the reference."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from weavepass.runtime.cuda import matmul as lowering
+    from weavepass.runtime.cuda import workspace
+    from weavepass.runtime.reference import add_rmsnorm_local
+
+    def cpu_symmetric(group_name, dtype, device, numel, pad_slots):
+        return workspace.SymmetricBuffer(torch.full((numel,), float("nan"), dtype=dtype),
+                                         torch.zeros(pad_slots, dtype=torch.int32), [0], [0], 0, 1)
+
+    workspace.new_symmetric = cpu_symmetric
+    workspace.outside_graph_pools = lambda make, device: make()
+    lowering.unsupported_reason = lambda *args: None  # the CPU tensors: the interpreter runs the kernels
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
+        group = dist.group.WORLD.group_name
+        gen = torch.Generator().manual_seed(3)
+        hidden, k = 24, 40
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+        for tokens in (300, 21, 300, 600):
+            x, w = _draw(gen, tokens, k), _draw(gen, hidden, k)
+            residual = _draw(gen, 2, tokens // 2 if tokens % 2 == 0 else tokens, hidden)[: 1 if tokens % 2 else 2]
+            want_n, want_r = fused_allreduce_rmsnorm_reference([matmul(x, w, config=INTERPRETER_CONFIG)],
+                                                               residual.reshape(tokens, hidden), weight, EPS, DTYPE)
+            normed, res = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), residual, weight, EPS, group, DTYPE,
+                                                                      max_workspace_tokens=1024)
+            torch.testing.assert_close(res, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(normed, want_n, **NORMED_TOL)
+            per = -(-tokens // 16) * 16 + 16  # a shard with padding rows
+            shard = _draw(gen, per, hidden)
+            s_normed, s_res = lowering.matmul_reduce_scatter_rmsnorm_shard_cuda(
+                x, w.t(), shard, None, EPS, group, DTYPE, per, max_workspace_tokens=1024)
+            summed = torch.zeros(per, hidden)
+            summed[:tokens] = matmul(x, w, config=INTERPRETER_CONFIG).float()
+            want_n, want_r = add_rmsnorm_local(summed, shard, None, EPS, DTYPE, DTYPE)
+            torch.testing.assert_close(s_res, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(s_normed, want_n, **NORMED_TOL)
+        (cached,) = lowering._WORKSPACES.values()
+        assert [ws.tokens for ws in cached] == [512, 1024], [ws.tokens for ws in cached]  # 21 reused 512
+        assert sorted(cached[0].splits) == [(21, 21), (21, 48), (300, 300), (300, 320)], sorted(cached[0].splits)
+        assert sorted(cached[1].splits) == [(600, 600), (600, 624)], sorted(cached[1].splits)
+        assert not lowering._WARNED, lowering._WARNED
+        x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once
+        lowering.matmul_reduce_scatter_rmsnorm_cuda(x, _draw(gen, hidden, k).t(), None, weight, EPS, group, DTYPE,
+                                                    max_workspace_tokens=1024)
+        assert len(lowering._WARNED) == 1 and "1024-token limit" in next(iter(lowering._WARNED))
+        dist.destroy_process_group()
+    print("matmul_entry: OK")
+
+
 if __name__ == "__main__":
-    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture}[sys.argv[1]]()
+    {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture,
+     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry}[sys.argv[1]]()

@@ -44,7 +44,6 @@ from weavepass.compile.planner import choose_gemm_epilogue
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.flashcomm import force_device_kind
 from weavepass.config import Lowering
-from weavepass.runtime import CUDA_MATMUL_NOT_WIRED
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing import check_against_eager
 from weavepass.testing.distributed import spawn
@@ -163,12 +162,47 @@ def test_flashcomm_sharded_form(fake_world):
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] + ["flashcomm:gemm_epilogue"] * MATMUL_SITES
 
 
-def test_flashcomm_on_cuda_says_the_kernels_are_not_wired(fake_world):
-    graph = model_report(WeaveConfig(gemm_epilogue="force", **FLASHCOMM), kind="cuda")
-    assert graph.ops_after[SHARD_OP] == 0 and graph.ops_after[RS] == MATMUL_SITES + 1
+def _dumped_after(tmp_path) -> str:
+    """The text of every graph dumped after a strategy under ``tmp_path`` (``WeaveConfig.dump_graphs_dir``)."""
+    return "\n".join(p.read_text() for p in sorted(tmp_path.rglob("*_after_*.txt")))
+
+
+def test_flashcomm_on_cuda_runs_the_sharded_op_on_cuda_symm(fake_world, tmp_path, monkeypatch):
+    """The CUDA form of FlashComm under ``force``: the sharded op with lowering ``cuda_symm`` replaces
+    the matmul and its reduce_scatter (the run on CPU tensors falls back to the portable lowering at
+    run time, with a warning: the graph is what is checked here)."""
+    from weavepass.runtime.cuda import matmul
+
+    monkeypatch.setattr(matmul, "_WARNED", set())
+    graph = model_report(WeaveConfig(gemm_epilogue="force", dump_graphs_dir=str(tmp_path), **FLASHCOMM), kind="cuda")
+    assert graph.ops_after[SHARD_OP] == MATMUL_SITES and graph.ops_after[RS] == 1  # the embedding's sum only
     for record in graph.records[1:]:
-        assert record.lowering == "flashcomm:portable"
-        assert CUDA_MATMUL_NOT_WIRED in record.reason
+        assert record.lowering == "flashcomm:gemm_epilogue"
+        assert not any(r.code is ReasonCode.GEMM_EPILOGUE_LOWERING for r in record.reasons)
+    calls = [line for line in _dumped_after(tmp_path).splitlines()
+             if "matmul_reduce_scatter_rmsnorm_shard.default(" in line]
+    assert len(calls) == MATMUL_SITES and all("'cuda_symm'" in line for line in calls)
+
+
+def test_fused_sites_on_cuda_symm_move_their_matmul(fake_world, tmp_path, monkeypatch):
+    """A graph planned on ``cuda_symm`` (the planner's CUDA check answered yes, as on a GPU): ``force``
+    moves every row-parallel matmul into the op with lowering ``cuda_symm``; the reason the lowering
+    did not carry it is gone. (The run on CPU tensors falls back to portable at run time.)"""
+    from weavepass.compile import planner
+
+    monkeypatch.setattr(planner, "_cuda_unsupported_reason", lambda site: None)
+    plain = model_report(WeaveConfig(lowering="cuda_symm"))
+    graph = model_report(WeaveConfig(lowering="cuda_symm", gemm_epilogue="force", dump_graphs_dir=str(tmp_path)))
+    assert graph.ops_after[OP] == MATMUL_SITES and graph.ops_after[FUSED] == 1 and graph.ops_after[AR] == 0
+    assert graph.ops_after[MM] == plain.ops_after[MM] - MATMUL_SITES
+    for record in graph.records[1:]:
+        assert record.lowering == "cuda_symm" and ReasonCode.GEMM_EPILOGUE in record.codes
+        assert ReasonCode.GEMM_EPILOGUE_LOWERING not in record.codes
+    calls = [line for line in _dumped_after(tmp_path).splitlines() if "matmul_reduce_scatter_rmsnorm.default(" in line]
+    assert len(calls) == MATMUL_SITES and all("'cuda_symm'" in line for line in calls)
+    auto = model_report(WeaveConfig(lowering="cuda_symm", gemm_epilogue="auto"))
+    assert auto.ops_after[OP] == 0
+    assert [r.codes[-1] for r in auto.records[1:]] == [ReasonCode.GEMM_EPILOGUE_UNMEASURED] * MATMUL_SITES
 
 
 def _o_proj(group, bias=False):
@@ -245,14 +279,55 @@ def test_choice_per_lowering_and_mode(fake_world):
     (site,) = traced_sites(_o_proj(fake_world), *rows())
     assert choose_gemm_epilogue(site, Lowering.PORTABLE, "off") == (None, Reason(ReasonCode.NONE))
     assert choose_gemm_epilogue(site, None, "force") == (None, Reason(ReasonCode.NONE))
-    matmul, reason = choose_gemm_epilogue(site, Lowering.CUDA_SYMM, "force")
+    for lowering in Lowering:  # both carry the op now
+        matmul, reason = choose_gemm_epilogue(site, lowering, "force")
+        assert isinstance(matmul, RowParallelMatmul) and reason.code is ReasonCode.GEMM_EPILOGUE
+    matmul, reason = choose_gemm_epilogue(site, "npu", "force")
     assert matmul is None and reason.code is ReasonCode.GEMM_EPILOGUE_LOWERING
-    assert reason.field("cause") == CUDA_MATMUL_NOT_WIRED and reason.field("lowering") == "cuda_symm"
     for lowering in Lowering:
         _, reason = choose_gemm_epilogue(site, lowering, "auto")
         assert reason.code is ReasonCode.GEMM_EPILOGUE_UNMEASURED
     _, reason = choose_gemm_epilogue(site, Lowering.PORTABLE, "force", split="auto")
     assert reason.code is ReasonCode.GEMM_EPILOGUE_SPLIT
+
+
+@pytest.mark.parametrize("speed, moved", [(1.02, True), (1.0, True), (0.97, False), (None, False)])
+def test_auto_reads_the_measured_table(fake_world, monkeypatch, speed, moved):
+    """``auto`` on ``cuda_symm`` moves the matmul where ``gemm.MEASURED_SPEED`` says the Triton GEMM is
+    at least cuBLAS's speed for the shape (static tokens: their bucket), keeps it outside with the
+    measured speed where slower, and says unmeasured where the table has no entry; the portable
+    lowering has no table (its GEMM is the plain one)."""
+    from weavepass.runtime.cuda import gemm
+
+    tokens = 5
+    (site,) = traced_sites(_o_proj(fake_world), *rows(tokens=tokens))
+    table = {} if speed is None else {(H, K, gemm.token_bucket(tokens)): speed}
+    monkeypatch.setattr(gemm, "MEASURED_SPEED", table)
+    matmul, reason = choose_gemm_epilogue(site, Lowering.CUDA_SYMM, "auto")
+    if moved:
+        assert isinstance(matmul, RowParallelMatmul) and reason.code is ReasonCode.GEMM_EPILOGUE
+        assert reason.field("mode") == "auto"
+    elif speed is None:
+        assert matmul is None and reason.code is ReasonCode.GEMM_EPILOGUE_UNMEASURED
+    else:
+        assert matmul is None and reason.code is ReasonCode.GEMM_EPILOGUE_SLOWER
+        assert reason.field("speed") == speed and f"{speed}x" in str(reason)
+    _, portable = choose_gemm_epilogue(site, Lowering.PORTABLE, "auto")
+    assert portable.code is ReasonCode.GEMM_EPILOGUE_UNMEASURED
+
+
+def test_auto_with_a_symbolic_count_needs_every_bucket(monkeypatch):
+    """A symbolic token count is served by every bucket: the slowest decides, and a bucket missing
+    from the table leaves it unmeasured."""
+    from weavepass.runtime import matmul_measured_speed
+    from weavepass.runtime.cuda import gemm
+
+    monkeypatch.setattr(gemm, "MEASURED_SPEED", {(H, K, 2048): 1.1})
+    assert matmul_measured_speed("cuda_symm", None, H, K) is None
+    assert matmul_measured_speed("cuda_symm", 100, H, K) == 1.1
+    monkeypatch.setattr(gemm, "MEASURED_SPEED", {(H, K, 2048): 1.1, (H, K, 8192): 0.99})
+    assert matmul_measured_speed("cuda_symm", None, H, K) == 0.99
+    assert matmul_measured_speed("portable", 100, H, K) is None
 
 
 def test_symbolic_token_count(fake_world):

@@ -39,8 +39,9 @@ def test_every_spin_loop_of_the_kernels_gives_up_after_its_deadline():
     ``peer_wait.SITES`` explains."""
     functions = _functions(WAITING_MODULES)
     loops = [(name, loop) for name, fn in functions.items() for loop in ast.walk(fn) if isinstance(loop, ast.While)]
-    # barrier x2, counters, Lamport, push x2; the scatter GEMM and its reduce: a new one joins here
-    assert len(loops) == 8, [name for name, _ in loops]
+    # barrier x2, counters, Lamport, push x2; the scatter GEMM, its reduce and the matmul op's gather:
+    # a new one joins here
+    assert len(loops) == 9, [name for name, _ in loops]
     sites = set()
     for name, loop in loops:
         calls = [c for stmt in loop.body for c in _calls(stmt, "_give_up_after")]
@@ -58,7 +59,7 @@ def test_every_waiting_kernel_takes_the_record_and_the_limit():
     functions = _functions(WAITING_MODULES)
     waiting = {"fused_allreduce_rmsnorm_kernel", "fused_allreduce_rmsnorm_pipelined_kernel",
                "fused_allreduce_rmsnorm_lamport_kernel", "push_partial_rows_kernel", "persistent_gemm_kernel",
-               "reduce_scattered_rows_kernel"}
+               "reduce_scattered_rows_kernel", "collect_rows_kernel"}
     for name in waiting:
         params = [a.arg for a in functions[name].args.args]
         assert params.index("watch_addr") + 1 == params.index("timeout_ns"), (name, params)

@@ -25,9 +25,23 @@ def test_install_is_a_no_op_when_unset(monkeypatch):
     from weavepass.runtime.cuda import workspace
 
     monkeypatch.delenv(shared_gpu.ENV, raising=False)
-    before = workspace._new_workspace
+    before = workspace._new_workspace, workspace.new_symmetric
     shared_gpu.install()
-    assert workspace._new_workspace is before
+    assert (workspace._new_workspace, workspace.new_symmetric) == before
+
+
+def test_install_replaces_both_symmetric_allocations(monkeypatch):
+    """Under WEAVE_GPU_SHARED=1 both the fused op's workspace and the matmul op's symmetric buffers
+    go through CUDA IPC (a rank that kept symmetric memory's rendezvous for one of them would be
+    refused: two ranks on one device)."""
+    from weavepass.runtime.cuda import workspace
+
+    monkeypatch.setenv(shared_gpu.ENV, "1")
+    monkeypatch.setattr(workspace, "_new_workspace", workspace._new_workspace)
+    monkeypatch.setattr(workspace, "new_symmetric", workspace.new_symmetric)
+    shared_gpu.install()
+    assert workspace._new_workspace is shared_gpu._ipc_workspace
+    assert workspace.new_symmetric is shared_gpu._ipc_symmetric
 
 
 def test_spawn_shares_a_gpu_only_when_the_caller_allows_it(monkeypatch):

@@ -241,13 +241,14 @@ class WeaveConfig:
     """Run the row-parallel matmul that produces a site's partial sum (o_proj, down_proj) inside the
     fused op: ``weave.matmul_reduce_scatter_rmsnorm`` (docs/gemm_epilogue.md), matmul ->
     reduce_scatter -> add + RMSNorm -> all_gather on the portable lowering; with FlashComm, its
-    sharded form keeps the norm's rows on the shard. ``"off"``: never. ``"force"``: every site
-    whose sum is a plain ``mm`` (through views) and whose lowering carries the op; the others keep
-    the fused op, with the reason in the report (the CUDA lowering does not carry it yet: its
-    scatter-epilogue kernels are not wired to a symmetric workspace). ``"auto"``: only where a
-    measured table says the op's GEMM is at least as fast as the plain matmul; no table has
-    measured it yet, so ``"auto"`` keeps the fused op everywhere and says so. Not with the split
-    (``split``), which rewrites fused ops: its sites keep the matmul outside."""
+    sharded form keeps the norm's rows on the shard; on ``cuda_symm`` a persistent Triton GEMM whose
+    epilogue stores each tile into the owner rank's symmetric staging (``runtime/cuda/matmul.py``).
+    ``"off"``: never. ``"force"``: every site whose sum is a plain ``mm`` (through views) and whose
+    lowering carries the op (portable, ``cuda_symm``); the others keep the fused op, with the reason
+    in the report. ``"auto"``: only on ``cuda_symm`` where the measured table
+    (``runtime.cuda.gemm.MEASURED_SPEED``) says the Triton GEMM is at least as fast as cuBLAS for the
+    shape; elsewhere the fused op stays, and the report says the GEMM is unmeasured or slower. Not
+    with the split (``split``), which rewrites fused ops: its sites keep the matmul outside."""
 
     fx_graph_cache: bool = False
     """Let Inductor load compiled graphs from its FX-graph cache. The cache key includes the pass's

@@ -139,9 +139,9 @@ def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, 
     under ``WeaveConfig.gemm_epilogue`` = ``mode``, or None and why not (``NONE``: ``mode`` is
     ``"off"`` or there is no lowering). In order: the site's form (an RMSNorm inference site without
     quantization), its producer (``find_row_parallel_matmul``), the split (``split``: it
-    rewrites fused ops), then under ``auto`` the measurement (none exists yet: the op's GEMM is not
-    shown at least as fast as the plain matmul anywhere), under ``force`` whether the lowering
-    carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the config only:
+    rewrites fused ops), then under ``auto`` the measurement (``runtime.matmul_measured_speed``: the
+    op's GEMM at least as fast as the plain matmul for the shape; only ``cuda_symm`` has a table), and
+    whether the lowering carries the op (``runtime.matmul_unsupported_reason``). Reads the graph and the config only:
     every rank decides the same. FlashComm asks too, for its sharded form (``lowering``: its
     form's)."""
     from weavepass.runtime import matmul_unsupported_reason
@@ -156,12 +156,30 @@ def choose_gemm_epilogue(site: FusedAllReduceRMSNormSite, lowering: str | None, 
         return None, found
     if split != "off":
         return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SPLIT, split=split)
-    if mode == "auto":
-        return None, Reason.of(ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(lowering))
     cause = matmul_unsupported_reason(lowering)
+    if mode == "auto":
+        speed = None if cause is not None else _measured_speed(site, found, lowering)
+        if speed is None:
+            return None, Reason.of(ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(lowering))
+        if speed < 1.0:
+            return None, Reason.of(ReasonCode.GEMM_EPILOGUE_SLOWER, lowering=str(lowering), speed=round(speed, 3))
     if cause is not None:
         return None, Reason.of(ReasonCode.GEMM_EPILOGUE_LOWERING, mode=mode, lowering=str(lowering), cause=cause)
     return found, Reason.of(ReasonCode.GEMM_EPILOGUE, mode=mode, matmul=found.mm.name)
+
+
+def _measured_speed(site: FusedAllReduceRMSNormSite, found: RowParallelMatmul, lowering: str) -> float | None:
+    """The measured speed of ``lowering``'s GEMM for the site's matmul against the plain one
+    (``runtime.matmul_measured_speed``: static token counts read their bucket, symbolic ones the
+    slowest), or None: not measured, or a matmul of unknown width."""
+    from weavepass.compile.patterns.rmsnorm import val
+    from weavepass.runtime import matmul_measured_speed
+
+    x = val(found.x)
+    k = x.shape[-1] if x is not None else None
+    if not isinstance(k, int):
+        return None
+    return matmul_measured_speed(lowering, TokenCount.of(site.partial).static, site.hidden, k)
 
 
 def gemm_epilogue_warns(reason: Reason, mode: str) -> bool:

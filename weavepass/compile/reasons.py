@@ -164,6 +164,8 @@ class ReasonCode(enum.Enum):
     """The op fuses an RMSNorm inference site without quantization; this site is ``form``."""
     GEMM_EPILOGUE_UNMEASURED = "gemm_epilogue_unmeasured"
     """``auto``: no measurement says the op's GEMM is at least as fast as the plain matmul."""
+    GEMM_EPILOGUE_SLOWER = "gemm_epilogue_slower"
+    """``auto``: the measured table says the op's GEMM is slower than the plain matmul (``speed``)."""
     GEMM_EPILOGUE_LOWERING = "gemm_epilogue_lowering"
     """The site's lowering (``lowering``) does not carry the op (``cause``: the runtime's words)."""
     GEMM_EPILOGUE_SPLIT = "gemm_epilogue_split"
@@ -713,6 +715,9 @@ MESSAGES: dict[ReasonCode, Message] = {
         "gemm_epilogue='auto' moves the matmul into the op only where a measured table says the op's GEMM "
         "is at least as fast as the plain matmul ({lowering} lowering), and none has measured it yet "
         "(docs/gemm_epilogue.md): the matmul stays outside"),
+    ReasonCode.GEMM_EPILOGUE_SLOWER: (
+        "gemm_epilogue='auto': the measured table says the {lowering} lowering's GEMM runs at {speed}x the "
+        "plain matmul's speed for this shape (runtime.cuda.gemm.MEASURED_SPEED): the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_LOWERING: ("gemm_epilogue={mode!r}: the {lowering} lowering does not carry the "
                                         "matmul op: {cause}; the matmul stays outside"),
     ReasonCode.GEMM_EPILOGUE_SPLIT: ("gemm_epilogue: the split (split={split!r}) rewrites fused ops, "

@@ -117,23 +117,35 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
 _MATMUL_LOWERINGS: dict[str, tuple[str, str]] = {
     Lowering.PORTABLE: ("weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_portable",
                         "weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_shard_portable"),
+    Lowering.CUDA_SYMM: ("weavepass.runtime.cuda.matmul:matmul_reduce_scatter_rmsnorm_cuda",
+                         "weavepass.runtime.cuda.matmul:matmul_reduce_scatter_rmsnorm_shard_cuda"),
 }
 MATMUL_LOWERINGS = tuple(_MATMUL_LOWERINGS)
 """Lowerings that carry ``weave.matmul_reduce_scatter_rmsnorm`` and its sharded form: the portable
-one. (The CUDA kernels exist, ``runtime.cuda.gemm``, but nothing gives them a symmetric workspace or
-gathers the owners' rows yet: ``matmul_unsupported_reason``.)"""
-CUDA_MATMUL_NOT_WIRED = (
-    "the scatter-epilogue GEMM and its reduce (runtime/cuda/gemm.py) are not wired to a symmetric "
-    "workspace yet, and nothing gathers the owners' rows back (docs/gemm_epilogue.md)")
+one, and ``cuda_symm`` (``runtime.cuda.matmul``: the scatter-epilogue GEMM and its reduce on a
+symmetric workspace, and for the full stream a push of the owners' rows to every rank)."""
 
 
 def matmul_unsupported_reason(lowering: str) -> str | None:
     """Why ``lowering`` cannot run ``weave.matmul_reduce_scatter_rmsnorm`` (and its sharded form), or None."""
     if lowering in _MATMUL_LOWERINGS:
         return None
-    if lowering == Lowering.CUDA_SYMM:
-        return CUDA_MATMUL_NOT_WIRED
     return "no kernel of the op runs there"
+
+
+def matmul_measured_speed(lowering: str, tokens: int | None, hidden: int, k: int) -> float | None:
+    """How fast ``lowering``'s GEMM of the op runs against the plain matmul (cuBLAS) for rows
+    ``[tokens, k] @ [k, hidden]``, as measured (above 1: faster), or None where nobody measured it.
+    ``cuda_symm``: ``runtime.cuda.gemm.measured_speed``; a symbolic token count (None) takes the
+    slower of the measured token buckets, None unless every bucket is measured. Other lowerings run
+    the plain matmul: None (nothing to gain)."""
+    if lowering != Lowering.CUDA_SYMM:
+        return None
+    from weavepass.runtime.cuda.gemm import TOKEN_BUCKETS, measured_speed
+
+    counts = TOKEN_BUCKETS if tokens is None else (tokens,)
+    speeds = [measured_speed(m, hidden, k) for m in counts]
+    return None if any(s is None for s in speeds) else min(s for s in speeds if s is not None)
 
 
 def _matmul_kernel(lowering: str, shard: bool):
@@ -149,14 +161,21 @@ def matmul_reduce_scatter_rmsnorm(x, mat2, residual, weight, eps, group_name, ou
                                   workspace_tokens):
     """The kernel of ``weave.matmul_reduce_scatter_rmsnorm``: ``(normed, residual_out)`` ``[T, H]``
     of ``x @ mat2``'s sum over ranks by the lowering named ``lowering``."""
-    return _matmul_kernel(lowering, False)(x, mat2, residual, weight, eps, group_name, out_dtype)
+    run = _matmul_kernel(lowering, False)
+    if lowering == Lowering.PORTABLE:  # no workspace
+        return run(x, mat2, residual, weight, eps, group_name, out_dtype)
+    return run(x, mat2, residual, weight, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens)
 
 
 def matmul_reduce_scatter_rmsnorm_shard(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank,
                                         lowering, workspace_tokens):
     """The kernel of ``weave.matmul_reduce_scatter_rmsnorm_shard``: this rank's ``[rows_per_rank, H]``
     rows of ``(normed, residual_out)`` (FlashComm's sharded stream)."""
-    return _matmul_kernel(lowering, True)(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank)
+    run = _matmul_kernel(lowering, True)
+    if lowering == Lowering.PORTABLE:
+        return run(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank)
+    return run(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank,
+               max_workspace_tokens=workspace_tokens)
 
 
 _QUANT_LOWERINGS: dict[str, str] = {

@@ -192,3 +192,85 @@ class SimulatedScatterRanks:
         lay = self.layout
         first = HEADER_SLOTS.value + lay.world * lay.num_blocks + slot * lay.world * lay.num_blocks
         return self.pads[rank][first:first + lay.world * lay.num_blocks].view(lay.world, lay.num_blocks)
+
+
+class SimulatedMatmulRanks:
+    """The ``cuda_symm`` lowering of the matmul ops (``runtime.cuda.matmul``) for ``world`` ranks in
+    one process: each rank's ``MatmulWorkspace`` built from ordinary allocations (staging, gather
+    buffers and pads; NaN-poisoned buffers) with the address differences to the others', so each
+    rank's ``MatmulCall`` is the lowering's own. ``run`` makes every rank's call step by step: every
+    GEMM, then every reduce, then every push, then every collect (on a GPU each rank on its own
+    stream, so waits are real; under the interpreter one after another)."""
+
+    def __init__(self, world: int, hidden: int, tokens: int, dtype: torch.dtype, device="cuda",
+                 signal_rows: int | None = None, peer_timeout_s: float = SIM_PEER_TIMEOUT_S):
+        from weavepass.runtime.cuda.gemm import GatherLayout, GatherWorkspace
+        from weavepass.runtime.cuda.matmul import MatmulWorkspace, capacity_rows
+
+        self.device = torch.device(device)
+        self.world = world
+        on_gpu = self.device.type == "cuda"
+        watch, timeout_ns = (peer_wait.record_address(), int(peer_timeout_s * 1e9)) if on_gpu else (0, 0)
+        scatter = ScatterLayout(world, hidden, capacity_rows(tokens, world),
+                                **({} if signal_rows is None else {"signal_rows": signal_rows}))
+        gather = GatherLayout(world, hidden, tokens)
+
+        def buffers(n: int, t: torch.dtype, fill: float) -> list[torch.Tensor]:
+            return [torch.full((n,), fill, dtype=t, device=self.device) for _ in range(world)]
+
+        staging, gathers = buffers(scatter.staging_elements, dtype, float("nan")), buffers(gather.elements, dtype,
+                                                                                            float("nan"))
+        pads, gather_pads = buffers(scatter.pad_slots, torch.int32, 0), buffers(gather.pad_slots, torch.int32, 0)
+        self.pads, self.gather_pads = pads, gather_pads
+        self.workspaces = [
+            MatmulWorkspace(
+                f"sim{world}", tokens,
+                ScatterWorkspace(scatter, r, staging[r], pads[r], address_table(staging, r, STAGING_ALIGNMENT),
+                                 address_table(pads, r), watch, timeout_ns),
+                GatherWorkspace(gather, r, gathers[r], gather_pads[r], address_table(gathers, r),
+                                address_table(gather_pads, r), watch, timeout_ns))
+            for r in range(world)]
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(world)] if on_gpu else None
+
+    def calls(self, xs, mat2s, residuals, weight, eps, rows_per_rank: int | None = None,
+              num_ctas: int | None = None):
+        """Every rank's ``MatmulCall`` (``rows_per_rank`` None: the full stream, else the sharded
+        form with that split). ``residuals``: each rank's residual argument (the full stream's [T, H]
+        or its [rows_per_rank, H] shard), or None."""
+        from weavepass.runtime.cuda.matmul import prepare_call
+        from weavepass.runtime.portable import rows_per_rank as ceil_split
+
+        tokens = xs[0].shape[0]
+        per = ceil_split(tokens, self.world) if rows_per_rank is None else rows_per_rank
+        ctas = num_ctas or max(1, REDUCE_CTAS // self.world)
+        out = []
+        for r, ws in enumerate(self.workspaces):
+            owners = ws.owners(tokens, per)
+            out.append(prepare_call(ws, owners, xs[r], mat2s[r], None if residuals is None else residuals[r], weight,
+                                    eps, xs[r].dtype, rows_per_rank, ctas))
+        return out
+
+    def run(self, calls, timeout_s: float = 60.0, one_stream: bool = False) -> None:
+        """Every rank's steps in phases (``one_stream``: on the calling stream, one after another:
+        no wait can block, so it loads every kernel first)."""
+        steps = ("gemm", "reduce", "push", "collect")
+        if self.streams is None or one_stream:
+            for step in steps:
+                for call in calls:
+                    getattr(call, step)()
+            return
+        caller = torch.cuda.current_stream(self.device)
+        for stream in self.streams:
+            stream.wait_stream(caller)
+        for step in steps:
+            for r, call in enumerate(calls):
+                with torch.cuda.stream(self.streams[r]):
+                    getattr(call, step)()
+        events = [s.record_event() for s in self.streams]
+        deadline = time.monotonic() + timeout_s
+        while not all(e.query() for e in events):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"simulated matmul ranks did not finish in {timeout_s} s")
+            time.sleep(1e-3)
+        for stream in self.streams:
+            caller.wait_stream(stream)

@@ -86,10 +86,42 @@ def _ipc_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
                          watch=peer_wait.record_address(), timeout_ns=peer_wait.peer_timeout_ns(group_name))
 
 
+def _ipc_symmetric(group_name: str, dtype: torch.dtype, device: torch.device, numel: int, pad_slots: int):
+    """``workspace.new_symmetric`` through CUDA IPC: a buffer of NaNs (as uninitialised as
+    ``symm_mem.empty``) and a pad of zeros, exchanged with the group's ranks by ``all_gather_object``."""
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from weavepass.runtime.cuda import peer_wait
+    from weavepass.runtime.cuda import workspace as ws
+    from weavepass.runtime.portable import resolve_group
+
+    group = resolve_group(group_name)
+    rank, world = dist.get_rank(group), group.size()
+    buffer = torch.full((numel,), float("nan"), dtype=dtype, device=device)
+    pad = torch.zeros(pad_slots, dtype=torch.int32, device=device)
+    torch.cuda.synchronize(device)
+    handles: list = [None] * world
+    dist.all_gather_object(handles, (reduce_tensor(buffer), reduce_tensor(pad)), group=group)
+    buffers, pads = [], []
+    for peer, ((rebuild_b, args_b), (rebuild_p, args_p)) in enumerate(handles):
+        buffers.append(buffer if peer == rank else rebuild_b(*args_b))
+        pads.append(pad if peer == rank else rebuild_p(*args_p))
+    _PEERS.append((buffers, pads))
+    deltas = [(b.data_ptr() - buffer.data_ptr()) // buffer.element_size() for b in buffers]
+    pad_deltas = [(p.data_ptr() - pad.data_ptr()) // 4 for p in pads]
+    dist.barrier(group)
+    return ws.SymmetricBuffer(buffer, pad, deltas, pad_deltas, rank, world, watch=peer_wait.record_address(),
+                              timeout_ns=peer_wait.peer_timeout_ns(group_name))
+
+
 def install() -> None:
-    """In a rank process of a shared-GPU run: build workspaces through CUDA IPC (a no-op otherwise)."""
+    """In a rank process of a shared-GPU run: build workspaces through CUDA IPC (a no-op otherwise):
+    the fused op's (``workspace._new_workspace``) and every other symmetric allocation
+    (``workspace.new_symmetric``: the matmul op's staging and gather buffers)."""
     if not enabled():
         return
     from weavepass.runtime.cuda import workspace
 
     workspace._new_workspace = _ipc_workspace
+    workspace.new_symmetric = _ipc_symmetric

@@ -15,8 +15,9 @@ else through pointers (``use_descriptors=False`` forces that path). The epilogue
 pointers: one destination computed from a table, so no per-owner descriptor and no branch between
 stores.
 
-Nothing here is wired into the compile pass yet (no planner choice, no op): this is the kernel
-foundation of issue 34, exercised by ``weavepass.testing.gemm_sim`` and ``benchmarks/bench_gemm.py``.
+The ``cuda_symm`` lowering of the matmul ops (``runtime.cuda.matmul``) runs these on a symmetric
+workspace; ``weavepass.testing.gemm_sim`` runs them on simulated ranks, ``benchmarks/bench_gemm.py``
+times them. ``push_rows`` / ``collect_rows``: the full residual stream's gather of the owners' rows.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ def measured_speed(m: int, n: int, k: int) -> float | None:
 def token_bucket(m: int) -> int:
     """The measured token count whose config serves ``m`` rows: 2048 up to 4096, else 8192."""
     return 2048 if m <= 4096 else 8192
+
+
+TOKEN_BUCKETS = (2048, 8192)
+"""Every value ``token_bucket`` returns."""
 
 
 def interpreting() -> bool:
@@ -412,3 +417,73 @@ def tune(run, configs=GPU_CONFIGS, report=None) -> tuple[GemmConfig, dict]:
     if not timed:
         raise RuntimeError("no GEMM config ran: " + "; ".join(f"{c}: {e}" for c, e in results.items()))
     return min(timed, key=timed.get), results
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """Sizes of one group's gather buffers and pads (``gemm_kernels.push_rows_kernel``'s layout)."""
+
+    world: int
+    hidden: int
+    capacity: int  # tokens per (slot, output) block: the largest call's token count
+
+    @property
+    def elements(self) -> int:
+        return STAGING_SLOTS * 2 * self.capacity * self.hidden
+
+    @property
+    def pad_slots(self) -> int:
+        from weavepass.runtime.cuda.gemm_kernels import GATHER_HEADER
+
+        return GATHER_HEADER.value + STAGING_SLOTS * self.world
+
+
+@dataclass(frozen=True)
+class GatherWorkspace:
+    """One rank's view of the group's gather buffers (``[2 slots][normed, residual_out][capacity][H]``)
+    and their pads, with the address differences to every rank's as device tables."""
+
+    layout: GatherLayout
+    rank: int
+    buffer: torch.Tensor  # [layout.elements], dtype of the rows
+    pad: torch.Tensor  # int32 [layout.pad_slots], zeros when new
+    deltas: torch.Tensor  # int64 [world]
+    pad_deltas: torch.Tensor  # int64 [world]
+    watch: int = 0
+    timeout_ns: int = 0
+
+
+def copy_arguments(hidden: int, element_size: int) -> dict:
+    """Constexprs of ``push_rows_kernel`` / ``collect_rows_kernel``: tiles of about ``SMALL_TILE_BYTES``."""
+    block_h = triton_next_power_of_2(hidden)
+    rows = max(1, SMALL_TILE_BYTES // element_size // block_h)
+    rows = 1 << (rows.bit_length() - 1)
+    return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows,
+                num_warps=max(4, min(16, rows * block_h * element_size // 4096)))
+
+
+def push_rows(ws: GatherWorkspace, normed: torch.Tensor, residual_out: torch.Tensor, start: int, count: int,
+              num_ctas: int) -> None:
+    """Rows ``[start, start + count)`` of this rank's outputs (``[T, H]``, contiguous) into every peer's
+    gather slot of this call, then the peers' flags. ``collect_rows`` must follow on the same stream."""
+    from weavepass.runtime.cuda.gemm_kernels import push_rows_kernel
+
+    lay = ws.layout
+    meta = copy_arguments(lay.hidden, ws.buffer.element_size())
+    grid = (max(1, min(num_ctas, -(-count // meta["ROWS"]))),)
+    push_rows_kernel[grid](normed, residual_out, ws.buffer, ws.deltas, ws.pad, ws.pad_deltas, start, count,
+                           lay.capacity, RANK=ws.rank, WORLD=lay.world, **meta)
+
+
+def collect_rows(ws: GatherWorkspace, normed: torch.Tensor, residual_out: torch.Tensor, start: int, count: int,
+                 num_ctas: int) -> None:
+    """Every peer's rows of this call (waiting for their pushes, bounded) into the outputs ``[T, H]``:
+    all rows but ``[start, start + count)``, this rank's own."""
+    from weavepass.runtime.cuda.gemm_kernels import collect_rows_kernel
+
+    lay = ws.layout
+    meta = copy_arguments(lay.hidden, ws.buffer.element_size())
+    tokens = normed.shape[0]
+    grid = (max(1, min(num_ctas, -(-tokens // meta["ROWS"]))),)
+    collect_rows_kernel[grid](normed, residual_out, ws.buffer, ws.pad, start, count, tokens, lay.capacity,
+                              ws.watch, ws.timeout_ns, RANK=ws.rank, WORLD=lay.world, **meta)

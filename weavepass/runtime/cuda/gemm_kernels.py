@@ -326,3 +326,109 @@ def reduce_scattered_rows_kernel(
     if tl.atomic_add(pad_ptr + REDUCE_DONE, 1, sem="acq_rel", scope="sys") == num_programs - 1:
         tl.atomic_xchg(pad_ptr + REDUCE_DONE, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(pad_ptr + REDUCE_SEQ, seq, sem="release", scope="sys")
+
+
+# -- The gather of the owners' rows (the full residual stream; ``runtime.cuda.matmul``)
+#
+# Gather buffer of every rank (dtype of the rows, symmetric): ``[slot in 0..1][2][capacity][HIDDEN]``
+# (normed rows, then residual_out rows, at their token index). Its own pad (int32, symmetric):
+#
+#     [0] GATHER_SEQ  [1] GATHER_PUSHED  [2] GATHER_DONE  [3] (spare)  [4 ..] FLAG[slot][src]
+#
+# Call ``seq`` (= GATHER_SEQ + 1) uses slot ``seq % 2``. ``push_rows_kernel`` stores the owner's rows
+# into every peer's slot, and its last CTA releases ``FLAG[slot][RANK] = seq`` there;
+# ``collect_rows_kernel`` waits for every peer's flag, copies their rows into the outputs and its last
+# CTA advances GATHER_SEQ. No acknowledgement is needed before a push: a rank that pushes call ``seq``
+# into a peer's slot has collected call ``seq - 1``, so it saw the peer's push of ``seq - 1``, which
+# the peer's stream runs after its collect of ``seq - 2``, the last reader of that slot.
+GATHER_SEQ = tl.constexpr(0)
+GATHER_PUSHED = tl.constexpr(1)
+GATHER_DONE = tl.constexpr(2)
+GATHER_HEADER = tl.constexpr(4)
+"""Pad slots of the gather before its FLAG table."""
+
+
+@triton.jit(do_not_specialize=["start", "count", "capacity"])
+def push_rows_kernel(
+    normed_ptr,  # [T, HIDDEN] this rank's output; its rows [start, start + count) are written
+    residual_out_ptr,  # [T, HIDDEN] the same for residual_out (dtype of the gather buffer)
+    gather_ptr,  # this rank's gather buffer (layout above)
+    deltas_ptr,  # int64 [WORLD]: rank j's gather buffer - this rank's, in elements
+    pad_ptr,  # int32 this rank's gather pad
+    pad_deltas_ptr,  # int64 [WORLD]: rank j's gather pad - this rank's, in int32 slots
+    start, count,  # this rank's rows
+    capacity,  # tokens per (slot, output) block of the gather buffer
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The owner's rows of both outputs into every peer's gather slot, then (last CTA) the flags."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    seq = tl.load(pad_ptr + GATHER_SEQ, volatile=True) + 1
+    slot = seq % 2
+    block = capacity.to(tl.int64) * HIDDEN
+    for tile in range(pid, tl.cdiv(count, ROWS), num_programs):
+        token = (start + tile * ROWS + rows).to(tl.int64)
+        mask = (tile * ROWS + rows < count)[:, None] & (cols < HIDDEN)[None, :]
+        offs = token[:, None] * HIDDEN + cols[None, :]
+        normed = tl.load(normed_ptr + offs, mask=mask)
+        res = tl.load(residual_out_ptr + offs, mask=mask)
+        dst = gather_ptr + 2 * slot * block + offs
+        for i in tl.static_range(WORLD - 1):
+            peer = tl.load(deltas_ptr + (RANK + 1 + i) % WORLD)
+            tl.store(dst + peer, normed.to(gather_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + peer + block, res, mask=mask)
+    tl.debug_barrier()  # every thread's stores are done before the release below
+    if tl.atomic_add(pad_ptr + GATHER_PUSHED, 1, sem="acq_rel", scope="sys") == num_programs - 1:
+        tl.atomic_xchg(pad_ptr + GATHER_PUSHED, 0, sem="relaxed", scope="gpu")
+        for i in tl.static_range(WORLD - 1):
+            peer_pad = pad_ptr + tl.load(pad_deltas_ptr + (RANK + 1 + i) % WORLD)
+            tl.atomic_xchg(peer_pad + GATHER_HEADER + slot * WORLD + RANK, seq, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["start", "count", "num_tokens", "capacity"])
+def collect_rows_kernel(
+    normed_ptr,  # [T, HIDDEN] this rank's outputs: every row but its own [start, start + count)
+    residual_out_ptr,
+    gather_ptr,  # this rank's gather buffer
+    pad_ptr,  # int32 this rank's gather pad
+    start, count, num_tokens, capacity,
+    watch_addr, timeout_ns,  # the bounded wait (kernels._give_up_after)
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Wait for every peer's push of this call (acquire), copy their rows into the outputs; the last
+    CTA advances GATHER_SEQ (the next call's slot)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+    seq = tl.load(pad_ptr + GATHER_SEQ, volatile=True) + 1
+    slot = seq % 2
+    block = capacity.to(tl.int64) * HIDDEN
+    deadline = _deadline(timeout_ns)
+    for i in tl.static_range(WORLD - 1):
+        peer = (RANK + 1 + i) % WORLD
+        while tl.atomic_add(pad_ptr + GATHER_HEADER + slot * WORLD + peer, 0, sem="acquire", scope="sys") < seq:
+            _give_up_after(deadline, watch_addr, timeout_ns, peer, 9, RANK, WORLD)  # site: peer_wait.SITES
+    tl.debug_barrier()  # no thread reads gathered rows before the acquire
+    for tile in range(pid, tl.cdiv(num_tokens, ROWS), num_programs):
+        token = tile * ROWS + rows
+        theirs = (token < num_tokens) & ((token < start) | (token >= start + count))
+        mask = theirs[:, None] & (cols < HIDDEN)[None, :]
+        offs = token.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        gathered = gather_ptr + 2 * slot * block + offs
+        tl.store(normed_ptr + offs, tl.load(gathered, mask=mask).to(normed_ptr.dtype.element_ty), mask=mask)
+        tl.store(residual_out_ptr + offs, tl.load(gathered + block, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's loads are done before the next call may be pushed
+    if tl.atomic_add(pad_ptr + GATHER_DONE, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+        tl.atomic_xchg(pad_ptr + GATHER_DONE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(pad_ptr + GATHER_SEQ, seq, sem="relaxed", scope="gpu")

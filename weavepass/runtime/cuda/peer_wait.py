@@ -49,6 +49,7 @@ SITES = {
     6: "the push variant's push: the peer's rows never came",
     7: "the scatter GEMM: the peer never finished reading this rank's previous rows (runtime.cuda.gemm)",
     8: "the scatter GEMM's reduce: the peer's tiles of a row block never came (runtime.cuda.gemm)",
+    9: "the matmul op's gather: the peer's normed rows never came (runtime.cuda.gemm.collect_rows)",
 }
 """What each wait site of ``weavepass.runtime.cuda.kernels`` waits for (the ``SITE`` code)."""
 

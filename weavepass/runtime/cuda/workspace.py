@@ -127,6 +127,47 @@ def _new_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
                       watch=peer_wait.record_address(), timeout_ns=peer_wait.peer_timeout_ns(group_name))
 
 
+@dataclass
+class SymmetricBuffer:
+    """One rendezvoused allocation of ``numel`` elements and its signal pad (``pad_slots`` int32,
+    zeros when new), with every rank's address minus this rank's: what a workspace of another layout
+    than ``_Workspace``'s is built on (``runtime.cuda.matmul``)."""
+
+    buffer: torch.Tensor
+    pad: torch.Tensor
+    deltas: list[int]  # in elements of the buffer's dtype
+    pad_deltas: list[int]  # in int32 slots
+    rank: int
+    world: int
+    watch: int = 0
+    timeout_ns: int = 0
+
+
+def new_symmetric(group_name: str, dtype: torch.dtype, device: torch.device, numel: int,
+                  pad_slots: int) -> SymmetricBuffer:
+    """A symmetric allocation through PyTorch symmetric memory (``_new_workspace``'s path; with
+    ``WEAVE_GPU_SHARED=1``, ``testing.shared_gpu`` replaces it by CUDA IPC). Collective: every rank
+    of the group calls it at the same point. Raises where the signal pad is smaller than ``pad_slots``."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    have = _signal_pad_bytes() // 4
+    if pad_slots > have:
+        raise RuntimeError(f"the symmetric signal pad holds {have} int32 slots; this workspace needs {pad_slots}")
+    enable_symm_mem_for_group(group_name)
+    buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+    torch.cuda.synchronize(device)
+    handle = symm_mem.rendezvous(buffer, group_name)
+    if handle.multicast_ptr != 0:
+        logger.warning("symmetric workspace got a multicast object; weave never uses it")
+    rank, world = handle.rank, handle.world_size
+    pad = handle.get_signal_pad(rank, [pad_slots], torch.int32)
+    size = buffer.element_size()
+    deltas = [(p - handle.buffer_ptrs[rank]) // size for p in handle.buffer_ptrs]
+    pad_deltas = [(p - handle.signal_pad_ptrs[rank]) // 4 for p in handle.signal_pad_ptrs]
+    return SymmetricBuffer(buffer, pad, deltas, pad_deltas, rank, world, watch=peer_wait.record_address(),
+                           timeout_ns=peer_wait.peer_timeout_ns(group_name))
+
+
 def outside_graph_pools(make, device: torch.device):
     """``make()`` run on a helper thread, then synchronised: what it allocates must outlive every
     CUDA graph. During a CUDA-graph tree's warm-up run Inductor sends every allocation *of the
