@@ -49,12 +49,29 @@ def gpus_needed(world: int) -> int:
     return 1 if enabled() else world
 
 
+def _exchange(buffer: torch.Tensor, pad: torch.Tensor, group, rank: int, world: int) -> tuple[list[int], list[int]]:
+    """Every rank's ``buffer`` and ``pad`` opened here through CUDA IPC (held in ``_PEERS`` for the
+    process's life): their offsets from this rank's, in elements of each (the kernels' deltas)."""
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles: list = [None] * world
+    dist.all_gather_object(handles, (reduce_tensor(buffer), reduce_tensor(pad)), group=group)
+    buffers, pads = [], []
+    for peer, ((rebuild_b, args_b), (rebuild_p, args_p)) in enumerate(handles):
+        buffers.append(buffer if peer == rank else rebuild_b(*args_b))
+        pads.append(pad if peer == rank else rebuild_p(*args_p))
+    _PEERS.append((buffers, pads))
+    deltas = [(b.data_ptr() - buffer.data_ptr()) // buffer.element_size() for b in buffers]
+    pad_deltas = [(p.data_ptr() - pad.data_ptr()) // pad.element_size() for p in pads]
+    return deltas, pad_deltas
+
+
 def _ipc_workspace(group_name: str, dtype: torch.dtype, device: torch.device, capacity: int,
                    purpose: str = "fused"):
     """``workspace._new_workspace`` through CUDA IPC: the same layout (regions, Lamport region of
     negative zeros, a signal pad of zeros), exchanged with the group's ranks by ``all_gather_object``."""
     import torch.distributed as dist
-    from torch.multiprocessing.reductions import reduce_tensor
 
     from weavepass.runtime.cuda import workspace as ws
     from weavepass.runtime.cuda.support import MAX_WORLD
@@ -69,15 +86,7 @@ def _ipc_workspace(group_name: str, dtype: torch.dtype, device: torch.device, ca
     buffer[2 * capacity:].fill_(-0.0)
     pad = torch.zeros(ws.lamport_flag_slot(world) + 2, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)  # filled before any peer can address them
-    handles: list = [None] * world
-    dist.all_gather_object(handles, (reduce_tensor(buffer), reduce_tensor(pad)), group=group)
-    buffers, pads = [], []
-    for peer, ((rebuild_b, args_b), (rebuild_p, args_p)) in enumerate(handles):
-        buffers.append(buffer if peer == rank else rebuild_b(*args_b))
-        pads.append(pad if peer == rank else rebuild_p(*args_p))
-    _PEERS.append((buffers, pads))
-    deltas = [(b.data_ptr() - buffer.data_ptr()) // itemsize for b in buffers]
-    pad_deltas = [(p.data_ptr() - pad.data_ptr()) // 4 for p in pads]
+    deltas, pad_deltas = _exchange(buffer, pad, group, rank, world)
     padding = [0] * (MAX_WORLD - world)
     dist.barrier(group)  # every rank imported every peer before any kernel runs
     from weavepass.runtime.cuda import peer_wait
@@ -90,7 +99,6 @@ def _ipc_symmetric(group_name: str, dtype: torch.dtype, device: torch.device, nu
     """``workspace.new_symmetric`` through CUDA IPC: a buffer of NaNs (as uninitialised as
     ``symm_mem.empty``) and a pad of zeros, exchanged with the group's ranks by ``all_gather_object``."""
     import torch.distributed as dist
-    from torch.multiprocessing.reductions import reduce_tensor
 
     from weavepass.runtime.cuda import peer_wait
     from weavepass.runtime.cuda import workspace as ws
@@ -101,15 +109,7 @@ def _ipc_symmetric(group_name: str, dtype: torch.dtype, device: torch.device, nu
     buffer = torch.full((numel,), float("nan"), dtype=dtype, device=device)
     pad = torch.zeros(pad_slots, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)
-    handles: list = [None] * world
-    dist.all_gather_object(handles, (reduce_tensor(buffer), reduce_tensor(pad)), group=group)
-    buffers, pads = [], []
-    for peer, ((rebuild_b, args_b), (rebuild_p, args_p)) in enumerate(handles):
-        buffers.append(buffer if peer == rank else rebuild_b(*args_b))
-        pads.append(pad if peer == rank else rebuild_p(*args_p))
-    _PEERS.append((buffers, pads))
-    deltas = [(b.data_ptr() - buffer.data_ptr()) // buffer.element_size() for b in buffers]
-    pad_deltas = [(p.data_ptr() - pad.data_ptr()) // 4 for p in pads]
+    deltas, pad_deltas = _exchange(buffer, pad, group, rank, world)
     dist.barrier(group)
     return ws.SymmetricBuffer(buffer, pad, deltas, pad_deltas, rank, world, watch=peer_wait.record_address(),
                               timeout_ns=peer_wait.peer_timeout_ns(group_name))
