@@ -76,7 +76,8 @@
 #              of one rank (~75 s on 2026-12-01); a step for the `nvidia-h200` kind
 #   peerwait   bounded waits: a simulated peer that never comes (every kernel kind), then a stalled
 #              peer process sharing GPU 0 (runtime.cuda.peer_wait); one GPU, ~100 s
-#   sim        the kernels of 2, 4 and 8 ranks simulated on one GPU
+#   sim        the kernels of 2, 4 and 8 ranks simulated on one GPU (SIM_JOBS=N: N tests at a time,
+#              one process each, benchmarks/parallel_pytest.py)
 #              (tests/gpu/test_kernel_sim_one_gpu.py, mostly compiling every rank's kernels: with the
 #              onegpu file it ran out of 420 s after 16 of 20 tests on 2026-12-01); one GPU
 #   gemm       issue 34's kernels on one GPU: tests/gpu/test_gemm_gpu.py (the persistent Triton GEMM
@@ -262,8 +263,16 @@ HANG_GUARD=""
 python3 -c "import pytest_timeout" 2>/dev/null && HANG_GUARD="--timeout ${TEST_TIMEOUT_S:-240} --timeout-method thread"
 wanted onegpu && step pytest_one_gpu "${ONEGPU_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA \
     --durations=10 $HANG_GUARD tests/gpu/test_cuda_kernel_one_gpu.py
-wanted sim && step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 -m pytest -m gpu -q -rA \
-    --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k "not peer_that_never"
+# SIM_JOBS=N (N > 1): each test in a process of its own, N at a time (benchmarks/parallel_pytest.py):
+# the file's time is the host compiling every simulated rank's kernels, and serially it did not
+# finish in one call (2026-12-04: 4 of 13 tests in 555 s).
+if wanted sim && [ "${SIM_JOBS:-1}" -gt 1 ]; then
+  step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 benchmarks/parallel_pytest.py --jobs "$SIM_JOBS" \
+      tests/gpu/test_kernel_sim_one_gpu.py -k "not peer_that_never" -- -m gpu $HANG_GUARD
+elif wanted sim; then
+  step pytest_kernel_sim "${SIM_TIMEOUT_S:-480}" python3 -m pytest -m gpu -q -rA \
+      --durations=0 $HANG_GUARD tests/gpu/test_kernel_sim_one_gpu.py -k "not peer_that_never"
+fi
 # Bounded waits (runtime.cuda.peer_wait): a peer that never comes, per kernel kind (simulated ranks,
 # one process each), then a stalled peer process with both ranks on GPU 0 (~100 s on one H200).
 wanted peerwait && step pytest_peer_wait_sim "${PEERWAIT_TIMEOUT_S:-150}" python3 -m pytest -m gpu -q -rA \

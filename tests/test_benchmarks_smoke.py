@@ -228,3 +228,24 @@ def test_auto_check_decides_from_paired_rounds_and_the_aa_band(tmp_path, capsys)
     assert "weave_auto  1 seq     16 tokens: 1.010x inductor  unresolved (A/A band 2.0%)" in check
     assert "weave_auto_cg  1 seq     16 tokens: 0.988x inductor_cg  ok (no A/A control)" in check
     assert "1 ok, 1 unresolved, 0 SLOWER of 2 cells: target not shown" in check
+
+
+def test_parallel_pytest_runs_each_test_alone_and_fails_on_a_failure(tmp_path):
+    """benchmarks/parallel_pytest.py (the simulated-rank GPU tests, one process per test): the
+    total counts every test's outcome and the exit status says a test failed."""
+    case = tmp_path / "test_case.py"
+    case.write_text("import os\n"
+                    "def test_a(): assert os.getpid()\n"
+                    "def test_b(): assert False, 'b fails'\n"
+                    "def test_c(): pass\n")
+    cmd = [sys.executable, str(BENCHMARKS / "parallel_pytest.py"), "--jobs", "2", "--log-dir",
+           str(tmp_path / "logs"), str(case), "--", "-p", "no:cacheprovider"]
+    failed = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "parallel_pytest total: 1 failed, 2 passed" in failed.stdout
+    assert "b fails" in failed.stdout  # the failing test's own log is printed
+    assert len(list((tmp_path / "logs").glob("test_*.log"))) == 3
+    passed = subprocess.run(cmd[:-3] + ["-k", "not test_b", "--", "-p", "no:cacheprovider"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "parallel_pytest total: 2 passed" in passed.stdout
