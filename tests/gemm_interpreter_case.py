@@ -300,11 +300,13 @@ def case_matmul_entry() -> None:
         assert [ws.tokens for ws in cached] == [512, 1024], [ws.tokens for ws in cached]  # 21 reused 512
         assert sorted(cached[0].splits) == [(21, 21), (21, 48), (300, 300), (300, 320)], sorted(cached[0].splits)
         assert sorted(cached[1].splits) == [(600, 600), (600, 624)], sorted(cached[1].splits)
-        assert not lowering._WARNED, lowering._WARNED
-        x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once
-        lowering.matmul_reduce_scatter_rmsnorm_cuda(x, _draw(gen, hidden, k).t(), None, weight, EPS, group, DTYPE,
-                                                    max_workspace_tokens=1024)
+        assert not lowering._WARNED and not lowering.FALLBACKS, (lowering._WARNED, lowering.FALLBACKS)
+        x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once, counted twice
+        for _ in range(2):
+            lowering.matmul_reduce_scatter_rmsnorm_cuda(x, _draw(gen, hidden, k).t(), None, weight, EPS, group,
+                                                        DTYPE, max_workspace_tokens=1024)
         assert len(lowering._WARNED) == 1 and "1024-token limit" in next(iter(lowering._WARNED))
+        assert list(lowering.FALLBACKS.values()) == [2] and "1024-token limit" in next(iter(lowering.FALLBACKS))
         dist.destroy_process_group()
     print("matmul_entry: OK")
 

@@ -56,6 +56,47 @@ def test_overlap_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_overlap_smoke_gemm_epilogue_one_rank(tmp_path):
+    """``weave_gemm_epilogue`` at ``--world 1`` (a group of one rank; on the CPU the op's portable
+    lowering): the rewrite moved the tiny model's two row-parallel matmuls (o_proj, down_proj of
+    its one layer) into the op, weave_fuse none, and no call fell back."""
+    pytest.importorskip("triton")
+    text, rows = _smoke("bench_overlap.py", tmp_path, "--world", "1", "--variants",
+                        "weave_fuse,weave_gemm_epilogue,weave_gemm_epilogue_cg", "--tokens", "16",
+                        csv_name="bench_overlap_tp1")
+    got = {r["variant"]: (r["world"], r["matmuls_moved"], r["fallbacks"]) for r in rows}
+    assert got == {"weave_fuse": ("1", "0", ""), "weave_gemm_epilogue": ("1", "2", "0")}, got
+    assert "weave_gemm_epilogue_cg skipped on the CPU" in text
+    assert "FALLBACK" not in text
+
+
+def test_overlap_fallback_count_is_loud(capsys, monkeypatch):
+    """A warm-up in which the cuda_symm matmul op ran the portable lowering is counted for its cell
+    and printed as a FALLBACK line; one without is silent; fallbacks in the timed rounds too."""
+    pytest.importorskip("triton")
+    _, bench_overlap, _ = _benchmarks()
+    from weavepass.runtime.cuda import matmul
+
+    monkeypatch.setattr(matmul, "FALLBACKS", type(matmul.FALLBACKS)())
+    count = bench_overlap._FallbackCount()
+    count.start()
+    count.stop(("weave_gemm_epilogue", 16))
+    assert "FALLBACK" not in capsys.readouterr().out
+    count.start()
+    matmul.FALLBACKS["a workspace past the limit"] += 3
+    count.stop(("weave_gemm_epilogue", 32))
+    assert count.cells == {("weave_gemm_epilogue", 16): 0, ("weave_gemm_epilogue", 32): 3}
+    out = capsys.readouterr().out
+    assert "FALLBACK: weave_gemm_epilogue at 32 tokens: 3 call(s)" in out and "past the limit" in out
+    count.after_rounds(0)
+    assert "FALLBACK" not in capsys.readouterr().out
+    matmul.FALLBACKS["a workspace past the limit"] += 1
+    count.after_rounds(0)
+    assert "FALLBACK: 1 call(s) of the cuda_symm matmul op ran the portable lowering during the timed rounds" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_decode_smoke(tmp_path):
     text, rows = _smoke("bench_decode.py", tmp_path, "--variants", "eager,weave_min1,weave_cg",
                         "--layers", "1", "--batches", "2")
