@@ -25,6 +25,7 @@ from weavepass.runtime.cuda.gemm import (
     STAGING_SLOTS,
     matmul,
     owner_row_starts,
+    scatter_store_reason,
 )
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.gemm_sim import SimulatedScatterRanks
@@ -71,13 +72,20 @@ def case_gemm() -> None:
 
 
 def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int, desc: bool, residual: bool,
-               config=INTERPRETER_CONFIG):
+               config=INTERPRETER_CONFIG, one_allocation: bool = False, tma_stores: bool = False):
     """``calls`` back-to-back calls of ``world`` simulated ranks; checks every call's staged partials
-    and outputs, and the signals after the last."""
+    and outputs, and the signals after the last. ``one_allocation``: the stagings in one tensor, the
+    capacity rounded up to whole tiles; ``tma_stores``: asserts the scatter stores through the
+    descriptor there (``scatter_store_reason`` None), else that it stores through pointers."""
     gen = torch.Generator().manual_seed(world * 100 + tokens)
     starts = owner_row_starts(tokens, world, counts)
     capacity = max(b - a for a, b in itertools.pairwise(starts)) or 1
-    sim = SimulatedScatterRanks(world, hidden, capacity, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+    if one_allocation:
+        capacity = -(-capacity // config.block_m) * config.block_m
+    sim = SimulatedScatterRanks(world, hidden, capacity, DTYPE, "cpu", signal_rows=SIGNAL_ROWS,
+                                one_allocation=one_allocation)
+    why = scatter_store_reason(sim.workspaces[0], config, desc, signals=True)
+    assert (why is None) == tma_stores, why
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
     for call in range(calls):
         xs = [_draw(gen, tokens, k) for _ in range(world)]
@@ -125,6 +133,27 @@ def case_scatter() -> None:
     for i, (world, tokens, counts) in enumerate(splits):  # each world through both load paths
         _world_run(world, tokens, 24, 32, counts, 3, desc=bool(i % 2), residual=True, config=configs[i % 3])
     print("scatter: OK")
+
+
+def case_scatter_paths() -> None:
+    """The scatter's signal and store paths: the per-tile signals of the first versions
+    (``defer_signals=False``), the deferred ones (the default) with TMA stores through one descriptor
+    over one allocation of every rank's staging, in one, two and four column slices, flattened, and
+    TMA asked for where it cannot serve (separate allocations; per-tile signals): pointer stores.
+    Each run checks the staged partials against the plain GEMM to the bit, the reduce, and the
+    signals' values after three calls (as ``case_scatter``)."""
+    tilesig = dataclasses.replace(INTERPRETER_CONFIG, defer_signals=False)
+    tma = [dataclasses.replace(c, store_desc=True) for c in (INTERPRETER_CONFIG, FLATTENED, *SPLIT_STORES)]
+    for world, tokens, counts in ((2, 37, None), (3, 41, [20, 4, 17]), (4, 45, [1, 16, 0, 28])):
+        _world_run(world, tokens, 24, 32, counts, 3, desc=True, residual=True, config=tilesig)
+        _world_run(world, tokens, 24, 32, counts, 3, desc=False, residual=True, config=tilesig)
+        for config in tma:
+            _world_run(world, tokens, 24 if config.block_n == 16 else 40, 32, counts, 3, desc=True, residual=True,
+                       config=config, one_allocation=True, tma_stores=True)
+        _world_run(world, tokens, 24, 32, counts, 3, desc=True, residual=True, config=tma[0])  # separate buffers
+        _world_run(world, tokens, 24, 32, counts, 3, desc=True, residual=True, one_allocation=True,
+                   config=dataclasses.replace(tma[0], defer_signals=False))
+    print("scatter_paths: OK")
 
 
 def case_reduce() -> None:
@@ -313,4 +342,4 @@ def case_matmul_entry() -> None:
 
 if __name__ == "__main__":
     {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture,
-     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry}[sys.argv[1]]()
+     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry, "scatter_paths": case_scatter_paths}[sys.argv[1]]()

@@ -160,8 +160,10 @@ def _new_matmul_workspace(group_name: str, dtype: torch.dtype, device: torch.dev
     sym = workspace.new_symmetric(group_name, dtype, device, layout.staging_elements, layout.pad_slots)
     if any(d % STAGING_ALIGNMENT for d in sym.deltas):
         raise RuntimeError(f"symmetric staging addresses are not {STAGING_ALIGNMENT} elements apart: {sym.deltas}")
+    # A group of one: its staging is every owner's, one allocation (the scatter's TMA stores may serve).
     scatter = ScatterWorkspace(layout, sym.rank, sym.buffer, sym.pad, _tables(sym.deltas, device),
-                               _tables(sym.pad_deltas, device), sym.watch, sym.timeout_ns)
+                               _tables(sym.pad_deltas, device), sym.watch, sym.timeout_ns,
+                               sym.buffer if world == 1 else None)
 
     def make_gather() -> GatherWorkspace:
         lay = GatherLayout(world, hidden, tokens)
