@@ -155,7 +155,7 @@ def test_scatter_and_reduce_simulated(world, dtype, request):
 def test_scatter_tma_stores_simulated(world, request):
     """``test_scatter_and_reduce_simulated``'s calls (bf16) with every rank's staging in one
     allocation, so the scatter stores through one tensor descriptor (TMA) with the deferred signals,
-    which wait for those asynchronous stores before releasing (``FENCE_ASYNC``)."""
+    which wait for those asynchronous stores before releasing (``gemm_kernels._release_owners``)."""
     if _in_child(request):
         return
     _scatter_and_reduce(world, torch.bfloat16, one_allocation=True)

@@ -356,7 +356,7 @@ def _launch(x, w, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blo
         a, b, staging, staging if y_desc is None else y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n,
         x.shape[1], capacity, num_blocks, watch, timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows,
         USE_DESC=use_descriptors, HAS_SIGNALS=has_signals, THREADS=config.num_warps * 32,
-        FENCE_ASYNC=store_desc and has_signals and not interpreting(), **config.meta(store_desc))
+        GPU_FENCES=not interpreting(), **config.meta(store_desc))
 
 
 def _resolve(x, w, config: GemmConfig, use_descriptors) -> tuple[GemmConfig, bool]:

@@ -42,7 +42,7 @@ Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same call
      every other thread's release was acquired through the count's chain of read-modify-writes).
      Each release compiles to a system-scope fence (``MEMBAR.ALL.SYS``) per tile.
    * deferred (``_release_owners``): nothing inside the tile loop; after it, a CTA barrier (and,
-     for TMA stores, waiting for them: ``FENCE_ASYNC``), then per owner one acq_rel add of the
+     for TMA stores, waiting for them first), then per owner one acq_rel add of the
      CTA's tile count for that owner to ``COUNT[owner][0]``; the add that completes the owner's
      tiles resets it and releases ``FLAG[slot][r][b] = seq`` for every row block ``b`` of the
      owner. Flags fire per owner rather than per row block, but a CTA deals its owners in the
@@ -155,19 +155,34 @@ def _tiles_below(n, pid, num_programs):
 
 
 @triton.jit
+def _fence(ASYNC_STORES: tl.constexpr):
+    """A system-scope fence (``fence.acq_rel.sys``); with ``ASYNC_STORES`` first the wait for this
+    thread's bulk (TMA) stores to complete and the proxy fence that orders them before what follows."""
+    if ASYNC_STORES:
+        tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\t"
+                                  "fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _release_owners(pid, num_programs, starts_ptr, counts, flags, pad_deltas_ptr, slot, seq, num_n_tiles, num_blocks,
                     BLOCK_M: tl.constexpr, SIGNAL_ROWS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                    FENCE_ASYNC: tl.constexpr):
+                    ASYNC_STORES: tl.constexpr, GPU_FENCES: tl.constexpr):
     """Deferred signals (``DEFER_SIGNALS``), after the CTA's tile loop: for each owner whose tiles
     this CTA stored (its tiles of an owner are a stride-``num_programs`` subset of the owner's
     contiguous range in the order, so counted by arithmetic), one acq_rel add of that many tiles to
     ``COUNT[owner][0]`` at system scope, after a CTA barrier (one release covers every thread's
     stores). The add that completes the owner's tiles (every CTA's) resets the count and releases
     ``FLAG[slot][RANK][b] = seq`` for every row block ``b`` of the owner's rows, as the per-tile path
-    does block by block. One system-scope fence per (CTA, owner) instead of one per tile."""
-    if FENCE_ASYNC:  # TMA stores are asynchronous: complete them and order them before the release
-        tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
-                                  "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    does block by block. One system-scope fence per (CTA, owner) instead of one per tile. On a GPU
+    (``GPU_FENCES``) the flags are one fence then relaxed stores (each a release pattern with that
+    fence), not a release each (a ``MEMBAR.ALL.SYS`` per row block); TMA stores (``ASYNC_STORES``)
+    are waited for first. The interpreter runs the releases as written."""
+    if GPU_FENCES and ASYNC_STORES:  # TMA stores are asynchronous: complete them before the barrier
+        _fence(True)
     tl.debug_barrier()  # every thread's stores of this CTA are done before the releases below
     base = pid * 0  # row tiles of the owners before this one in the order
     for i in tl.static_range(WORLD):
@@ -181,8 +196,13 @@ def _release_owners(pid, num_programs, starts_ptr, counts, flags, pad_deltas_ptr
             if tl.atomic_add(counter, mine, sem="acq_rel", scope="sys") == m * num_n_tiles - mine:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 flag = flags + tl.load(pad_deltas_ptr + o) + (slot * WORLD + RANK) * num_blocks
-                for b in range(tl.cdiv(c, SIGNAL_ROWS)):
-                    tl.atomic_xchg(flag + b, seq, sem="release", scope="sys")
+                if GPU_FENCES:
+                    _fence(False)  # cumulative: orders every store the count's chain acquired before the flags
+                    for b in range(tl.cdiv(c, SIGNAL_ROWS)):
+                        tl.atomic_xchg(flag + b, seq, sem="relaxed", scope="sys")
+                else:
+                    for b in range(tl.cdiv(c, SIGNAL_ROWS)):
+                        tl.atomic_xchg(flag + b, seq, sem="release", scope="sys")
         base += m
 
 
@@ -220,8 +240,8 @@ def persistent_gemm_kernel(
     THREADS: tl.constexpr = 128,  # num_warps * 32: one signal lane per thread (HAS_SIGNALS)
     DEFER_SIGNALS: tl.constexpr = False,  # HAS_SIGNALS: one release per (CTA, owner) after the tile loop
     # (_release_owners) instead of one per tile
-    FENCE_ASYNC: tl.constexpr = False,  # STORE_DESC with signals on a GPU: wait for the CTA's TMA stores
-    # and order them before the release (_release_owners)
+    GPU_FENCES: tl.constexpr = False,  # compiled for a GPU (not the interpreter): DEFER_SIGNALS issues its
+    # fences as PTX (_release_owners)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -318,7 +338,7 @@ def persistent_gemm_kernel(
 
     if HAS_SIGNALS and DEFER_SIGNALS:
         _release_owners(pid, num_programs, starts_ptr, counts, flags, pad_deltas_ptr, slot, seq, num_n_tiles,
-                        num_blocks, BLOCK_M, SIGNAL_ROWS, RANK, WORLD, FENCE_ASYNC)
+                        num_blocks, BLOCK_M, SIGNAL_ROWS, RANK, WORLD, STORE_DESC, GPU_FENCES)
     if HAS_SIGNALS:  # the last CTA to finish advances this rank's call count
         tl.debug_barrier()
         if tl.atomic_add(pad_ptr + GEMM_DONE, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
