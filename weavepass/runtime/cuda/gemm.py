@@ -113,9 +113,11 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
 
 
 MEASURED_SPEED: dict[tuple[int, int, int], float] = {}
-"""cuBLAS's time / the plain GEMM's with ``MEASURED_CONFIGS``' config, same keys and run
-(``do_bench`` medians; above 1: the Triton GEMM is faster): what a planner reads to keep cuBLAS where
-the Triton GEMM is slower (``measured_speed``)."""
+"""cuBLAS's time / the Triton GEMM's, same keys (``do_bench`` medians over the bucket's token counts,
+the median of ``bench_gemm --repeat`` rounds that agree: ``bench_gemm.TABLE_RULE``; above 1: the
+Triton GEMM is faster). For a row-parallel shape the scatter's time (the GEMM the op runs, the
+slowest owner count measured), else the plain GEMM's with ``MEASURED_CONFIGS``' config: what a
+planner reads to keep cuBLAS where the op's GEMM is slower (``measured_speed``)."""
 
 
 def measured_speed(m: int, n: int, k: int) -> float | None:
