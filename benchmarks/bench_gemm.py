@@ -390,7 +390,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS)
     parser.add_argument("--tokens", nargs="+", type=int)
     parser.add_argument("--owners", nargs="+", type=int, help="simulated owners of the scatter variants "
-                        "(default 2 4 8; 2 with --smoke)")
+                        "(default 2 4 8; 2 with --smoke; 1: the op's GEMM at a group of one rank)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per variant, ms")
     parser.add_argument("--configs", nargs="+", type=int, help="indices into gemm.GPU_CONFIGS to tune over "
                         "(default all)")

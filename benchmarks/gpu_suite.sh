@@ -93,8 +93,8 @@
 #              process of its own) and a CUDA-graph replay; bounded waits give up after 60 s
 #              (WEAVE_PEER_TIMEOUT_S) rather than hang. SHARED=1 on one H200 (2026-12-03): 119 s and
 #              116 s, 246 s for the call
-#   gemmspeed  issue 34: bench_gemm --quick --repeat 2 (70b_tp8 and 8b_tp2, 2K and 8K tokens, 2 and 8
-#              simulated owners: the plain GEMM tuned, the scatter through TMA with deferred signals,
+#   gemmspeed  issue 34: bench_gemm --quick --repeat 2 (70b_tp8 and 8b_tp2, 2K and 8K tokens, 1, 2 and 8
+#              simulated owners (1: the op at a group of one): the plain GEMM tuned, the scatter through TMA with deferred signals,
 #              with pointer stores, and the second version's per-tile signals), then --table-from on its
 #              CSVs: $OUT/gemm_table_proposal.py (gemm.MEASURED_CONFIGS / MEASURED_SPEED from the keys
 #              whose two repeats agree). Limits 420 + 60 s; not yet timed (one repeat took 68 s on
@@ -295,7 +295,7 @@ wanted gemmop && step pytest_gemm_op_sim "${GEMMOP_SIM_TIMEOUT_S:-240}" python3 
     --durations=10 tests/gpu/test_gemm_op_gpu.py -k "simulated or cuda_graph"
 # Issue 34: the GEMM and scatter speed in two interleaved repeats, then the measured table's proposal.
 wanted gemmspeed && step bench_gemm_speed "${GEMMSPEED_TIMEOUT_S:-420}" python3 benchmarks/bench_gemm.py --quick \
-    --repeat 2 --rep 20 --owners 2 8 --out "$OUT"
+    --repeat 2 --rep 20 --owners 1 2 8 --out "$OUT"
 wanted gemmspeed && step gemm_table "${GEMMTABLE_TIMEOUT_S:-60}" python3 benchmarks/bench_gemm.py \
     --table-from "$OUT/bench_gemm_tune.csv" --table-out "$OUT/gemm_table_proposal.py"
 # Issue 34: the model with the scatter-epilogue op against Inductor (a group of one rank: WORLD=1).
