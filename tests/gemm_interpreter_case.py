@@ -329,6 +329,27 @@ def case_matmul_entry() -> None:
         assert [ws.tokens for ws in cached] == [512, 1024], [ws.tokens for ws in cached]  # 21 reused 512
         assert sorted(cached[0].splits) == [(21, 21), (21, 48), (300, 300), (300, 320)], sorted(cached[0].splits)
         assert sorted(cached[1].splits) == [(600, 600), (600, 624)], sorted(cached[1].splits)
+        # A group of one: its staging is every owner's, one allocation, so a config with TMA stores
+        # scatters through one descriptor (select_config's, here the interpreter's with TMA stores).
+        from weavepass.runtime.cuda import gemm
+
+        tma = dataclasses.replace(INTERPRETER_CONFIG, store_desc=True)
+        gemm.INTERPRETER_CONFIG = tma
+        try:
+            why = gemm.scatter_store_reason(cached[0].scatter, tma, True, True)
+            assert why is None, why
+            x, w = _draw(gen, 300, k), _draw(gen, hidden, k)
+            residual = _draw(gen, 300, hidden)
+            want_n, want_r = fused_allreduce_rmsnorm_reference([matmul(x, w, config=INTERPRETER_CONFIG)], residual,
+                                                               weight, EPS, DTYPE)
+            normed, res = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), residual, weight, EPS, group, DTYPE,
+                                                                      max_workspace_tokens=1024)
+            scatter = cached[0].scatter  # the TMA-stored partial: the plain GEMM's to the bit
+            assert torch.equal(scatter.staged(0, 300, scatter.last_slot()), matmul(x, w, config=INTERPRETER_CONFIG))
+            torch.testing.assert_close(res, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(normed, want_n, **NORMED_TOL)
+        finally:
+            gemm.INTERPRETER_CONFIG = INTERPRETER_CONFIG
         assert not lowering._WARNED and not lowering.FALLBACKS, (lowering._WARNED, lowering.FALLBACKS)
         x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once, counted twice
         for _ in range(2):
