@@ -216,10 +216,15 @@ class ScatterWorkspace:
     # group of one), or None (peers' buffers on other devices): the scatter's TMA stores need it
     shared_rows: torch.Tensor | None = field(default=None, init=False)  # int64 [world]: row of each rank's
     # staging in ``shared`` viewed as [rows, hidden] (set from ``shared``; None where it does not hold them)
+    shared_reason: str | None = field(default=None, init=False)  # why not (``shared_staging_reason``)
     _descriptors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.shared is not None and shared_staging_reason(self) is None:
+        # Once, here: it reads the address table back from the device, which a CUDA-graph capture forbids.
+        why = shared_staging_reason(self)
+        object.__setattr__(self, "shared_reason", why)
+        if why is None:
+            assert self.shared is not None
             mine = (self.staging.data_ptr() - self.shared.data_ptr()) // self.staging.element_size()
             rows = [(mine + d) // self.layout.hidden for d in self.deltas.tolist()]
             object.__setattr__(self, "shared_rows", torch.tensor(rows, dtype=torch.int64, device=self.staging.device))
@@ -249,7 +254,8 @@ class ScatterWorkspace:
 
 def shared_staging_reason(ws: ScatterWorkspace) -> str | None:
     """Why ``ws.shared`` cannot serve as one ``[rows, hidden]`` tensor over every rank's staging
-    (each staging starting on a row of it), or None."""
+    (each staging starting on a row of it), or None. Reads ``ws.deltas`` back from the device: the
+    workspace calls it once (``ScatterWorkspace.shared_reason``)."""
     if ws.shared is None:
         return "the ranks' stagings are separate allocations (peers on other devices)"
     size, hidden = ws.staging.element_size(), ws.layout.hidden
@@ -277,9 +283,8 @@ def scatter_store_reason(ws: ScatterWorkspace, config: GemmConfig, use_descripto
     if signals and not config.defer_signals:
         return ("the per-tile signals release after each tile's stores, where an asynchronous TMA store is not "
                 "known complete (defer_signals releases after the loop, waiting for them)")
-    why = shared_staging_reason(ws)
-    if why is not None:
-        return why
+    if ws.shared_reason is not None:
+        return ws.shared_reason
     if ws.layout.capacity % config.block_m:
         return (f"the staging's {ws.layout.capacity} rows per source are not a multiple of block_m "
                 f"{config.block_m}: a TMA tile is clipped at the tensor's end only, so an owner's last tile "
