@@ -265,6 +265,8 @@ def shared_staging_reason(ws: ScatterWorkspace) -> str | None:
     starts = [mine // size + d for d in ws.deltas.tolist()]
     if any(a < 0 or a + ws.layout.staging_elements > ws.shared.numel() or a % hidden for a in starts):
         return "a rank's staging lies outside the shared allocation or does not start on a row of it"
+    if ws.shared.numel() % hidden:
+        return f"the shared allocation's {ws.shared.numel()} elements are not rows of {hidden}"
     if (hidden * size) % 16 or ws.shared.data_ptr() % 16:
         return "a TMA tensor needs 16-byte aligned rows and base"
     return None
