@@ -15,20 +15,30 @@ at each token count, bf16, the variants:
   (``gemm.tune``), tensor-descriptor (TMA) loads where the GPU and Triton support them; if that path
   fails to compile, a printed notice and the pointer loads instead (column ``path``);
 * ``triton_ptr`` (row-parallel GEMMs, where the fastest config stores through a tensor descriptor):
-  the same config storing through pointers, as the scatter must (one destination per owner): what the
-  TMA stores gain, apart from the routing;
-* ``scatterN``: the same GEMM (the same config, pointer stores) as rank 0 of N simulated ranks (``testing.gemm_sim``):
-  every tile stored into its owner's staging buffer (the peers' buffers are local memory here), the
-  per-(owner, row block) signals released. No owner reduces: the owners' REDUCE_SEQ is set far ahead
-  once, so the GEMM's wait for the previous call's readers passes at once and nothing else runs in
-  the timed loop. ``scatterN_nosig``: the stores alone (routing cost without the signals).
+  the same config storing through pointers, as the scatter across GPUs must (separate allocations):
+  what the TMA stores gain, apart from the routing;
+* ``scatterN``: the same GEMM (the same config) as rank 0 of N simulated ranks (``testing.gemm_sim``),
+  the op's GEMM as a group of one runs it: every rank's staging in one allocation (whole tiles per
+  source), so the tiles leave through one tensor descriptor (TMA) where the config stores through one
+  (``gemm.scatter_store_reason``; columns ``stores`` and ``stores_why``), with the deferred signals
+  (one release per CTA and owner). No owner reduces: the owners' REDUCE_SEQ is set far ahead once,
+  so the GEMM's wait for the previous call's readers passes at once and nothing else runs in the
+  timed loop. ``scatterN_nosig``: the stores alone (routing cost without the signals);
+  ``scatterN_ptr``: pointer stores with the deferred signals (the form across GPUs, whose stagings
+  are separate allocations); ``scatterN_tilesig``: pointer stores with a release after every tile
+  (the second version's scatter: the before of this one).
+
+``--repeat N`` measures every cell N times in one process, interleaved (every cell once, then every
+cell again; column ``repeat``), the tuning included; ``--table-from`` fills ``gemm.MEASURED_CONFIGS``
+and ``MEASURED_SPEED`` only from keys whose repeats agree (``TABLE_RULE``, printed with the table):
+the speed of a row-parallel key is the scatter's, the GEMM the op runs.
 
 The plain Triton result and rank 0's own staged rows of each scatter are checked against the fp32
 product (column ``check``: "ok" or why not; a failed check is printed and the run goes on). Times are
 ``triton.testing.do_bench`` medians (``--rep`` ms per variant; each call launched from Python after
 an L2 flush, so a launch whose host work outlasts the flush shows in the time), every variant of a
-cell in the same process right after the others; ``graph_ms`` (cuBLAS, plain Triton, scatter with
-signals; ``--no-graph`` leaves it out): ``triton.testing.do_bench_cudagraph`` medians, back-to-back
+cell in the same process right after the others; ``graph_ms`` (cuBLAS, plain Triton, the scatters
+with signals; ``--no-graph`` leaves it out): ``triton.testing.do_bench_cudagraph`` medians, back-to-back
 calls replayed from a CUDA graph, so no host work and a warm L2: the kernels alone, as under
 reduce-overhead. Columns: ``speed_vs_cublas`` = cuBLAS time / time (above 1: faster than cuBLAS),
 ``graph_speed_vs_cublas`` the same of the graph times, ``vs_triton`` = plain Triton time / time and
@@ -52,6 +62,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import statistics
 import sys
 import time
 
@@ -143,14 +154,16 @@ def choose_path(dtype, device, config, owner_counts) -> bool:
 
 
 def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, owner_counts, check, graph_ms=None,
-                 tuned=None) -> list[dict]:
-    """The cell's rows (one per variant); ``tuned`` (a list), if given, gets a row per tried config."""
+                 tuned=None, repeat: int = 0) -> list[dict]:
+    """The cell's rows (one per variant); ``tuned`` (a list), if given, gets a row per tried config;
+    ``repeat``: the round of ``--repeat`` (a column of both)."""
     n, k = gemm_dims(model, name)
     gen = torch.Generator(device=device).manual_seed(tokens + n + k)
     x = torch.randn(tokens, k, generator=gen, device=device).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
     y = torch.empty(tokens, n, dtype=dtype, device=device)
-    base = dict(model=model, gemm=name, tokens=tokens, m=tokens, n=n, k=k, dtype=str(dtype).removeprefix("torch."))
+    base = dict(model=model, gemm=name, tokens=tokens, m=tokens, n=n, k=k, dtype=str(dtype).removeprefix("torch."),
+                repeat=repeat)
     flop = 2.0 * tokens * n * k
     rows = []
 
@@ -172,6 +185,8 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
                       for c, ms in results.items()]
     plain = functools.partial(gemm.matmul, x, w, out=y, config=best, use_descriptors=path)
     triton_ms = time_ms(plain)
+    if len(configs) == 1 and tuned is not None:  # nothing tuned: the one config's time is its tuning row
+        tuned.append(dict(base, config=best.label(), ms=round(triton_ms, 4), error="", cublas_ms=round(cublas_ms, 4)))
     reference = (x.float() @ w.float().T) if check else None
     y.fill_(float("nan"))  # poisoned: the check below sees every element the timed calls' GEMM wrote
     plain()
@@ -181,13 +196,20 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
         row("triton_ptr", time_ms(functools.partial(gemm.matmul, x, w, out=y, config=pointers, use_descriptors=path)),
             pointers)
     if name in ROW_PARALLEL:
+        pointers = dataclasses.replace(best, store_desc=False)
+        scatters = (("", best, True), ("_nosig", best, False), ("_ptr", pointers, True),
+                    ("_tilesig", dataclasses.replace(pointers, defer_signals=False), True))
         for owners in owner_counts:
-            sim = SimulatedScatterRanks(owners, n, -(-tokens // owners), dtype, device)
+            # Every rank's staging in one allocation, whole tiles per source: the scatter may store
+            # through one descriptor (scatter_store_reason), as the op at a group of one does.
+            per_owner = -(-tokens // owners)
+            capacity = -(-per_owner // best.block_m) * best.block_m
+            sim = SimulatedScatterRanks(owners, n, capacity, dtype, device, one_allocation=True)
             for pad in sim.pads[1:]:
                 pad[REDUCE_SEQ.value] = FAR_AHEAD
             table = gemm.OwnerRows.build(tokens, owners, device)
-            for signals, suffix in ((True, ""), (False, "_nosig")):
-                call = functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, best, path,
+            for suffix, config, signals in scatters:
+                call = functools.partial(gemm.scatter_matmul, x, w, sim.workspaces[0], table, config, path,
                                          signals=signals)
                 ms = time_ms(call)
                 verdict = ""
@@ -195,8 +217,9 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, configs, own
                     # call with signals (read from its pad), slot 0 without
                     slot = sim.workspaces[0].last_slot() if signals else 0
                     verdict = _check(sim.workspaces[0].staged(0, table.count(0), slot), reference[table.rows(0)])
-                row(f"scatter{owners}{suffix}", ms, dataclasses.replace(best, store_desc=False),
-                    fn=call if signals else None, check=verdict)
+                why = gemm.scatter_store_reason(sim.workspaces[0], config, path, signals)
+                row(f"scatter{owners}{suffix}", ms, config, fn=call if signals else None, check=verdict,
+                    stores="pointers" if why else "tma", stores_why=why or "")
             del sim
     cublas_graph, triton_graph = rows[0]["graph_ms"], next(r["graph_ms"] for r in rows if r["variant"] == "triton")
     for r in rows:
@@ -236,7 +259,9 @@ def plot(rows: list[dict], path) -> None:
         ax = axes[i][j]
         cell = [r for r in rows if r["model"] == model and r["gemm"] == name and r["variant"] != "cublas"]
         for variant in dict.fromkeys(r["variant"] for r in cell):
-            points = sorted((r["tokens"], r["speed_vs_cublas"]) for r in cell if r["variant"] == variant)
+            tokens = sorted({r["tokens"] for r in cell if r["variant"] == variant})
+            points = [(t, statistics.median(r["speed_vs_cublas"] for r in cell  # median over --repeat
+                                            if r["variant"] == variant and r["tokens"] == t)) for t in tokens]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(0.97, color="grey", lw=0.6, ls="--")
@@ -251,32 +276,101 @@ def plot(rows: list[dict], path) -> None:
     save_figure(fig, path)
 
 
-def measured_table(tune_csvs: list[str]) -> str:
-    """``gemm.MEASURED_CONFIGS`` and ``gemm.MEASURED_SPEED`` as Python source from one or more
-    ``bench_gemm_tune.csv``: per ``(N, K, token bucket)`` the config with the lowest median (several
-    cells in a bucket: the lowest sum, among the configs that ran in all of them) and its speed
-    against cuBLAS in the same run (cuBLAS time / its time, summed over the bucket's cells)."""
+TABLE_RULE = (
+    "a (N, K, token bucket) key enters the table only when it was measured in at least "
+    "{min_repeats} repeats (bench_gemm --repeat) and its speed agrees across them: (max - min) / median "
+    "of the per-repeat speeds <= {spread:.0%}. Its config: the one with the lowest time summed over the "
+    "bucket's token counts and the repeats, among the configs that ran in all of them. Its speed per "
+    "repeat: cuBLAS's time / the GEMM's, each summed over the bucket's token counts; for a row-parallel "
+    "GEMM (scatter rows measured) the scatter's (variant scatterN: the op's GEMM), the slowest owner "
+    "count, else the plain GEMM's with that config; the table holds the median over the repeats. Keys "
+    "that fail are left out and listed with why"
+)
+"""How ``--table-from`` fills ``gemm.MEASURED_CONFIGS`` / ``MEASURED_SPEED`` (``measured_table``).
+The second version's one run disagreed with itself by up to 0.5x between timers at 2K tokens
+(docs/gemm_epilogue.md), so one run decides nothing."""
+TABLE_MIN_REPEATS = 2
+TABLE_MAX_SPREAD = 0.05
+
+
+def measured_table(tune_rows: list[dict], bench_rows: list[dict], min_repeats: int = TABLE_MIN_REPEATS,
+                   max_spread: float = TABLE_MAX_SPREAD) -> tuple[dict, dict, dict]:
+    """``(configs, speeds, left_out)`` by ``TABLE_RULE`` from the rows of ``bench_gemm_tune.csv``
+    (every config's time per cell and repeat, with cuBLAS's) and of ``bench_gemm.csv`` (the scatter
+    variants' times; cuBLAS's per cell): ``configs[key]`` a ``gemm.GPU_CONFIGS`` entry and
+    ``speeds[key]`` cuBLAS time / the GEMM's time (above 1: faster than cuBLAS) for the keys that pass,
+    ``left_out[key]`` why each other key is not in the table. Keys: ``(N, K, token bucket)``."""
+    index = {c.label(): i for i, c in enumerate(gemm.GPU_CONFIGS)}
+
+    def key_of(r):
+        return int(r["n"]), int(r["k"]), gemm.token_bucket(int(r["m"]))
+
+    times: dict = {}  # key -> config index -> {(repeat, m): ms}
+    cublas: dict = {}  # key -> {(repeat, m): ms}
+    for r in tune_rows:
+        key, cell = key_of(r), (int(r.get("repeat") or 0), int(r["m"]))
+        cublas.setdefault(key, {})[cell] = float(r["cublas_ms"])
+        if r["ms"] and r["config"] in index:
+            times.setdefault(key, {}).setdefault(index[r["config"]], {})[cell] = float(r["ms"])
+    scatter: dict = {}  # key -> owners -> {(repeat, m): ms}
+    for r in bench_rows:
+        name = r["variant"]
+        if name.startswith("scatter") and name[len("scatter"):].isdigit() and r["ms"]:
+            owners = int(name[len("scatter"):])
+            scatter.setdefault(key_of(r), {}).setdefault(owners, {})[(int(r.get("repeat") or 0), int(r["m"]))] = \
+                float(r["ms"])
+    configs, speeds, left_out = {}, {}, {}
+    for key in sorted(cublas):
+        cells = set(cublas[key])
+        repeats = sorted({rep for rep, _ in cells})
+        complete = {i: ms for i, ms in times.get(key, {}).items() if set(ms) == cells}
+        if not complete:
+            left_out[key] = "no config of gemm.GPU_CONFIGS ran in every cell of the bucket"
+            continue
+        best = min(complete, key=lambda i: sum(complete[i].values()))
+        if key in scatter:
+            measured = [ms for ms in scatter[key].values() if set(ms) == cells]
+            if len(measured) != len(scatter[key]):
+                left_out[key] = "a scatter variant was not measured in every cell of the bucket"
+                continue
+        else:
+            measured = [complete[best]]
+
+        def speed(rep: int, ms: dict) -> float:
+            return (sum(t for (r, _), t in cublas[key].items() if r == rep)
+                    / sum(t for (r, _), t in ms.items() if r == rep))
+
+        per_repeat = [min(speed(rep, ms) for ms in measured) for rep in repeats]
+        if len(repeats) < min_repeats:
+            left_out[key] = f"measured in {len(repeats)} repeat(s), fewer than {min_repeats}"
+            continue
+        middle = statistics.median(per_repeat)
+        spread = (max(per_repeat) - min(per_repeat)) / middle
+        if spread > max_spread:
+            left_out[key] = (f"the repeats disagree: speeds {', '.join(f'{v:.3f}' for v in per_repeat)} spread "
+                             f"{spread:.1%} > {max_spread:.0%}")
+            continue
+        configs[key], speeds[key] = gemm.GPU_CONFIGS[best], round(middle, 3)
+    return configs, speeds, left_out
+
+
+def table_source(configs: dict, speeds: dict, left_out: dict) -> str:
+    """``measured_table``'s result as the Python source of ``gemm.MEASURED_CONFIGS`` and
+    ``MEASURED_SPEED``, with the keys left out as comments."""
+    lines = [f"# {TABLE_RULE.format(min_repeats=TABLE_MIN_REPEATS, spread=TABLE_MAX_SPREAD)}"]
+    lines += [f"# left out {key}: {why}" for key, why in left_out.items()]
+    lines.append("MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {")
+    lines += [f"    {key}: {_literal(config)}," for key, config in configs.items()]
+    lines += ["}", "MEASURED_SPEED: dict[tuple[int, int, int], float] = {"]
+    lines += [f"    {key}: {speed:.3f}," for key, speed in speeds.items()]
+    return "\n".join(lines + ["}"])
+
+
+def _read_csv(path: str) -> list[dict]:
     import csv
 
-    index = {c.label(): i for i, c in enumerate(gemm.GPU_CONFIGS)}
-    times: dict[tuple, dict[int, dict[int, float]]] = {}  # key -> config -> m -> ms
-    cublas: dict[tuple, dict[int, float]] = {}
-    for tune_csv in tune_csvs:
-        with open(tune_csv) as f:
-            for r in csv.DictReader(f):
-                key = (int(r["n"]), int(r["k"]), gemm.token_bucket(int(r["m"])))
-                cublas.setdefault(key, {})[int(r["m"])] = float(r["cublas_ms"])
-                if r["ms"] and r["config"] in index:
-                    times.setdefault(key, {}).setdefault(index[r["config"]], {})[int(r["m"])] = float(r["ms"])
-    configs, speeds = [], []
-    for key in sorted(times):
-        complete = {i: sum(ms.values()) for i, ms in times[key].items() if set(ms) == set(cublas[key])}
-        if complete:
-            best = min(complete, key=complete.__getitem__)
-            configs.append(f"    {key}: {_literal(gemm.GPU_CONFIGS[best])},")
-            speeds.append(f"    {key}: {sum(cublas[key].values()) / complete[best]:.2f},")
-    return ("MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {\n" + "\n".join(configs) + "\n}\n"
-            "MEASURED_SPEED: dict[tuple[int, int, int], float] = {\n" + "\n".join(speeds) + "\n}")
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
 def _literal(config: gemm.GemmConfig) -> str:
@@ -296,21 +390,36 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS)
     parser.add_argument("--tokens", nargs="+", type=int)
     parser.add_argument("--owners", nargs="+", type=int, help="simulated owners of the scatter variants "
-                        "(default 2 4 8; 2 with --smoke)")
+                        "(default 2 4 8; 2 with --smoke; 1: the op's GEMM at a group of one rank)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per variant, ms")
     parser.add_argument("--configs", nargs="+", type=int, help="indices into gemm.GPU_CONFIGS to tune over "
                         "(default all)")
     parser.add_argument("--no-graph", action="store_true", help="leave out the CUDA-graph replay times")
+    parser.add_argument("--repeat", type=int, default=1, help="independent rounds over every cell in this "
+                        "process, interleaved (round 1 of every cell, then round 2, ...): column repeat; "
+                        "--table-from needs >= 2")
     parser.add_argument("--table-from", nargs="+", metavar="TUNE_CSV", help="print gemm.MEASURED_CONFIGS and "
-                        "MEASURED_SPEED read from a bench_gemm_tune.csv, and exit")
+                        "MEASURED_SPEED by TABLE_RULE from bench_gemm_tune.csv files (each read with the "
+                        "bench_gemm.csv beside it: the scatter's times), and exit")
+    parser.add_argument("--table-out", help="with --table-from: also write the table's source to this file")
     args = parser.parse_args()
     if args.table_from:
-        print(measured_table(args.table_from))
+        bench_rows = []
+        for tune_csv in args.table_from:
+            beside = os.path.join(os.path.dirname(tune_csv), "bench_gemm.csv")
+            bench_rows += _read_csv(beside) if os.path.exists(beside) else []
+        source = table_source(*measured_table([r for f in args.table_from for r in _read_csv(f)], bench_rows))
+        print(source)
+        if args.table_out:
+            with open(args.table_out, "w") as f:
+                f.write(source + "\n")
+            print(f"wrote {args.table_out}")
         return
     if args.smoke:
         SHAPES["smoke"] = SHAPES["tiny"]
         models, tokens, device = ["smoke"], args.tokens or [40], "cpu"
-        configs, dtype = [gemm.INTERPRETER_CONFIG], torch.float16  # (the interpreter's bf16 dot is wrong)
+        # TMA stores as GPU_CONFIGS' (the interpreter's bf16 dot is wrong: fp16)
+        configs, dtype = [dataclasses.replace(gemm.INTERPRETER_CONFIG, store_desc=True)], torch.float16
         owner_counts = args.owners or [2]
     else:
         if not torch.cuda.is_available():
@@ -324,14 +433,14 @@ def main() -> None:
     time_ms = _timer(args.rep)
     graph_ms = None if args.no_graph else _graph_timer(max(10, args.rep // 2))
     path = choose_path(dtype, device, configs[0], owner_counts)
-    cells = list(itertools.product(models, GEMMS, tokens))
+    cells = [(rep, *cell) for rep in range(args.repeat) for cell in itertools.product(models, GEMMS, tokens)]
     progress = progress_bar(len(cells), "bench_gemm")
     rows: list[dict] = []
     tuned: list[dict] = []
-    for model, name, count in cells:
+    for rep, model, name, count in cells:
         try:
             cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
-                                check=True, graph_ms=graph_ms, tuned=tuned)
+                                check=True, graph_ms=graph_ms, tuned=tuned, repeat=rep)
         except RuntimeError as error:
             if not path or "no GEMM config ran" not in str(error):
                 raise
@@ -339,11 +448,11 @@ def main() -> None:
                   flush=True)
             path = False
             cell = measure_cell(model, name, count, dtype, device, path, time_ms, configs, owner_counts,
-                                check=True, graph_ms=graph_ms, tuned=tuned)
+                                check=True, graph_ms=graph_ms, tuned=tuned, repeat=rep)
         for r in cell:
-            print(" ".join(f"{key}={r[key]}" for key in ("model", "gemm", "tokens", "variant", "ms", "graph_ms",
-                                                         "speed_vs_cublas", "graph_speed_vs_cublas", "vs_triton",
-                                                         "graph_vs_triton", "config")), flush=True)
+            print(" ".join(f"{key}={r[key]}" for key in (
+                "repeat", "model", "gemm", "tokens", "variant", "ms", "graph_ms", "speed_vs_cublas",
+                "graph_speed_vs_cublas", "vs_triton", "graph_vs_triton", "config")), flush=True)
         rows += cell
         write_csv(os.path.join(args.out, "bench_gemm.csv"), rows)  # after every cell: a cut run keeps these
         if tuned:

@@ -35,6 +35,16 @@ same processes:
                    all_reduce, whichever the scheduler picks for the batch), what a user gets; with
                    ``--tuning-table PATH`` decided from a table of ``python -m weavepass.tune``
                    (default: the built-in table, which has only world-1 entries)
+    weave_gemm_epilogue, weave_gemm_epilogue_cg
+                   backend weave, split="off", gemm_epilogue="force" (and with mode="reduce-overhead"):
+                   every replaceable row-parallel matmul (o_proj, down_proj) moved into the
+                   scatter-epilogue op (docs/gemm_epilogue.md; on CUDA its cuda_symm lowering, the
+                   persistent Triton GEMM). Runs at ``--world 1`` too (a group of one rank: the op's
+                   local cost). Column ``matmuls_moved``: how many matmuls the rewrite moved into the
+                   op, from the backend's report (every graph it compiled); column ``fallbacks``: the
+                   op's calls that ran the portable lowering (cuBLAS and the collectives) instead of
+                   the kernels during the variant's warm-up (``runtime.cuda.matmul.FALLBACKS``); any
+                   fallback is printed as a loud ``FALLBACK`` line: that cell did not time the kernels
     no_comm        the same model without any all_reduce, torch.compile default (the floor)
     inductor_aa, inductor_aa_cg
                    inductor (inductor_cg) once more, measured in the same rounds: the A/A control.
@@ -93,6 +103,7 @@ NVLink multicast is never used (gpu_env and the spawn helper set NCCL_NVLS_ENABL
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -117,7 +128,8 @@ VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_overlap_c
             "weave_auto", "no_comm", "inductor_cg", "weave_fuse_cg", "weave_overlap_cg", "weave_auto_cg",
             "weave_overlap_push_cg",
             "inductor_nccl_symm", "inductor_splitcfg", "inductor_splitcfg_cg", "inductor_aa", "inductor_aa_cg",
-            "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32")
+            "weave_overlap_sm8", "weave_overlap_sm16", "weave_overlap_sm32", "weave_gemm_epilogue",
+            "weave_gemm_epilogue_cg")
 CARVEOUT = {"weave_overlap_sm8": 8, "weave_overlap_sm16": 16, "weave_overlap_sm32": 32}
 # Variants that need CUDA: Inductor CUDA graphs, CTA counts of the CUDA kernel, SM carve-out, NCCL.
 CUDA_ONLY = {
@@ -130,20 +142,31 @@ CUDA_ONLY = {
     "inductor_aa_cg": 'mode="reduce-overhead" records CUDA graphs',
     "weave_overlap_push": "the push kernels are CUDA's (elsewhere the op is weave_overlap's)",
     "weave_overlap_push_cg": 'mode="reduce-overhead" records CUDA graphs',
+    "weave_gemm_epilogue_cg": 'mode="reduce-overhead" records CUDA graphs',
     "inductor_nccl_symm": "NCCL symmetric-memory windows need NCCL on CUDA",
     **{name: "the SM carve-out applies to cuBLAS" for name in CARVEOUT},
 }
 DEFAULT_VARIANTS = ("eager", "inductor", "weave_fuse", "weave_overlap", "weave_auto", "no_comm")
 
 
-def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
+def compilers(model, no_comm, tuning_table: str = "builtin", backends: dict | None = None) -> dict:
     """Variant name -> a function that compiles (or wraps) the model for that variant
-    (``tuning_table``: weave_auto's ``WeaveConfig.tuning_table``)."""
+    (``tuning_table``: weave_auto's ``WeaveConfig.tuning_table``; ``backends``, if given, receives
+    each weave variant's backend when it is made: its report says what the rewrite did)."""
     from weavepass.backend import WeaveBackend
     from weavepass.compile.strategies.split import inductor_config_patches
 
+    named = set()  # the weave variants' makers: they take the variant's name (for ``backends``)
+
     def weave(mode=None, **config):
-        return lambda: torch.compile(model, backend=WeaveBackend(weave_config(**config)), mode=mode)
+        def make(variant):
+            backend = WeaveBackend(weave_config(**config))
+            if backends is not None:
+                backends[variant] = backend
+            return torch.compile(model, backend=backend, mode=mode)
+
+        named.add(make)
+        return make
 
     made = {
         "eager": lambda: model,
@@ -170,7 +193,29 @@ def compilers(model, no_comm, tuning_table: str = "builtin") -> dict:
     }
     for name, sms in CARVEOUT.items():
         made[name] = weave(split="force", split_comm_ctas=sms)
-    return made
+    made["weave_gemm_epilogue"] = weave(split="off", gemm_epilogue="force")
+    made["weave_gemm_epilogue_cg"] = weave("reduce-overhead", split="off", gemm_epilogue="force",
+                                           allow_inductor_cudagraphs=True)
+    return {name: functools.partial(make, name) if make in named else make for name, make in made.items()}
+
+
+def matmuls_moved(backend) -> int:
+    """Row-parallel matmuls the rewrite moved into the scatter-epilogue op, over every graph
+    ``backend`` compiled (a record says ``GEMM_EPILOGUE`` for each)."""
+    from weavepass.compile.reasons import ReasonCode
+
+    return sum(ReasonCode.GEMM_EPILOGUE in r.codes for r in backend.report.records if r.lowering)
+
+
+def fallbacks_so_far() -> int:
+    """Calls of the cuda_symm matmul op that ran the portable lowering so far in this process
+    (``runtime.cuda.matmul.FALLBACKS``; 0 where CUDA or Triton is missing: the op cannot run its
+    kernels there at all, which the variant's skip or the report says)."""
+    try:
+        from weavepass.runtime.cuda import matmul
+    except ImportError:
+        return 0
+    return sum(matmul.FALLBACKS.values())
 
 
 def _carveout(variant, smoke: bool) -> None:
@@ -220,6 +265,45 @@ def _nccl_symm_call(fn, ids, group, device, rank: int):
     return call
 
 
+class _FallbackCount:
+    """The cuda_symm matmul op's fallbacks to the portable lowering (``fallbacks_so_far``) per cell
+    of ``interleaved_ms``, counted over each cell's warm-up (its first calls: compile, and under
+    reduce-overhead the CUDA-graph recording, the calls that run the op's Python), and over the
+    timed rounds as a whole; each fallback is printed loudly, so a cell that timed cuBLAS and the
+    collectives instead of the kernels is never read as the kernels' time."""
+
+    def __init__(self) -> None:
+        self.cells: dict = {}
+        self.begin = fallbacks_so_far()
+        self.warmed_up = 0
+
+    def start(self) -> None:
+        self.begin = fallbacks_so_far()
+
+    def stop(self, cell) -> None:
+        count = fallbacks_so_far() - self.begin
+        self.cells[cell] = count
+        self.warmed_up = fallbacks_so_far()
+        if count:
+            print(f"FALLBACK: {cell[0]} at {cell[1]} tokens: {count} call(s) of the cuda_symm matmul op ran the "
+                  f"portable lowering (cuBLAS + collectives), not the Triton kernels, during its warm-up: this "
+                  f"cell does not time the kernels (runtime.cuda.matmul.FALLBACKS: {_fallback_reasons()})",
+                  flush=True)
+
+    def after_rounds(self, rank: int) -> None:
+        count = fallbacks_so_far() - self.warmed_up
+        if count and rank == 0:
+            print(f"FALLBACK: {count} call(s) of the cuda_symm matmul op ran the portable lowering during the "
+                  f"timed rounds (reasons: {_fallback_reasons()}): the weave_gemm_epilogue cells of this "
+                  "layout do not time the kernels alone", flush=True)
+
+
+def _fallback_reasons() -> dict:
+    from weavepass.runtime.cuda import matmul
+
+    return dict(matmul.FALLBACKS)
+
+
 def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
     smoke = args["smoke"]
     device = torch.device("cpu") if smoke else torch.device("cuda", rank)
@@ -240,7 +324,8 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
             print(f"{shape_name} at --world {world}: {note}", flush=True)
         model = build_model(shape, group, device, args["layers"], dtype)
         no_comm = build_model(shape, None, device, args["layers"], dtype)
-        made = compilers(model, no_comm, args["tuning_table"])
+        backends: dict = {}
+        made = compilers(model, no_comm, args["tuning_table"], backends)
         interleaved = [v for v in variants if v != "inductor_nccl_symm"]
         for seqs in args["layouts"]:
             # One compile per variant and layout (the token dim is dynamic), side by side; a reset
@@ -258,16 +343,26 @@ def _run_rank(rank: int, world: int, args: dict) -> list[dict]:
                 inputs[tokens] = ids
             cells = [(v, t) for v in interleaved for t in args["tokens"]]
             rounds_ms: dict = {}
+            fell_back = _FallbackCount()
             times = interleaved_ms(
                 cells, lambda cell: compiled[cell[0]], lambda cell: inputs[cell[1]], args["warmup"],
-                args["iters"], args["rounds"], prepare=lambda cell: _carveout(cell[0], smoke),
-                warmed=lambda cell: progress is not None and progress.update(), per_round=rounds_ms)
+                args["iters"], args["rounds"], prepare=lambda cell: (_carveout(cell[0], smoke), fell_back.start()),
+                warmed=lambda cell: (fell_back.stop(cell), progress is not None and progress.update()),
+                per_round=rounds_ms)
+            fell_back.after_rounds(rank)
             for variant, tokens in cells:
                 rows.append({"shape": shape_name, "world": world, "variant": variant,
                              "sequences": seqs, "tokens": tokens, "ms": times[variant, tokens],
                              "ms_rounds": " ".join(f"{t:.5f}" for t in rounds_ms[variant, tokens])})
+                if variant in backends:
+                    rows[-1]["matmuls_moved"] = matmuls_moved(backends[variant])
+                if variant.startswith("weave_gemm_epilogue"):
+                    rows[-1]["fallbacks"] = fell_back.cells.get((variant, tokens), 0)
                 if rank == 0:
                     print(f"row: {rows[-1]}", flush=True)
+                    if rows[-1].get("matmuls_moved") == 0 and variant.startswith("weave_gemm_epilogue"):
+                        print(f"NOTICE: {variant} moved no matmul into the op at {shape_name}: it timed the "
+                              f"fused op alone; the report says why", flush=True)
                 if args["profile"] and variant != "eager" and not smoke:
                     _carveout(variant, smoke)
                     summary = _profile(compiled[variant], inputs[tokens], rank)
@@ -407,7 +502,7 @@ def report(rows: list[dict], out: Path, layers: int, name: str = "bench_overlap"
         r["hidden"] = "" if frac is None or not r["variant"].startswith("weave") else round(frac, 4)
     csv_path = write_csv(out / f"{name}.csv", rows,
                          ["shape", "world", "variant", "sequences", "tokens", "ms", "vs_inductor", "vs_mode",
-                          "hidden", "ms_rounds"])
+                          "hidden", "matmuls_moved", "fallbacks", "ms_rounds"])
     print(f"wrote {csv_path}")
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     keys = sorted({(r["shape"], r["sequences"], r["tokens"]) for r in rows})

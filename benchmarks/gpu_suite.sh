@@ -54,8 +54,11 @@
 #   SHARED=1 STEPS=gemmop OUT=$OUT bash benchmarks/gpu_suite.sh   (the cuda_symm lowering of the matmul ops:
 #                                   simulated ranks, then 2 ranks sharing the GPU; on kind nvidia-h200-x2
 #                                   without SHARED, the same on 2 GPUs)
-# and later, on 2 GPUs (kind nvidia-h200-x2), the model benchmark (NOT runnable yet: its bench_overlap
-# variant `weave_gemm_epilogue` does not exist):
+#   STEPS=gemmspeed OUT=$OUT bash benchmarks/gpu_suite.sh        (the GEMM and scatter speed twice, then
+#                                   the table proposal by bench_gemm.TABLE_RULE: $OUT/gemm_table_proposal.py)
+#   WORLD=1 STEPS=gemmmodel OUT=$OUT bash benchmarks/gpu_suite.sh  (the model with the op at a group of one
+#                                   rank against Inductor, both modes: the issue's <= 1.00x target)
+# and later, on 2 GPUs (kind nvidia-h200-x2), the model benchmark:
 #   WORLD=2 STEPS=overlap OVERLAP_VARIANTS=inductor,weave_fuse,weave_overlap,weave_gemm_epilogue,no_comm \
 #     OUT=$OUT bash benchmarks/gpu_suite.sh --quick
 #   (target: >= 75 % of the removable communication hidden at 70b_tp8sim >= 4K tokens; moonshot: the
@@ -91,6 +94,16 @@
 #              process of its own) and a CUDA-graph replay; bounded waits give up after 60 s
 #              (WEAVE_PEER_TIMEOUT_S) rather than hang. SHARED=1 on one H200 (2026-12-03): 119 s and
 #              116 s, 246 s for the call
+#   gemmspeed  issue 34: bench_gemm --quick --repeat 2 (70b_tp8 and 8b_tp2, 2K and 8K tokens, 1, 2 and 8
+#              simulated owners (1: the op at a group of one): the plain GEMM tuned, the scatter through TMA with deferred signals,
+#              with pointer stores, and the second version's per-tile signals), then --table-from on its
+#              CSVs: $OUT/gemm_table_proposal.py (gemm.MEASURED_CONFIGS / MEASURED_SPEED from the keys
+#              whose two repeats agree). Limits 420 + 60 s; not yet timed (one repeat took 68 s on
+#              2026-12-03 with fewer scatter variants)
+#   gemmmodel  issue 34: bench_overlap (--quick, 2K-16K tokens, one sequence) at 70b_tp8sim and 8b_tp2 with
+#              inductor, weave_fuse, weave_gemm_epilogue, inductor_cg, weave_gemm_epilogue_cg
+#              (bench_overlap_gemm*.csv; meant for WORLD=1: the op's local cost against Inductor); limit
+#              480 s, not yet timed; a FALLBACK line in the log means a cell did not time the kernels
 #   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
 #              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
 #              measured against the wave model's prediction; one GPU, well under a minute
@@ -192,7 +205,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,gemmspeed,gemmmodel,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -289,6 +302,16 @@ wanted gemmop && WEAVE_PEER_TIMEOUT_S="${WEAVE_PEER_TIMEOUT_S:-60}" step pytest_
     -k "real_ranks or reference_model"
 wanted gemmop && step pytest_gemm_op_sim "${GEMMOP_SIM_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA \
     --durations=10 tests/gpu/test_gemm_op_gpu.py -k "simulated or cuda_graph"
+# Issue 34: the GEMM and scatter speed in two interleaved repeats, then the measured table's proposal.
+wanted gemmspeed && step bench_gemm_speed "${GEMMSPEED_TIMEOUT_S:-420}" python3 benchmarks/bench_gemm.py --quick \
+    --repeat 2 --rep 20 --owners 1 2 8 --out "$OUT"
+wanted gemmspeed && step gemm_table "${GEMMTABLE_TIMEOUT_S:-60}" python3 benchmarks/bench_gemm.py \
+    --table-from "$OUT/bench_gemm_tune.csv" --table-out "$OUT/gemm_table_proposal.py"
+# Issue 34: the model with the scatter-epilogue op against Inductor (a group of one rank: WORLD=1).
+wanted gemmmodel && with_shapes gemmmodel "$OVERLAP_SHAPES" && step bench_overlap_gemm "${GEMMMODEL_TIMEOUT_S:-480}" \
+    python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" --name "bench_overlap_gemm$TP" --quick \
+    --shape $OVERLAP_SHAPES --tokens $OVERLAP_TOKENS --layouts 1 \
+    --variants "${GEMMMODEL_VARIANTS:-inductor,weave_fuse,weave_gemm_epilogue,inductor_cg,weave_gemm_epilogue_cg}"
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
     -q -rA --durations=10 $HANG_GUARD tests/gpu/test_overlap_gpu.py

@@ -2,6 +2,13 @@
 compiled for sm_90 on a machine WITHOUT a GPU (Triton's compiler and its bundled ``cuobjdump``).
 
     python scripts/kernel_resources.py [--worlds 2 4 8] [--tiles 4:16 1:8 ...] [--hidden 8192]
+    python scripts/kernel_resources.py --gemm [0 4 ...] [--worlds 1 2 8]
+
+``--gemm``: the persistent GEMM of issue 34 (``runtime/cuda/gemm_kernels.py``) instead, for the given
+``gemm.GPU_CONFIGS`` indices (default all), with descriptor loads, bf16: per world its scatter with
+signals through pointers (per-tile and deferred signals) and, for configs with TMA stores, through
+one descriptor (deferred); ``MEMBAR.SYS`` counts the system-scope fences in the SASS (static, not
+per tile).
 
 A tile is ``ROWS:WARPS`` (rows of ``hidden`` bf16 per tile, warps per CTA); the launch rule's
 choices are in ``weavepass/runtime/cuda/launch_plan.py``. Per kernel it prints ``REG`` (registers per
@@ -32,7 +39,8 @@ POINTERS = {"inv_rms_ptr": "*fp32", "pad_ptr": "*i32", "scales_ptr": "*fp32", "s
             "qconst_ptr": "*fp32"}
 ADDRESS_DELTAS = {"recv_offset"} | {f"wd{i}" for i in range(8)} | {f"pd{i}" for i in range(8)}
 INT64 = ADDRESS_DELTAS | {"watch_addr", "timeout_ns"}
-SASS = {"LDG.E.128": "LDG.E.128", "STG.E.128": "STG.E.128", "LDGSTS": "LDGSTS", "LDL": "LDL", "STL": "STL"}
+SASS = {"LDG.E.128": "LDG.E.128", "STG.E.128": "STG.E.128", "LDGSTS": "LDGSTS", "LDL": "LDL", "STL": "STL",
+        "UTMASTG": "UTMASTG", "MEMBAR.SYS": "MEMBAR.SC.SYS|MEMBAR.ALL.SYS"}
 
 
 def compile_sm90(fn, constants: dict, num_warps: int):
@@ -62,18 +70,68 @@ def resources(compiled) -> str:
         usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
         sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     fields = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
-    counts = " ".join(f"{name} {len(re.findall(re.escape(pattern), sass))}" for name, pattern in SASS.items())
+    counts = " ".join(f"{name} {len(re.findall('|'.join(map(re.escape, pattern.split('|'))), sass))}"
+                      for name, pattern in SASS.items())
     return f"{fields} SHARED:{compiled.metadata.shared}  {counts}"
+
+
+def compile_gemm_sm90(config, world: int, signals: bool, store_desc: bool, defer: bool):
+    """``persistent_gemm_kernel`` compiled for sm_90 as ``gemm.scatter_matmul`` launches it on a GPU
+    (descriptor loads, bf16, rank 0 of ``world``)."""
+    import dataclasses
+
+    from weavepass.runtime.cuda.gemm import SIGNAL_ROWS
+    from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel as fn
+
+    c = dataclasses.replace(config, defer_signals=defer)
+    meta = dict(c.meta(store_desc), RANK=0, WORLD=world, SIGNAL_ROWS=SIGNAL_ROWS, USE_DESC=True,
+                HAS_SIGNALS=signals, THREADS=c.num_warps * 32, GPU_FENCES=True)
+    num_stages, num_warps = meta.pop("num_stages"), meta.pop("num_warps")
+    types = {"x": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>", "w": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
+             "y_desc": f"tensordesc<bf16[{c.block_m}, {c.block_n // c.epilogue_split}]>" if store_desc else "*bf16",
+             "staging_ptr": "*bf16", "starts_ptr": "*i32", "pad_ptr": "*i32", "deltas_ptr": "*i64",
+             "pad_deltas_ptr": "*i64", "watch_addr": "i64", "timeout_ns": "i64"}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[(i,)] = "constexpr", meta[name]
+            continue
+        signature[name] = types.get(name, "i32")
+        # N and K are specialised at launch (multiples of 16 on every model shape), M and the rest not
+        if name.endswith("_ptr") or name in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def gemm_main(indices: list[int], worlds: list[int]) -> None:
+    from weavepass.runtime.cuda.gemm import GPU_CONFIGS
+
+    print(f"triton {triton.__version__}")
+    for i in indices or range(len(GPU_CONFIGS)):
+        config = GPU_CONFIGS[i]
+        for world in worlds:
+            cases = [("pointers, per-tile signals", False, False), ("pointers, deferred signals", False, True)]
+            if config.store_desc:
+                cases.append(("TMA, deferred signals", True, True))
+            for name, store_desc, defer in cases:
+                compiled = compile_gemm_sm90(config, world, True, store_desc, defer)
+                print(f"[{i}] {config.label():34} world {world} {name:27}: {resources(compiled)}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gemm", type=int, nargs="*", help="the persistent GEMM's configs (indices; none: all)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--tiles", nargs="+", default=["4:16", "1:8"],
                         help="ROWS:WARPS[:CHUNK_TILES[:LOAD_STAGES]] per tile (the pipelined kernel's chunk, "
                              "default 2 tiles, and software-pipelined loads, default 1: none)")
     parser.add_argument("--hidden", type=int, default=8192)
     args = parser.parse_args()
+    if args.gemm is not None:
+        gemm_main(args.gemm, args.worlds)
+        return
     block_h = 1 << (args.hidden - 1).bit_length()
     for world in args.worlds:
         for tile in args.tiles:

@@ -25,6 +25,7 @@ from weavepass.runtime.cuda.gemm import (
     STAGING_SLOTS,
     matmul,
     owner_row_starts,
+    scatter_store_reason,
 )
 from weavepass.runtime.reference import fused_allreduce_rmsnorm_reference
 from weavepass.testing.gemm_sim import SimulatedScatterRanks
@@ -71,13 +72,20 @@ def case_gemm() -> None:
 
 
 def _world_run(world: int, tokens: int, hidden: int, k: int, counts, calls: int, desc: bool, residual: bool,
-               config=INTERPRETER_CONFIG):
+               config=INTERPRETER_CONFIG, one_allocation: bool = False, tma_stores: bool = False):
     """``calls`` back-to-back calls of ``world`` simulated ranks; checks every call's staged partials
-    and outputs, and the signals after the last."""
+    and outputs, and the signals after the last. ``one_allocation``: the stagings in one tensor, the
+    capacity rounded up to whole tiles; ``tma_stores``: asserts the scatter stores through the
+    descriptor there (``scatter_store_reason`` None), else that it stores through pointers."""
     gen = torch.Generator().manual_seed(world * 100 + tokens)
     starts = owner_row_starts(tokens, world, counts)
     capacity = max(b - a for a, b in itertools.pairwise(starts)) or 1
-    sim = SimulatedScatterRanks(world, hidden, capacity, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+    if one_allocation:
+        capacity = -(-capacity // config.block_m) * config.block_m
+    sim = SimulatedScatterRanks(world, hidden, capacity, DTYPE, "cpu", signal_rows=SIGNAL_ROWS,
+                                one_allocation=one_allocation)
+    why = scatter_store_reason(sim.workspaces[0], config, desc, signals=True)
+    assert (why is None) == tma_stores, why
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
     for call in range(calls):
         xs = [_draw(gen, tokens, k) for _ in range(world)]
@@ -125,6 +133,27 @@ def case_scatter() -> None:
     for i, (world, tokens, counts) in enumerate(splits):  # each world through both load paths
         _world_run(world, tokens, 24, 32, counts, 3, desc=bool(i % 2), residual=True, config=configs[i % 3])
     print("scatter: OK")
+
+
+def case_scatter_paths() -> None:
+    """The scatter's signal and store paths: the per-tile signals of the first versions
+    (``defer_signals=False``), the deferred ones (the default) with TMA stores through one descriptor
+    over one allocation of every rank's staging, in one, two and four column slices, flattened, and
+    TMA asked for where it cannot serve (separate allocations; per-tile signals): pointer stores.
+    Each run checks the staged partials against the plain GEMM to the bit, the reduce, and the
+    signals' values after three calls (as ``case_scatter``)."""
+    tilesig = dataclasses.replace(INTERPRETER_CONFIG, defer_signals=False)
+    tma = [dataclasses.replace(c, store_desc=True) for c in (INTERPRETER_CONFIG, FLATTENED, *SPLIT_STORES)]
+    for world, tokens, counts in ((2, 37, None), (3, 41, [20, 4, 17]), (4, 45, [1, 16, 0, 28])):
+        _world_run(world, tokens, 24, 32, counts, 3, desc=True, residual=True, config=tilesig)
+        _world_run(world, tokens, 24, 32, counts, 3, desc=False, residual=True, config=tilesig)
+        for config in tma:
+            _world_run(world, tokens, 24 if config.block_n == 16 else 40, 32, counts, 3, desc=True, residual=True,
+                       config=config, one_allocation=True, tma_stores=True)
+        _world_run(world, tokens, 24, 32, counts, 3, desc=True, residual=True, config=tma[0])  # separate buffers
+        _world_run(world, tokens, 24, 32, counts, 3, desc=True, residual=True, one_allocation=True,
+                   config=dataclasses.replace(tma[0], defer_signals=False))
+    print("scatter_paths: OK")
 
 
 def case_reduce() -> None:
@@ -300,15 +329,38 @@ def case_matmul_entry() -> None:
         assert [ws.tokens for ws in cached] == [512, 1024], [ws.tokens for ws in cached]  # 21 reused 512
         assert sorted(cached[0].splits) == [(21, 21), (21, 48), (300, 300), (300, 320)], sorted(cached[0].splits)
         assert sorted(cached[1].splits) == [(600, 600), (600, 624)], sorted(cached[1].splits)
-        assert not lowering._WARNED, lowering._WARNED
-        x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once
-        lowering.matmul_reduce_scatter_rmsnorm_cuda(x, _draw(gen, hidden, k).t(), None, weight, EPS, group, DTYPE,
-                                                    max_workspace_tokens=1024)
+        # A group of one: its staging is every owner's, one allocation, so a config with TMA stores
+        # scatters through one descriptor (select_config's, here the interpreter's with TMA stores).
+        from weavepass.runtime.cuda import gemm
+
+        tma = dataclasses.replace(INTERPRETER_CONFIG, store_desc=True)
+        gemm.INTERPRETER_CONFIG = tma
+        try:
+            why = gemm.scatter_store_reason(cached[0].scatter, tma, True, True)
+            assert why is None, why
+            x, w = _draw(gen, 300, k), _draw(gen, hidden, k)
+            residual = _draw(gen, 300, hidden)
+            want_n, want_r = fused_allreduce_rmsnorm_reference([matmul(x, w, config=INTERPRETER_CONFIG)], residual,
+                                                               weight, EPS, DTYPE)
+            normed, res = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), residual, weight, EPS, group, DTYPE,
+                                                                      max_workspace_tokens=1024)
+            scatter = cached[0].scatter  # the TMA-stored partial: the plain GEMM's to the bit
+            assert torch.equal(scatter.staged(0, 300, scatter.last_slot()), matmul(x, w, config=INTERPRETER_CONFIG))
+            torch.testing.assert_close(res, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(normed, want_n, **NORMED_TOL)
+        finally:
+            gemm.INTERPRETER_CONFIG = INTERPRETER_CONFIG
+        assert not lowering._WARNED and not lowering.FALLBACKS, (lowering._WARNED, lowering.FALLBACKS)
+        x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once, counted twice
+        for _ in range(2):
+            lowering.matmul_reduce_scatter_rmsnorm_cuda(x, _draw(gen, hidden, k).t(), None, weight, EPS, group,
+                                                        DTYPE, max_workspace_tokens=1024)
         assert len(lowering._WARNED) == 1 and "1024-token limit" in next(iter(lowering._WARNED))
+        assert list(lowering.FALLBACKS.values()) == [2] and "1024-token limit" in next(iter(lowering.FALLBACKS))
         dist.destroy_process_group()
     print("matmul_entry: OK")
 
 
 if __name__ == "__main__":
     {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture,
-     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry}[sys.argv[1]]()
+     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry, "scatter_paths": case_scatter_paths}[sys.argv[1]]()

@@ -56,6 +56,47 @@ def test_overlap_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_overlap_smoke_gemm_epilogue_one_rank(tmp_path):
+    """``weave_gemm_epilogue`` at ``--world 1`` (a group of one rank; on the CPU the op's portable
+    lowering): the rewrite moved the tiny model's two row-parallel matmuls (o_proj, down_proj of
+    its one layer) into the op, weave_fuse none, and no call fell back."""
+    pytest.importorskip("triton")
+    text, rows = _smoke("bench_overlap.py", tmp_path, "--world", "1", "--variants",
+                        "weave_fuse,weave_gemm_epilogue,weave_gemm_epilogue_cg", "--tokens", "16",
+                        csv_name="bench_overlap_tp1")
+    got = {r["variant"]: (r["world"], r["matmuls_moved"], r["fallbacks"]) for r in rows}
+    assert got == {"weave_fuse": ("1", "0", ""), "weave_gemm_epilogue": ("1", "2", "0")}, got
+    assert "weave_gemm_epilogue_cg skipped on the CPU" in text
+    assert "FALLBACK" not in text
+
+
+def test_overlap_fallback_count_is_loud(capsys, monkeypatch):
+    """A warm-up in which the cuda_symm matmul op ran the portable lowering is counted for its cell
+    and printed as a FALLBACK line; one without is silent; fallbacks in the timed rounds too."""
+    pytest.importorskip("triton")
+    _, bench_overlap, _ = _benchmarks()
+    from weavepass.runtime.cuda import matmul
+
+    monkeypatch.setattr(matmul, "FALLBACKS", type(matmul.FALLBACKS)())
+    count = bench_overlap._FallbackCount()
+    count.start()
+    count.stop(("weave_gemm_epilogue", 16))
+    assert "FALLBACK" not in capsys.readouterr().out
+    count.start()
+    matmul.FALLBACKS["a workspace past the limit"] += 3
+    count.stop(("weave_gemm_epilogue", 32))
+    assert count.cells == {("weave_gemm_epilogue", 16): 0, ("weave_gemm_epilogue", 32): 3}
+    out = capsys.readouterr().out
+    assert "FALLBACK: weave_gemm_epilogue at 32 tokens: 3 call(s)" in out and "past the limit" in out
+    count.after_rounds(0)
+    assert "FALLBACK" not in capsys.readouterr().out
+    matmul.FALLBACKS["a workspace past the limit"] += 1
+    count.after_rounds(0)
+    assert "FALLBACK: 1 call(s) of the cuda_symm matmul op ran the portable lowering during the timed rounds" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_decode_smoke(tmp_path):
     text, rows = _smoke("bench_decode.py", tmp_path, "--variants", "eager,weave_min1,weave_cg",
                         "--layers", "1", "--batches", "2")
@@ -95,14 +136,23 @@ def test_gemm_smoke(tmp_path):
     """bench_gemm through Triton's interpreter: every GEMM of the tiny preset, the scatter variants on
     the row-parallel ones only, every checked output "ok" against the fp32 product."""
     pytest.importorskip("triton")
-    _, rows = _smoke("bench_gemm.py", tmp_path, "--tokens", "24")
+    _, rows = _smoke("bench_gemm.py", tmp_path, "--tokens", "24", "--repeat", "2")
     plain = {"cublas", "triton"}
-    scatter = plain | {"scatter2", "scatter2_nosig"}
-    want = {(g, v) for g in ("o", "down") for v in scatter} | {(g, v) for g in ("qkv", "gate_up") for v in plain}
-    assert {(r["gemm"], r["variant"]) for r in rows} == want
+    scatters = {"scatter2", "scatter2_nosig", "scatter2_ptr", "scatter2_tilesig"}
+    row_parallel = plain | scatters | {"triton_ptr"}  # (the TMA config's pointer-store twin)
+    want = {(g, v) for g in ("o", "down") for v in row_parallel} | {(g, v) for g in ("qkv", "gate_up")
+                                                                    for v in plain}
+    for repeat in ("0", "1"):
+        assert {(r["gemm"], r["variant"]) for r in rows if r["repeat"] == repeat} == want
     assert all(float(r["ms"]) > 0 and r["tokens"] == "24" for r in rows)
-    checked = [r["check"] for r in rows if r["variant"] in ("triton", "scatter2", "scatter2_nosig")]
-    assert checked == ["ok"] * 8, checked  # the plain GEMM of 4 GEMMs, the staged rows of 2, both variants
+    checked = [r["check"] for r in rows if r["variant"] in {"triton"} | scatters]
+    assert checked == ["ok"] * 2 * (4 + 2 * 4), checked  # per repeat: the plain GEMM of 4, 4 scatters of 2
+    # The smoke's config stores through TMA, which the scatter takes over one allocation; the _ptr and
+    # _tilesig variants store through pointers by definition, and say why.
+    stores = {(r["variant"], r["stores"], r["stores_why"]) for r in rows if r["variant"] in scatters}
+    assert stores == {("scatter2", "tma", ""), ("scatter2_nosig", "tma", ""),
+                      ("scatter2_ptr", "pointers", "the config stores through pointers"),
+                      ("scatter2_tilesig", "pointers", "the config stores through pointers")}, stores
 
 
 def test_overlap_report_hidden_fraction(tmp_path):
@@ -249,3 +299,61 @@ def test_parallel_pytest_runs_each_test_alone_and_fails_on_a_failure(tmp_path):
                             capture_output=True, text=True, cwd=tmp_path)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert "parallel_pytest total: 2 passed" in passed.stdout
+
+
+def _bench_gemm():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gemm
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return bench_gemm
+
+
+def test_gemm_table_rule_on_hand_made_rows():
+    """``bench_gemm.measured_table`` (``TABLE_RULE``) on made-up CSV rows: a key enters only with
+    >= 2 repeats whose speeds agree within 5 %; its config is the lowest total time; a row-parallel
+    key's speed is the scatter's (the slowest owner count, signals on), not the plain GEMM's; keys
+    that fail are listed with why."""
+    pytest.importorskip("triton")
+    bench_gemm = _bench_gemm()
+    from weavepass.runtime.cuda.gemm import GPU_CONFIGS
+
+    fast, slow = GPU_CONFIGS[0].label(), GPU_CONFIGS[4].label()
+
+    def tune(n, k, m, rep, config, ms, cublas=1.0):
+        return {"n": str(n), "k": str(k), "m": str(m), "repeat": str(rep), "config": config, "ms": str(ms),
+                "cublas_ms": str(cublas)}
+
+    def bench(n, k, m, rep, variant, ms):
+        return {"n": str(n), "k": str(k), "m": str(m), "repeat": str(rep), "variant": variant, "ms": str(ms)}
+
+    tune_rows, bench_rows = [], []
+    for rep, ms in ((0, 1.0), (1, 1.02)):  # plain, bucket 2048 (two token counts): speeds 1.0 and 0.980
+        for m in (2048, 4096):
+            tune_rows += [tune(1280, 8192, m, rep, fast, ms), tune(1280, 8192, m, rep, slow, 1.2)]
+    for rep in (0, 1):  # row-parallel: plain 1.11x cuBLAS, the scatter to 8 owners 0.8x
+        tune_rows.append(tune(8192, 1024, 8192, rep, fast, 0.9))
+        bench_rows += [bench(8192, 1024, 8192, rep, "scatter2", 1.1 + 0.02 * rep),
+                       bench(8192, 1024, 8192, rep, "scatter8", 1.25),
+                       bench(8192, 1024, 8192, rep, "scatter8_nosig", 0.5),  # not the op's GEMM: ignored
+                       bench(8192, 1024, 8192, rep, "cublas", 1.0)]
+    tune_rows += [tune(4096, 2048, 2048, 0, fast, 1.0), tune(4096, 2048, 2048, 1, fast, 1.2)]  # 18 % apart
+    tune_rows.append(tune(7168, 8192, 2048, 0, fast, 1.0))  # one repeat
+    tune_rows += [tune(4096, 7168, 8192, rep, fast, 1.0) for rep in (0, 1)]
+    bench_rows.append(bench(4096, 7168, 8192, 0, "scatter2", 1.0))  # the scatter in one repeat only
+    configs, speeds, left_out = bench_gemm.measured_table(tune_rows, bench_rows)
+    assert configs == {(1280, 8192, 2048): GPU_CONFIGS[0], (8192, 1024, 8192): GPU_CONFIGS[0]}
+    assert speeds == {(1280, 8192, 2048): pytest.approx(0.99, abs=1e-3), (8192, 1024, 8192): pytest.approx(0.8)}
+    assert set(left_out) == {(4096, 2048, 2048), (7168, 8192, 2048), (4096, 7168, 8192)}
+    # (1.0 - 0.833) / median 0.917
+    assert left_out[(4096, 2048, 2048)] == "the repeats disagree: speeds 1.000, 0.833 spread 18.2% > 5%"
+    assert left_out[(7168, 8192, 2048)] == "measured in 1 repeat(s), fewer than 2"
+    assert left_out[(4096, 7168, 8192)].startswith("a scatter variant was not measured in every cell")
+    source = bench_gemm.table_source(configs, speeds, left_out)
+    assert "# left out (4096, 2048, 2048): the repeats disagree" in source
+    assert "    (8192, 1024, 8192): 0.800," in source and "at least 2 repeats" in source
+    namespace: dict = {}
+    exec(source, {"GemmConfig": type(GPU_CONFIGS[0])}, namespace)  # the proposal is valid source
+    assert namespace["MEASURED_CONFIGS"] == configs
+    assert namespace["MEASURED_SPEED"] == {key: round(v, 3) for key, v in speeds.items()}

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CASE = pathlib.Path(__file__).with_name("gemm_interpreter_case.py")
 
 
-@pytest.mark.parametrize("case", ["gemm", "scatter", "reduce", "capture", "matmul_op", "matmul_entry"])
+@pytest.mark.parametrize("case", ["gemm", "scatter", "scatter_paths", "reduce", "capture", "matmul_op",
+                                  "matmul_entry"])
 def test_gemm_kernels_interpreted(case):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
     result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300,

@@ -148,11 +148,27 @@ def test_scatter_and_reduce_simulated(world, dtype, request):
     through the pointer loads (both paths for both dtypes: test_gemm_matches_torch_mm)."""
     if _in_child(request):
         return
+    _scatter_and_reduce(world, dtype, one_allocation=False)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_scatter_tma_stores_simulated(world, request):
+    """``test_scatter_and_reduce_simulated``'s calls (bf16) with every rank's staging in one
+    allocation, so the scatter stores through one tensor descriptor (TMA) with the deferred signals,
+    which wait for those asynchronous stores before releasing (``gemm_kernels._release_owners``)."""
+    if _in_child(request):
+        return
+    _scatter_and_reduce(world, torch.bfloat16, one_allocation=True)
+
+
+def _scatter_and_reduce(world: int, dtype: torch.dtype, one_allocation: bool) -> None:
     from weavepass.runtime.cuda.gemm import (
+        DEFAULT_GPU_CONFIG,
         STAGING_SLOTS,
         descriptor_unsupported_reason,
         matmul,
         owner_row_starts,
+        scatter_store_reason,
     )
     from weavepass.testing.gemm_sim import SimulatedScatterRanks
 
@@ -160,7 +176,12 @@ def test_scatter_and_reduce_simulated(world, dtype, request):
     ragged = [tokens // 2 - 3] + [0] * (world - 2) + [tokens - (tokens // 2 - 3)]  # zeros from world 3 on
     splits = [None, None, ragged]
     capacity = max(b - a for c in splits for a, b in itertools.pairwise(owner_row_starts(tokens, world, c)))
-    sim = SimulatedScatterRanks(world, hidden, capacity, dtype)
+    if one_allocation:
+        capacity = -(-capacity // DEFAULT_GPU_CONFIG.block_m) * DEFAULT_GPU_CONFIG.block_m
+    sim = SimulatedScatterRanks(world, hidden, capacity, dtype, one_allocation=one_allocation)
+    if one_allocation:
+        why = scatter_store_reason(sim.workspaces[0], DEFAULT_GPU_CONFIG, True, True)
+        assert why is None, why
     gen = torch.Generator(device="cuda").manual_seed(world)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
     for call, counts in enumerate(splits):

@@ -52,10 +52,11 @@ def _draw(gen, rows, cols, dtype, device="cuda", scale=1.0):
 
 
 def _plain(x, w):
-    """The plain Triton GEMM with the scatter's tiling (the reference's partials)."""
-    from weavepass.runtime.cuda.gemm import DEFAULT_SCATTER_CONFIG, matmul
+    """The plain Triton GEMM with the scatter's tiling (``select_config``'s for the shape, which the
+    scatter takes too: the reference's partials; TMA or pointer stores write the same values)."""
+    from weavepass.runtime.cuda.gemm import matmul
 
-    return matmul(x, w, config=DEFAULT_SCATTER_CONFIG)
+    return matmul(x, w)
 
 
 def _flashcomm_rows(tokens: int, world: int) -> int:

@@ -65,13 +65,21 @@ class SimulatedScatterRanks:
     workspace is), so back-to-back calls test the slot alternation and the sequence numbers."""
 
     def __init__(self, world: int, hidden: int, capacity: int, dtype: torch.dtype, device="cuda",
-                 signal_rows: int | None = None, peer_timeout_s: float = SIM_PEER_TIMEOUT_S):
+                 signal_rows: int | None = None, peer_timeout_s: float = SIM_PEER_TIMEOUT_S,
+                 one_allocation: bool = False):
+        """``one_allocation``: every rank's staging a slice of one tensor (``ScatterWorkspace.shared``),
+        so the scatter may store through one tensor descriptor (``gemm.scatter_store_reason``)."""
         self.layout = ScatterLayout(world, hidden, capacity, **({} if signal_rows is None else
                                                                  {"signal_rows": signal_rows}))
         self.device = torch.device(device)
         lay = self.layout
-        self.buffers = [torch.full((lay.staging_elements,), float("nan"), dtype=dtype, device=self.device)
-                        for _ in range(world)]  # poisoned: a row read before it was stored shows
+        # poisoned: a row read before it was stored shows
+        shared = (torch.full((world * lay.staging_elements,), float("nan"), dtype=dtype, device=self.device)
+                  if one_allocation else None)
+        self.buffers = ([shared[r * lay.staging_elements: (r + 1) * lay.staging_elements] for r in range(world)]
+                        if shared is not None else
+                        [torch.full((lay.staging_elements,), float("nan"), dtype=dtype, device=self.device)
+                         for _ in range(world)])
         self.pads = [torch.zeros(lay.pad_slots, dtype=torch.int32, device=self.device) for _ in range(world)]
         on_gpu = self.device.type == "cuda"
         self.streams = [torch.cuda.Stream(self.device) for _ in range(world)] if on_gpu else None
@@ -79,7 +87,7 @@ class SimulatedScatterRanks:
         self.workspaces = [
             ScatterWorkspace(lay, r, self.buffers[r], self.pads[r],
                              address_table(self.buffers, r, STAGING_ALIGNMENT), address_table(self.pads, r),
-                             watch, timeout_ns)
+                             watch, timeout_ns, shared)
             for r in range(world)]
 
     def run(self, xs: list[torch.Tensor], ws: list[torch.Tensor], residual: torch.Tensor | None,

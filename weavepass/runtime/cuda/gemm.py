@@ -11,9 +11,11 @@
 Loads go through host-side tensor descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``,
 TMA on Hopper; Triton >= 3.4; needs no ``triton.set_allocator``, which only the in-kernel
 ``tl.make_tensor_descriptor`` does) where ``descriptor_unsupported_reason`` finds nothing against them,
-else through pointers (``use_descriptors=False`` forces that path). The epilogue always stores through
-pointers: one destination computed from a table, so no per-owner descriptor and no branch between
-stores.
+else through pointers (``use_descriptors=False`` forces that path). The plain GEMM stores through a
+descriptor of ``y`` where its config says so; the scatter through one descriptor over every owner's
+staging where they are one allocation (simulated ranks, a group of one: ``scatter_store_reason``),
+each owner's staging a row range of it, else through pointers; either way one destination computed
+from a table, so no per-owner descriptor and no branch between stores.
 
 The ``cuda_symm`` lowering of the matmul ops (``runtime.cuda.matmul``) runs these on a symmetric
 workspace; ``weavepass.testing.gemm_sim`` runs them on simulated ranks, ``benchmarks/bench_gemm.py``
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,8 +56,10 @@ class GemmConfig:
     flatten: bool = False  # one pipelined loop over tiles and K steps (the next tile's loads overlap the epilogue)
     warp_specialize: bool = False
     epilogue_split: int = 1  # each tile stored in 1, 2 or 4 column slices (less shared memory, more stages)
-    store_desc: bool = False  # the plain GEMM stores through a tensor descriptor (TMA) where it loads through
-    # them; the scatter always stores through pointers (one destination per owner)
+    store_desc: bool = False  # stores through a tensor descriptor (TMA) where the loads use them; the
+    # scatter only where scatter_store_reason finds nothing against it, else through pointers
+    defer_signals: bool = True  # the scatter releases once per (CTA, owner) after its tile loop; False: the
+    # first versions' release after every tile (gemm_kernels' docstring)
 
     def __post_init__(self) -> None:
         if self.epilogue_split not in (1, 2, 4) or self.block_n % (8 * self.epilogue_split):
@@ -65,12 +69,14 @@ class GemmConfig:
     def meta(self, store_desc: bool = False) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
                     FLATTEN=self.flatten, WARP_SPECIALIZE=self.warp_specialize, EPILOGUE_SPLIT=self.epilogue_split,
-                    STORE_DESC=store_desc, num_stages=self.num_stages, num_warps=self.num_warps)
+                    STORE_DESC=store_desc, DEFER_SIGNALS=self.defer_signals, num_stages=self.num_stages,
+                    num_warps=self.num_warps)
 
     def label(self) -> str:
         """Short text, as the benchmark's CSV writes it: ``128x256x64 g8 s3 w8 flat e2 tma``."""
         loop = (" flat" if self.flatten else "") + (" ws" if self.warp_specialize else "")
-        tail = (f" e{self.epilogue_split}" if self.epilogue_split > 1 else "") + (" tma" if self.store_desc else "")
+        tail = ((f" e{self.epilogue_split}" if self.epilogue_split > 1 else "") + (" tma" if self.store_desc else "")
+                + ("" if self.defer_signals else " tilesig"))
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} "
                 f"w{self.num_warps}{loop}{tail}")
 
@@ -93,11 +99,10 @@ GPU_CONFIGS = (
 )
 """What ``tune`` tries on a GPU (Hopper-sized tiles; a config that does not compile or fit is skipped).
 128x128 tiles are there for the shapes whose 128x256 tiles leave the last wave of the 132 SMs mostly
-idle (N = 7168 at 2K tokens: 448 tiles, 3.4 waves). The scatter takes the same configs but stores
-through pointers (``store_desc`` serves the plain GEMM only)."""
+idle (N = 7168 at 2K tokens: 448 tiles, 3.4 waves). The scatter takes the same configs
+(``select_config``); it stores through the descriptor only where ``scatter_store_reason`` allows,
+else through pointers."""
 DEFAULT_GPU_CONFIG = GPU_CONFIGS[0]
-DEFAULT_SCATTER_CONFIG = GemmConfig(128, 256, 64, 8, 3, 8, flatten=True, epilogue_split=2)
-"""The scatter's default: ``DEFAULT_GPU_CONFIG`` with pointer stores."""
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 4)
 """Tiny tiles for ``TRITON_INTERPRET=1`` (each program runs in numpy)."""
 
@@ -108,9 +113,11 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {}
 
 
 MEASURED_SPEED: dict[tuple[int, int, int], float] = {}
-"""cuBLAS's time / the plain GEMM's with ``MEASURED_CONFIGS``' config, same keys and run
-(``do_bench`` medians; above 1: the Triton GEMM is faster): what a planner reads to keep cuBLAS where
-the Triton GEMM is slower (``measured_speed``)."""
+"""cuBLAS's time / the Triton GEMM's, same keys (``do_bench`` medians over the bucket's token counts,
+the median of ``bench_gemm --repeat`` rounds that agree: ``bench_gemm.TABLE_RULE``; above 1: the
+Triton GEMM is faster). For a row-parallel shape the scatter's time (the GEMM the op runs, the
+slowest owner count measured), else the plain GEMM's with ``MEASURED_CONFIGS``' config: what a
+planner reads to keep cuBLAS where the op's GEMM is slower (``measured_speed``)."""
 
 
 def measured_speed(m: int, n: int, k: int) -> float | None:
@@ -132,8 +139,8 @@ def interpreting() -> bool:
 
 
 def select_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """The plain GEMM's config for ``x[m, k] @ w[n, k]^T``: ``MEASURED_CONFIGS``' entry for the shape,
-    else the default."""
+    """The GEMM's config for ``x[m, k] @ w[n, k]^T`` (plain and scatter): ``MEASURED_CONFIGS``' entry
+    for the shape, else the default."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_CONFIG
     return MEASURED_CONFIGS.get((n, k, token_bucket(m)), DEFAULT_GPU_CONFIG)
@@ -205,6 +212,34 @@ class ScatterWorkspace:
     pad_deltas: torch.Tensor  # int64 [world]
     watch: int = 0  # peer_wait.record_address(), 0: no record
     timeout_ns: int = 0  # 0: wait for ever
+    shared: torch.Tensor | None = None  # one allocation holding every rank's staging (simulated ranks, a
+    # group of one), or None (peers' buffers on other devices): the scatter's TMA stores need it
+    shared_rows: torch.Tensor | None = field(default=None, init=False)  # int64 [world]: row of each rank's
+    # staging in ``shared`` viewed as [rows, hidden] (set from ``shared``; None where it does not hold them)
+    shared_reason: str | None = field(default=None, init=False)  # why not (``shared_staging_reason``)
+    _descriptors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Once, here: it reads the address table back from the device, which a CUDA-graph capture forbids.
+        why = shared_staging_reason(self)
+        object.__setattr__(self, "shared_reason", why)
+        if why is None:
+            assert self.shared is not None
+            mine = (self.staging.data_ptr() - self.shared.data_ptr()) // self.staging.element_size()
+            rows = [(mine + d) // self.layout.hidden for d in self.deltas.tolist()]
+            object.__setattr__(self, "shared_rows", torch.tensor(rows, dtype=torch.int64, device=self.staging.device))
+
+    def store_descriptor(self, block_m: int, block_n: int):
+        """``shared`` as ``[rows, hidden]`` behind a tensor descriptor of block ``[block_m, block_n]``,
+        kept per block shape (a host object: built once, not per call)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        key = (block_m, block_n)
+        if key not in self._descriptors:
+            assert self.shared is not None
+            y = self.shared.view(-1, self.layout.hidden)
+            self._descriptors[key] = TensorDescriptor(y, list(y.shape), list(y.stride()), [block_m, block_n])
+        return self._descriptors[key]
 
     def staged(self, src: int, rows: int, slot: int) -> torch.Tensor:
         """``staging[slot][src][:rows]`` as ``[rows, hidden]``: what ``src`` stored here."""
@@ -215,6 +250,48 @@ class ScatterWorkspace:
     def last_slot(self) -> int:
         """The slot of this rank's latest GEMM call (read from the pad: a host sync)."""
         return int(self.pad[0]) % STAGING_SLOTS
+
+
+def shared_staging_reason(ws: ScatterWorkspace) -> str | None:
+    """Why ``ws.shared`` cannot serve as one ``[rows, hidden]`` tensor over every rank's staging
+    (each staging starting on a row of it), or None. Reads ``ws.deltas`` back from the device: the
+    workspace calls it once (``ScatterWorkspace.shared_reason``)."""
+    if ws.shared is None:
+        return "the ranks' stagings are separate allocations (peers on other devices)"
+    size, hidden = ws.staging.element_size(), ws.layout.hidden
+    mine = ws.staging.data_ptr() - ws.shared.data_ptr()
+    if mine % size or ws.shared.dtype != ws.staging.dtype:
+        return "the staging is not an element of the shared allocation"
+    starts = [mine // size + d for d in ws.deltas.tolist()]
+    if any(a < 0 or a + ws.layout.staging_elements > ws.shared.numel() or a % hidden for a in starts):
+        return "a rank's staging lies outside the shared allocation or does not start on a row of it"
+    if ws.shared.numel() % hidden:
+        return f"the shared allocation's {ws.shared.numel()} elements are not rows of {hidden}"
+    if (hidden * size) % 16 or ws.shared.data_ptr() % 16:
+        return "a TMA tensor needs 16-byte aligned rows and base"
+    return None
+
+
+def scatter_store_reason(ws: ScatterWorkspace, config: GemmConfig, use_descriptors: bool,
+                         signals: bool) -> str | None:
+    """Why the scatter's tiles cannot leave through one tensor descriptor (TMA stores) over every
+    owner's staging (``ws.shared``), so they go through pointers; None where they can. Each owner's
+    staging is a row range of that one tensor, and a tile's destination is a row offset from a table,
+    as the pointer path's is an address offset."""
+    if not config.store_desc:
+        return "the config stores through pointers"
+    if not use_descriptors:
+        return "the loads do not use tensor descriptors (no TMA here)"
+    if signals and not config.defer_signals:
+        return ("the per-tile signals release after each tile's stores, where an asynchronous TMA store is not "
+                "known complete (defer_signals releases after the loop, waiting for them)")
+    if ws.shared_reason is not None:
+        return ws.shared_reason
+    if ws.layout.capacity % config.block_m:
+        return (f"the staging's {ws.layout.capacity} rows per source are not a multiple of block_m "
+                f"{config.block_m}: a TMA tile is clipped at the tensor's end only, so an owner's last tile "
+                "would cross into the next source's rows")
+    return None
 
 
 def address_table(tensors: list[torch.Tensor], rank: int, multiple: int = 1) -> torch.Tensor:
@@ -268,23 +345,27 @@ def _grid(num_tiles: int, device: torch.device, max_ctas: int | None) -> tuple[i
 
 
 def _launch(x, w, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blocks, watch, timeout_ns, rank,
-            world, signal_rows, config, use_descriptors, has_signals, num_tiles, max_ctas, store_desc=False):
+            world, signal_rows, config, use_descriptors, has_signals, num_tiles, max_ctas, store_desc=False,
+            y_desc=None):
+    """One launch of ``persistent_gemm_kernel``. ``store_desc`` with ``y_desc`` None: the plain GEMM's
+    TMA stores into ``staging`` (y [M, N]); with ``y_desc``: the scatter's, ``deltas`` then holding
+    each owner's staging row in it."""
     from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
 
     if signal_rows % config.block_m:
         raise ValueError(f"signal rows {signal_rows} are not a multiple of block_m {config.block_m}")
     a, b = _operands(x, w, config, use_descriptors)
-    y_desc = staging
-    if store_desc:  # the plain GEMM: staging is y [M, N]
+    if store_desc and y_desc is None:  # the plain GEMM: staging is y [M, N]
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         y_desc = TensorDescriptor(staging, list(staging.shape), list(staging.stride()),
                                   [config.block_m, config.block_n // config.epilogue_split])
     grid = _grid(num_tiles, x.device, max_ctas)
     persistent_gemm_kernel[grid](
-        a, b, staging, y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n, x.shape[1], capacity, num_blocks,
-        watch, timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows, USE_DESC=use_descriptors,
-        HAS_SIGNALS=has_signals, THREADS=config.num_warps * 32, **config.meta(store_desc))
+        a, b, staging, staging if y_desc is None else y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n,
+        x.shape[1], capacity, num_blocks, watch, timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows,
+        USE_DESC=use_descriptors, HAS_SIGNALS=has_signals, THREADS=config.num_warps * 32,
+        GPU_FENCES=not interpreting(), **config.meta(store_desc))
 
 
 def _resolve(x, w, config: GemmConfig, use_descriptors) -> tuple[GemmConfig, bool]:
@@ -347,8 +428,10 @@ def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owner
                    config: GemmConfig | None = None, use_descriptors: bool | None = None,
                    max_ctas: int | None = None, signals: bool = True) -> None:
     """This rank's partial ``x @ w^T`` stored into the owners' staging (``ws``): owner ``j``'s rows
-    ``owners.rows(j)``. ``signals=False`` stores only (slot 0, no signal, no wait): the routing cost
-    alone, for the benchmark; the owners' reduce must not run on such a call."""
+    ``owners.rows(j)``. ``config`` None: ``select_config``'s for the shape; its TMA stores where
+    ``scatter_store_reason`` finds nothing against them, else pointer stores. ``signals=False``
+    stores only (slot 0, no signal, no wait): the routing cost alone, for the benchmark; the owners'
+    reduce must not run on such a call."""
     _check(x, w, ws.staging.dtype)
     lay = ws.layout
     if w.shape[0] != lay.hidden:
@@ -357,14 +440,17 @@ def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owner
         raise ValueError(f"row offsets {owners.starts} do not split x's {x.shape[0]} rows among {lay.world} owners")
     if max(owners.count(j) for j in range(lay.world)) > lay.capacity:
         raise ValueError(f"row counts of {owners.starts} exceed the staging capacity of {lay.capacity} rows")
-    if config is None:
-        config = INTERPRETER_CONFIG if interpreting() or x.device.type != "cuda" else DEFAULT_SCATTER_CONFIG
-    config, use_descriptors = _resolve(x, w, config, use_descriptors)
+    config, use_descriptors = _resolve(x, w, config or select_config(x.shape[0], lay.hidden, x.shape[1], x.device),
+                                       use_descriptors)
     # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
     tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
-    _launch(x, w, ws.staging, owners.table, ws.deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,
+    store_desc = scatter_store_reason(ws, config, use_descriptors, signals) is None
+    deltas, y_desc = ws.deltas, None
+    if store_desc:
+        deltas, y_desc = ws.shared_rows, ws.store_descriptor(config.block_m, config.block_n // config.epilogue_split)
+    _launch(x, w, ws.staging, owners.table, deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,
             lay.num_blocks, ws.watch, ws.timeout_ns, ws.rank, lay.world, lay.signal_rows, config, use_descriptors,
-            signals, tiles, max_ctas)
+            signals, tiles, max_ctas, store_desc, y_desc)
 
 
 def reduce_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:

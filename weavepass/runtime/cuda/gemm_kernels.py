@@ -16,7 +16,10 @@ Staging of every rank (``dtype(y)``, symmetric)::
 Rank ``r`` stores owner ``j``'s rows ``starts[j] + i`` into ``staging_j[slot][r][i]``. The destination
 is ``staging_ptr + deltas[owner] + offset``: arithmetic on a table entry, never an ``if`` between two
 stores (Triton 3.6 failed to compile that shape in a flattened, warp-specialised loop;
-../shared/DEVICE-FACTS.md). The plain GEMM is the same kernel at ``WORLD == 1`` without signals.
+../shared/DEVICE-FACTS.md). Where every owner's staging lies in one allocation (``STORE_DESC`` with
+signals or ``WORLD > 1``), the tile leaves through one tensor descriptor over it instead (TMA) and
+``deltas[owner]`` is the row of the owner's staging in it. The plain GEMM is the same kernel at
+``WORLD == 1`` without signals.
 
 Signal pad of every rank (int32, symmetric), ``B = ceil(capacity / SIGNAL_ROWS)`` row blocks::
 
@@ -29,12 +32,23 @@ Call ``seq`` (= GEMM_SEQ + 1, read in the kernel; every rank makes the same call
 
 1. GEMM on rank ``r``: before storing, wait until every peer's REDUCE_SEQ >= ``seq - 2`` (the peer
    has read this slot's previous rows; system-scope acquire, bounded as ``runtime.cuda.peer_wait``).
-   After each stored tile, every thread of the CTA adds 1 to ``COUNT[owner][b]`` (acq_rel, system
-   scope): each releases its own stores, so no CTA barrier is needed (with one, Triton 3.6 does not
-   pipeline a flattened tile loop). The thread that brings the count to ``THREADS`` x the row
-   block's tile count resets it and writes ``FLAG[slot][r][b] = seq`` into the owner's pad with
-   release at system scope (cumulative: every other thread's release was acquired through the
-   count's chain of read-modify-writes). The last CTA to finish advances GEMM_SEQ.
+   Then one of two signal paths (``DEFER_SIGNALS``):
+
+   * per tile (the first versions'): after each stored tile, every thread of the CTA adds 1 to
+     ``COUNT[owner][b]`` (acq_rel, system scope): each releases its own stores, so no CTA barrier
+     is needed (with one, Triton 3.6 does not pipeline a flattened tile loop). The thread that
+     brings the count to ``THREADS`` x the row block's tile count resets it and writes
+     ``FLAG[slot][r][b] = seq`` into the owner's pad with release at system scope (cumulative:
+     every other thread's release was acquired through the count's chain of read-modify-writes).
+     Each release compiles to a system-scope fence (``MEMBAR.ALL.SYS``) per tile.
+   * deferred (``_release_owners``): nothing inside the tile loop; after it, a CTA barrier (and,
+     for TMA stores, waiting for them first), then per owner one acq_rel add of the
+     CTA's tile count for that owner to ``COUNT[owner][0]``; the add that completes the owner's
+     tiles resets it and releases ``FLAG[slot][r][b] = seq`` for every row block ``b`` of the
+     owner. Flags fire per owner rather than per row block, but a CTA deals its owners in the
+     order peers first, so peers' flags still fire while its own tiles compute.
+
+   The last CTA to finish advances GEMM_SEQ.
 2. Reduce on owner ``j``, per tile of ``ROWS`` rows inside row block ``b``: wait until every
    ``FLAG[slot][src][b] >= seq`` (acquire), sum ``staging[slot][src]`` in rank order in fp32, round
    to ``dtype`` (as eager's all_reduce output), add the residual, round (``residual_out``), RMSNorm.
@@ -134,6 +148,64 @@ def _halves(acc, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, WIDTH // 2)), (0, 2, 1)))
 
 
+@triton.jit
+def _tiles_below(n, pid, num_programs):
+    """How many of this CTA's tiles ``pid, pid + num_programs, ...`` are below ``n``."""
+    return tl.maximum(n - pid + num_programs - 1, 0) // num_programs
+
+
+@triton.jit
+def _fence(ASYNC_STORES: tl.constexpr):
+    """A system-scope fence (``fence.acq_rel.sys``); with ``ASYNC_STORES`` first the wait for this
+    thread's bulk (TMA) stores to complete and the proxy fence that orders them before what follows."""
+    if ASYNC_STORES:
+        tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\t"
+                                  "fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _release_owners(pid, num_programs, starts_ptr, counts, flags, pad_deltas_ptr, slot, seq, num_n_tiles, num_blocks,
+                    BLOCK_M: tl.constexpr, SIGNAL_ROWS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                    ASYNC_STORES: tl.constexpr, GPU_FENCES: tl.constexpr):
+    """Deferred signals (``DEFER_SIGNALS``), after the CTA's tile loop: for each owner whose tiles
+    this CTA stored (its tiles of an owner are a stride-``num_programs`` subset of the owner's
+    contiguous range in the order, so counted by arithmetic), one acq_rel add of that many tiles to
+    ``COUNT[owner][0]`` at system scope, after a CTA barrier (one release covers every thread's
+    stores). The add that completes the owner's tiles (every CTA's) resets the count and releases
+    ``FLAG[slot][RANK][b] = seq`` for every row block ``b`` of the owner's rows, as the per-tile path
+    does block by block. One system-scope fence per (CTA, owner) instead of one per tile. On a GPU
+    (``GPU_FENCES``) the flags are one fence then relaxed stores (each a release pattern with that
+    fence), not a release each (a ``MEMBAR.ALL.SYS`` per row block); TMA stores (``ASYNC_STORES``)
+    are waited for first. The interpreter runs the releases as written."""
+    if GPU_FENCES and ASYNC_STORES:  # TMA stores are asynchronous: complete them before the barrier
+        _fence(True)
+    tl.debug_barrier()  # every thread's stores of this CTA are done before the releases below
+    base = pid * 0  # row tiles of the owners before this one in the order
+    for i in tl.static_range(WORLD):
+        o = (RANK + 1 + i) % WORLD
+        c = tl.load(starts_ptr + o + 1) - tl.load(starts_ptr + o)
+        m = tl.cdiv(c, BLOCK_M)
+        mine = (_tiles_below((base + m) * num_n_tiles, pid, num_programs)
+                - _tiles_below(base * num_n_tiles, pid, num_programs))
+        if mine > 0:
+            counter = counts + o * num_blocks
+            if tl.atomic_add(counter, mine, sem="acq_rel", scope="sys") == m * num_n_tiles - mine:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                flag = flags + tl.load(pad_deltas_ptr + o) + (slot * WORLD + RANK) * num_blocks
+                if GPU_FENCES:
+                    _fence(False)  # cumulative: orders every store the count's chain acquired before the flags
+                    for b in range(tl.cdiv(c, SIGNAL_ROWS)):
+                        tl.atomic_xchg(flag + b, seq, sem="relaxed", scope="sys")
+                else:
+                    for b in range(tl.cdiv(c, SIGNAL_ROWS)):
+                        tl.atomic_xchg(flag + b, seq, sem="release", scope="sys")
+        base += m
+
+
 # Row counts change from call to call; specialising on them (value 1, multiples of 16) would compile
 # a kernel per split, and a module loaded while another rank's kernel spins can deadlock
 # (testing.kernel_sim). N, K and HIDDEN stay specialised: they keep the loads and stores vectorised.
@@ -166,6 +238,10 @@ def persistent_gemm_kernel(
     EPILOGUE_SPLIT: tl.constexpr = 1,  # 1, 2 or 4 column slices per tile's store: less shared memory
     # and fewer live registers in the epilogue, so more pipeline stages fit (Triton's persistent tutorial)
     THREADS: tl.constexpr = 128,  # num_warps * 32: one signal lane per thread (HAS_SIGNALS)
+    DEFER_SIGNALS: tl.constexpr = False,  # HAS_SIGNALS: one release per (CTA, owner) after the tile loop
+    # (_release_owners) instead of one per tile
+    GPU_FENCES: tl.constexpr = False,  # compiled for a GPU (not the interpreter): DEFER_SIGNALS issues its
+    # fences as PTX (_release_owners)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -220,6 +296,8 @@ def persistent_gemm_kernel(
         row_ok = local < count
         if STORE_DESC:
             delta = 0
+            if WORLD > 1 or HAS_SIGNALS:  # the scatter: deltas[owner] is the row of owner's staging in y_desc
+                row0 = (tl.load(deltas_ptr + owner) + (slot * WORLD + RANK) * capacity + pid_m * BLOCK_M).to(tl.int32)
         else:
             delta = tl.multiple_of(tl.load(deltas_ptr + owner), 16)  # (host-checked) keeps the stores vectorised
         if EPILOGUE_SPLIT == 1:
@@ -243,7 +321,7 @@ def persistent_gemm_kernel(
                 _store_columns(d, n0 + 3 * (BLOCK_N // 4), y_desc, staging_ptr, delta, dst_rows, row_ok, row0, N,
                                STORE_DESC, BLOCK_N // 4)
 
-        if HAS_SIGNALS:
+        if HAS_SIGNALS and not DEFER_SIGNALS:
             block = (pid_m * BLOCK_M) // SIGNAL_ROWS
             block_rows = tl.minimum(count - block * SIGNAL_ROWS, SIGNAL_ROWS)
             target = tl.cdiv(block_rows, BLOCK_M) * num_n_tiles * THREADS
@@ -258,6 +336,9 @@ def persistent_gemm_kernel(
             tl.atomic_xchg(counter, lane0, mask=done, sem="relaxed", scope="gpu")
             tl.atomic_xchg(flag, lane0 + seq, mask=done, sem="release", scope="sys")
 
+    if HAS_SIGNALS and DEFER_SIGNALS:
+        _release_owners(pid, num_programs, starts_ptr, counts, flags, pad_deltas_ptr, slot, seq, num_n_tiles,
+                        num_blocks, BLOCK_M, SIGNAL_ROWS, RANK, WORLD, STORE_DESC, GPU_FENCES)
     if HAS_SIGNALS:  # the last CTA to finish advances this rank's call count
         tl.debug_barrier()
         if tl.atomic_add(pad_ptr + GEMM_DONE, 1, sem="acq_rel", scope="gpu") == num_programs - 1:

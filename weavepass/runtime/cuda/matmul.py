@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -69,6 +70,12 @@ ROW_ALIGNMENT = 16
 """Owner capacities are multiples of this many rows (FlashComm pads its shards to multiples of 16)."""
 
 _WARNED: set[str] = set()
+
+FALLBACKS: Counter[str] = Counter()
+"""Calls of the ``cuda_symm`` matmul ops that ran the portable lowering (cuBLAS's matmul and the
+group's collectives) instead of the Triton kernels, per reason, every call counted (the warning is
+once per reason): a benchmark reads it so that it never reports the portable path's time as the
+kernels' (benchmarks/bench_overlap.py)."""
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -153,8 +160,10 @@ def _new_matmul_workspace(group_name: str, dtype: torch.dtype, device: torch.dev
     sym = workspace.new_symmetric(group_name, dtype, device, layout.staging_elements, layout.pad_slots)
     if any(d % STAGING_ALIGNMENT for d in sym.deltas):
         raise RuntimeError(f"symmetric staging addresses are not {STAGING_ALIGNMENT} elements apart: {sym.deltas}")
+    # A group of one: its staging is every owner's, one allocation (the scatter's TMA stores may serve).
     scatter = ScatterWorkspace(layout, sym.rank, sym.buffer, sym.pad, _tables(sym.deltas, device),
-                               _tables(sym.pad_deltas, device), sym.watch, sym.timeout_ns)
+                               _tables(sym.pad_deltas, device), sym.watch, sym.timeout_ns,
+                               sym.buffer if world == 1 else None)
 
     def make_gather() -> GatherWorkspace:
         lay = GatherLayout(world, hidden, tokens)
@@ -355,6 +364,11 @@ def _lowering_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_to
     return prepare_call(ws, owners, x, mat2, residual, weight, eps, out_dtype, rows_out)
 
 
+def _fall_back(cause: str) -> None:
+    FALLBACKS[cause] += 1
+    _warn_once(cause, f"weave cuda_symm matmul op falls back to portable: {cause}")
+
+
 def matmul_reduce_scatter_rmsnorm_cuda(x, mat2, residual, weight, eps, group_name, out_dtype, *,
                                        max_workspace_tokens: int = workspace.DEFAULT_WORKSPACE_TOKENS):
     """The ``cuda_symm`` kernel of ``weave.matmul_reduce_scatter_rmsnorm``: ``(normed, residual_out)``,
@@ -364,7 +378,7 @@ def matmul_reduce_scatter_rmsnorm_cuda(x, mat2, residual, weight, eps, group_nam
         return matmul_reduce_scatter_rmsnorm_portable(x, mat2, residual, weight, eps, group_name, out_dtype)
     call = _lowering_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_workspace_tokens, None)
     if isinstance(call, str):
-        _warn_once(call, f"weave cuda_symm matmul op falls back to portable: {call}")
+        _fall_back(call)
         return matmul_reduce_scatter_rmsnorm_portable(x, mat2, residual, weight, eps, group_name, out_dtype)
     return call.run()
 
@@ -378,7 +392,7 @@ def matmul_reduce_scatter_rmsnorm_shard_cuda(x, mat2, residual, weight, eps, gro
         return matmul_reduce_scatter_rmsnorm_shard_portable(*args, rows_per_rank)
     call = _lowering_call(*args, max_workspace_tokens, rows_per_rank)
     if isinstance(call, str):
-        _warn_once(call, f"weave cuda_symm matmul op falls back to portable: {call}")
+        _fall_back(call)
         return matmul_reduce_scatter_rmsnorm_shard_portable(*args, rows_per_rank)
     out = call.run()
     pad_shard_rows(call, residual, weight, eps, out_dtype)
