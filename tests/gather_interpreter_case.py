@@ -1,0 +1,111 @@
+"""The gather prologue (``runtime.cuda.gather``: the owners' push and the gather GEMM) run by Triton's
+interpreter on CPU, all simulated ranks in one process (``testing.gemm_sim.SimulatedGatherRanks``:
+every rank's push, then every rank's GEMMs, one after another, so each wait is met when reached).
+
+Run by tests/test_gather_interpreted.py as ``TRITON_INTERPRET=1 python tests/gather_interpreter_case.py
+<case>``; prints ``<case>: OK`` after its checks, raises otherwise.
+
+The GEMM in fp16 only: Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as raw 16-bit
+integers (tests/gemm_interpreter_case.py says how), so bf16 GEMMs run on the GPU
+(tests/gpu/test_gather_gpu.py); the push, which only moves rows, is checked in bf16 and fp16 here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from weavepass.runtime.cuda.gather import SLOTS
+from weavepass.runtime.cuda.gemm import INTERPRETER_CONFIG, owner_row_starts
+from weavepass.testing.gemm_sim import SimulatedGatherRanks
+
+SIGNAL_ROWS = 16  # = INTERPRETER_CONFIG.block_m: several flags per owner at these sizes
+# Against the fp32 product of the same fp16 rows: the kernel accumulates exact fp16 products in fp32
+# (another order than torch's fp32 mm: <= K * 2^-24 * sum |x||w|, ~1e-5 at K <= 48) and rounds once
+# to fp16 (<= half an ulp, 2^-11 relative); rtol of one ulp covers both, atol the values near 0.
+GEMM_TOL = dict(rtol=2**-10, atol=1e-4)
+
+
+def _draw(gen, dtype, *shape):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: int, desc: bool, parts: int) -> None:
+    """``calls`` back-to-back calls: new rows each call (old ones would hide a stale slot); checks every
+    rank's outputs against the fp32 product, every rank equal to the bit, the slot's rows and
+    residual_out rows as pushed, the flags and the call counts."""
+    gen = torch.Generator().manual_seed(world * 1000 + sum(counts))
+    tokens = sum(counts)
+    starts = owner_row_starts(tokens, world, counts)
+    capacity = max(max(counts), 1)
+    sim = SimulatedGatherRanks(world, hidden, capacity, torch.float16, "cpu", parts=parts, signal_rows=SIGNAL_ROWS)
+    weights = [_draw(gen, torch.float16, n, hidden) for n in outs]
+    for call in range(1, calls + 1):
+        full = _draw(gen, torch.float16, tokens, hidden)
+        extra = _draw(gen, torch.float16, tokens, hidden)
+        # each owner's rows, with 3 padding rows after them (FlashComm's shards are padded): never pushed
+        rows = [torch.cat([full[starts[r]:starts[r + 1]], torch.full((3, hidden), 7.0, dtype=torch.float16)])
+                for r in range(world)]
+        extras = None if parts == 1 else [extra[starts[r]:starts[r + 1]].contiguous() for r in range(world)]
+        got = sim.run(rows, weights, counts, extras=extras, use_descriptors=desc)
+        what = f"world {world} counts {counts} call {call} desc={desc}"
+        for i, w in enumerate(weights):
+            want = (full.float() @ w.float().T)
+            for r in range(world):
+                torch.testing.assert_close(got[r][i].float(), want, **GEMM_TOL, msg=lambda e: f"{what} w{i} r{r}: {e}")
+                assert torch.equal(got[r][i], got[0][i]), f"{what}: rank {r} differs from rank 0"
+        slot = call % SLOTS
+        for r, ws in enumerate(sim.workspaces):
+            assert torch.equal(ws.rows(slot)[:tokens], full), f"{what}: rank {r}'s gathered rows"
+            if parts == 2:
+                assert torch.equal(ws.rows(slot, 1)[:tokens], extra), f"{what}: rank {r}'s residual_out rows"
+            assert torch.isnan(ws.rows(slot)[tokens:]).all(), f"{what}: a push wrote past the tokens"
+        assert sim.sequence_numbers() == [call] * world, (what, sim.sequence_numbers())
+    for r, ws in enumerate(sim.workspaces):  # FLAG[slot][owner][b] = the last call that used the slot
+        for slot in range(SLOTS):
+            last = max((c for c in range(1, calls + 1) if c % SLOTS == slot), default=0)
+            for j in range(world):
+                blocks = -(-counts[j] // SIGNAL_ROWS)
+                flags = ws.flags(slot)[j]
+                assert flags[:blocks].tolist() == [last] * blocks, (r, slot, j, flags.tolist())
+                assert not flags[blocks:].any(), f"rank {r}: a flag past owner {j}'s rows"
+
+
+def case_gather() -> None:
+    """World 2, 3 and 4, ragged splits: token counts divisible neither by the world nor by the tile,
+    an owner with no rows, counts not multiples of the flag's row block; two weights (the second
+    releases the slot); both load paths; three calls (both slots, the second reused)."""
+    for world, counts, desc in ((2, [21, 18], False), (2, [21, 18], True), (3, [17, 17, 5], True),
+                                (3, [0, 33, 2], False), (4, [9, 9, 9, 1], True)):
+        _calls(world, counts, hidden=40, outs=[24, 17], calls=3, desc=desc, parts=1)
+    print("gather: OK")
+
+
+def case_full_stream() -> None:
+    """The two-part layout (the full residual stream): the residual_out rows travel with the rows."""
+    _calls(3, [11, 11, 10], hidden=24, outs=[32], calls=2, desc=True, parts=2)
+    print("full_stream: OK")
+
+
+def case_push_dtypes() -> None:
+    """The push alone moves rows bit-exactly in bf16 and fp16 (no dot: the interpreter is exact)."""
+    from weavepass.runtime.cuda.gather import push_gather_rows
+    from weavepass.runtime.cuda.gemm import OwnerRows
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16):
+        counts = [13, 0, 12]
+        sim = SimulatedGatherRanks(3, 24, 13, dtype, "cpu", signal_rows=SIGNAL_ROWS)
+        owners = OwnerRows.build(25, 3, "cpu", counts)
+        full = _draw(gen, dtype, 25, 24)
+        for r in range(3):
+            push_gather_rows(sim.workspaces[r], full[owners.rows(r)].contiguous() if counts[r] else full[:1], owners)
+        for ws in sim.workspaces:
+            assert torch.equal(ws.rows(1)[:25], full), dtype
+    print("push_dtypes: OK")
+
+
+if __name__ == "__main__":
+    assert INTERPRETER_CONFIG.block_m == SIGNAL_ROWS
+    {"gather": case_gather, "full_stream": case_full_stream, "push_dtypes": case_push_dtypes}[sys.argv[1]]()
