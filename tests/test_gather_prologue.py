@@ -17,12 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-
-from weavepass import WeaveConfig
-from weavepass.compile.reasons import ReasonCode
-from weavepass.testing.distributed import spawn
-
-from test_gemm_epilogue import (  # noqa: F401 (fake_world: a fixture)
+from test_gemm_epilogue import (
     CFG,
     FLASHCOMM,
     MM,
@@ -30,9 +25,13 @@ from test_gemm_epilogue import (  # noqa: F401 (fake_world: a fixture)
     SHARD_OP,
     _check_model,
     _dumped_after,
-    fake_world,
     model_report,
 )
+from test_gemm_epilogue import fake_world as fake_world_fixture  # noqa: F401 (a fixture)
+
+from weavepass import WeaveConfig
+from weavepass.compile.reasons import ReasonCode
+from weavepass.testing.distributed import spawn
 
 GATHER_OP = "weave.all_gather_matmul.default"
 AG = "_c10d_functional.all_gather_into_tensor.default"
@@ -43,7 +42,8 @@ NORM_SITES = 2 * CFG.n_layers  # the norms before each layer's attention and MLP
 PRODUCT_TOL = {torch.bfloat16: dict(rtol=2**-7, atol=1e-3), torch.float16: dict(rtol=2**-10, atol=1e-4)}
 
 
-def test_force_moves_the_consumer_matmuls_into_the_op(fake_world):
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_force_moves_the_consumer_matmuls_into_the_op():
     plain = model_report(WeaveConfig(**FLASHCOMM))
     graph = model_report(WeaveConfig(gemm_epilogue="force", **FLASHCOMM))
     assert plain.ops_after[GATHER_OP] == 0 and plain.ops_after[AG] == NORM_SITES + 1
@@ -59,7 +59,8 @@ def test_force_moves_the_consumer_matmuls_into_the_op(fake_world):
     assert kept.field("cause").code is ReasonCode.FLASHCOMM_READER_NOT_MM
 
 
-def test_auto_keeps_the_gather_and_says_why(fake_world):
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_auto_keeps_the_gather_and_says_why():
     graph = model_report(WeaveConfig(gemm_epilogue="auto", **FLASHCOMM))
     assert graph.ops_after[GATHER_OP] == 0 and graph.ops_after[AG] == NORM_SITES + 1
     for record in graph.records:
@@ -69,7 +70,8 @@ def test_auto_keeps_the_gather_and_says_why(fake_world):
     assert not any(r.code is ReasonCode.FLASHCOMM_GATHER_NOT_FUSED for rec in off.records for r in rec.notes)
 
 
-def test_the_cuda_form_runs_the_op_on_cuda_symm(fake_world, tmp_path):
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_the_cuda_form_runs_the_op_on_cuda_symm(tmp_path):
     """FlashComm's CUDA form under ``force``: the op with lowering ``cuda_symm``, not PyTorch's
     ``fused_all_gather_matmul`` even with ``enable_mmrs_fusion`` (the graph is what is checked; on
     CPU tensors the run falls back to portable)."""
