@@ -173,9 +173,9 @@ def gather_matmul(ws: PrologueWorkspace, w: torch.Tensor, owners: OwnerRows, out
     for key in ("FLATTEN", "WARP_SPECIALIZE", "EPILOGUE_SPLIT", "STORE_DESC"):
         meta.pop(key)
     gather_gemm_kernel[_grid(tiles, w.device, max_ctas)](
-        a, b, out, owners.table, ws.pad, tokens, n, lay.hidden, lay.num_blocks, lay.parts * lay.capacity, ws.watch,
-        ws.timeout_ns, RANK=ws.rank, WORLD=lay.world, SIGNAL_ROWS=lay.signal_rows, USE_DESC=use_descriptors,
-        RELEASE=release, FENCE_PROXY=use_descriptors and not interpreting(), **meta)
+        a, b, out, owners.table, ws.pad, tokens, n, lay.hidden, lay.num_blocks, lay.parts * lay.capacity,
+        int(release), ws.watch, ws.timeout_ns, RANK=ws.rank, WORLD=lay.world, SIGNAL_ROWS=lay.signal_rows,
+        USE_DESC=use_descriptors, FENCE_PROXY=use_descriptors and not interpreting(), **meta)
     return out
 
 

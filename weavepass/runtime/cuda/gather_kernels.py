@@ -28,7 +28,7 @@ gather GEMMs, on one stream) uses slot ``seq % 2``:
    rank's slot, then (CTA barrier, one thread) ``FLAG[slot][r][b] = seq`` there, release, system scope.
 2. Gather GEMM on rank ``p``: per tile, wait until ``FLAG[slot][owner][b] >= seq`` (acquire; site
    11), then the K loop over ``gather[slot][0]``. With several weights (q, k, v) one launch per
-   weight, only the last with ``RELEASE``: its last CTA sets GATHER_SEQ = ``seq`` (release, system
+   weight, only the last with ``release``: its last CTA sets GATHER_SEQ = ``seq`` (release, system
    scope), which lets the owners overwrite the slot two calls later.
 
 Sequence numbers only grow and are compared with ``>=``: no reset between calls, no host counter,
@@ -80,7 +80,7 @@ def _fence_async_proxy(token):
 
 # Row counts change from call to call: unspecialised, so one compiled kernel serves every split (a
 # module loaded while another rank's kernel spins can deadlock; testing.kernel_sim).
-@triton.jit(do_not_specialize=["M", "num_blocks", "slot_rows"])
+@triton.jit(do_not_specialize=["M", "num_blocks", "slot_rows", "release"])
 def gather_gemm_kernel(
     x,  # the gather buffer as [2 * PARTS * capacity, K] rows: a tensor descriptor or a pointer (USE_DESC)
     w,  # [N, K] weight, row-major (y = rows @ w^T): a descriptor or a pointer
@@ -90,6 +90,7 @@ def gather_gemm_kernel(
     M, N, K,
     num_blocks,  # B: row blocks per owner in the FLAG table
     slot_rows,  # rows of the buffer per slot: PARTS * capacity
+    release,  # 1: the last gather GEMM of this call, advance GATHER_SEQ (an argument: one compile serves both)
     watch_addr, timeout_ns,  # the bounded wait (kernels._give_up_after)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
@@ -99,7 +100,6 @@ def gather_gemm_kernel(
     GROUP_M: tl.constexpr,
     SIGNAL_ROWS: tl.constexpr,  # rows per flag (a multiple of BLOCK_M)
     USE_DESC: tl.constexpr,
-    RELEASE: tl.constexpr,  # the last gather GEMM of this call: advance GATHER_SEQ
     FENCE_PROXY: tl.constexpr,  # USE_DESC on a GPU: order the acquire before the TMA loads
 ):
     pid = tl.program_id(0)
@@ -139,8 +139,9 @@ def gather_gemm_kernel(
         ok = (local + rows < count)[:, None] & (n0 + cols < N)[None, :]
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
-    if RELEASE:  # the last CTA tells the owners this slot may be pushed into again
-        tl.debug_barrier()  # every thread's loads are done before the release
+    # the last CTA of the call's last GEMM tells the owners this slot may be pushed into again
+    tl.debug_barrier()  # every thread's loads are done before the release
+    if release != 0:
         if tl.atomic_add(pad_ptr + GEMM_DONE, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
             tl.atomic_xchg(pad_ptr + GEMM_DONE, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(pad_ptr + GATHER_SEQ, seq, sem="release", scope="sys")
