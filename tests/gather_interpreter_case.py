@@ -31,7 +31,8 @@ def _draw(gen, dtype, *shape):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: int, desc: bool, parts: int) -> None:
+def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: int, desc: bool, parts: int,
+           signal_rows: int = SIGNAL_ROWS) -> None:
     """``calls`` back-to-back calls: new rows each call (old ones would hide a stale slot); checks every
     rank's outputs against the fp32 product, every rank equal to the bit, the slot's rows and
     residual_out rows as pushed, the flags and the call counts."""
@@ -39,7 +40,7 @@ def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: i
     tokens = sum(counts)
     starts = owner_row_starts(tokens, world, counts)
     capacity = max(max(counts), 1)
-    sim = SimulatedGatherRanks(world, hidden, capacity, torch.float16, "cpu", parts=parts, signal_rows=SIGNAL_ROWS)
+    sim = SimulatedGatherRanks(world, hidden, capacity, torch.float16, "cpu", parts=parts, signal_rows=signal_rows)
     weights = [_draw(gen, torch.float16, n, hidden) for n in outs]
     for call in range(1, calls + 1):
         full = _draw(gen, torch.float16, tokens, hidden)
@@ -66,10 +67,12 @@ def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: i
         for slot in range(SLOTS):
             last = max((c for c in range(1, calls + 1) if c % SLOTS == slot), default=0)
             for j in range(world):
-                blocks = -(-counts[j] // SIGNAL_ROWS)
+                blocks = -(-counts[j] // signal_rows)
                 flags = ws.flags(slot)[j]
                 assert flags[:blocks].tolist() == [last] * blocks, (r, slot, j, flags.tolist())
                 assert not flags[blocks:].any(), f"rank {r}: a flag past owner {j}'s rows"
+        lay = sim.layout  # the push's chunk counts (after the FLAG table) are back to 0
+        assert not ws.pad[len(ws.pad) - lay.num_blocks:].any(), f"rank {r}: chunk counts {ws.pad.tolist()}"
 
 
 def case_gather() -> None:
@@ -80,6 +83,17 @@ def case_gather() -> None:
                                 (3, [0, 33, 2], False), (4, [9, 9, 9, 1], True)):
         _calls(world, counts, hidden=40, outs=[24, 17], calls=3, desc=desc, parts=1)
     print("gather: OK")
+
+
+def case_chunks() -> None:
+    """Row blocks of two push chunks each (hidden 512: 16-row chunks, 32-row flags): the CTA that
+    completes a block's chunks releases its flag, and the counts are back to 0 after each call."""
+    from weavepass.runtime.cuda.gather import push_arguments
+
+    meta = push_arguments(512, 2, 32)
+    assert 32 // meta["CHUNK"] == 2, meta
+    _calls(3, [37, 0, 30], hidden=512, outs=[24], calls=2, desc=True, parts=1, signal_rows=32)
+    print("chunks: OK")
 
 
 def case_full_stream() -> None:
@@ -108,4 +122,5 @@ def case_push_dtypes() -> None:
 
 if __name__ == "__main__":
     assert INTERPRETER_CONFIG.block_m == SIGNAL_ROWS
-    {"gather": case_gather, "full_stream": case_full_stream, "push_dtypes": case_push_dtypes}[sys.argv[1]]()
+    {"gather": case_gather, "chunks": case_chunks, "full_stream": case_full_stream,
+     "push_dtypes": case_push_dtypes}[sys.argv[1]]()

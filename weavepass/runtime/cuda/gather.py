@@ -35,10 +35,13 @@ SLOTS = 2
 """Gather slots per rank: call ``seq`` uses slot ``seq % 2`` (gather_kernels' docstring says why two)."""
 SIGNAL_ROWS = 128
 """Rows per (owner, row block) flag: ``DEFAULT_CONFIG.block_m``, so one flag guards one row of tiles."""
-DEFAULT_CONFIG = GemmConfig(128, 256, 64, 8, 3, 8)
+DEFAULT_CONFIG = GemmConfig(128, 256, 64, 8, 3, 8, epilogue_split=2)
 """The gather GEMM's default on Hopper: the scatter's tiling, unflattened (a flattened loop would
-hoist the next tile's loads above its wait) and pointer stores (a TMA store is clipped at the tensor,
-not at the owner's rows)."""
+hoist the next tile's loads above its wait), pointer stores (a TMA store is clipped at the tensor,
+not at the owner's rows) in two column slices (one 128x256 slice spilled: scripts/gather_resources.py)."""
+CHUNK_ROWS = 16
+"""Rows per program turn of the push: a 128-row block spreads over 8 CTAs (16 store to NVLink at
+232 GB/s, DEVICE-FACTS), each 16 bf16 rows of 8192 = 256 KiB per destination."""
 ALIGNMENT = 8
 """Gather buffer deltas are multiples of this many elements: 16-byte vector stores in the push."""
 
@@ -70,7 +73,7 @@ class PrologueLayout:
     def pad_slots(self) -> int:
         from weavepass.runtime.cuda.gather_kernels import PAD_HEADER
 
-        return PAD_HEADER.value + SLOTS * self.world * self.num_blocks
+        return PAD_HEADER.value + SLOTS * self.world * self.num_blocks + self.num_blocks  # FLAG, then COUNT
 
 
 @dataclass(frozen=True)
@@ -103,13 +106,13 @@ class PrologueWorkspace:
 
 
 def push_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:
-    """Constexprs of ``push_gather_rows_kernel``: store tiles of about ``SMALL_TILE_BYTES`` (a power of two,
-    so they divide ``signal_rows``)."""
+    """Constexprs of ``push_gather_rows_kernel``: store tiles of about ``SMALL_TILE_BYTES`` (a power
+    of two), chunks of at least ``CHUNK_ROWS`` rows per program turn (both divide ``signal_rows``)."""
     block_h = triton_next_power_of_2(hidden)
     rows = max(1, min(signal_rows, SMALL_TILE_BYTES // element_size // block_h))
     rows = 1 << (rows.bit_length() - 1)
-    return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, SIGNAL_ROWS=signal_rows,
-                num_warps=max(4, min(16, rows * block_h * element_size // 4096)))
+    return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, CHUNK=min(signal_rows, max(rows, CHUNK_ROWS)),
+                SIGNAL_ROWS=signal_rows, num_warps=max(4, min(16, rows * block_h * element_size // 4096)))
 
 
 def push_gather_rows(ws: PrologueWorkspace, rows: torch.Tensor, owners: OwnerRows,
@@ -129,8 +132,8 @@ def push_gather_rows(ws: PrologueWorkspace, rows: torch.Tensor, owners: OwnerRow
     if (extra is not None) != (lay.parts == 2):
         raise ValueError(f"residual_out rows are pushed exactly when the layout has 2 parts (has {lay.parts})")
     meta = push_arguments(lay.hidden, ws.buffer.element_size(), lay.signal_rows)
-    blocks = -(-count // lay.signal_rows)
-    grid = (max(1, min(num_ctas or blocks, blocks)),)
+    chunks = -(-count // meta["CHUNK"])
+    grid = (max(1, min(num_ctas or chunks, chunks)),)
     push_gather_rows_kernel[grid](rows, rows if extra is None else extra, ws.buffer, ws.deltas, ws.pad, ws.pad_deltas,
                            owners.starts[ws.rank], count, lay.capacity, lay.num_blocks, ws.watch, ws.timeout_ns,
                            RANK=ws.rank, WORLD=lay.world, PARTS=lay.parts, **meta)
@@ -169,8 +172,10 @@ def gather_matmul(ws: PrologueWorkspace, w: torch.Tensor, owners: OwnerRows, out
         use_descriptors = descriptor_unsupported_reason(source, w) is None
     a, b = _operands(source, w, config, use_descriptors)
     tiles = (-(-tokens // config.block_m) + lay.world) * -(-n // config.block_n)  # upper bound, for the grid
+    if config.epilogue_split not in (1, 2):
+        raise ValueError(f"the gather GEMM stores a tile in 1 or 2 column slices, not {config.epilogue_split}")
     meta = config.meta()
-    for key in ("FLATTEN", "WARP_SPECIALIZE", "EPILOGUE_SPLIT", "STORE_DESC"):
+    for key in ("FLATTEN", "WARP_SPECIALIZE", "STORE_DESC"):
         meta.pop(key)
     gather_gemm_kernel[_grid(tiles, w.device, max_ctas)](
         a, b, out, owners.table, ws.pad, tokens, n, lay.hidden, lay.num_blocks, lay.parts * lay.capacity,

@@ -17,7 +17,8 @@ Gather buffer of every rank (dtype of the rows, symmetric)::
 Owner ``j``'s rows sit at their token index ``starts[j] + i``. Signal pad of every rank (int32,
 symmetric), ``B = ceil(owner capacity / SIGNAL_ROWS)`` row blocks per owner::
 
-    [0] GATHER_SEQ  [1] GEMM_DONE  [2, 3] spare  [4 ..] FLAG[slot][owner][B]
+    [0] GATHER_SEQ  [1] GEMM_DONE  [2, 3] spare  [4 ..] FLAG[slot][owner][B]  then COUNT[B]
+                                                 (the push's chunks of each of its row blocks)
 
 Call ``seq`` (= this rank's GATHER_SEQ + 1, read by both kernels: every rank pushes, then runs its
 gather GEMMs, on one stream) uses slot ``seq % 2``:
@@ -25,7 +26,8 @@ gather GEMMs, on one stream) uses slot ``seq % 2``:
 1. Push on owner ``r``: wait until every rank's GATHER_SEQ >= ``seq - 2`` (its last gather GEMM
    that read this slot is done: the consumed count; acquire at system scope, bounded as
    ``runtime.cuda.peer_wait``, site 10), store row block ``b`` of the owner's rows into every
-   rank's slot, then (CTA barrier, one thread) ``FLAG[slot][r][b] = seq`` there, release, system scope.
+   rank's slot in chunks spread over CTAs; the CTA that completes the block's chunks (a count in
+   the owner's pad) sets ``FLAG[slot][r][b] = seq`` there, release, system scope.
 2. Gather GEMM on rank ``p``: per tile, wait until ``FLAG[slot][owner][b] >= seq`` (acquire; site
    11), then the K loop over ``gather[slot][0]``. With several weights (q, k, v) one launch per
    weight, only the last with ``release``: its last CTA sets GATHER_SEQ = ``seq`` (release, system
@@ -41,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from weavepass.runtime.cuda.gemm_kernels import _grouped, _locate_tile, _total_row_tiles
+from weavepass.runtime.cuda.gemm_kernels import _grouped, _halves, _locate_tile, _store_columns, _total_row_tiles
 from weavepass.runtime.cuda.kernels import _deadline, _give_up_after
 
 GATHER_SEQ = tl.constexpr(0)
@@ -101,6 +103,7 @@ def gather_gemm_kernel(
     SIGNAL_ROWS: tl.constexpr,  # rows per flag (a multiple of BLOCK_M)
     USE_DESC: tl.constexpr,
     FENCE_PROXY: tl.constexpr,  # USE_DESC on a GPU: order the acquire before the TMA loads
+    EPILOGUE_SPLIT: tl.constexpr = 1,  # 1 or 2 column slices per tile's store: fewer live registers
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -135,9 +138,16 @@ def gather_gemm_kernel(
         b_rows = tl.where(n0 + cols < N, n0 + cols, 0).to(tl.int64)
         acc = _tile_dot(x, w, slot * slot_rows + row0, n0, K, k_tiles, x_rows, b_rows, BLOCK_M, BLOCK_N,
                         BLOCK_K, USE_DESC)
-        out = (row0 + rows).to(tl.int64)[:, None] * N + (n0 + cols)[None, :]
-        ok = (local + rows < count)[:, None] & (n0 + cols < N)[None, :]
-        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        # The tile's rows of the owner only (the next owner's rows may not have arrived): pointer
+        # stores, masked (a TMA store clips at the tensor, not at the owner).
+        dst_rows = (row0 + rows).to(tl.int64)
+        row_ok = local + rows < count
+        if EPILOGUE_SPLIT == 1:
+            _store_columns(acc, n0, y_ptr, y_ptr, 0, dst_rows, row_ok, row0, N, False, BLOCK_N)
+        else:
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            _store_columns(left, n0, y_ptr, y_ptr, 0, dst_rows, row_ok, row0, N, False, BLOCK_N // 2)
+            _store_columns(right, n0 + BLOCK_N // 2, y_ptr, y_ptr, 0, dst_rows, row_ok, row0, N, False, BLOCK_N // 2)
 
     # the last CTA of the call's last GEMM tells the owners this slot may be pushed into again
     tl.debug_barrier()  # every thread's loads are done before the release
@@ -163,12 +173,15 @@ def push_gather_rows_kernel(
     WORLD: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per store tile (divides SIGNAL_ROWS)
+    ROWS: tl.constexpr,  # rows per store tile (divides CHUNK)
+    CHUNK: tl.constexpr,  # rows per program turn (divides SIGNAL_ROWS): a row block spreads over CTAs
     SIGNAL_ROWS: tl.constexpr,
     PARTS: tl.constexpr,
 ):
-    """Row block ``b`` of the owner's rows per program turn: wait for every rank's consumed count,
-    store the block into every rank's slot, then release its flag there."""
+    """Chunks of ``CHUNK`` rows of the owner's rows per program turn: wait for every rank's consumed
+    count, store the chunk into every rank's slot; the program that completes a row block's chunks
+    (``COUNT[b]`` in this rank's pad, acq_rel at system scope after a CTA barrier, as the scatter
+    GEMM counts its tiles) resets the count and releases the block's flag in every rank's pad."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     r = tl.arange(0, ROWS)
@@ -176,6 +189,7 @@ def push_gather_rows_kernel(
     seq = tl.load(pad_ptr + GATHER_SEQ, volatile=True) + 1
     slot = seq % 2
     part = capacity.to(tl.int64) * HIDDEN
+    counts = pad_ptr + PAD_HEADER + 2 * WORLD * num_blocks
     deadline = _deadline(timeout_ns)
     for i in tl.static_range(WORLD - 1):  # every peer's gather GEMM of call seq - 2 read this slot
         peer = (RANK + 1 + i) % WORLD
@@ -183,9 +197,9 @@ def push_gather_rows_kernel(
         while tl.atomic_add(consumed, 0, sem="acquire", scope="sys") < seq - 2:
             _give_up_after(deadline, watch_addr, timeout_ns, peer, 10, RANK, WORLD)  # site: peer_wait.SITES
     tl.debug_barrier()  # no thread stores before the acquire
-    for block in range(pid, tl.cdiv(count, SIGNAL_ROWS), num_programs):
-        for t in range(SIGNAL_ROWS // ROWS):
-            local = block * SIGNAL_ROWS + t * ROWS + r
+    for chunk in range(pid, tl.cdiv(count, CHUNK), num_programs):
+        for t in range(CHUNK // ROWS):
+            local = chunk * CHUNK + t * ROWS + r
             mask = (local < count)[:, None] & (cols < HIDDEN)[None, :]
             src = local.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
             dst = gather_ptr + slot * PARTS * part + (start + local).to(tl.int64)[:, None] * HIDDEN + cols[None, :]
@@ -193,12 +207,16 @@ def push_gather_rows_kernel(
             if PARTS == 2:
                 extra = tl.load(extra_ptr + src, mask=mask).to(gather_ptr.dtype.element_ty)
             for i in tl.static_range(WORLD):
-                peer = tl.multiple_of(tl.load(deltas_ptr + (RANK + i) % WORLD), 8)  # 16-byte vectors
-                tl.store(dst + peer, values, mask=mask)
+                delta = tl.multiple_of(tl.load(deltas_ptr + (RANK + i) % WORLD), 8)  # 16-byte vectors
+                tl.store(dst + delta, values, mask=mask)
                 if PARTS == 2:
-                    tl.store(dst + peer + part, extra, mask=mask)
-        tl.debug_barrier()  # every thread's stores of the block are done before the release
-        for i in tl.static_range(WORLD):
-            peer_pad = pad_ptr + tl.load(pad_deltas_ptr + (RANK + i) % WORLD)
-            flag = peer_pad + PAD_HEADER + (slot * WORLD + RANK) * num_blocks + block
-            tl.atomic_xchg(flag, seq, sem="release", scope="sys")
+                    tl.store(dst + delta + part, extra, mask=mask)
+        block = (chunk * CHUNK) // SIGNAL_ROWS
+        chunks = tl.cdiv(tl.minimum(count - block * SIGNAL_ROWS, SIGNAL_ROWS), CHUNK)
+        tl.debug_barrier()  # every thread's stores of the chunk are done before the count's release
+        if tl.atomic_add(counts + block, 1, sem="acq_rel", scope="sys") == chunks - 1:
+            tl.atomic_xchg(counts + block, 0, sem="relaxed", scope="gpu")
+            for i in tl.static_range(WORLD):
+                peer_pad = pad_ptr + tl.load(pad_deltas_ptr + (RANK + i) % WORLD)
+                flag = peer_pad + PAD_HEADER + (slot * WORLD + RANK) * num_blocks + block
+                tl.atomic_xchg(flag, seq, sem="release", scope="sys")
