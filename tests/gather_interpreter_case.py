@@ -96,6 +96,59 @@ def case_chunks() -> None:
     print("chunks: OK")
 
 
+def case_op_entry() -> None:
+    """The ``cuda_symm`` entry point (``gather_op.all_gather_matmul_cuda``) at a gloo group of one
+    rank, the symmetric allocation replaced by ordinary CPU tensors (its only peer is itself):
+    FlashComm's shards with padding rows (never pushed, never computed), two weights, the size
+    classes (a larger shard allocates the next, a smaller one reuses the smallest that fits), the
+    splits held per (tokens, rows per owner), a non-contiguous mat2 copied with a warning, and the
+    portable fallback past the limit, said once."""
+    import os
+    import tempfile
+    import warnings
+
+    import torch.distributed as dist
+
+    from weavepass.runtime.cuda import gather_op, workspace
+
+    def cpu_symmetric(group_name, dtype, device, numel, pad_slots):
+        return workspace.SymmetricBuffer(torch.full((numel,), float("nan"), dtype=dtype),
+                                         torch.zeros(pad_slots, dtype=torch.int32), [0], [0], 0, 1)
+
+    workspace.new_symmetric = cpu_symmetric
+    workspace.outside_graph_pools = lambda make, device: make()
+    gather_op.unsupported_reason = lambda *args: None  # the CPU tensors: the interpreter runs the kernels
+    gen = torch.Generator().manual_seed(4)
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
+        group = dist.group.WORLD.group_name
+        k = 32
+        for tokens in (300, 21, 300, 600):
+            per = -(-tokens // 16) * 16 + 16  # FlashComm's rows and padding past them
+            shard = _draw(gen, torch.float16, per, k)
+            mat2s = [_draw(gen, torch.float16, 24, k).t(), _draw(gen, torch.float16, 16, k).t()]
+            got = gather_op.all_gather_matmul_cuda(shard, mat2s, group, tokens, max_workspace_tokens=1024)
+            for out, mat2 in zip(got, mat2s, strict=True):
+                torch.testing.assert_close(out.float(), shard[:tokens].float() @ mat2.float(), **GEMM_TOL)
+        (cached,) = gather_op._WORKSPACES.values()
+        assert [ws.layout.owner_capacity for ws in cached] == [512, 1024], [ws.layout.owner_capacity for ws in cached]
+        assert sorted(gather_op._SPLITS) == [(21, 48, 1, None), (300, 320, 1, None), (600, 624, 1, None)]
+        assert not gather_op._WARNED, gather_op._WARNED
+        shard = _draw(gen, torch.float16, 64, k)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            strided = _draw(gen, torch.float16, k, 48)[:, ::2]  # not a transposed contiguous weight
+            got = gather_op.all_gather_matmul_cuda(shard, [strided], group, 50, max_workspace_tokens=1024)
+            torch.testing.assert_close(got[0].float(), shard[:50].float() @ strided.float(), **GEMM_TOL)
+            assert gather_op._WARNED == {"mat2"}, gather_op._WARNED
+            big = _draw(gen, torch.float16, 1100, k)  # past the 1024-token limit: the portable lowering
+            got = gather_op.all_gather_matmul_cuda(big, mat2s, group, 1100, max_workspace_tokens=1024)
+            assert torch.equal(got[0], torch.mm(big, mat2s[0]))
+            assert len(gather_op._WARNED) == 2 and any("1024-token limit" in w for w in gather_op._WARNED)
+        dist.destroy_process_group()
+    print("op_entry: OK")
+
+
 def case_full_stream() -> None:
     """The two-part layout (the full residual stream): the residual_out rows travel with the rows."""
     _calls(3, [11, 11, 10], hidden=24, outs=[32], calls=2, desc=True, parts=2)
@@ -122,5 +175,5 @@ def case_push_dtypes() -> None:
 
 if __name__ == "__main__":
     assert INTERPRETER_CONFIG.block_m == SIGNAL_ROWS
-    {"gather": case_gather, "chunks": case_chunks, "full_stream": case_full_stream,
+    {"gather": case_gather, "chunks": case_chunks, "full_stream": case_full_stream, "op_entry": case_op_entry,
      "push_dtypes": case_push_dtypes}[sys.argv[1]]()

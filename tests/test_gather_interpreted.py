@@ -3,8 +3,9 @@
 kernels are defined): the gather GEMM at world 2, 3 and 4 with ragged splits against the fp32 product
 of the gathered rows, every rank equal to the bit, the pushed rows, flags and call counts after
 back-to-back calls; a push whose row blocks span several CTAs' chunks; the full stream's two-part
-push; the push in bf16 and fp16. What the interpreter cannot show (the waits under concurrency,
-giving up, memory ordering, TMA, bf16 dots): tests/gpu/test_gather_gpu.py on one GPU."""
+push; the push in bf16 and fp16; the ``cuda_symm`` op's entry point at a gloo group of one. What the
+interpreter cannot show (the waits under concurrency, giving up, memory ordering, TMA, bf16 dots):
+tests/gpu/test_gather_gpu.py on one GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CASE = pathlib.Path(__file__).with_name("gather_interpreter_case.py")
 
 
-@pytest.mark.parametrize("case", ["gather", "chunks", "full_stream", "push_dtypes"])
+@pytest.mark.parametrize("case", ["gather", "chunks", "full_stream", "push_dtypes", "op_entry"])
 def test_gather_kernels_interpreted(case):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
     result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300,
