@@ -47,7 +47,7 @@ def _check(outputs, rows, weights, dtype, label):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, 8], ids=["world2", "world4", "world8"])
 def test_gather_simulated(world, dtype, request):
     """A sequential warm-up call (loads every kernel before any rank waits), then the three splits with
     every push launched first, then rank by rank (a GEMM launched before its peers' pushes; the GEMMs'
