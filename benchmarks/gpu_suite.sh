@@ -51,7 +51,9 @@
 #   SHARED=1 STEPS=kernel KERNEL_TIMEOUT_S=540 OUT=$OUT bash benchmarks/gpu_suite.sh
 # Issue 34 (GEMM with a scatter epilogue; docs/gemm_epilogue.md): with the one-GPU kind,
 #   STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick      (then without --quick: 64 cells)
-#   STEPS=gather OUT=$OUT bash benchmarks/gpu_suite.sh --quick    (issue 34 item 3: the gather prologue)
+#   STEPS=gather OUT=$OUT bash benchmarks/gpu_suite.sh --quick    (issue 34 item 3: the gather prologue; its op on
+#                                   2 ranks sharing the GPU: WEAVE_GPU_SHARED=1 python3 -m pytest -m gpu -q -rA
+#                                   tests/gpu/test_gather_gpu.py -k real_ranks; on 2 GPUs without the variable)
 #   SHARED=1 STEPS=gemmop OUT=$OUT bash benchmarks/gpu_suite.sh   (the cuda_symm lowering of the matmul ops:
 #                                   simulated ranks, then 2 ranks sharing the GPU; on kind nvidia-h200-x2
 #                                   without SHARED, the same on 2 GPUs)

@@ -8,6 +8,9 @@ Tolerances: each output against the fp32 product of the same rows (``ULP`` / ``G
 tests/gpu/test_gemm_gpu.py's: one rounding of an fp32 accumulation), and every rank's output equal to
 rank 0's to the bit (the same rows, weights and K order; only the tile order differs). Each test runs
 in a child process (``_in_child``): a kernel fault fails the CUDA context of its process for good.
+The op ``weave.all_gather_matmul`` on ``cuda_symm`` runs on real ranks (2 GPUs, or 2 processes
+sharing one with ``WEAVE_GPU_SHARED=1``): FlashComm's shards, both dtypes, 1 to 1030 tokens, two
+weights, no fallback to the portable lowering, every rank equal to the bit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
+from gpu_cases import Case, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
 from test_gemm_gpu import GEMM_ATOL, ULP, _draw, _in_child  # tests/gpu/test_gemm_gpu.py
 
 pytestmark = [
@@ -126,3 +131,52 @@ def test_an_owner_that_never_pushes_stops_the_gather_gemm():
     assert "weave: rank 0 of a 2-rank group waited 2 s for rank 1" in output, output[-3000:]
     assert peer_wait.SITES[11] in output, output[-3000:]
     assert time.monotonic() - start < 90
+
+
+# ---------------------------------------------------------------- real ranks
+
+WORLD = 2
+
+
+def _op_rank(rank, world):
+    """``weave.all_gather_matmul`` on ``cuda_symm`` as FlashComm's graph calls it: each rank's shard of
+    ``R = ceil(T / 16N) * 16`` rows (its tokens, then zero padding), q- and kv-like weights (the same
+    on every rank here), against the fp32 product of every token's rows; outputs returned for the
+    cross-rank check."""
+    from weavepass.runtime.cuda import gather_op
+    from weavepass.testing.shared_gpu import rank_device
+
+    device = rank_device(rank)
+    group_name = dist.group.WORLD.group_name
+    k, results = 1024, []
+    for dtype in (torch.bfloat16, torch.float16):
+        for tokens in (1, 7, 301, 1030):
+            gen = torch.Generator(device=device).manual_seed(tokens)
+            rows = _draw_on(gen, tokens, k, dtype, device)
+            mat2s = [_draw_on(gen, n, k, dtype, device, scale=k**-0.5).t() for n in (512, 128)]
+            per = -(-tokens // (16 * world)) * 16
+            lo, hi = min(rank * per, tokens), min((rank + 1) * per, tokens)
+            shard = torch.zeros(per, k, dtype=dtype, device=device)
+            shard[: hi - lo] = rows[lo:hi]
+            got = torch.ops.weave.all_gather_matmul(shard, mat2s, group_name, tokens, "cuda_symm", 16384)
+            for i, (out, mat2) in enumerate(zip(got, mat2s, strict=True)):
+                torch.testing.assert_close(out.float(), rows.float() @ mat2.float(), rtol=ULP[dtype], atol=GEMM_ATOL,
+                                           msg=lambda e, i=i: f"rank {rank} {dtype} {tokens} tokens w{i}: {e}")
+            results.append([out.cpu() for out in got])
+            print(f"[gather_op] rank {rank} {dtype} {tokens} tokens: within tolerance", flush=True)
+    assert not gather_op._WARNED, gather_op._WARNED  # no call fell back to the portable lowering
+    return results
+
+
+def _draw_on(gen, rows, cols, dtype, device, scale=1.0):
+    return (torch.randn(rows, cols, generator=gen, device=device) * scale).to(dtype)
+
+
+CASES = {"test_all_gather_matmul_on_real_ranks": Case(_op_rank)}
+gpu_ranks, case_result = shared_ranks(CASES, WORLD)
+
+
+@needs_gpus(WORLD)
+def test_all_gather_matmul_on_real_ranks(case_result):
+    for calls in zip(*case_result, strict=True):  # every rank's outputs of a call, equal to the bit
+        assert all(torch.equal(a, b) for outs in calls for a, b in zip(outs, calls[0], strict=True))
