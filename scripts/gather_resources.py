@@ -74,7 +74,7 @@ def main() -> None:
                     if desc else ("*bf16", "*bf16"))
             constants = dict(RANK=0, WORLD=world, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                              GROUP_M=c.group_m, SIGNAL_ROWS=SIGNAL_ROWS, USE_DESC=desc, FENCE_PROXY=desc,
-                             EPILOGUE_SPLIT=c.epilogue_split)
+                             EPILOGUE_SPLIT=c.epilogue_split, DOT_IN_FP32=False)
             types = {"x": x, "w": w, "starts_ptr": "*i32", "pad_ptr": "*i32"}
             compiled = compile_sm90(gather_kernels.gather_gemm_kernel, types, constants, c.num_warps, c.num_stages)
             print(f"gather_gemm world {world} {'descriptors' if desc else 'pointers'} stages {c.num_stages}: "

@@ -5,9 +5,10 @@ every rank's push, then every rank's GEMMs, one after another, so each wait is m
 Run by tests/test_gather_interpreted.py as ``TRITON_INTERPRET=1 python tests/gather_interpreter_case.py
 <case>``; prints ``<case>: OK`` after its checks, raises otherwise.
 
-The GEMM in fp16 only: Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as raw 16-bit
-integers (tests/gemm_interpreter_case.py says how), so bf16 GEMMs run on the GPU
-(tests/gpu/test_gather_gpu.py); the push, which only moves rows, is checked in bf16 and fp16 here.
+bf16 and fp16: Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as raw 16-bit integers
+(tests/gemm_interpreter_case.py says how), so under the interpreter the gather GEMM widens bf16
+operands to fp32 first (``DOT_IN_FP32``: the same products, exactly); on the GPU it does not
+(tests/gpu/test_gather_gpu.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from weavepass.runtime.cuda.gemm import INTERPRETER_CONFIG, owner_row_starts
 from weavepass.testing.gemm_sim import SimulatedGatherRanks
 
 SIGNAL_ROWS = 16  # = INTERPRETER_CONFIG.block_m: several flags per owner at these sizes
-# Against the fp32 product of the same fp16 rows: the kernel accumulates exact fp16 products in fp32
-# (another order than torch's fp32 mm: <= K * 2^-24 * sum |x||w|, ~1e-5 at K <= 48) and rounds once
-# to fp16 (<= half an ulp, 2^-11 relative); rtol of one ulp covers both, atol the values near 0.
+# Against the fp32 product of the same rows: the kernel accumulates exact products in fp32 (another
+# order than torch's fp32 mm: <= K * 2^-24 * sum |x||w|, ~1e-5 at K <= 48, ~1e-4 at K = 512) and
+# rounds once to the dtype (<= half an ulp: 2^-11 relative in fp16, 2^-8 in bf16); rtol of one ulp
+# covers both, atol the values near 0.
 GEMM_TOL = dict(rtol=2**-10, atol=1e-4)
+TOL = {torch.float16: GEMM_TOL, torch.bfloat16: dict(rtol=2**-7, atol=1e-3)}
 
 
 def _draw(gen, dtype, *shape):
@@ -32,7 +35,7 @@ def _draw(gen, dtype, *shape):
 
 
 def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: int, desc: bool, parts: int,
-           signal_rows: int = SIGNAL_ROWS) -> None:
+           signal_rows: int = SIGNAL_ROWS, dtype: torch.dtype = torch.float16) -> None:
     """``calls`` back-to-back calls: new rows each call (old ones would hide a stale slot); checks every
     rank's outputs against the fp32 product, every rank equal to the bit, the slot's rows and
     residual_out rows as pushed, the flags and the call counts."""
@@ -40,21 +43,22 @@ def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: i
     tokens = sum(counts)
     starts = owner_row_starts(tokens, world, counts)
     capacity = max(max(counts), 1)
-    sim = SimulatedGatherRanks(world, hidden, capacity, torch.float16, "cpu", parts=parts, signal_rows=signal_rows)
-    weights = [_draw(gen, torch.float16, n, hidden) for n in outs]
+    sim = SimulatedGatherRanks(world, hidden, capacity, dtype, "cpu", parts=parts, signal_rows=signal_rows)
+    weights = [_draw(gen, dtype, n, hidden) for n in outs]
     for call in range(1, calls + 1):
-        full = _draw(gen, torch.float16, tokens, hidden)
-        extra = _draw(gen, torch.float16, tokens, hidden)
+        full = _draw(gen, dtype, tokens, hidden)
+        extra = _draw(gen, dtype, tokens, hidden)
         # each owner's rows, with 3 padding rows after them (FlashComm's shards are padded): never pushed
-        rows = [torch.cat([full[starts[r]:starts[r + 1]], torch.full((3, hidden), 7.0, dtype=torch.float16)])
+        rows = [torch.cat([full[starts[r]:starts[r + 1]], torch.full((3, hidden), 7.0, dtype=dtype)])
                 for r in range(world)]
         extras = None if parts == 1 else [extra[starts[r]:starts[r + 1]].contiguous() for r in range(world)]
         got = sim.run(rows, weights, counts, extras=extras, use_descriptors=desc)
-        what = f"world {world} counts {counts} call {call} desc={desc}"
+        what = f"world {world} counts {counts} call {call} desc={desc} {dtype}"
         for i, w in enumerate(weights):
-            want = (full.float() @ w.float().T)
+            want = full.float() @ w.float().T
             for r in range(world):
-                torch.testing.assert_close(got[r][i].float(), want, **GEMM_TOL, msg=lambda e: f"{what} w{i} r{r}: {e}")
+                torch.testing.assert_close(got[r][i].float(), want, **TOL[dtype],
+                                           msg=lambda e: f"{what} w{i} r{r}: {e}")
                 assert torch.equal(got[r][i], got[0][i]), f"{what}: rank {r} differs from rank 0"
         slot = call % SLOTS
         for r, ws in enumerate(sim.workspaces):
@@ -78,10 +82,12 @@ def _calls(world: int, counts: list[int], hidden: int, outs: list[int], calls: i
 def case_gather() -> None:
     """World 2, 3 and 4, ragged splits: token counts divisible neither by the world nor by the tile,
     an owner with no rows, counts not multiples of the flag's row block; two weights (the second
-    releases the slot); both load paths; three calls (both slots, the second reused)."""
-    for world, counts, desc in ((2, [21, 18], False), (2, [21, 18], True), (3, [17, 17, 5], True),
-                                (3, [0, 33, 2], False), (4, [9, 9, 9, 1], True)):
-        _calls(world, counts, hidden=40, outs=[24, 17], calls=3, desc=desc, parts=1)
+    releases the slot); both load paths; bf16 and fp16; three calls (both slots, the second reused)."""
+    fp16, bf16 = torch.float16, torch.bfloat16
+    for world, counts, desc, dtype in ((2, [21, 18], False, fp16), (2, [21, 18], True, bf16),
+                                       (3, [17, 17, 5], True, fp16), (3, [0, 33, 2], False, bf16),
+                                       (4, [9, 9, 9, 1], True, fp16), (4, [9, 9, 9, 1], False, bf16)):
+        _calls(world, counts, hidden=40, outs=[24, 17], calls=3, desc=desc, parts=1, dtype=dtype)
     print("gather: OK")
 
 
@@ -151,7 +157,7 @@ def case_op_entry() -> None:
 
 def case_full_stream() -> None:
     """The two-part layout (the full residual stream): the residual_out rows travel with the rows."""
-    _calls(3, [11, 11, 10], hidden=24, outs=[32], calls=2, desc=True, parts=2)
+    _calls(3, [11, 11, 10], hidden=24, outs=[32], calls=2, desc=True, parts=2, dtype=torch.bfloat16)
     print("full_stream: OK")
 
 

@@ -1,10 +1,10 @@
 """The gather prologue (``runtime.cuda.gather``) on CPU through Triton's interpreter
 (tests/gather_interpreter_case.py, one process per case because ``TRITON_INTERPRET`` is read when the
-kernels are defined): the gather GEMM at world 2, 3 and 4 with ragged splits against the fp32 product
+kernels are defined): the gather GEMM at world 2, 3 and 4, bf16 and fp16, with ragged splits against the fp32 product
 of the gathered rows, every rank equal to the bit, the pushed rows, flags and call counts after
 back-to-back calls; a push whose row blocks span several CTAs' chunks; the full stream's two-part
 push; the push in bf16 and fp16; the ``cuda_symm`` op's entry point at a gloo group of one. What the
-interpreter cannot show (the waits under concurrency, giving up, memory ordering, TMA, bf16 dots):
+interpreter cannot show (the waits under concurrency, giving up, memory ordering, TMA, tensor-core dots):
 tests/gpu/test_gather_gpu.py on one GPU."""
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ def gather_matmul(ws: PrologueWorkspace, w: torch.Tensor, owners: OwnerRows, out
     gather_gemm_kernel[_grid(tiles, w.device, max_ctas)](
         a, b, out, owners.table, ws.pad, tokens, n, lay.hidden, lay.num_blocks, lay.parts * lay.capacity,
         int(release), ws.watch, ws.timeout_ns, RANK=ws.rank, WORLD=lay.world, SIGNAL_ROWS=lay.signal_rows,
-        USE_DESC=use_descriptors, FENCE_PROXY=use_descriptors and not interpreting(), **meta)
+        USE_DESC=use_descriptors, FENCE_PROXY=use_descriptors and not interpreting(),
+        DOT_IN_FP32=interpreting() and dtype == torch.bfloat16, **meta)
     return out
 
 

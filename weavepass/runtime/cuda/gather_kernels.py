@@ -54,10 +54,12 @@ PAD_HEADER = tl.constexpr(4)
 
 @triton.jit
 def _tile_dot(x, w, row0, n0, K, k_tiles, x_rows, b_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, USE_DESC: tl.constexpr):
+              BLOCK_K: tl.constexpr, USE_DESC: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """``x[row0 : row0 + BLOCK_M] @ w[n0 : n0 + BLOCK_N]^T`` in fp32 over every K step: through tensor
     descriptors (TMA; zero past the bounds), or pointers (``x_rows`` / ``b_rows``: int64 row
-    indices already clamped into the tensors, K masked)."""
+    indices already clamped into the tensors, K masked). ``DOT_IN_FP32`` (the interpreter with bf16
+    only: Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as raw integers) widens the
+    operands first; fp32 holds bf16 values and their products exactly, so the sum is the same."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for kt in range(k_tiles):
@@ -68,6 +70,9 @@ def _tile_dot(x, w, row0, n0, K, k_tiles, x_rows, b_rows, BLOCK_M: tl.constexpr,
             k = kt * BLOCK_K + offs_k
             a = tl.load(x + x_rows[:, None] * K + k[None, :], mask=(k < K)[None, :], other=0.0)
             b = tl.load(w + b_rows[:, None] * K + k[None, :], mask=(k < K)[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, b.T, acc)
     return acc
 
@@ -104,6 +109,7 @@ def gather_gemm_kernel(
     USE_DESC: tl.constexpr,
     FENCE_PROXY: tl.constexpr,  # USE_DESC on a GPU: order the acquire before the TMA loads
     EPILOGUE_SPLIT: tl.constexpr = 1,  # 1 or 2 column slices per tile's store: fewer live registers
+    DOT_IN_FP32: tl.constexpr = False,  # the interpreter with bf16 rows (_tile_dot says why)
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -137,7 +143,7 @@ def gather_gemm_kernel(
         x_rows = (slot * slot_rows + tl.where(local + rows < count, row0 + rows, start)).to(tl.int64)
         b_rows = tl.where(n0 + cols < N, n0 + cols, 0).to(tl.int64)
         acc = _tile_dot(x, w, slot * slot_rows + row0, n0, K, k_tiles, x_rows, b_rows, BLOCK_M, BLOCK_N,
-                        BLOCK_K, USE_DESC)
+                        BLOCK_K, USE_DESC, DOT_IN_FP32)
         # The tile's rows of the owner only (the next owner's rows may not have arrived): pointer
         # stores, masked (a TMA store clips at the tensor, not at the owner).
         dst_rows = (row0 + rows).to(tl.int64)
