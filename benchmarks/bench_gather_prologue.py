@@ -17,17 +17,18 @@ count, bf16, the variants:
 * ``gatherN_push``: the same with rank 0's push of its own rows into all N buffers before it (the
   push's stores and flags in the timed call; the peers' rows are not pushed, their flags far ahead).
 
-Checks (column ``check``): the plain Triton output and rank 0's gather output against the fp32
-product (``bench_gemm._check``'s tolerance). Times: ``triton.testing.do_bench`` medians (``--rep`` ms
-per variant, an L2 flush before each call), ``graph_ms``: ``do_bench_cudagraph`` medians (replayed
-from a CUDA graph: no host work, warm L2; ``--no-graph`` leaves it out). ``speed_vs_cublas`` =
-cuBLAS time / time, ``vs_triton`` = plain Triton time / time (and ``graph_*`` of the graph times).
+Checks (column ``check``): the plain Triton output and rank 0's gather outputs (with and without
+its push) against the fp32 product (``bench_gemm._check``'s tolerance). Times:
+``triton.testing.do_bench`` medians (``--rep`` ms per variant, an L2 flush before each call),
+``graph_ms``: ``do_bench_cudagraph`` medians (replayed from a CUDA graph: no host work, warm L2;
+``--no-graph`` leaves it out). ``speed_vs_cublas`` = cuBLAS time / time, ``vs_triton`` = plain
+Triton time / time (and ``graph_*`` of the graph times).
 The issue's target: the gather >= 0.97x the plain Triton GEMM.
 
 Writes ``bench_gather_prologue.csv`` (after every cell) and ``.png`` under ``--out``. ``--quick``:
-70b_tp8 and 8b_tp2 at 2K and 8K tokens (under 2 minutes on one H200). ``--smoke``: Triton's
-interpreter on the CPU, a tiny shape, fp16, 2 owners: checks the script and the outputs; its times
-mean nothing.
+70b_tp8 and 8b_tp2 at 2K and 8K tokens (meant to finish in under 2 minutes on one H200; not yet
+run). ``--smoke``: Triton's interpreter on the CPU, a tiny shape, fp16, 2 owners: checks the script
+and the outputs; its times mean nothing.
 
 Run: ``python3 benchmarks/bench_gather_prologue.py --quick --out $OUT``.
 """
@@ -115,7 +116,9 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, owner_counts
             gather.push_gather_rows(ws, x[table.rows(0)], table)
             gather.gather_matmul(ws, w, table, out, config=unflat, use_descriptors=path)
 
-        row(f"gather{owners}_push", push_and_gather, unflat)
+        out.fill_(float("nan"))
+        push_and_gather()
+        row(f"gather{owners}_push", push_and_gather, unflat, _check(out, reference))
         del sim
     cublas, triton = rows[0], rows[1]
     for r in rows:

@@ -55,3 +55,17 @@ def test_gather_refuses_what_it_cannot_serve():
                       config=dataclasses.replace(INTERPRETER_CONFIG, flatten=True), use_descriptors=False)
     with pytest.raises(ValueError, match="do not fit"):
         gather_matmul(ws, w, OwnerRows.build(18, 2, "cpu", [9, 9]), use_descriptors=False)
+
+
+@pytest.mark.slow
+def test_bench_gather_prologue_smoke(tmp_path):
+    """bench_gather_prologue through Triton's interpreter: both GEMMs of the tiny preset, every
+    variant, the plain and gather outputs "ok" against the fp32 product."""
+    from test_benchmarks_smoke import _smoke
+
+    _, rows = _smoke("bench_gather_prologue.py", tmp_path, "--tokens", "24")
+    variants = ("cublas", "triton", "triton_unflat", "gather2", "gather2_push")
+    assert [(r["gemm"], r["variant"]) for r in rows] == [(g, v) for g in ("qkv", "gate_up") for v in variants]
+    assert all(float(r["ms"]) > 0 and r["tokens"] == "24" for r in rows)
+    checked = [r["check"] for r in rows if r["variant"] in ("triton", "gather2", "gather2_push")]
+    assert checked == ["ok"] * 6, checked
