@@ -51,6 +51,9 @@
 #   SHARED=1 STEPS=kernel KERNEL_TIMEOUT_S=540 OUT=$OUT bash benchmarks/gpu_suite.sh
 # Issue 34 (GEMM with a scatter epilogue; docs/gemm_epilogue.md): with the one-GPU kind,
 #   STEPS=gemm OUT=$OUT bash benchmarks/gpu_suite.sh --quick      (then without --quick: 64 cells)
+#   STEPS=gather OUT=$OUT bash benchmarks/gpu_suite.sh --quick    (issue 34 item 3: the gather prologue; its op on
+#                                   2 ranks sharing the GPU: WEAVE_GPU_SHARED=1 python3 -m pytest -m gpu -q -rA
+#                                   tests/gpu/test_gather_gpu.py -k real_ranks; on 2 GPUs without the variable)
 #   SHARED=1 STEPS=gemmop OUT=$OUT bash benchmarks/gpu_suite.sh   (the cuda_symm lowering of the matmul ops:
 #                                   simulated ranks, then 2 ranks sharing the GPU; on kind nvidia-h200-x2
 #                                   without SHARED, the same on 2 GPUs)
@@ -88,6 +91,10 @@
 #              simulated, bf16 and fp16), then bench_gemm (Triton GEMM plain and scattered to 2/4/8
 #              simulated owners vs cuBLAS; --quick: 70b_tp8 and 8b_tp2 at 2K and 8K tokens); a step
 #              for the `nvidia-h200` kind, not yet timed on the device
+#   gather     issue 34's gather prologue on one GPU: tests/gpu/test_gather_gpu.py (push + gather GEMM,
+#              2/4/8 ranks simulated, bf16/fp16, ragged, CUDA-graph replay, an owner that never
+#              pushes), then bench_gather_prologue (the gather GEMM with 2/4/8 owners vs the plain
+#              Triton GEMM and cuBLAS); `nvidia-h200` kind, not yet run on the device
 #   gemmop     issue 34's cuda_symm lowering of the matmul ops: tests/gpu/test_gemm_op_gpu.py, the real
 #              ranks' cases first (the ops at 1-1030 tokens, the decoder with gemm_epilogue="force",
 #              reduce-overhead; WORLD=2 GPUs, or SHARED=1), then the simulated ranks (2 and 4, each in a
@@ -205,7 +212,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,gemmspeed,gemmmodel,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,gather,gemmspeed,gemmmodel,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -296,6 +303,13 @@ wanted peerwait && WEAVE_GPU_SHARED=1 step pytest_peer_wait_shared "${PEERWAIT_T
 wanted gemm && step pytest_gemm "${GEMM_TEST_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rA --durations=10 \
     $HANG_GUARD tests/gpu/test_gemm_gpu.py
 wanted gemm && step bench_gemm "${GEMM_TIMEOUT_S:-420}" python3 benchmarks/bench_gemm.py --out "$OUT" $QUICK
+# Issue 34 item 3: the gather prologue's tests (simulated GEMMs spin on flags: HANG_GUARD), then its benchmark.
+wanted gather && step pytest_gather "${GATHER_TEST_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -rA --durations=10 \
+    $HANG_GUARD tests/gpu/test_gather_gpu.py -k "not world8"
+wanted gather && step pytest_gather8 "${GATHER_TEST_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -rA --durations=10 \
+    $HANG_GUARD tests/gpu/test_gather_gpu.py -k world8
+wanted gather && step bench_gather "${GATHER_TIMEOUT_S:-300}" python3 benchmarks/bench_gather_prologue.py --out "$OUT" \
+    $QUICK
 # Issue 34: the cuda_symm lowering of the matmul ops, real (or shared) ranks first, then simulated.
 wanted gemmop && WEAVE_PEER_TIMEOUT_S="${WEAVE_PEER_TIMEOUT_S:-60}" step pytest_gemm_op_ranks \
     "${GEMMOP_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -s -rA --durations=10 tests/gpu/test_gemm_op_gpu.py \

@@ -21,7 +21,8 @@ from weavepass.runtime.cuda import peer_wait
 from weavepass.runtime.portable import DEFAULT_GROUP_TIMEOUT_S
 
 KERNELS = Path(peer_wait.__file__).with_name("kernels.py")
-WAITING_MODULES = (KERNELS, KERNELS.with_name("gemm_kernels.py"))  # every module of kernels that wait
+# every module of kernels that wait
+WAITING_MODULES = (KERNELS, KERNELS.with_name("gemm_kernels.py"), KERNELS.with_name("gather_kernels.py"))
 
 
 def _functions(paths=(KERNELS,)):
@@ -34,14 +35,14 @@ def _calls(node, name):
 
 
 def test_every_spin_loop_of_the_kernels_gives_up_after_its_deadline():
-    """Each ``while`` of kernels.py and gemm_kernels.py is a wait for a peer; each must call
-    ``_give_up_after`` in its body with a deadline from ``_deadline``, and a site code that
+    """Each ``while`` of kernels.py, gemm_kernels.py and gather_kernels.py is a wait for a peer; each
+    must call ``_give_up_after`` in its body with a deadline from ``_deadline``, and a site code that
     ``peer_wait.SITES`` explains."""
     functions = _functions(WAITING_MODULES)
     loops = [(name, loop) for name, fn in functions.items() for loop in ast.walk(fn) if isinstance(loop, ast.While)]
-    # barrier x2, counters, Lamport, push x2; the scatter GEMM, its reduce and the matmul op's gather:
-    # a new one joins here
-    assert len(loops) == 9, [name for name, _ in loops]
+    # barrier x2, counters, Lamport, push x2; the scatter GEMM, its reduce and the matmul op's gather;
+    # the gather prologue's push and GEMM: a new one joins here
+    assert len(loops) == 11, [name for name, _ in loops]
     sites = set()
     for name, loop in loops:
         calls = [c for stmt in loop.body for c in _calls(stmt, "_give_up_after")]
@@ -59,7 +60,7 @@ def test_every_waiting_kernel_takes_the_record_and_the_limit():
     functions = _functions(WAITING_MODULES)
     waiting = {"fused_allreduce_rmsnorm_kernel", "fused_allreduce_rmsnorm_pipelined_kernel",
                "fused_allreduce_rmsnorm_lamport_kernel", "push_partial_rows_kernel", "persistent_gemm_kernel",
-               "reduce_scattered_rows_kernel", "collect_rows_kernel"}
+               "reduce_scattered_rows_kernel", "collect_rows_kernel", "push_gather_rows_kernel", "gather_gemm_kernel"}
     for name in waiting:
         params = [a.arg for a in functions[name].args.args]
         assert params.index("watch_addr") + 1 == params.index("timeout_ns"), (name, params)

@@ -226,6 +226,24 @@ the partials' rows zero-padded to ``rows_per_rank x N``, this rank's ``rows_per_
 their sum, ``residual`` (None, or this rank's ``[rows_per_rank, H]`` shard of the stream) added and
 the rows normalised there. Returns ``(normed, residual_out)``, both ``[rows_per_rank, H]``: nothing
 is gathered."""
+def _fake_all_gather_matmul(shard: torch.Tensor, mat2s: list[torch.Tensor], group_name: str, num_tokens: int,
+                            *_: object) -> list[torch.Tensor]:
+    return [shard.new_empty((num_tokens, mat2.shape[1])) for mat2 in mat2s]
+
+
+_LIB.define("all_gather_matmul(Tensor shard, Tensor[] mat2s, str group_name, SymInt num_tokens, str lowering, "
+            "int workspace_tokens) -> Tensor[]")
+_LIB.impl("all_gather_matmul", _runtime("weavepass.runtime:all_gather_matmul"), "CompositeExplicitAutograd")
+torch.library.register_fake("weave::all_gather_matmul", _fake_all_gather_matmul, lib=_LIB)
+ALL_GATHER_MATMUL: OpOverload = torch.ops.weave.all_gather_matmul.default
+"""``weave.all_gather_matmul``: FlashComm's all_gather of a site's normed shard and the
+column-parallel matmuls that read the gathered rows (QKV, gate_up), in one op: every rank's
+``shard`` ``[R, K]`` in rank order, the first ``num_tokens`` rows, times each ``mat2s[i]``
+(``[K, N_i]``, as ``aten.mm`` takes it). Returns ``[num_tokens, N_i]`` per matmul. Not a hot op
+(``define_hot_op``): its output is a list, which the direct-call renaming was never checked with;
+it is called through the dispatcher."""
+
+
 ASYNC_FUSED_OPS = (FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC, FUSED_ALLREDUCE_LAYERNORM_ASYNC)
 """The split's async fused ops: ``JOIN_ASYNC`` on both outputs and the inputs comes before the first
 read of either output."""

@@ -178,6 +178,29 @@ def matmul_reduce_scatter_rmsnorm_shard(x, mat2, residual, weight, eps, group_na
                max_workspace_tokens=workspace_tokens)
 
 
+_GATHER_LOWERINGS: dict[str, str] = {
+    Lowering.PORTABLE: "weavepass.runtime.portable:all_gather_matmul_portable",
+    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.gather_op:all_gather_matmul_cuda",
+}
+GATHER_LOWERINGS = tuple(_GATHER_LOWERINGS)
+"""Lowerings that carry ``weave.all_gather_matmul``: the portable one (all_gather + mm) and
+``cuda_symm`` (``runtime.cuda.gather_op``: the owners' push and the gather GEMM on a symmetric
+workspace)."""
+
+
+def all_gather_matmul(shard, mat2s, group_name, num_tokens, lowering, workspace_tokens):
+    """The kernel of ``weave.all_gather_matmul``: ``[num_tokens, N_i]`` for each ``mat2s[i]``, the
+    gathered shards' first ``num_tokens`` rows times it, by the lowering named ``lowering``."""
+    if lowering not in _GATHER_LOWERINGS:
+        raise ValueError(f"weave lowering {lowering!r} does not carry weave.all_gather_matmul; it needs one of "
+                         f"{[str(n) for n in GATHER_LOWERINGS]}")
+    module_name, attr = _GATHER_LOWERINGS[lowering].split(":")
+    run = getattr(importlib.import_module(module_name), attr)
+    if lowering == Lowering.PORTABLE:
+        return run(shard, mat2s, group_name, num_tokens)
+    return run(shard, mat2s, group_name, num_tokens, max_workspace_tokens=workspace_tokens)
+
+
 _QUANT_LOWERINGS: dict[str, str] = {
     Lowering.PORTABLE: "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
     Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_quant_cuda",

@@ -249,3 +249,16 @@ def fused_allreduce_rmsnorm_quant_portable(
     out_normed = (gathered[-1].to(out_dtype, copy=True).reshape(partial.shape) if return_normed
                   else partial.new_empty((0,), dtype=out_dtype))
     return out_codes, out_scales, out_residual, out_normed
+
+
+def all_gather_matmul_portable(shard: torch.Tensor, mat2s: list[torch.Tensor], group_name: str,
+                               num_tokens: int) -> list[torch.Tensor]:
+    """The portable kernel of ``weave.all_gather_matmul``: every rank's ``shard`` ``[R, K]`` gathered
+    in rank order (one all_gather, in the shard's dtype) into ``[R N, K]``, cut to the first
+    ``num_tokens`` rows, then ``rows @ mat2`` (``torch.mm``) for each ``mat2`` ``[K, N_i]``: what
+    FlashComm's portable graph computes with ``all_gather -> slice -> mm``."""
+    group = resolve_group(group_name)
+    rows = shard.reshape(shard.shape[0], -1).contiguous()
+    gathered = rows.new_empty((rows.shape[0] * group.size(), rows.shape[1]))
+    _all_gather(gathered, rows, group=group)
+    return [torch.mm(gathered[:num_tokens], mat2) for mat2 in mat2s]

@@ -282,3 +282,94 @@ class SimulatedMatmulRanks:
             time.sleep(1e-3)
         for stream in self.streams:
             caller.wait_stream(stream)
+
+
+class SimulatedGatherRanks:
+    """The gather prologue (``runtime.cuda.gather``) for ``world`` ranks in one process: each rank's
+    gather buffer and pad (ordinary allocations, the buffers NaN-poisoned) with the address
+    differences to the others', as the ``cuda_symm`` lowering passes symmetric peers'. ``run``
+    launches every rank's push, then every rank's gather GEMMs (on a GPU each rank on its own
+    stream, so a GEMM really waits for the owners' flags; the pushes are launched first, so a
+    spinning GEMM never holds the SMs a push it waits for needs). Under the interpreter the launches
+    run one after another."""
+
+    def __init__(self, world: int, hidden: int, owner_capacity: int, dtype: torch.dtype, device="cuda",
+                 parts: int = 1, signal_rows: int | None = None, peer_timeout_s: float = SIM_PEER_TIMEOUT_S):
+        from weavepass.runtime.cuda.gather import ALIGNMENT, PrologueLayout, PrologueWorkspace
+
+        self.layout = PrologueLayout(world, hidden, owner_capacity, parts,
+                                     **({} if signal_rows is None else {"signal_rows": signal_rows}))
+        self.device = torch.device(device)
+        lay = self.layout
+        self.buffers = [torch.full((lay.elements,), float("nan"), dtype=dtype, device=self.device)
+                        for _ in range(world)]
+        self.pads = [torch.zeros(lay.pad_slots, dtype=torch.int32, device=self.device) for _ in range(world)]
+        on_gpu = self.device.type == "cuda"
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(world)] if on_gpu else None
+        watch, timeout_ns = (peer_wait.record_address(), int(peer_timeout_s * 1e9)) if on_gpu else (0, 0)
+        self.workspaces = [
+            PrologueWorkspace(lay, r, self.buffers[r], self.pads[r], address_table(self.buffers, r, ALIGNMENT),
+                              address_table(self.pads, r), watch, timeout_ns)
+            for r in range(world)]
+
+    def launch(self, rank: int, step: str, rows, owners: OwnerRows, weights, outputs, extras=None, config=None,
+               use_descriptors: bool | None = None, gemm_ctas: int | None = None) -> None:
+        """One rank's ``step`` (``"push"`` or ``"gemm"``) on the current stream; ``outputs[rank]`` is
+        filled by the GEMMs."""
+        from weavepass.runtime.cuda.gather import gather_matmuls, push_gather_rows
+
+        ws = self.workspaces[rank]
+        if step == "push":
+            push_gather_rows(ws, rows[rank], owners, None if extras is None else extras[rank])
+        else:
+            outputs[rank] = gather_matmuls(ws, weights, owners, config, use_descriptors, gemm_ctas)
+
+    def run(self, rows: list[torch.Tensor], weights: list[torch.Tensor], counts: list[int] | None = None,
+            extras: list[torch.Tensor] | None = None, config=None, use_descriptors: bool | None = None,
+            gemm_ctas: int | None = None, one_stream: bool = False, owners: OwnerRows | None = None,
+            interleaved: bool = False, timeout_s: float = 60.0) -> list[list[torch.Tensor]]:
+        """Owner ``r`` pushes ``rows[r]`` (its ``[>= count_r, K]`` rows; ``extras[r]``: residual_out
+        rows, two-part layouts) and every rank computes ``gathered @ w^T`` for each of ``weights``
+        (``[N_i, K]``, the same on every rank here: a column-parallel weight shard per rank in a
+        model). ``counts``: rows per owner (default the fused op's split). Returns every rank's
+        outputs ``[T, N_i]``. ``one_stream``: every launch on the calling stream, one after another
+        (no wait can block: the warm-up and a CUDA-graph capture use it). ``interleaved`` (GPU only):
+        rank by rank, push then GEMMs, so rank 0's GEMM is launched before its peers' pushes; give
+        ``gemm_ctas`` so that every rank's grid fits the GPU at once, or a spinning GEMM can hold the
+        SMs a later push needs (on real ranks each GPU runs only its own kernels)."""
+        lay = self.layout
+        tokens = sum(counts) if counts is not None else None
+        if owners is None:
+            if tokens is None:
+                raise ValueError("give the row counts or the split")
+            owners = OwnerRows.build(tokens, lay.world, self.device, counts)
+        outputs: list = [None] * lay.world
+        args = (rows, owners, weights, outputs, extras, config, use_descriptors, gemm_ctas)
+        if self.streams is None or one_stream:
+            if interleaved:
+                raise ValueError("interleaved launches on one stream would wait for a push never launched")
+            for step in ("push", "gemm"):
+                for r in range(lay.world):
+                    self.launch(r, step, *args)
+            return outputs
+        caller = torch.cuda.current_stream(self.device)
+        for stream in self.streams:
+            stream.wait_stream(caller)
+        order = ([(r, step) for r in range(lay.world) for step in ("push", "gemm")] if interleaved
+                 else [(r, step) for step in ("push", "gemm") for r in range(lay.world)])
+        for r, step in order:
+            with torch.cuda.stream(self.streams[r]):
+                self.launch(r, step, *args)
+        events = [s.record_event() for s in self.streams]
+        deadline = time.monotonic() + timeout_s
+        while not all(e.query() for e in events):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"simulated gather ranks did not finish in {timeout_s} s")
+            time.sleep(1e-3)
+        for stream in self.streams:
+            caller.wait_stream(stream)
+        return outputs
+
+    def sequence_numbers(self) -> list[int]:
+        """Every rank's GATHER_SEQ (calls whose gather GEMMs finished)."""
+        return [int(p[0]) for p in self.pads]

@@ -62,13 +62,14 @@ from weavepass.compile.strategies.base import TRAINING, Decision, GraphRewrite, 
 from weavepass.compile.tokens import TokenCount
 from weavepass.config import Lowering, WeaveConfig
 from weavepass.ops import (
+    ALL_GATHER_MATMUL,
     FLASHCOMM_SHARD_ROWS,
     MATMUL_REDUCE_SCATTER_RMSNORM_SHARD,
     NPU_ADD_RMS_NORM,
     NPU_ALL_GATHER_MM,
     NPU_MM_REDUCE_SCATTER,
 )
-from weavepass.runtime import npu, symm_mem_matmul
+from weavepass.runtime import GATHER_LOWERINGS, npu, symm_mem_matmul
 from weavepass.runtime.issue import Unsupported
 
 log = logging.getLogger("weavepass")
@@ -461,8 +462,80 @@ class PortableFlashComm:
                       point: int) -> tuple[Node | None, Reason | None]:
         """Full normed rows for the consumers: ``(node, note)``, or ``(None, note)`` when a fused
         all_gather + matmul took over every consumer. ``point``: the site's position
-        (``rewrite_site``); a matmul weight computed after it is not read."""
-        return self.gather_rows(normed, tensor(site.norm.output).shape), None
+        (``rewrite_site``); a matmul weight computed after it is not read.
+
+        ``gemm_epilogue="force"`` where the form's lowering carries ``weave.all_gather_matmul``: the
+        gather and the consumer matmuls in that op (the gather prologue). ``"auto"`` keeps the
+        gather, with the reason: nothing has measured the gather GEMM against the plain matmul."""
+        mode = self.config.gemm_epilogue
+        note: Reason | None = None
+        if mode == "force" and self.matmul_lowering in GATHER_LOWERINGS:
+            reason = self.gather_prologue(site, normed, point)
+            if reason is None:
+                return None, Reason.of(ReasonCode.FLASHCOMM_CONSUMERS_FUSED, op="weave.all_gather_matmul")
+            log.info("weavepass: FlashComm gather prologue not used after %s: %s", site.all_reduce.name, reason)
+            note = Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=reason)
+        elif mode == "auto":
+            note = Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=Reason.of(
+                ReasonCode.GEMM_EPILOGUE_UNMEASURED, lowering=str(self.matmul_lowering)))
+        return self.gather_rows(normed, tensor(site.norm.output).shape), note
+
+    def row_matmuls(self, site: FusedAllReduceRMSNormSite,
+                    point: int) -> tuple[list[Node], list[Node], list[Node]] | Reason:
+        """``(mms, views, weights)``: every reader of the normed rows is ``[view ->] mm`` over
+        ``[tokens, hidden]`` rows with a weight the op at ``point`` can read; else why not."""
+        d, out = self.d, site.norm.output
+        rows_shape = (d.num_tokens, site.hidden)
+        mms: list[Node] = []
+        views: list[Node] = []
+        for user in out.users:
+            user_val = val(user)
+            if is_target(user, VIEWS) and user_val is not None and tuple(user_val.shape) == rows_shape:
+                views.append(user)
+                readers = [(reader, user) for reader in user.users]
+            else:
+                readers = [(user, out)]
+            for reader, rows in readers:
+                if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
+                        and tuple(tensor(rows).shape) == rows_shape):
+                    return Reason.of(ReasonCode.FLASHCOMM_READER_NOT_MM, node=reader.name, op=str(reader.target))
+                mms.append(reader)
+        if not mms:
+            return Reason.of(ReasonCode.FLASHCOMM_NO_ROWS_MM, as_rows=False)
+        weights = []
+        for mm in mms:
+            w = self.weight_before(mm, point)
+            if w is None:
+                return Reason.of(ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM, matmul=mm.name)
+            weights.append(w)
+        return mms, views, weights
+
+    def replace_row_matmuls(self, mms: list[Node], views: list[Node], outputs: Node, padded: bool) -> None:
+        """Each of ``mms`` replaced by item ``i`` of the op's list ``outputs`` (``padded``: the op
+        gives ``T_pad`` rows, cut to ``T``)."""
+        d = self.d
+        replacements = []
+        for i, mm in enumerate(mms):
+            rows = self.call(operator.getitem, outputs, i)
+            if padded and d.padded_tokens != d.num_tokens:
+                rows = self.call(aten.slice.Tensor, rows, 0, 0, d.num_tokens)
+            replacements.append((mm, rows))
+        self.flush()
+        for mm, rows in replacements:
+            mm.replace_all_uses_with(rows)
+        self.dead.update([*mms, *views])
+
+    def gather_prologue(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> Reason | None:
+        """Replace ``gather -> [view] -> mm`` consumers by one ``weave.all_gather_matmul``."""
+        found = self.row_matmuls(site, point)
+        if isinstance(found, Reason):
+            return found
+        mms, views, weights = found
+        d = self.d
+        outputs = self.call(ALL_GATHER_MATMUL, normed, weights, d.group_name, d.num_tokens, str(self.matmul_lowering),
+                            self.config.cuda_workspace_tokens)
+        self.replace_row_matmuls(mms, views, outputs, padded=False)
+        return None
 
     def weight_before(self, mm: Node, point: int) -> Node | None:
         """``mm``'s weight as a node the fused op at ``point`` can read, or None (computed later)."""
@@ -633,7 +706,7 @@ class CudaFlashComm(PortableFlashComm):
 
     def gather_normed(self, site: FusedAllReduceRMSNormSite, normed: Node,
                       point: int) -> tuple[Node | None, Reason | None]:
-        if not self.config.enable_mmrs_fusion:
+        if not self.config.enable_mmrs_fusion or self.config.gemm_epilogue == "force":
             return super().gather_normed(site, normed, point)
         reason = self.symm_reason or self.all_gather_matmul(site, normed, point)
         if reason is None:
@@ -645,43 +718,13 @@ class CudaFlashComm(PortableFlashComm):
 
     def all_gather_matmul(self, site: FusedAllReduceRMSNormSite, normed: Node, point: int) -> Reason | None:
         """Replace ``gather -> [view] -> mm`` consumers by one ``fused_all_gather_matmul``."""
-        d, out = self.d, site.norm.output
-        rows_shape = (d.num_tokens, site.hidden)
-        mms: list[Node] = []
-        views: list[Node] = []
-        for user in out.users:
-            user_val = val(user)
-            if is_target(user, VIEWS) and user_val is not None and tuple(user_val.shape) == rows_shape:
-                views.append(user)
-                readers = [(reader, user) for reader in user.users]
-            else:
-                readers = [(user, out)]
-            for reader, rows in readers:
-                if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
-                        and tuple(tensor(rows).shape) == rows_shape):
-                    return Reason.of(ReasonCode.FLASHCOMM_READER_NOT_MM, node=reader.name, op=str(reader.target))
-                mms.append(reader)
-        if not mms:
-            return Reason.of(ReasonCode.FLASHCOMM_NO_ROWS_MM, as_rows=False)
-        weights = []
-        for mm in mms:
-            w = self.weight_before(mm, point)
-            if w is None:
-                return Reason.of(ReasonCode.FLASHCOMM_WEIGHT_AFTER_NORM, matmul=mm.name)
-            weights.append(w)
+        found = self.row_matmuls(site, point)
+        if isinstance(found, Reason):
+            return found
+        mms, views, weights = found
         fused = self.call(symm_mem_matmul.symm_mem_op(symm_mem_matmul.FUSED_ALL_GATHER_MATMUL),
-                          normed, weights, 0, d.group_name, return_A=True)
-        outputs = self.call(operator.getitem, fused, 1)
-        replacements = []
-        for i, mm in enumerate(mms):
-            rows = self.call(operator.getitem, outputs, i)
-            if d.padded_tokens != d.num_tokens:
-                rows = self.call(aten.slice.Tensor, rows, 0, 0, d.num_tokens)
-            replacements.append((mm, rows))
-        self.flush()
-        for mm, rows in replacements:
-            mm.replace_all_uses_with(rows)
-        self.dead.update([*mms, *views])
+                          normed, weights, 0, self.d.group_name, return_A=True)
+        self.replace_row_matmuls(mms, views, self.call(operator.getitem, fused, 1), padded=True)
         return None
 
 

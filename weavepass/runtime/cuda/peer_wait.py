@@ -50,6 +50,9 @@ SITES = {
     7: "the scatter GEMM: the peer never finished reading this rank's previous rows (runtime.cuda.gemm)",
     8: "the scatter GEMM's reduce: the peer's tiles of a row block never came (runtime.cuda.gemm)",
     9: "the matmul op's gather: the peer's normed rows never came (runtime.cuda.gemm.collect_rows)",
+    10: "the gather prologue's push: the peer's gather GEMM never finished reading this rank's previous rows "
+        "(runtime.cuda.gather)",
+    11: "the gather GEMM: the owner's rows of a row block never came (runtime.cuda.gather)",
 }
 """What each wait site of ``weavepass.runtime.cuda.kernels`` waits for (the ``SITE`` code)."""
 

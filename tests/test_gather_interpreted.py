@@ -1,0 +1,71 @@
+"""The gather prologue (``runtime.cuda.gather``) on CPU through Triton's interpreter
+(tests/gather_interpreter_case.py, one process per case because ``TRITON_INTERPRET`` is read when the
+kernels are defined): the gather GEMM at world 2, 3 and 4, bf16 and fp16, with ragged splits against the fp32 product
+of the gathered rows, every rank equal to the bit, the pushed rows, flags and call counts after
+back-to-back calls; a push whose row blocks span several CTAs' chunks; the full stream's two-part
+push; the push in bf16 and fp16; the ``cuda_symm`` op's entry point at a gloo group of one. What the
+interpreter cannot show (the waits under concurrency, giving up, memory ordering, TMA, tensor-core dots):
+tests/gpu/test_gather_gpu.py on one GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+
+CASE = pathlib.Path(__file__).with_name("gather_interpreter_case.py")
+
+
+@pytest.mark.parametrize("case", ["gather", "chunks", "full_stream", "push_dtypes", "op_entry"])
+def test_gather_kernels_interpreted(case):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
+    result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"{case}: OK" in result.stdout
+
+
+def test_gather_refuses_what_it_cannot_serve():
+    """Rows past an owner's capacity, a flattened tile loop (it would hoist loads above the wait) and
+    a residual_out push into a one-part layout are refused before any launch, with the reason."""
+    import dataclasses
+
+    import torch
+
+    from weavepass.runtime.cuda.gather import PrologueLayout, PrologueWorkspace, gather_matmul, push_gather_rows
+    from weavepass.runtime.cuda.gemm import INTERPRETER_CONFIG, OwnerRows
+
+    lay = PrologueLayout(world=2, hidden=16, owner_capacity=8, signal_rows=16)
+    ws = PrologueWorkspace(lay, 0, torch.zeros(lay.elements, dtype=torch.float16),
+                           torch.zeros(lay.pad_slots, dtype=torch.int32), torch.zeros(2, dtype=torch.int64),
+                           torch.zeros(2, dtype=torch.int64))
+    rows, w = torch.zeros(16, 16, dtype=torch.float16), torch.zeros(8, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="exceed the gather buffer"):
+        push_gather_rows(ws, rows, OwnerRows.build(16, 2, "cpu", [16, 0]))
+    with pytest.raises(ValueError, match="exactly when the layout has 2 parts"):
+        push_gather_rows(ws, rows, OwnerRows.build(16, 2, "cpu", [8, 8]), extra=rows)
+    with pytest.raises(ValueError, match="not flattened"):
+        gather_matmul(ws, w, OwnerRows.build(16, 2, "cpu", [8, 8]),
+                      config=dataclasses.replace(INTERPRETER_CONFIG, flatten=True), use_descriptors=False)
+    with pytest.raises(ValueError, match="do not fit"):
+        gather_matmul(ws, w, OwnerRows.build(18, 2, "cpu", [9, 9]), use_descriptors=False)
+
+
+@pytest.mark.slow
+def test_bench_gather_prologue_smoke(tmp_path):
+    """bench_gather_prologue through Triton's interpreter: both GEMMs of the tiny preset, every
+    variant, the plain and gather outputs "ok" against the fp32 product."""
+    from test_benchmarks_smoke import _smoke
+
+    _, rows = _smoke("bench_gather_prologue.py", tmp_path, "--tokens", "24")
+    variants = ("cublas", "triton", "triton_unflat", "gather2", "gather2_push")
+    assert [(r["gemm"], r["variant"]) for r in rows] == [(g, v) for g in ("qkv", "gate_up") for v in variants]
+    assert all(float(r["ms"]) > 0 and r["tokens"] == "24" for r in rows)
+    checked = [r["check"] for r in rows if r["variant"] in ("triton", "gather2", "gather2_push")]
+    assert checked == ["ok"] * 6, checked

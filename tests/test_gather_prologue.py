@@ -1,0 +1,128 @@
+"""The gather prologue in the compiler and its portable lowering (issue 34 item 3):
+``weave.all_gather_matmul`` takes FlashComm's all_gather of a normed shard and the column-parallel
+matmuls that read the gathered rows (QKV, gate_up) under ``gemm_epilogue="force"``.
+
+Graph level on a fake group: which matmuls are replaced, which collectives remain, the match count,
+the notes (``auto`` keeps the gather and says why). Numbers on 2 and 3 gloo ranks: the op against
+``torch.mm`` on the gathered rows (the portable lowering is all_gather + ``torch.mm``: equal to the
+bit) and the fp32 product (tolerance below), the ``cuda_symm`` lowering's fallback on CPU tensors,
+and the TP model with FlashComm under ``force`` against eager and the fp32 reference
+(``check_against_eager``'s rule). The kernels: tests/test_gather_interpreted.py, tests/gpu/test_gather_gpu.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_gemm_epilogue import (
+    CFG,
+    FLASHCOMM,
+    MM,
+    RS,
+    SHARD_OP,
+    _check_model,
+    _dumped_after,
+    model_report,
+)
+from test_gemm_epilogue import fake_world as fake_world_fixture  # noqa: F401 (a fixture)
+
+from weavepass import WeaveConfig
+from weavepass.compile.reasons import ReasonCode
+from weavepass.testing.distributed import spawn
+
+GATHER_OP = "weave.all_gather_matmul.default"
+AG = "_c10d_functional.all_gather_into_tensor.default"
+FUSED_AG = "symm_mem.fused_all_gather_matmul.default"
+NORM_SITES = 2 * CFG.n_layers  # the norms before each layer's attention and MLP; the final norm feeds the output
+# The product against the fp32 one of the same rounded rows: torch.mm in bf16/fp16 accumulates in fp32 (on
+# CPU in another order) and rounds once: half an ulp plus the order's fp32 error, within one ulp.
+PRODUCT_TOL = {torch.bfloat16: dict(rtol=2**-7, atol=1e-3), torch.float16: dict(rtol=2**-10, atol=1e-4)}
+
+
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_force_moves_the_consumer_matmuls_into_the_op():
+    plain = model_report(WeaveConfig(**FLASHCOMM))
+    graph = model_report(WeaveConfig(gemm_epilogue="force", **FLASHCOMM))
+    assert plain.ops_after[GATHER_OP] == 0 and plain.ops_after[AG] == NORM_SITES + 1
+    assert graph.ops_after[GATHER_OP] == NORM_SITES  # q, k, v and gate, up of each layer, one op per norm
+    assert graph.ops_after[AG] == 1  # the final norm's gather: its reader is the graph output, not a matmul
+    assert graph.ops_after[MM] == 0 and plain.ops_after[MM] == 7 * CFG.n_layers  # o and down: the shard op
+    assert graph.ops_after[SHARD_OP] == 2 * CFG.n_layers and graph.ops_after[RS] == 1
+    *layers, final = graph.records
+    for record in layers:
+        fused = [r for r in record.notes if r.code is ReasonCode.FLASHCOMM_CONSUMERS_FUSED]
+        assert len(fused) == 1 and fused[0].field("op") == "weave.all_gather_matmul", record.notes
+    (kept,) = [r for r in final.notes if r.code is ReasonCode.FLASHCOMM_GATHER_NOT_FUSED]
+    assert kept.field("cause").code is ReasonCode.FLASHCOMM_READER_NOT_MM
+
+
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_auto_keeps_the_gather_and_says_why():
+    graph = model_report(WeaveConfig(gemm_epilogue="auto", **FLASHCOMM))
+    assert graph.ops_after[GATHER_OP] == 0 and graph.ops_after[AG] == NORM_SITES + 1
+    for record in graph.records:
+        (note,) = [r for r in record.notes if r.code is ReasonCode.FLASHCOMM_GATHER_NOT_FUSED]
+        assert note.field("cause").code is ReasonCode.GEMM_EPILOGUE_UNMEASURED
+    off = model_report(WeaveConfig(**FLASHCOMM))
+    assert not any(r.code is ReasonCode.FLASHCOMM_GATHER_NOT_FUSED for rec in off.records for r in rec.notes)
+
+
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_the_cuda_form_runs_the_op_on_cuda_symm(tmp_path):
+    """FlashComm's CUDA form under ``force``: the op with lowering ``cuda_symm``, not PyTorch's
+    ``fused_all_gather_matmul`` even with ``enable_mmrs_fusion`` (the graph is what is checked; on
+    CPU tensors the run falls back to portable)."""
+    graph = model_report(WeaveConfig(gemm_epilogue="force", enable_mmrs_fusion=True, dump_graphs_dir=str(tmp_path),
+                                     **FLASHCOMM), kind="cuda")
+    assert graph.ops_after[GATHER_OP] == NORM_SITES and graph.ops_after[FUSED_AG] == 0 and graph.ops_after[MM] == 0
+    calls = [line for line in _dumped_after(tmp_path).splitlines() if "all_gather_matmul.default(" in line]
+    assert len(calls) == NORM_SITES and all("'cuda_symm'" in line for line in calls)
+
+
+# ---------------------------------------------------------------- numbers (gloo)
+
+
+def _shard(rank, per_rank, tokens, k, dtype):
+    """Rank ``rank``'s FlashComm shard of ``tokens`` rows (zero padding past them) and the full rows."""
+    full = torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    shard = torch.zeros(per_rank, k, dtype=dtype)
+    lo, hi = min(rank * per_rank, tokens), min((rank + 1) * per_rank, tokens)
+    shard[: hi - lo] = full[lo:hi]
+    return shard, full
+
+
+def _check_op(rank, world):
+    group_name = dist.group.WORLD.group_name
+    checked = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for tokens in (1, 7, 37):  # fewer than the ranks, and counts no multiple of N or 16
+            per_rank = -(-tokens // (16 * world)) * 16
+            shard, full = _shard(rank, per_rank, tokens, 24, dtype)
+            g = torch.Generator().manual_seed(99)
+            mat2s = [torch.randn(24, n, generator=g).to(dtype) for n in (40, 8)]
+            out = torch.ops.weave.all_gather_matmul(shard, mat2s, group_name, tokens, "portable", 0)
+            with warnings.catch_warnings(record=True):  # CPU tensors: cuda_symm falls back to portable, warned
+                warnings.simplefilter("always")
+                fallback = torch.ops.weave.all_gather_matmul(shard, mat2s, group_name, tokens, "cuda_symm", 1024)
+            for got, again, mat2 in zip(out, fallback, mat2s, strict=True):
+                assert got.shape == (tokens, mat2.shape[1])
+                assert torch.equal(got, torch.mm(full, mat2)) and torch.equal(again, got)
+                torch.testing.assert_close(got.float(), full.float() @ mat2.float(), **PRODUCT_TOL[dtype])
+            checked.append((str(dtype), tokens))
+    return checked
+
+
+def _numbers_rank(rank, world):
+    checked = _check_op(rank, world)
+    dtype = torch.bfloat16 if world == 2 else torch.float16
+    _, replaced = _check_model(rank, world, dtype, WeaveConfig(gemm_epilogue="force", **FLASHCOMM))
+    return checked, replaced
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_numbers_against_torch_mm_eager_and_the_reference(world):
+    for checked, replaced in spawn(_numbers_rank, world, "gloo"):
+        assert len(checked) == 6 and replaced == 2 * CFG.n_layers
