@@ -57,6 +57,25 @@ def test_gather_refuses_what_it_cannot_serve():
         gather_matmul(ws, w, OwnerRows.build(18, 2, "cpu", [9, 9]), use_descriptors=False)
 
 
+def test_every_launch_passes_only_its_kernels_parameters():
+    """Triton on the GPU refuses a keyword its kernel does not declare, where the interpreter lets it
+    pass (the scatter's DEFER_SIGNALS reached the gather GEMM through ``GemmConfig.meta`` and failed
+    every gather launch on one H200, 2026-12-04): the compile-time arguments each GEMM launch builds
+    from a config must be parameters of its kernel, for every config."""
+    from weavepass.runtime.cuda.gather import kernel_meta
+    from weavepass.runtime.cuda.gather_kernels import gather_gemm_kernel
+    from weavepass.runtime.cuda.gemm import GPU_CONFIGS, INTERPRETER_CONFIG
+    from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
+
+    options = {"num_stages", "num_warps"}
+    for config in (*GPU_CONFIGS, INTERPRETER_CONFIG):
+        extra = set(kernel_meta(config)) - options - set(gather_gemm_kernel.arg_names)
+        assert not extra, f"gather GEMM given {sorted(extra)} by {config.label()}"
+        for store_desc in (False, True):
+            extra = set(config.meta(store_desc)) - options - set(persistent_gemm_kernel.arg_names)
+            assert not extra, f"scatter GEMM given {sorted(extra)} by {config.label()}"
+
+
 @pytest.mark.slow
 def test_bench_gather_prologue_smoke(tmp_path):
     """bench_gather_prologue through Triton's interpreter: both GEMMs of the tiny preset, every

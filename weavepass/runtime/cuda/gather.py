@@ -174,15 +174,21 @@ def gather_matmul(ws: PrologueWorkspace, w: torch.Tensor, owners: OwnerRows, out
     tiles = (-(-tokens // config.block_m) + lay.world) * -(-n // config.block_n)  # upper bound, for the grid
     if config.epilogue_split not in (1, 2):
         raise ValueError(f"the gather GEMM stores a tile in 1 or 2 column slices, not {config.epilogue_split}")
-    meta = config.meta()
-    for key in ("FLATTEN", "WARP_SPECIALIZE", "STORE_DESC"):
-        meta.pop(key)
+    meta = kernel_meta(config)
     gather_gemm_kernel[_grid(tiles, w.device, max_ctas)](
         a, b, out, owners.table, ws.pad, tokens, n, lay.hidden, lay.num_blocks, lay.parts * lay.capacity,
         int(release), ws.watch, ws.timeout_ns, RANK=ws.rank, WORLD=lay.world, SIGNAL_ROWS=lay.signal_rows,
         USE_DESC=use_descriptors, FENCE_PROXY=use_descriptors and not interpreting(),
         DOT_IN_FP32=interpreting() and dtype == torch.bfloat16, **meta)
     return out
+
+
+def kernel_meta(config: GemmConfig) -> dict:
+    """The gather GEMM's compile-time arguments from ``config``, named one by one: ``GemmConfig.meta``
+    carries the scatter kernel's too (its loop, store and signal choices), which the gather kernel does
+    not take, and Triton on the GPU refuses an unknown keyword where its interpreter does not."""
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                EPILOGUE_SPLIT=config.epilogue_split, num_stages=config.num_stages, num_warps=config.num_warps)
 
 
 def gather_matmuls(ws: PrologueWorkspace, weights: list[torch.Tensor], owners: OwnerRows,
