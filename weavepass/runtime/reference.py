@@ -106,7 +106,14 @@ def fused_allreduce_rmsnorm_reference(
     """Single-process reference: ``partials`` holds every rank's partial sum; ``layer_norm``
     (with an optional ``bias``) for ``weave.fused_allreduce_layernorm``."""
     acc = accumulation_dtype(partials[0].dtype)
-    summed = torch.stack([p.to(acc) for p in partials]).sum(0)
+    # In rank order, one add at a time, as every kernel sums (so every rank rounds the same S): S is
+    # rounded to the partials' dtype before the residual is added (eager's all_reduce output), and
+    # near a rounding boundary another order flips that rounding, which after cancellation against
+    # the residual is more than an ulp of residual_out. torch.stack(...).sum(0) on CUDA combines
+    # several accumulators (8 ranks, bf16, on one H200: 1 element of 4.2 M off by 2 ulps).
+    summed = partials[0].to(acc)
+    for partial in partials[1:]:
+        summed = summed + partial.to(acc)
     if layer_norm:
         return add_layernorm_local(summed, residual, weight, bias, eps, out_dtype, partials[0].dtype)
     return add_rmsnorm_local(summed, residual, weight, eps, out_dtype, partials[0].dtype)
