@@ -109,8 +109,8 @@ def fused_allreduce_rmsnorm_reference(
     # In rank order, one add at a time, as every kernel sums (so every rank rounds the same S): S is
     # rounded to the partials' dtype before the residual is added (eager's all_reduce output), and
     # near a rounding boundary another order flips that rounding, which after cancellation against
-    # the residual is more than an ulp of residual_out. torch.stack(...).sum(0) on CUDA combines
-    # several accumulators (8 ranks, bf16, on one H200: 1 element of 4.2 M off by 2 ulps).
+    # the residual is more than an ulp of residual_out. torch.stack(...).sum(0) on CUDA need not add
+    # in rank order (the likely cause of 1 element of 4.2 M off by 2 ulps, 8 ranks, bf16, one H200).
     summed = partials[0].to(acc)
     for partial in partials[1:]:
         summed = summed + partial.to(acc)
