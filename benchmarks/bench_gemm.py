@@ -283,8 +283,10 @@ TABLE_RULE = (
     "bucket's token counts and the repeats, among the configs that ran in all of them. Its speed per "
     "repeat: cuBLAS's time / the GEMM's, each summed over the bucket's token counts; for a row-parallel "
     "GEMM (scatter rows measured) the scatter's (variant scatterN: the op's GEMM), the slowest owner "
-    "count, else the plain GEMM's with that config; the table holds the median over the repeats. Keys "
-    "that fail are left out and listed with why"
+    "count, else the plain GEMM's with that config, which decides the key's entry but is not written: "
+    "MEASURED_SPEED holds the scatter's speeds alone, since the planner reads it for row-parallel sites, "
+    "and another model's row-parallel GEMM may have a column-parallel key's (N, K). MEASURED_SPEED holds "
+    "the median over the repeats. Keys that fail are left out and listed with why"
 )
 """How ``--table-from`` fills ``gemm.MEASURED_CONFIGS`` / ``MEASURED_SPEED`` (``measured_table``).
 The second version's one run disagreed with itself by up to 0.5x between timers at 2K tokens
@@ -297,8 +299,9 @@ def measured_table(tune_rows: list[dict], bench_rows: list[dict], min_repeats: i
                    max_spread: float = TABLE_MAX_SPREAD) -> tuple[dict, dict, dict]:
     """``(configs, speeds, left_out)`` by ``TABLE_RULE`` from the rows of ``bench_gemm_tune.csv``
     (every config's time per cell and repeat, with cuBLAS's) and of ``bench_gemm.csv`` (the scatter
-    variants' times; cuBLAS's per cell): ``configs[key]`` a ``gemm.GPU_CONFIGS`` entry and
-    ``speeds[key]`` cuBLAS time / the GEMM's time (above 1: faster than cuBLAS) for the keys that pass,
+    variants' times; cuBLAS's per cell): ``configs[key]`` a ``gemm.GPU_CONFIGS`` entry for the keys
+    that pass, and ``speeds[key]`` cuBLAS time / the scatter's time (above 1: faster than cuBLAS) for
+    those of them with scatter rows,
     ``left_out[key]`` why each other key is not in the table. Keys: ``(N, K, token bucket)``."""
     index = {c.label(): i for i, c in enumerate(gemm.GPU_CONFIGS)}
 
@@ -350,7 +353,9 @@ def measured_table(tune_rows: list[dict], bench_rows: list[dict], min_repeats: i
             left_out[key] = (f"the repeats disagree: speeds {', '.join(f'{v:.3f}' for v in per_repeat)} spread "
                              f"{spread:.1%} > {max_spread:.0%}")
             continue
-        configs[key], speeds[key] = gemm.GPU_CONFIGS[best], round(middle, 3)
+        configs[key] = gemm.GPU_CONFIGS[best]
+        if key in scatter:  # the planner reads a speed for a row-parallel site only: the scatter's
+            speeds[key] = round(middle, 3)
     return configs, speeds, left_out
 
 

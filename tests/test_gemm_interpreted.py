@@ -74,7 +74,8 @@ def test_select_config_reads_the_measured_table(monkeypatch):
     cuda = torch.device("cuda", 0)  # only the device type is read: no GPU needed
     assert all(config in gemm.GPU_CONFIGS for config in gemm.MEASURED_CONFIGS.values())
     assert all(bucket in (2048, 8192) for _, _, bucket in gemm.MEASURED_CONFIGS)
-    assert set(gemm.MEASURED_SPEED) == set(gemm.MEASURED_CONFIGS)  # one run wrote both
+    # one run wrote both; a speed only where the scatter was measured (row-parallel keys)
+    assert set(gemm.MEASURED_SPEED) <= set(gemm.MEASURED_CONFIGS)
     table = {(8192, 1024, 2048): gemm.GPU_CONFIGS[3]}
     monkeypatch.setattr(gemm, "MEASURED_CONFIGS", table)
     assert gemm.select_config(2048, 8192, 1024, cuda) == gemm.GPU_CONFIGS[3]
