@@ -104,6 +104,8 @@ def fused_allreduce_layernorm_portable(
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_allreduce_rmsnorm_portable`` with a LayerNorm (``add_layernorm_local``) on the
     rows each rank owns: the kernel of ``weave.fused_allreduce_layernorm``."""
@@ -170,6 +172,8 @@ def matmul_reduce_scatter_rmsnorm_portable(
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The portable kernel of ``weave.matmul_reduce_scatter_rmsnorm``: the partial ``x [T, K] @
     mat2 [K, H]`` (``torch.mm``, rounded to ``x.dtype`` as the graph's matmul rounded it), then
@@ -187,6 +191,8 @@ def matmul_reduce_scatter_rmsnorm_shard_portable(
     group_name: str,
     out_dtype: torch.dtype,
     rows_per_rank: int,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The portable kernel of ``weave.matmul_reduce_scatter_rmsnorm_shard`` (FlashComm's sharded
     stream): the partial ``x @ mat2`` as above, its rows zero-padded to ``rows_per_rank x N`` and
@@ -226,6 +232,8 @@ def fused_allreduce_rmsnorm_quant_portable(
     scale_steps: str,
     code_steps: str,
     return_normed: bool,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The portable kernel of ``weave.fused_allreduce_rmsnorm_quant``: reduce_scatter -> add +
     RMSNorm on this rank's rows -> their quantization (``weavepass.runtime.quant.quantize_rows``)
