@@ -833,6 +833,48 @@ def test_a_size_read_after_the_last_site_is_shared_not_joined():
         assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("read_after_last_site", [False, True], ids=["between_sites", "after_last_site"])
+def test_a_size_folded_to_an_int_is_read_as_the_int(read_after_last_site):
+    """A size (``sym_size``) whose copy folds to an int (``emit_size``: a symbolic dim pinned to
+    one value; here a static graph with the size read by a ``sym_size`` node, as the model's graph
+    holds one where the trace saw a symbol) is read as that int, by a token node between the sites
+    or by a reader after the last one. The rewrite raised ``UnexpectedArgument`` (the copy is not a
+    node)."""
+    from weavepass.testing.distributed import fake_process_group
+
+    def reshaped(partial, residual, norm, w):
+        out, residual = _site(partial, residual, norm)
+        h = out * 2
+        between = h.view(-1, 16).view(1, -1, 16)
+        out, residual = _site(between, residual, norm)
+        return out.view(-1, 16) @ w
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randn(16, 4, generator=g)]
+    with fake_process_group(1), torch.no_grad():
+        gm = _trace(reshaped, *inputs)
+        (h,) = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+        views = [n for n in gm.graph.nodes if n.target is aten.view.default]
+        reader = views[-1] if read_after_last_site else views[0]  # view(-1, 16): 16 from the size
+        with gm.graph.inserting_after(h):
+            of_h = gm.graph.call_function(aten.sym_size.int, (h, 2))
+        of_h.meta["val"] = 16
+        reader.args = (reader.args[0], [-1, of_h])
+        sites = _sites(gm)
+        cut = Cut.of(sites[0])
+        cut.first = 4
+        info = analyse(gm.graph, sites, cut)
+        assert info.token[of_h] is None
+        rewrite(gm.graph, info, WeaveConfig(split="force"))
+        gm.graph.lint()
+        gm.recompile()
+        assert not _sites(gm)
+        assert not [n for n in gm.graph.nodes if n.target is aten.sym_size.int]  # folded into its readers
+        # fp32, a group of one rank: the halves compute each row as the whole graph does
+        assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
+
+
 def test_addmm_with_a_bias_per_token_row_slices_the_bias():
     """``addmm(bias, rows, w)`` with a token-free bias of one row per token (``torch.addmm(r, x, w)``
     with a ``[T, N]`` ``r``): the bias lines up with the tokens like an elementwise op's input and is

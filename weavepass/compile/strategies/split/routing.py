@@ -46,7 +46,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import Argument
 
-from weavepass.compile.fx_args import arg, arg_int, arg_list, arg_node, as_node, unexpected
+from weavepass.compile.fx_args import arg, arg_int, arg_list, arg_node, as_node, unexpected, with_argument
 from weavepass.compile.reasons import Reason, ReasonCode
 
 from .attention import HalfEmitter
@@ -410,13 +410,14 @@ def emit_block_const(rw: HalfEmitter, node: Node, half: str) -> Node:
     if not isinstance(start, int) or not isinstance(end, int):  # (``check_block``: no symbolic cut)
         raise unexpected(node, f"half {half}'s rows", (start, end), "static bounds")
     rows = end - start if half == "A" else size - start
-    args = list(node.args)
-    if node.target is aten.arange.start_step:
-        args[1] = rows
-    else:
-        args[0] = rows if node.target in ARANGES else [rows, *arg_list(node, 0)[1:]]
+    if node.target is prims.iota.default:
+        args, kwargs = with_argument(node, "length", rows)
+    elif node.target in ARANGES:
+        args, kwargs = with_argument(node, "end", rows)
+    else:  # zeros, empty, full, ...: the size's first dim
+        args, kwargs = with_argument(node, "size", [rows, *arg_list(node, 0)[1:]])
     with val(node).fake_mode:  # no tensor argument to find the mode from: the original's
-        return rw.emit(node.target, tuple(args), node.kwargs)
+        return rw.emit(node.target, args, kwargs)
 
 
 # The sort rule lives here, with the routing blocks it hands a sort along the tokens to.
