@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
 
 from weavepass.config import Lowering, StrEnum
+from weavepass.runtime.issue import Unsupported, register
 
 
 class FusedLowering(Protocol):
@@ -214,7 +214,7 @@ class QuantIssue(StrEnum):
     CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
     CUDA_FORM = "quant_cuda_form"
     """The CUDA kernel has no program for this form (``cause``: ``support.cuda_quant_epilogue``'s
-    ``Unsupported``, a ``cuda.quant_epilogue.QuantFormIssue``)."""
+    ``Unsupported`` of a ``cuda.quant_epilogue.QuantFormIssue``)."""
     CUDA_UNVERIFIED = "quant_cuda_unverified"
     """``CUDA_QUANT_EPILOGUE_VERIFIED`` is False."""
 
@@ -228,46 +228,30 @@ QUANT_ISSUE_TEXT = {
         "is False)"),
 }
 """The sentence of each ``QuantIssue``, formatted with its fields."""
-CUDA_QUANT_EPILOGUE_UNVERIFIED = QUANT_ISSUE_TEXT[QuantIssue.CUDA_UNVERIFIED]
-
-
-@dataclass(frozen=True)
-class QuantUnsupported:
-    """Why a lowering cannot compute a site's quantization: ``issue`` and its detail (``fields``)."""
-
-    issue: QuantIssue
-    fields: tuple[tuple[str, object], ...] = ()
-
-    @classmethod
-    def of(cls, issue: QuantIssue, **fields: object) -> QuantUnsupported:
-        return cls(issue, tuple(fields.items()))
-
-    def __str__(self) -> str:
-        return QUANT_ISSUE_TEXT[self.issue].format(**dict(self.fields))
+register(QUANT_ISSUE_TEXT)
 
 
 def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str, code_steps: str, *,
                              out_dtype: torch.dtype, hidden: int, device: torch.device,
                              static_scale: tuple[torch.dtype, int] | None = None,
-                             return_normed: bool = False) -> QuantUnsupported | None:
+                             return_normed: bool = False) -> Unsupported | None:
     """Why ``lowering`` cannot compute this quantization (``weavepass.runtime.quant``) in its fused
     op, or None. The planner asks here: a lowering with a quantized kernel answers for itself (CUDA:
     the forms ``runtime.cuda.support.cuda_quant_epilogue`` accepts for rows of ``out_dtype`` and
     width ``hidden`` on ``device``; ``static_scale``: the static scale's ``(dtype, ndim)``)."""
     if lowering not in QUANT_LOWERINGS:
-        return QuantUnsupported.of(QuantIssue.LOWERING, lowering=str(lowering))
+        return Unsupported.of(QuantIssue.LOWERING, lowering=str(lowering))
     if lowering == Lowering.CUDA_SYMM:
         from weavepass.runtime.cuda.support import cuda_quant_epilogue
-        from weavepass.runtime.issue import Unsupported
 
         if static and static_scale is None:
-            return QuantUnsupported(QuantIssue.CUDA_STATIC_SCALE_DTYPE)
+            return Unsupported(QuantIssue.CUDA_STATIC_SCALE_DTYPE)
         epilogue = cuda_quant_epilogue(out_dtype, hidden, device, static_scale if static else None, group_size,
                                        scale_steps, code_steps, return_normed)
         if isinstance(epilogue, Unsupported):
-            return QuantUnsupported.of(QuantIssue.CUDA_FORM, cause=epilogue)
+            return Unsupported.of(QuantIssue.CUDA_FORM, cause=epilogue)
         if not CUDA_QUANT_EPILOGUE_VERIFIED:
-            return QuantUnsupported(QuantIssue.CUDA_UNVERIFIED)
+            return Unsupported(QuantIssue.CUDA_UNVERIFIED)
     return None
 
 
