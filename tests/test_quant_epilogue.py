@@ -174,6 +174,28 @@ def test_quant_steps_are_the_graphs(fake_world):
     assert group.group_size == 128 and group.code_steps.startswith("div_scale|")
 
 
+@pytest.mark.parametrize("form", ["fp8_row", "int8_row"])
+def test_amax_dims_given_by_keyword_are_read_by_name(fake_world, form):
+    """``amax(x, dim=[-1], keepdim=True)`` by keyword is the per-row scale it is positionally: the
+    finder reads amax's dims and keepdim by schema name (read by position, a keyword keepdim was
+    False and the scale a global one, left outside the fused op)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    fn = site_fn(QuantLinear(torch.randn(N_OUT, H), form), fake_world)
+    graphs = [make_fx(fn, decomposition_table=select_decomp_table())(*site_inputs(torch.bfloat16)).graph
+              for _ in range(2)]
+    (amax,) = [n for n in graphs[1].nodes if n.target is torch.ops.aten.amax.default]
+    names = [a.name for a in amax.target._schema.arguments]
+    assert len(amax.args) == 3 and not amax.kwargs  # as traced: dims and keepdim positional
+    amax.args, amax.kwargs = amax.args[:1], dict(zip(names[1:], amax.args[1:]))
+    (positional,), _ = find_allreduce_rmsnorm_sites(graphs[0])
+    (keyword,), _ = find_allreduce_rmsnorm_sites(graphs[1])
+    assert positional.quant is not None and keyword.quant is not None, keyword.quant_left
+    assert (keyword.quant.group_size, keyword.quant.scale_steps, keyword.quant.code_steps) == (
+        positional.quant.group_size, positional.quant.scale_steps, positional.quant.code_steps)
+    assert keyword.quant.scale_steps.startswith("abs|amax|")
+
+
 def test_normed_rows_read_elsewhere_are_returned(fake_world):
     linear = QuantLinear(torch.randn(N_OUT, H), "int8_row")
     fn = site_fn(linear, fake_world, also_normed=True)

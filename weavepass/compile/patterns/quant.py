@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.fx_args import arg_node, tensor, unexpected
+from weavepass.compile.fx_args import arg_node, arguments, tensor
 from weavepass.compile.patterns.rmsnorm import CONVERTS, RMS_NORM, _convert_dtype, is_target, val
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.runtime.quant import encode_steps
@@ -244,8 +244,9 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list[tuple[str, object]], lis
         elif is_target(n, {aten.abs.default}):
             steps.append(("abs", None))
         elif is_target(n, {aten.amax.default}):
-            dims = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else []
-            keep = bool(n.args[2]) if len(n.args) > 2 else False
+            given = arguments(n)  # by name: dim and keepdim may be keywords
+            dims = list(given["dim"]) if isinstance(given["dim"], (list, tuple)) else []
+            keep = bool(given["keepdim"])
             ndim = tensor(arg_node(n, 0)).ndim
             if dims not in ([-1], [ndim - 1]) or not keep:
                 global_amax = True
@@ -263,17 +264,6 @@ def _source(node: Node, reads: Collection[object]) -> Node:
     while is_target(node, reads):
         node = arg_node(node, 0)
     return node
-
-
-def _arg(node: Node, name: str) -> object:
-    """Argument ``name`` of an OpOverload call, by schema name (positional or keyword)."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        raise unexpected(node, "target", target, "an OpOverload")
-    for i, argument in enumerate(target._schema.arguments):
-        if argument.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
-    raise KeyError(name)
 
 
 def _terminal_readers(node: Node, reads: Collection[object]) -> list[tuple[Node, Node]]:
@@ -300,8 +290,8 @@ def _check_consumers(codes: Node, scale: Node) -> list[Node] | Reason:
 
     for user, operand in _terminal_readers(codes, CODE_READS):
         if is_target(user, SCALED_MMS):
-            which = "scale_a" if _arg(user, "self") is operand else "scale_b"
-            factor = _arg(user, which)
+            given = arguments(user)
+            factor = given["scale_a" if given["self"] is operand else "scale_b"]
             if not isinstance(factor, Node) or _source(factor, SCALE_READS) is not scale:
                 return Reason.of(ReasonCode.QUANT_SCALE_MISMATCH, reader=user.name, op=_op_name(user),
                                  factor=getattr(factor, "name", factor), scale=scale.name)
