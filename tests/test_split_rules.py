@@ -1143,3 +1143,25 @@ def test_routing_block_constant_also_read_by_a_token_op_is_refused():
     assert _split_error(between_sites(False), inputs, 3) < 1e-2
     with refused(ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED, node="arange"):
         _split_error(between_sites(True), inputs, 3)
+
+
+@pytest.mark.parametrize("target,args,kwargs,length", [
+    (aten.arange.default, (6,), {}, 6),
+    (aten.arange.default, (), {"end": 6}, 6),
+    (aten.arange.start_step, (0, 6), {}, 6),
+    (aten.arange.start_step, (), {"start": 0, "end": 6, "step": 1}, 6),
+    (aten.arange.start_step, (0,), {"end": 6, "step": 2}, None),  # every other position: not arange(n)
+    (aten.arange.start_step, (1, 6), {}, None),
+    (torch.ops.prims.iota.default, (6,), {"start": 0, "step": 1, "dtype": torch.int64, "device": "cpu",
+                                          "requires_grad": False}, 6),
+], ids=["arange", "arange_keyword", "start_step", "start_step_keywords", "step_2", "start_1", "iota"])
+def test_an_arange_length_is_read_by_schema_name(target, args, kwargs, length):
+    """``routing._arange_length`` (the routing block's ``arange(P)``) reads start, end and step by
+    their schema names: given by keyword they count as given by position (a positional read failed
+    on a keyword ``end``)."""
+    from torch.fx import Graph
+
+    from weavepass.compile.strategies.split.routing import _arange_length
+
+    graph = Graph()
+    assert _arange_length(graph.call_function(target, args, kwargs)) == length
