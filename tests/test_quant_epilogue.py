@@ -175,19 +175,24 @@ def test_quant_steps_are_the_graphs(fake_world):
 
 
 @pytest.mark.parametrize("form", ["fp8_row", "int8_row"])
-def test_amax_dims_given_by_keyword_are_read_by_name(fake_world, form):
-    """``amax(x, dim=[-1], keepdim=True)`` by keyword is the per-row scale it is positionally: the
-    finder reads amax's dims and keepdim by schema name (read by position, a keyword keepdim was
-    False and the scale a global one, left outside the fused op)."""
+def test_quantization_arguments_given_by_keyword_are_read_by_name(fake_world, form):
+    """``amax(x, dim=[-1], keepdim=True)``, ``clamp_min(x, min=...)``, ``clamp(x, min=..., max=...)``
+    by keyword are the quantization they are positionally: the finder reads their arguments by
+    schema name (read by position, a keyword keepdim was False and the per-row scale a global one,
+    left outside the fused op)."""
     from torch._inductor.decomposition import select_decomp_table
 
+    aten = torch.ops.aten
     fn = site_fn(QuantLinear(torch.randn(N_OUT, H), form), fake_world)
     graphs = [make_fx(fn, decomposition_table=select_decomp_table())(*site_inputs(torch.bfloat16)).graph
               for _ in range(2)]
-    (amax,) = [n for n in graphs[1].nodes if n.target is torch.ops.aten.amax.default]
-    names = [a.name for a in amax.target._schema.arguments]
-    assert len(amax.args) == 3 and not amax.kwargs  # as traced: dims and keepdim positional
-    amax.args, amax.kwargs = amax.args[:1], dict(zip(names[1:], amax.args[1:]))
+    moved = [n for n in graphs[1].nodes if n.target in (
+        aten.amax.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)]
+    assert aten.amax.default in {n.target for n in moved} and len(moved) >= 2, moved
+    for node in moved:
+        names = [a.name for a in node.target._schema.arguments]
+        assert len(node.args) > 1 and not node.kwargs  # as traced: positional
+        node.args, node.kwargs = node.args[:1], dict(zip(names[1:], node.args[1:]))
     (positional,), _ = find_allreduce_rmsnorm_sites(graphs[0])
     (keyword,), _ = find_allreduce_rmsnorm_sites(graphs[1])
     assert positional.quant is not None and keyword.quant is not None, keyword.quant_left
