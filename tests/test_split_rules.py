@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from weavepass import WeaveConfig
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import analyse, token_dims
@@ -1165,3 +1166,41 @@ def test_an_arange_length_is_read_by_schema_name(target, args, kwargs, length):
 
     graph = Graph()
     assert _arange_length(graph.call_function(target, args, kwargs)) == length
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["fused_async", "push_async"])
+def test_sites_called_with_keywords_become_async_ops_by_schema_name(push):
+    """Fused ops whose arguments are keywords become the async ops (``num_ctas``, the push's
+    ``slot``) with the same arguments by name, positional as the rewrite writes them; the split
+    graph equals the function (fp32, a group of one rank). Appended by position, ``num_ctas`` took
+    the residual's place and the call got the residual twice."""
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
+    from weavepass.testing.distributed import fake_process_group
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.rand(16) + 0.5,
+              torch.randn(16, 16, generator=g) / 4]
+    config = WeaveConfig(split="force", split_comm="push" if push else "fused", split_comm_ctas=6)
+    with fake_process_group(1), torch.no_grad():
+        gm = _trace(lambda p, r, n, w: _two_sites(p, r, n, w, w.t()), *inputs)
+        sites = _sites(gm)
+        for site in sites:
+            names = [a.name for a in site.target._schema.arguments]
+            site.args, site.kwargs = site.args[:1], dict(zip(names[1:], site.args[1:]))
+        cut = Cut.of(sites[0])
+        cut.first = 4
+        rewrite(gm.graph, analyse(gm.graph, sites, cut), config, push=push)
+        gm.graph.lint()
+        gm.recompile()
+        target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC if push else FUSED_ALLREDUCE_RMSNORM_ASYNC
+        calls = [n for n in gm.graph.nodes if n.target is target]
+        assert len(calls) == 4 and not any(n.kwargs for n in calls)  # two sites, two halves
+        for i, call in enumerate(calls):
+            given = arguments(call)
+            assert (given["eps"], given["lowering"], given["num_ctas"]) == (1e-6, "portable", 6)
+            assert given["residual"] is not None and given["weight"] is not None
+            if push:
+                assert given["slot"] == i % 2  # half A's calls slot 0, half B's slot 1
+        want = _two_sites(*inputs[:3], inputs[3], inputs[3].t())
+        for w, got in zip(want, gm(*inputs), strict=True):
+            assert (w - got).abs().max().item() < 1e-5

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._ops import OpOverload
 from torch.fx import Graph, Node
 from torch.fx.node import Argument, Target, map_arg
 
@@ -197,13 +198,14 @@ class Rewrite:
         args, kwargs = map_arg(node.args, arg), map_arg(node.kwargs, arg)
         target = node.target
         if node in info.sites:
+            extra: dict[str, Argument] = {"num_ctas": self.config.split_comm_ctas}
             if self.push:  # one staging slot per half: a slot is reused only after its join
                 target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
-                args = (*args, self.config.split_comm_ctas, HALVES.index(half))
+                extra["slot"] = HALVES.index(half)
             else:
                 layer_norm = target is FUSED_ALLREDUCE_LAYERNORM
                 target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if layer_norm else FUSED_ALLREDUCE_RMSNORM_ASYNC
-                args = (*args, self.config.split_comm_ctas)
+            args, kwargs = _async_arguments(node, target, args, kwargs, extra), {}
         elif target in VIEWS:
             size = half_view_size(node, info.dim(node), args[1])
             if node in info.keys:  # the half's key count, from the scores it views
@@ -228,3 +230,15 @@ def _replace_input(user: Node, old: Node, new: Node | int) -> None:
     """``user`` reads ``new`` where it read ``old``; ``new`` may be the int a size folded to, which
     ``Node.replace_input_with`` does not take."""
     user.args, user.kwargs = map_arg((user.args, user.kwargs), lambda n: new if n is old else n)
+
+
+def _async_arguments(site: Node, target: OpOverload, args: tuple[Argument, ...], kwargs: dict[str, Argument],
+                     extra: dict[str, Argument]) -> tuple[Argument, ...]:
+    """The positional arguments of async op ``target`` for fused op ``site`` (its arguments, copied
+    for a half: ``args`` and ``kwargs``), by schema name: the site's, then ``extra`` (``num_ctas``,
+    the push's ``slot``)."""
+    schema = getattr(site.target, "_schema", None)
+    if not isinstance(schema, torch.FunctionSchema):
+        raise unexpected(site, "target", site.target, "an op with a schema")
+    given = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs, **extra}
+    return tuple(given[a.name] for a in target._schema.arguments)
