@@ -749,6 +749,20 @@ def test_routing_block_read_outside_the_region_is_refused():
 
 # ---- the rewrite's numbers against eager ------------------------------------------------------------------
 
+def _split_at(gm, first: int, config: WeaveConfig | None = None, push: bool = False) -> Analysis:
+    """Split ``gm``'s sites with ``first`` units in half A, in place (linted, recompiled: every site
+    became one async op per half); returns the analysis the rewrite ran on."""
+    sites = _sites(gm)
+    cut = Cut.of(sites[0])
+    cut.first = first
+    info = analyse(gm.graph, sites, cut)
+    rewrite(gm.graph, info, config or WeaveConfig(split="force"), push=push)
+    gm.graph.lint()
+    gm.recompile()
+    assert not _sites(gm)
+    return info
+
+
 def _split_error(fn, inputs, first: int) -> float:
     """The largest difference between ``fn(*inputs)`` and the graph of ``fn`` split with ``first``
     units in half A, both run on a group of one rank (whose collectives are exact), in fp32."""
@@ -756,13 +770,7 @@ def _split_error(fn, inputs, first: int) -> float:
 
     with fake_process_group(1), torch.no_grad():
         gm = _trace(fn, *inputs)
-        sites = _sites(gm)
-        cut = Cut.of(sites[0])
-        cut.first = first
-        rewrite(gm.graph, analyse(gm.graph, sites, cut), WeaveConfig(split="force"))
-        gm.graph.lint()
-        gm.recompile()
-        assert not _sites(gm)  # every site became one async op per half
+        _split_at(gm, first)
         # nan_to_num: max() keeps its first value against a NaN, so a NaN in a later output read as 0
         return max((want - got).abs().max().nan_to_num(torch.inf).item()
                    for want, got in zip(fn(*inputs), gm(*inputs), strict=True))
@@ -822,15 +830,7 @@ def test_a_size_read_after_the_last_site_is_shared_not_joined():
         of_h.meta["val"] = size.meta["val"]
         size.replace_all_uses_with(of_h)
         gm.graph.erase_node(size)
-        sites = _sites(gm)
-        cut = Cut.of(sites[0])
-        cut.first = 4
-        info = analyse(gm.graph, sites, cut)
-        assert info.token[of_h] is None
-        rewrite(gm.graph, info, WeaveConfig(split="force"))
-        gm.graph.lint()
-        gm.recompile()
-        assert not _sites(gm)
+        assert _split_at(gm, 4).token[of_h] is None  # a size of a non-token dim
         assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
 
 
@@ -862,15 +862,7 @@ def test_a_size_folded_to_an_int_is_read_as_the_int(read_after_last_site):
             of_h = gm.graph.call_function(aten.sym_size.int, (h, 2))
         of_h.meta["val"] = 16
         reader.args = (reader.args[0], [-1, of_h])
-        sites = _sites(gm)
-        cut = Cut.of(sites[0])
-        cut.first = 4
-        info = analyse(gm.graph, sites, cut)
-        assert info.token[of_h] is None
-        rewrite(gm.graph, info, WeaveConfig(split="force"))
-        gm.graph.lint()
-        gm.recompile()
-        assert not _sites(gm)
+        assert _split_at(gm, 4).token[of_h] is None  # a size of a non-token dim
         assert not [n for n in gm.graph.nodes if n.target is aten.sym_size.int]  # folded into its readers
         # fp32, a group of one rank: the halves compute each row as the whole graph does
         assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
@@ -1187,11 +1179,7 @@ def test_sites_called_with_keywords_become_async_ops_by_schema_name(push):
         for site in sites:
             names = [a.name for a in site.target._schema.arguments]
             site.args, site.kwargs = site.args[:1], dict(zip(names[1:], site.args[1:]))
-        cut = Cut.of(sites[0])
-        cut.first = 4
-        rewrite(gm.graph, analyse(gm.graph, sites, cut), config, push=push)
-        gm.graph.lint()
-        gm.recompile()
+        _split_at(gm, 4, config, push)
         target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC if push else FUSED_ALLREDUCE_RMSNORM_ASYNC
         calls = [n for n in gm.graph.nodes if n.target is target]
         assert len(calls) == 4 and not any(n.kwargs for n in calls)  # two sites, two halves
