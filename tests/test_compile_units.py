@@ -33,6 +33,7 @@ from weavepass.compile.strategies.split.strategy import SplitStrategy
 from weavepass.compile.tokens import TokenCount
 from weavepass.compile.wave_model import GemmShape, WaveModel, plan_split, plan_token_split
 from weavepass.report import AllReduceRecord, GraphReport
+from weavepass.runtime.issue import Unsupported
 from weavepass.runtime.reference import add_rmsnorm_local
 from weavepass.testing import fake_process_group
 from weavepass.testing.distributed import check_plans_in_threads
@@ -742,11 +743,11 @@ def test_cuda_lowering_is_asked_about_the_norms_output_dtype(world2, monkeypatch
     from weavepass.runtime.cuda import support
 
     assert support.cuda_site_unsupported_reason(torch.bfloat16, H, torch.device("cuda"), "0", torch.float64) == \
-        support.CudaUnsupported.of(support.CudaIssue.OUT_DTYPE, dtype=torch.float64)
+        Unsupported.of(support.CudaIssue.OUT_DTYPE, dtype=torch.float64)
     fp32 = support.cuda_site_unsupported_reason(torch.bfloat16, H, torch.device("cuda"), "0", torch.float32)
     assert fp32 is None or fp32.issue is not support.CudaIssue.OUT_DTYPE  # (no triton: another issue)
     asked = []
-    refused = support.CudaUnsupported(support.CudaIssue.NO_TRITON)
+    refused = Unsupported(support.CudaIssue.NO_TRITON)
     monkeypatch.setattr(support, "cuda_site_unsupported_reason", lambda *a: asked.append(a[4]) or refused)
     args = [a.to(torch.bfloat16) for a in _args(8)]
     args[3] = args[3].to(torch.float64)  # the first norm's weight: its output is fp64

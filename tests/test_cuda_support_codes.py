@@ -10,13 +10,13 @@ import torch
 
 from weavepass.compile.reasons import CUDA_ISSUES, MESSAGES, Reason, ReasonCode, runtime_issue_reason
 from weavepass.runtime.cuda.support import (
-    ISSUE_TEXT,
+    CUDA_ISSUE_TEXT,
     MAX_HIDDEN,
     CudaIssue,
-    CudaUnsupported,
     cuda_site_unsupported_reason,
     cuda_unsupported_reason,
 )
+from weavepass.runtime.issue import Unsupported
 from weavepass.testing import fake_process_group
 
 CUDA = torch.device("cuda", 0)  # only its type is read
@@ -24,8 +24,8 @@ CUDA = torch.device("cuda", 0)  # only its type is read
 
 def test_every_issue_has_a_reason_code_rendered_alike():
     assert {code.value for code in CUDA_ISSUES} == {issue.value for issue in CudaIssue}
-    assert set(ISSUE_TEXT) == set(CudaIssue)
-    issue = CudaUnsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=20000, max_hidden=MAX_HIDDEN)
+    assert set(CUDA_ISSUE_TEXT) == set(CudaIssue)
+    issue = Unsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=20000, max_hidden=MAX_HIDDEN)
     reason = runtime_issue_reason(issue)
     assert reason.code is ReasonCode.CUDA_HIDDEN_TOO_LARGE and reason.field("hidden") == 20000
     assert reason.render() == str(issue)  # rendering test: the runtime's sentence

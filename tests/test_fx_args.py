@@ -1,6 +1,7 @@
 """The typed FX argument accessors (``weavepass.compile.fx_args``): each returns the argument a
 matcher checked for and raises ``UnexpectedArgument``, naming the node, its op and what was
-expected, when the graph holds something else. Hand-built graphs, no tracing."""
+expected, when the graph holds something else; ``set_argument`` writes one by its schema name, as
+``replication.insert_checks`` does. Hand-built graphs, no tracing."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from weavepass.compile.fx_args import (
     as_optional_node,
     as_str,
     node_list,
+    set_argument,
     tensor,
+    with_argument,
 )
+from weavepass.compile.replication import insert_checks
+from weavepass.ops import CHECK_REPLICATED, FUSED_ALLREDUCE_LAYERNORM, FUSED_ALLREDUCE_RMSNORM
 
 aten = torch.ops.aten
 
@@ -83,3 +88,67 @@ def test_an_unexpected_argument_is_an_internal_error_naming_the_node(read, expec
     assert "transpose" in str(error.value) or "cat" in str(error.value)
     assert f"where {expected} was expected" in str(error.value)
     assert isinstance(error.value, TypeError)
+
+
+def test_set_argument_writes_by_schema_name_where_the_call_gives_it():
+    """Positional stays positional, keyword stays keyword, a default the call left out is given by
+    keyword; a name the schema lacks is an internal error. ``with_argument`` leaves the node."""
+    g, n = _graph()
+    y = g.placeholder("y")
+    assert with_argument(n["t"], "dim1", 0) == ((n["x"], 0, 0), {})
+    assert n["t"].args == (n["x"], 0, 1)  # unchanged
+    set_argument(n["t"], "self", y)  # positional
+    assert n["t"].args == (y, 0, 1) and n["t"].kwargs == {}
+    set_argument(n["s"], "keepdim", False)  # a keyword
+    assert n["s"].args == (n["x"], [1]) and n["s"].kwargs == {"keepdim": False}
+    set_argument(n["s"], "dtype", torch.float64)  # a default the call left out
+    assert arguments(n["s"]) == {"self": n["x"], "dim": [1], "keepdim": False, "dtype": torch.float64}
+    set_argument(n["c"], "dim", 1)  # past the positional ones
+    assert n["c"].args == ([n["x"], n["t"]],) and arg_int(n["c"], 1) == 1
+    with pytest.raises(UnexpectedArgument, match="argument 'bias'"):
+        set_argument(n["t"], "bias", y)
+
+
+def _fused_call(op, positional: int, absent: set[str]) -> torch.fx.Node:
+    """A graph with one call of the fused op ``op``: its first ``positional`` schema arguments
+    given by position, the rest by keyword; its tensors placeholders, but None for those ``absent``."""
+    g = Graph()
+    names = [a.name for a in op._schema.arguments]
+    values: dict[str, object] = {"eps": 1e-6, "group_name": "tp", "out_dtype": torch.float32,
+                                 "lowering": "portable", "workspace_tokens": 64}
+    for name in ("partial", "residual", "weight", "bias"):
+        if name in names:
+            values[name] = None if name in absent else g.placeholder(name)
+            if values[name] is not None:
+                values[name].meta["val"] = torch.empty(4) if name in ("weight", "bias") else torch.empty(2, 4)
+    return g.call_function(op, tuple(values[name] for name in names[:positional]),
+                           {name: values[name] for name in names[positional:]})
+
+
+@pytest.mark.parametrize("op,positional,absent,checked,compared", [
+    (FUSED_ALLREDUCE_RMSNORM, 1, set(), "residual", "weight"),
+    (FUSED_ALLREDUCE_RMSNORM, 1, {"residual"}, "weight", None),
+    (FUSED_ALLREDUCE_LAYERNORM, 1, {"residual", "weight"}, "bias", None),
+    (FUSED_ALLREDUCE_LAYERNORM, 9, set(), "residual", "weight"),
+], ids=["rms_keywords", "rms_weight_keyword", "layer_norm_bias_keyword", "layer_norm_positional"])
+def test_replication_checks_write_the_argument_by_name(op, positional, absent, checked, compared):
+    """``insert_checks`` routes the argument it checks through ``weave.check_replicated`` and
+    writes the check into the fused op by the argument's schema name, given by keyword or by
+    position: only that argument changes."""
+    node = _fused_call(op, positional, absent)
+    before = arguments(node)
+    assert insert_checks(node.graph, {"all_reduce_1": node}) == 1
+    after = arguments(node)
+    check = after[checked]
+    assert isinstance(check, torch.fx.Node) and check.target is CHECK_REPLICATED
+    assert after == {**before, checked: check}
+    what = {"residual": "residual", "weight": "norm weight", "bias": "norm bias"}[checked]
+    bias = before.get("bias") if checked != "bias" else None
+    assert check.args == (before[checked], before[compared] if compared else None, what, "all_reduce_1", "tp", bias)
+
+
+def test_replication_checks_skip_a_site_without_tensors_to_compare():
+    node = _fused_call(FUSED_ALLREDUCE_RMSNORM, 1, {"residual", "weight"})
+    before = (node.args, dict(node.kwargs))
+    assert insert_checks(node.graph, {"all_reduce_1": node}) == 0
+    assert (node.args, node.kwargs) == before

@@ -983,3 +983,36 @@ def test_dynamic_true_eps_input_is_given_once_per_site():
         assert ReasonCode.EPS_NOT_CONSTANT in record.reasons[0].codes(), record.reason
     # every sum does feed an RMSNorm here: the graph's note must not say that none does
     assert "feeds an" not in graph.note and "each one's reason is listed" in graph.note, graph.note
+
+
+@pytest.mark.parametrize("given,expected", [
+    ({"dim": [0]}, True),
+    ({"dim": [0], "keepdim": False, "dtype": None}, True),
+    ({"dim": [0, 1]}, True),
+    ({"dim": [0], "keepdim": True}, False),  # keeps the experts' dim: not [T, H]
+    ({"dim": [0], "dtype": torch.float32}, False),  # a cast besides the sum
+    ({"dim": [-1]}, False),  # over the hidden dim
+], ids=["dim", "all_defaults_given", "two_leading_dims", "keepdim", "dtype", "hidden_dim"])
+def test_a_sum_over_experts_is_read_by_schema_name(given, expected):
+    """``_is_expert_sum`` reads the sum's dims, keepdim and dtype by schema name: given by keyword
+    they mean what they mean positionally (read by position, any keyword refused the sum)."""
+    from torch.fx import Graph
+
+    from weavepass.compile.patterns.allreduce_rmsnorm import _is_expert_sum
+
+    names = [a.name for a in torch.ops.aten.sum.dim_IntList._schema.arguments][1:]
+    answers = []
+    for keywords in (True, False):
+        graph = Graph()
+        x = graph.placeholder("x")
+        x.meta["val"] = torch.empty(4, 3, 8)
+        if keywords:
+            node = graph.call_function(torch.ops.aten.sum.dim_IntList, (x,), dict(given))
+        else:  # the same call positionally: the schema's defaults before the last given argument
+            last = max(names.index(k) for k in given)
+            defaults = {"keepdim": False, "dtype": None}
+            node = graph.call_function(torch.ops.aten.sum.dim_IntList,
+                                       (x, *(given.get(n, defaults.get(n)) for n in names[:last + 1])))
+        node.meta["val"] = torch.sum(x.meta["val"], **given)
+        answers.append(_is_expert_sum(node))
+    assert answers == [expected, expected]

@@ -174,6 +174,33 @@ def test_quant_steps_are_the_graphs(fake_world):
     assert group.group_size == 128 and group.code_steps.startswith("div_scale|")
 
 
+@pytest.mark.parametrize("form", ["fp8_row", "int8_row"])
+def test_quantization_arguments_given_by_keyword_are_read_by_name(fake_world, form):
+    """``amax(x, dim=[-1], keepdim=True)``, ``clamp_min(x, min=...)``, ``clamp(x, min=..., max=...)``
+    by keyword are the quantization they are positionally: the finder reads their arguments by
+    schema name (read by position, a keyword keepdim was False and the per-row scale a global one,
+    left outside the fused op)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    fn = site_fn(QuantLinear(torch.randn(N_OUT, H), form), fake_world)
+    graphs = [make_fx(fn, decomposition_table=select_decomp_table())(*site_inputs(torch.bfloat16)).graph
+              for _ in range(2)]
+    moved = [n for n in graphs[1].nodes if n.target in (
+        aten.amax.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)]
+    assert aten.amax.default in {n.target for n in moved} and len(moved) >= 2, moved
+    for node in moved:
+        names = [a.name for a in node.target._schema.arguments]
+        assert len(node.args) > 1 and not node.kwargs  # as traced: positional
+        node.args, node.kwargs = node.args[:1], dict(zip(names[1:], node.args[1:]))
+    (positional,), _ = find_allreduce_rmsnorm_sites(graphs[0])
+    (keyword,), _ = find_allreduce_rmsnorm_sites(graphs[1])
+    assert positional.quant is not None and keyword.quant is not None, keyword.quant_left
+    assert (keyword.quant.group_size, keyword.quant.scale_steps, keyword.quant.code_steps) == (
+        positional.quant.group_size, positional.quant.scale_steps, positional.quant.code_steps)
+    assert keyword.quant.scale_steps.startswith("abs|amax|")
+
+
 def test_normed_rows_read_elsewhere_are_returned(fake_world):
     linear = QuantLinear(torch.randn(N_OUT, H), "int8_row")
     fn = site_fn(linear, fake_world, also_normed=True)

@@ -18,7 +18,7 @@ from weavepass.compile.reasons import (
     ReasonCode,
     runtime_issue_reason,
 )
-from weavepass.runtime import QuantIssue, QuantUnsupported
+from weavepass.runtime import QuantIssue
 from weavepass.runtime.cuda import support
 from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, QuantFormIssue, plan_quant_epilogue
 from weavepass.runtime.issue import Unsupported
@@ -100,8 +100,24 @@ def test_a_runtime_cause_becomes_a_reason_in_the_chain():
     """``QuantIssue.CUDA_FORM``'s cause is the runtime's ``Unsupported``: the planner's reason carries
     it as a ``Reason`` of the same code, and renders the same sentence."""
     form = Unsupported.of(QuantFormIssue.FP8_CAPABILITY, capability=(8, 0))
-    issue = QuantUnsupported.of(QuantIssue.CUDA_FORM, cause=form)
+    issue = Unsupported.of(QuantIssue.CUDA_FORM, cause=form)
     reason = runtime_issue_reason(issue)
     assert list(reason.codes()) == [ReasonCode.QUANT_CUDA_FORM, ReasonCode.QUANT_FORM_FP8_CAPABILITY]
     assert reason.field("cause") == Reason.of(ReasonCode.QUANT_FORM_FP8_CAPABILITY, capability=(8, 0))
     assert reason.render() == str(issue)  # rendering test: the runtime's sentence, cause included
+
+
+def test_a_value_registered_twice_with_another_sentence_is_refused():
+    """``runtime.issue.register`` is the one registry of the runtime's sentences: an enum whose
+    value another module's enum already took would overwrite that sentence, and is refused."""
+    from weavepass.config import StrEnum
+    from weavepass.runtime.issue import ISSUE_TEXT, register
+
+    class Clash(StrEnum):
+        SAME = QuantFormIssue.FP8_CAPABILITY.value
+
+    before = dict(ISSUE_TEXT)
+    register({Clash.SAME: ISSUE_TEXT[Clash.SAME.value]})  # the same sentence: nothing changes
+    with pytest.raises(ValueError, match="quant_form_fp8_capability"):
+        register({Clash.SAME: "another sentence"})
+    assert ISSUE_TEXT == before

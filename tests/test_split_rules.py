@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from weavepass import WeaveConfig
+from weavepass.compile.fx_args import arguments
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import analyse, token_dims
@@ -748,6 +749,20 @@ def test_routing_block_read_outside_the_region_is_refused():
 
 # ---- the rewrite's numbers against eager ------------------------------------------------------------------
 
+def _split_at(gm, first: int, config: WeaveConfig | None = None, push: bool = False) -> Analysis:
+    """Split ``gm``'s sites with ``first`` units in half A, in place (linted, recompiled: every site
+    became one async op per half); returns the analysis the rewrite ran on."""
+    sites = _sites(gm)
+    cut = Cut.of(sites[0])
+    cut.first = first
+    info = analyse(gm.graph, sites, cut)
+    rewrite(gm.graph, info, config or WeaveConfig(split="force"), push=push)
+    gm.graph.lint()
+    gm.recompile()
+    assert not _sites(gm)
+    return info
+
+
 def _split_error(fn, inputs, first: int) -> float:
     """The largest difference between ``fn(*inputs)`` and the graph of ``fn`` split with ``first``
     units in half A, both run on a group of one rank (whose collectives are exact), in fp32."""
@@ -755,13 +770,7 @@ def _split_error(fn, inputs, first: int) -> float:
 
     with fake_process_group(1), torch.no_grad():
         gm = _trace(fn, *inputs)
-        sites = _sites(gm)
-        cut = Cut.of(sites[0])
-        cut.first = first
-        rewrite(gm.graph, analyse(gm.graph, sites, cut), WeaveConfig(split="force"))
-        gm.graph.lint()
-        gm.recompile()
-        assert not _sites(gm)  # every site became one async op per half
+        _split_at(gm, first)
         # nan_to_num: max() keeps its first value against a NaN, so a NaN in a later output read as 0
         return max((want - got).abs().max().nan_to_num(torch.inf).item()
                    for want, got in zip(fn(*inputs), gm(*inputs), strict=True))
@@ -821,15 +830,41 @@ def test_a_size_read_after_the_last_site_is_shared_not_joined():
         of_h.meta["val"] = size.meta["val"]
         size.replace_all_uses_with(of_h)
         gm.graph.erase_node(size)
-        sites = _sites(gm)
-        cut = Cut.of(sites[0])
-        cut.first = 4
-        info = analyse(gm.graph, sites, cut)
-        assert info.token[of_h] is None
-        rewrite(gm.graph, info, WeaveConfig(split="force"))
-        gm.graph.lint()
-        gm.recompile()
-        assert not _sites(gm)
+        assert _split_at(gm, 4).token[of_h] is None  # a size of a non-token dim
+        assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("read_after_last_site", [False, True], ids=["between_sites", "after_last_site"])
+def test_a_size_folded_to_an_int_is_read_as_the_int(read_after_last_site):
+    """A size (``sym_size``) whose copy folds to an int (``emit_size``: a symbolic dim pinned to
+    one value; here a static graph with the size read by a ``sym_size`` node, as the model's graph
+    holds one where the trace saw a symbol) is read as that int, by a token node between the sites
+    or by a reader after the last one. The rewrite raised ``UnexpectedArgument`` (the copy is not a
+    node)."""
+    from weavepass.testing.distributed import fake_process_group
+
+    def reshaped(partial, residual, norm, w):
+        out, residual = _site(partial, residual, norm)
+        h = out * 2
+        between = h.view(-1, 16).view(1, -1, 16)
+        out, residual = _site(between, residual, norm)
+        return out.view(-1, 16) @ w
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.ones(16),
+              torch.randn(16, 4, generator=g)]
+    with fake_process_group(1), torch.no_grad():
+        gm = _trace(reshaped, *inputs)
+        (h,) = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+        views = [n for n in gm.graph.nodes if n.target is aten.view.default]
+        reader = views[-1] if read_after_last_site else views[0]  # view(-1, 16): 16 from the size
+        with gm.graph.inserting_after(h):
+            of_h = gm.graph.call_function(aten.sym_size.int, (h, 2))
+        of_h.meta["val"] = 16
+        reader.args = (reader.args[0], [-1, of_h])
+        assert _split_at(gm, 4).token[of_h] is None  # a size of a non-token dim
+        assert not [n for n in gm.graph.nodes if n.target is aten.sym_size.int]  # folded into its readers
+        # fp32, a group of one rank: the halves compute each row as the whole graph does
         assert (gm(*inputs) - reshaped(*inputs)).abs().max().item() < 1e-5
 
 
@@ -1101,3 +1136,59 @@ def test_routing_block_constant_also_read_by_a_token_op_is_refused():
     assert _split_error(between_sites(False), inputs, 3) < 1e-2
     with refused(ReasonCode.SPLIT_ROUTING_CONSTANT_SHARED, node="arange"):
         _split_error(between_sites(True), inputs, 3)
+
+
+@pytest.mark.parametrize("target,args,kwargs,length", [
+    (aten.arange.default, (6,), {}, 6),
+    (aten.arange.default, (), {"end": 6}, 6),
+    (aten.arange.start_step, (0, 6), {}, 6),
+    (aten.arange.start_step, (), {"start": 0, "end": 6, "step": 1}, 6),
+    (aten.arange.start_step, (0,), {"end": 6, "step": 2}, None),  # every other position: not arange(n)
+    (aten.arange.start_step, (1, 6), {}, None),
+    (torch.ops.prims.iota.default, (6,), {"start": 0, "step": 1, "dtype": torch.int64, "device": "cpu",
+                                          "requires_grad": False}, 6),
+], ids=["arange", "arange_keyword", "start_step", "start_step_keywords", "step_2", "start_1", "iota"])
+def test_an_arange_length_is_read_by_schema_name(target, args, kwargs, length):
+    """``routing._arange_length`` (the routing block's ``arange(P)``) reads start, end and step by
+    their schema names: given by keyword they count as given by position (a positional read failed
+    on a keyword ``end``)."""
+    from torch.fx import Graph
+
+    from weavepass.compile.strategies.split.routing import _arange_length
+
+    graph = Graph()
+    assert _arange_length(graph.call_function(target, args, kwargs)) == length
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["fused_async", "push_async"])
+def test_sites_called_with_keywords_become_async_ops_by_schema_name(push):
+    """Fused ops whose arguments are keywords become the async ops (``num_ctas``, the push's
+    ``slot``) with the same arguments by name, positional as the rewrite writes them; the split
+    graph equals the function (fp32, a group of one rank). Appended by position, ``num_ctas`` took
+    the residual's place and the call got the residual twice."""
+    from weavepass.ops import FUSED_ALLREDUCE_RMSNORM_ASYNC, FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
+    from weavepass.testing.distributed import fake_process_group
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 8, 16, generator=g), torch.randn(1, 8, 16, generator=g), torch.rand(16) + 0.5,
+              torch.randn(16, 16, generator=g) / 4]
+    config = WeaveConfig(split="force", split_comm="push" if push else "fused", split_comm_ctas=6)
+    with fake_process_group(1), torch.no_grad():
+        gm = _trace(lambda p, r, n, w: _two_sites(p, r, n, w, w.t()), *inputs)
+        sites = _sites(gm)
+        for site in sites:
+            names = [a.name for a in site.target._schema.arguments]
+            site.args, site.kwargs = site.args[:1], dict(zip(names[1:], site.args[1:]))
+        _split_at(gm, 4, config, push)
+        target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC if push else FUSED_ALLREDUCE_RMSNORM_ASYNC
+        calls = [n for n in gm.graph.nodes if n.target is target]
+        assert len(calls) == 4 and not any(n.kwargs for n in calls)  # two sites, two halves
+        for i, call in enumerate(calls):
+            given = arguments(call)
+            assert (given["eps"], given["lowering"], given["num_ctas"]) == (1e-6, "portable", 6)
+            assert given["residual"] is not None and given["weight"] is not None
+            if push:
+                assert given["slot"] == i % 2  # half A's calls slot 0, half B's slot 1
+        want = _two_sites(*inputs[:3], inputs[3], inputs[3].t())
+        for w, got in zip(want, gm(*inputs), strict=True):
+            assert (w - got).abs().max().item() < 1e-5

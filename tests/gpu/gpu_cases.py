@@ -158,3 +158,32 @@ def check_replays_match_eager(compiled, model, cfg, tokens: int, calls: int, dev
             errors.append((seed, round((got.float() - want.float()).abs().max().item(), 4), close))
     assert all(close for _, _, close in errors), f"(call, max abs error, within tolerance): {errors}"
     return max(err for _, err, _ in errors)
+
+
+def replays_on_new_inputs(compiled, model, cfg, device, seeds: tuple[int, ...], tokens: int = 384) -> float:
+    """Capture one call of ``compiled`` in a ``torch.cuda.CUDAGraph`` (after three calls on a side
+    stream: compile and warm up outside the capture) and replay it once per seed on new ids copied
+    into the captured input, each replay against eager ``model`` on those ids, bf16 tolerance
+    atol 0.1 / rtol 0.05 (as ``check_replays_match_eager``). Several seeds: the kernels' sequence
+    numbers advance on the device between replays. Returns the worst max abs error."""
+    ids = random_token_ids(cfg, 1, tokens, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            compiled(ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = compiled(ids)
+    worst = 0.0
+    for seed in seeds:
+        new_ids = random_token_ids(cfg, 1, tokens, seed=seed, device=device)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            expected = model(new_ids)
+        torch.testing.assert_close(captured, expected, atol=0.1, rtol=0.05, msg=lambda e, s=seed: f"seed {s}: {e}")
+        worst = max(worst, (captured.float() - expected.float()).abs().max().item())
+    return worst

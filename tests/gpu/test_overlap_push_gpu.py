@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_cases import Case, check_replays_match_eager, gpu_world, needs_gpus, shared_ranks  # tests/gpu/gpu_cases.py
+from gpu_cases import (  # tests/gpu/gpu_cases.py
+    Case,
+    check_replays_match_eager,
+    gpu_world,
+    needs_gpus,
+    replays_on_new_inputs,
+    shared_ranks,
+)
 from test_overlap_gpu import CFG, LAYOUTS, _no_multicast  # noqa: E402  (tests/gpu is on sys.path)
 
 from weavepass import WeaveConfig
@@ -75,27 +82,7 @@ def _push_cuda_graph(rank, world):
     device = rank_device(rank)
     model = build_tp_model(CFG, rank, world, dist.group.WORLD, device=device, dtype=torch.bfloat16)
     compiled = torch.compile(model, backend=WeaveBackend(PUSH))
-    ids = random_token_ids(CFG, 1, 384, device=device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(3):
-            compiled(ids)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        captured = compiled(ids)
-    worst = 0.0
-    for seed in (7, 8, 9):  # several replays: the kernels' sequence numbers advance on the device
-        new_ids = random_token_ids(CFG, 1, 384, seed=seed, device=device)
-        ids.copy_(new_ids)
-        graph.replay()
-        torch.cuda.synchronize()
-        with torch.no_grad():
-            expected = model(new_ids)
-        torch.testing.assert_close(captured, expected, atol=0.1, rtol=0.05)
-        worst = max(worst, (captured.float() - expected.float()).abs().max().item())
-    return worst
+    return replays_on_new_inputs(compiled, model, CFG, device, seeds=(7, 8, 9))
 
 
 def test_push_variant_captures_and_replays_in_cuda_graph(case_result):

@@ -4,7 +4,8 @@
 or keyword, the schema's defaults filled in (code reads ``arguments(node)["group_name"]``, never
 ``node.args[4]``, which holds only for one op's schema: the LayerNorm op has a bias after the
 weight). ``arg(node, index)`` reads the argument at a schema position through it, so a keyword
-argument is found where a positional one would be.
+argument is found where a positional one would be. ``set_argument(node, name, value)`` (and
+``with_argument``, which returns the new ``(args, kwargs)``) writes one the same way.
 
 torch types every ``node.args`` / ``node.kwargs`` entry as ``Argument``, a union of all a graph can
 hold (nodes, numbers, lists, dtypes, ...). A matcher knows more: it has checked the op, so argument
@@ -58,6 +59,28 @@ def arguments(node: Node) -> dict[str, Argument]:
         if argument.name not in given and argument.has_default_value():
             given[argument.name] = argument.default_value
     return given
+
+
+def with_argument(node: Node, name: str, value: Argument) -> tuple[tuple[Argument, ...], dict[str, Argument]]:
+    """``node``'s ``(args, kwargs)`` with its op's argument ``name`` (by the schema) set to
+    ``value``: where the call gives it, positional or keyword, it is replaced there; a schema default
+    the call left out is given by keyword. ``node`` is not changed (``set_argument`` changes it)."""
+    schema = _schema(node)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if name not in names:
+        raise unexpected(node, f"argument {name!r}", None, f"an argument of {node.target}'s schema")
+    index = names.index(name)
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if index < len(args):
+        args[index] = value
+    else:
+        kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def set_argument(node: Node, name: str, value: Argument) -> None:
+    """Set ``node``'s argument ``name`` (by its op's schema) to ``value`` (``with_argument``)."""
+    node.args, node.kwargs = with_argument(node, name, value)
 
 
 def arg(node: Node, index: int, name: str | None = None, default: Argument = None) -> Argument:

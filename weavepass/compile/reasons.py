@@ -10,16 +10,15 @@ that gave up (``Reason.codes()`` lists the chain, outermost first).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeGuard, cast
+from typing import TypeGuard, cast
 
 from weavepass.config import StrEnum
-from weavepass.runtime import QUANT_ISSUE_TEXT, QuantIssue
+from weavepass.runtime import QuantIssue
 from weavepass.runtime.cuda.quant_epilogue import QuantFormIssue
-from weavepass.runtime.cuda.support import ISSUE_TEXT as CUDA_ISSUE_TEXT
 from weavepass.runtime.cuda.support import CudaIssue
-from weavepass.runtime.issue import ISSUE_TEXT
+from weavepass.runtime.issue import ISSUE_TEXT, Unsupported
 from weavepass.runtime.npu import NpuIssue
 from weavepass.runtime.symm_mem_matmul import SymmMemIssue
 
@@ -119,7 +118,7 @@ class ReasonCode(enum.Enum):
     stores the peers' rows into their workspaces, the reduce-scatter's transfer; no copy pass)."""
     # What the CUDA lowering cannot serve (the ``cause`` of ``CUDA_UNSUPPORTED``/``PORTABLE_FALLBACK``,
     # and of the split's push note): ``runtime.cuda.support.CudaIssue``, the same values; the
-    # sentences are the runtime's (``support.ISSUE_TEXT``), which it also warns with at run time.
+    # sentences are the runtime's (``support.CUDA_ISSUE_TEXT``), which it also warns with at run time.
     CUDA_NOT_ON_CUDA = "cuda_not_on_cuda"
     CUDA_DTYPE = "cuda_dtype"
     CUDA_OUT_DTYPE = "cuda_out_dtype"
@@ -960,12 +959,9 @@ def _runtime_words(code: ReasonCode) -> Message:
     return render
 
 
-RUNTIME_ISSUE_TEXTS: dict[str, str] = {
-    **{issue.value: text for issue, text in CUDA_ISSUE_TEXT.items()},
-    **{issue.value: text for issue, text in QUANT_ISSUE_TEXT.items()},
-    **ISSUE_TEXT,  # runtime.npu's, runtime.symm_mem_matmul's, runtime.cuda.quant_epilogue's
-}
-"""The runtime's sentence of each issue, by the issue's value."""
+RUNTIME_ISSUE_TEXTS: Mapping[str, str] = ISSUE_TEXT
+"""The runtime's sentence of each issue, by the issue's value: the runtime's one registry
+(``runtime.issue.ISSUE_TEXT``), which every module of ``RUNTIME_ISSUE_ENUMS`` registers its table in."""
 
 RUNTIME_ISSUE_ENUMS: tuple[type[StrEnum], ...] = (CudaIssue, QuantIssue, NpuIssue, SymmMemIssue, QuantFormIssue)
 """The runtime's why-not enums: each member is reported as the ``ReasonCode`` of the same value,
@@ -985,18 +981,7 @@ RUNTIME_ISSUES = _runtime_codes(*RUNTIME_ISSUE_ENUMS)
 MESSAGES.update({code: _runtime_words(code) for code in RUNTIME_ISSUES})
 
 
-class RuntimeIssue(Protocol):
-    """A runtime check's answer: ``runtime.issue.Unsupported``, ``runtime.cuda.support.CudaUnsupported``
-    or ``runtime.QuantUnsupported``."""
-
-    @property
-    def issue(self) -> StrEnum: ...
-
-    @property
-    def fields(self) -> Fields: ...
-
-
-def runtime_issue_reason(issue: RuntimeIssue) -> Reason:
+def runtime_issue_reason(issue: Unsupported) -> Reason:
     """A runtime check's answer as the ``Reason`` of the same code (``RUNTIME_ISSUES``), with its
     fields; a field that is itself a runtime issue (a ``cause``) becomes its ``Reason`` too."""
     fields = tuple((key, runtime_issue_reason(value) if _is_runtime_issue(value) else value)
@@ -1004,5 +989,5 @@ def runtime_issue_reason(issue: RuntimeIssue) -> Reason:
     return Reason(ReasonCode(issue.issue.value), fields)
 
 
-def _is_runtime_issue(value: object) -> TypeGuard[RuntimeIssue]:
-    return isinstance(getattr(value, "issue", None), RUNTIME_ISSUE_ENUMS) and hasattr(value, "fields")
+def _is_runtime_issue(value: object) -> TypeGuard[Unsupported]:
+    return isinstance(value, Unsupported) and isinstance(value.issue, RUNTIME_ISSUE_ENUMS)

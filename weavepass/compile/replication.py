@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from weavepass.compile.fx_args import arguments, as_optional_node, as_str
+from weavepass.compile.fx_args import arguments, as_optional_node, as_str, set_argument
 from weavepass.ops import CHECK_REPLICATED
 
 
@@ -23,22 +23,20 @@ def insert_checks(graph: torch.fx.Graph, fused: dict[str, torch.fx.Node]) -> int
         bias = as_optional_node(args.get("bias"), node, "bias")  # the LayerNorm op's
         group_name = as_str(args["group_name"], node, "group_name")
         if residual is not None:
-            target_index, x = 1, residual
+            checked_arg, x = "residual", residual
         elif weight is not None:
-            target_index, x = 2, weight
+            checked_arg, x = "weight", weight
         elif bias is not None:  # no residual and no weight: nothing assumed replicated but a bias
-            target_index, x = 3, bias
+            checked_arg, x = "bias", bias
         else:
             continue
-        other = weight if target_index == 1 else None
-        name = {1: "residual", 2: "norm weight", 3: "norm bias"}[target_index]
+        other = weight if checked_arg == "residual" else None
+        name = {"residual": "residual", "weight": "norm weight", "bias": "norm bias"}[checked_arg]
         with graph.inserting_before(node):
             check = graph.call_function(
-                CHECK_REPLICATED, (x, other, name, site, group_name, bias if target_index != 3 else None),
+                CHECK_REPLICATED, (x, other, name, site, group_name, bias if checked_arg != "bias" else None),
             )
         check.meta["val"] = torch.empty_like(x.meta["val"])
-        new_args = list(node.args)
-        new_args[target_index] = check
-        node.args = tuple(new_args)
+        set_argument(node, checked_arg, check)
         checked += 1
     return checked

@@ -12,13 +12,13 @@ the support checks (``weavepass.runtime.cuda.support``).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 
 from weavepass.config import Lowering, StrEnum
-from weavepass.runtime.portable import fused_allreduce_rmsnorm_portable
+from weavepass.runtime.issue import Unsupported, register
 
 
 class FusedLowering(Protocol):
@@ -49,37 +49,70 @@ class FusedLowering(Protocol):
     ) -> tuple[torch.Tensor, ...]: ...
 
 
-# name -> "module:function"; modules that need triton or torch_npu are imported on first use only.
-_LAZY_LOWERINGS: dict[str, str] = {
-    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_cuda",
+_KERNELS: dict[tuple[str, str], str] = {
+    ("fused_allreduce_rmsnorm", Lowering.PORTABLE): "weavepass.runtime.portable:fused_allreduce_rmsnorm_portable",
+    ("fused_allreduce_rmsnorm", Lowering.CUDA_SYMM): "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_cuda",
+    ("fused_allreduce_layernorm", Lowering.PORTABLE):
+        "weavepass.runtime.portable:fused_allreduce_layernorm_portable",
+    ("fused_allreduce_layernorm", Lowering.CUDA_SYMM):
+        "weavepass.runtime.cuda.dispatch:fused_allreduce_layernorm_cuda",
+    ("fused_allreduce_rmsnorm_quant", Lowering.PORTABLE):
+        "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
+    ("fused_allreduce_rmsnorm_quant", Lowering.CUDA_SYMM):
+        "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_quant_cuda",
+    ("matmul_reduce_scatter_rmsnorm", Lowering.PORTABLE):
+        "weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_portable",
+    ("matmul_reduce_scatter_rmsnorm", Lowering.CUDA_SYMM):
+        "weavepass.runtime.cuda.matmul:matmul_reduce_scatter_rmsnorm_cuda",
+    ("matmul_reduce_scatter_rmsnorm_shard", Lowering.PORTABLE):
+        "weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_shard_portable",
+    ("matmul_reduce_scatter_rmsnorm_shard", Lowering.CUDA_SYMM):
+        "weavepass.runtime.cuda.matmul:matmul_reduce_scatter_rmsnorm_shard_cuda",
+    ("all_gather_matmul", Lowering.PORTABLE): "weavepass.runtime.portable:all_gather_matmul_portable",
+    ("all_gather_matmul", Lowering.CUDA_SYMM): "weavepass.runtime.cuda.gather_op:all_gather_matmul_cuda",
 }
-_LOWERINGS: dict[str, FusedLowering] = {Lowering.PORTABLE: fused_allreduce_rmsnorm_portable}
+"""``(op, lowering)`` -> the lowering's kernel of ``weave.<op>``, ``"module:function"``; modules
+that need triton or torch_npu are imported on first use only. Every kernel takes the op's arguments
+up to ``lowering`` (exclusive) positionally and ``max_workspace_tokens`` (the op call's
+``workspace_tokens``) as a keyword; a kernel without a preallocated workspace ignores it."""
+_LOADED: dict[tuple[str, str], Callable[..., Any]] = {}
 
-_LAYER_NORM_LOWERINGS: dict[str, str] = {
-    Lowering.PORTABLE: "weavepass.runtime.portable:fused_allreduce_layernorm_portable",
-    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_layernorm_cuda",
-}
-LAYER_NORM_LOWERINGS = tuple(_LAYER_NORM_LOWERINGS)
-"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``): every one."""
-assert set(_LAZY_LOWERINGS) | set(_LOWERINGS) == set(Lowering) == set(_LAYER_NORM_LOWERINGS)
+
+def carrying(op: str) -> tuple[str, ...]:
+    """The lowerings with a kernel of ``weave.<op>``."""
+    return tuple(lowering for (name, lowering) in _KERNELS if name == op)
+
+
+def _kernel(op: str, lowering: str) -> Callable[..., Any]:
+    """The kernel of ``weave.<op>`` by the lowering named ``lowering`` (imported on first use). Op
+    kernels call this once per op call: a known pair costs one dict lookup."""
+    key = (op, lowering)
+    run = _LOADED.get(key)
+    if run is not None:
+        return run
+    path = _KERNELS.get(key)
+    if path is None:
+        if lowering not in set(Lowering):
+            raise ValueError(f"unknown weave lowering {lowering!r}; known lowerings: {lowering_names()}")
+        raise ValueError(f"weave lowering {lowering!r} does not carry weave.{op}; it needs one of "
+                         f"{[str(n) for n in carrying(op)]}")
+    module_name, attr = path.split(":")
+    run = _LOADED[key] = getattr(importlib.import_module(module_name), attr)
+    return run
 
 
 def get_lowering(name: str) -> FusedLowering:
-    """The implementation registered under ``name`` (importing it on first use). The fused ops'
-    kernels call this once per op call: a known name costs one dict lookup."""
-    run = _LOWERINGS.get(name)
-    if run is not None:
-        return run
-    if name not in _LAZY_LOWERINGS:
-        known = sorted(str(n) for n in [*_LOWERINGS, *_LAZY_LOWERINGS])
-        raise ValueError(f"unknown weave lowering {name!r}; known lowerings: {known}")
-    module_name, attr = _LAZY_LOWERINGS[name].split(":")
-    _LOWERINGS[name] = getattr(importlib.import_module(module_name), attr)
-    return _LOWERINGS[name]
+    """The ``FusedLowering`` (the kernel of ``weave.fused_allreduce_rmsnorm``) registered under ``name``."""
+    return cast(FusedLowering, _kernel("fused_allreduce_rmsnorm", name))
 
 
 def lowering_names() -> list[str]:
-    return sorted(str(n) for n in {*_LOWERINGS, *_LAZY_LOWERINGS})
+    return sorted(str(n) for n in Lowering)
+
+
+LAYER_NORM_LOWERINGS = carrying("fused_allreduce_layernorm")
+"""Lowerings that carry a LayerNorm (``weave.fused_allreduce_layernorm``): every one."""
+assert set(carrying("fused_allreduce_rmsnorm")) == set(Lowering) == set(LAYER_NORM_LOWERINGS)
 
 
 def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtype, lowering,
@@ -87,15 +120,15 @@ def fused_allreduce_rmsnorm(partial, residual, weight, eps, group_name, out_dtyp
     """The kernel of ``weave.fused_allreduce_rmsnorm`` (schema and fake: ``weavepass.ops``): runs
     the ``FusedLowering`` named ``lowering``. Compiled graphs call it directly, once per site and
     forward pass (``weavepass.compile.direct_calls``)."""
-    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
-                                  max_workspace_tokens=workspace_tokens)
+    return _kernel("fused_allreduce_rmsnorm", lowering)(partial, residual, weight, eps, group_name, out_dtype,
+                                                         max_workspace_tokens=workspace_tokens)
 
 
 def fused_allreduce_rmsnorm_train(partial, residual, weight, eps, group_name, out_dtype, lowering,
                                   workspace_tokens):
     """The kernel of ``weave.fused_allreduce_rmsnorm_train``: ``(normed, residual_out, inv_rms)``."""
-    return get_lowering(lowering)(partial, residual, weight, eps, group_name, out_dtype,
-                                  max_workspace_tokens=workspace_tokens, return_inv_rms=True)
+    return _kernel("fused_allreduce_rmsnorm", lowering)(partial, residual, weight, eps, group_name, out_dtype,
+                                                         max_workspace_tokens=workspace_tokens, return_inv_rms=True)
 
 
 def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, out_dtype, lowering,
@@ -103,32 +136,21 @@ def fused_allreduce_layernorm(partial, residual, weight, bias, eps, group_name, 
     """The kernel of ``weave.fused_allreduce_layernorm``: ``(normed, residual_out)`` with a
     LayerNorm (``weavepass.runtime.reference.add_layernorm_local``) by the lowering named ``lowering``.
     ``overrides`` go to a lowering with a workspace (the async op's ``num_ctas``)."""
-    if lowering not in _LAYER_NORM_LOWERINGS:
-        raise ValueError(f"weave lowering {lowering!r} does not carry LayerNorm; LayerNorm sites "
-                         f"need one of {[str(n) for n in LAYER_NORM_LOWERINGS]}")
-    module_name, attr = _LAYER_NORM_LOWERINGS[lowering].split(":")
-    run = getattr(importlib.import_module(module_name), attr)
-    if lowering == Lowering.PORTABLE:  # no workspace
-        return run(partial, residual, weight, bias, eps, group_name, out_dtype)
-    return run(partial, residual, weight, bias, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens,
-               **overrides)
+    return _kernel("fused_allreduce_layernorm", lowering)(partial, residual, weight, bias, eps, group_name,
+                                                           out_dtype, max_workspace_tokens=workspace_tokens,
+                                                           **overrides)
 
 
-_MATMUL_LOWERINGS: dict[str, tuple[str, str]] = {
-    Lowering.PORTABLE: ("weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_portable",
-                        "weavepass.runtime.portable:matmul_reduce_scatter_rmsnorm_shard_portable"),
-    Lowering.CUDA_SYMM: ("weavepass.runtime.cuda.matmul:matmul_reduce_scatter_rmsnorm_cuda",
-                         "weavepass.runtime.cuda.matmul:matmul_reduce_scatter_rmsnorm_shard_cuda"),
-}
-MATMUL_LOWERINGS = tuple(_MATMUL_LOWERINGS)
+MATMUL_LOWERINGS = carrying("matmul_reduce_scatter_rmsnorm")
 """Lowerings that carry ``weave.matmul_reduce_scatter_rmsnorm`` and its sharded form: the portable
 one, and ``cuda_symm`` (``runtime.cuda.matmul``: the scatter-epilogue GEMM and its reduce on a
 symmetric workspace, and for the full stream a push of the owners' rows to every rank)."""
+assert carrying("matmul_reduce_scatter_rmsnorm_shard") == MATMUL_LOWERINGS
 
 
 def matmul_unsupported_reason(lowering: str) -> str | None:
     """Why ``lowering`` cannot run ``weave.matmul_reduce_scatter_rmsnorm`` (and its sharded form), or None."""
-    if lowering in _MATMUL_LOWERINGS:
+    if lowering in MATMUL_LOWERINGS:
         return None
     return "no kernel of the op runs there"
 
@@ -148,41 +170,23 @@ def matmul_measured_speed(lowering: str, tokens: int | None, hidden: int, k: int
     return None if any(s is None for s in speeds) else min(s for s in speeds if s is not None)
 
 
-def _matmul_kernel(lowering: str, shard: bool):
-    cause = matmul_unsupported_reason(lowering)
-    if cause is not None:
-        raise ValueError(f"weave lowering {lowering!r} does not carry the matmul op: {cause}; it needs one "
-                         f"of {[str(n) for n in MATMUL_LOWERINGS]}")
-    module_name, attr = _MATMUL_LOWERINGS[lowering][shard].split(":")
-    return getattr(importlib.import_module(module_name), attr)
-
-
 def matmul_reduce_scatter_rmsnorm(x, mat2, residual, weight, eps, group_name, out_dtype, lowering,
                                   workspace_tokens):
     """The kernel of ``weave.matmul_reduce_scatter_rmsnorm``: ``(normed, residual_out)`` ``[T, H]``
     of ``x @ mat2``'s sum over ranks by the lowering named ``lowering``."""
-    run = _matmul_kernel(lowering, False)
-    if lowering == Lowering.PORTABLE:  # no workspace
-        return run(x, mat2, residual, weight, eps, group_name, out_dtype)
-    return run(x, mat2, residual, weight, eps, group_name, out_dtype, max_workspace_tokens=workspace_tokens)
+    return _kernel("matmul_reduce_scatter_rmsnorm", lowering)(x, mat2, residual, weight, eps, group_name, out_dtype,
+                                                               max_workspace_tokens=workspace_tokens)
 
 
 def matmul_reduce_scatter_rmsnorm_shard(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank,
                                         lowering, workspace_tokens):
     """The kernel of ``weave.matmul_reduce_scatter_rmsnorm_shard``: this rank's ``[rows_per_rank, H]``
     rows of ``(normed, residual_out)`` (FlashComm's sharded stream)."""
-    run = _matmul_kernel(lowering, True)
-    if lowering == Lowering.PORTABLE:
-        return run(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank)
-    return run(x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank,
-               max_workspace_tokens=workspace_tokens)
+    return _kernel("matmul_reduce_scatter_rmsnorm_shard", lowering)(
+        x, mat2, residual, weight, eps, group_name, out_dtype, rows_per_rank, max_workspace_tokens=workspace_tokens)
 
 
-_GATHER_LOWERINGS: dict[str, str] = {
-    Lowering.PORTABLE: "weavepass.runtime.portable:all_gather_matmul_portable",
-    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.gather_op:all_gather_matmul_cuda",
-}
-GATHER_LOWERINGS = tuple(_GATHER_LOWERINGS)
+GATHER_LOWERINGS = carrying("all_gather_matmul")
 """Lowerings that carry ``weave.all_gather_matmul``: the portable one (all_gather + mm) and
 ``cuda_symm`` (``runtime.cuda.gather_op``: the owners' push and the gather GEMM on a symmetric
 workspace)."""
@@ -191,26 +195,16 @@ workspace)."""
 def all_gather_matmul(shard, mat2s, group_name, num_tokens, lowering, workspace_tokens):
     """The kernel of ``weave.all_gather_matmul``: ``[num_tokens, N_i]`` for each ``mat2s[i]``, the
     gathered shards' first ``num_tokens`` rows times it, by the lowering named ``lowering``."""
-    if lowering not in _GATHER_LOWERINGS:
-        raise ValueError(f"weave lowering {lowering!r} does not carry weave.all_gather_matmul; it needs one of "
-                         f"{[str(n) for n in GATHER_LOWERINGS]}")
-    module_name, attr = _GATHER_LOWERINGS[lowering].split(":")
-    run = getattr(importlib.import_module(module_name), attr)
-    if lowering == Lowering.PORTABLE:
-        return run(shard, mat2s, group_name, num_tokens)
-    return run(shard, mat2s, group_name, num_tokens, max_workspace_tokens=workspace_tokens)
+    return _kernel("all_gather_matmul", lowering)(shard, mat2s, group_name, num_tokens,
+                                                  max_workspace_tokens=workspace_tokens)
 
 
-_QUANT_LOWERINGS: dict[str, str] = {
-    Lowering.PORTABLE: "weavepass.runtime.portable:fused_allreduce_rmsnorm_quant_portable",
-    Lowering.CUDA_SYMM: "weavepass.runtime.cuda.dispatch:fused_allreduce_rmsnorm_quant_cuda",
-}
-QUANT_LOWERINGS = tuple(_QUANT_LOWERINGS)
+QUANT_LOWERINGS = carrying("fused_allreduce_rmsnorm_quant")
 """Lowerings that carry a quantized site (``weave.fused_allreduce_rmsnorm_quant``): every one, each
 for the forms it answers for in ``quant_unsupported_reason`` (the CUDA kernel: the forms
 ``runtime.cuda.support.cuda_quant_epilogue`` accepts); for another form the planner keeps the
 quantization outside the fused op and says so."""
-assert set(_QUANT_LOWERINGS) == set(Lowering)
+assert set(QUANT_LOWERINGS) == set(Lowering)
 
 
 CUDA_QUANT_EPILOGUE_VERIFIED = True
@@ -235,7 +229,7 @@ class QuantIssue(StrEnum):
     CUDA_STATIC_SCALE_DTYPE = "quant_cuda_static_scale_dtype"
     CUDA_FORM = "quant_cuda_form"
     """The CUDA kernel has no program for this form (``cause``: ``support.cuda_quant_epilogue``'s
-    ``Unsupported``, a ``cuda.quant_epilogue.QuantFormIssue``)."""
+    ``Unsupported`` of a ``cuda.quant_epilogue.QuantFormIssue``)."""
     CUDA_UNVERIFIED = "quant_cuda_unverified"
     """``CUDA_QUANT_EPILOGUE_VERIFIED`` is False."""
 
@@ -249,46 +243,30 @@ QUANT_ISSUE_TEXT = {
         "is False)"),
 }
 """The sentence of each ``QuantIssue``, formatted with its fields."""
-CUDA_QUANT_EPILOGUE_UNVERIFIED = QUANT_ISSUE_TEXT[QuantIssue.CUDA_UNVERIFIED]
-
-
-@dataclass(frozen=True)
-class QuantUnsupported:
-    """Why a lowering cannot compute a site's quantization: ``issue`` and its detail (``fields``)."""
-
-    issue: QuantIssue
-    fields: tuple[tuple[str, object], ...] = ()
-
-    @classmethod
-    def of(cls, issue: QuantIssue, **fields: object) -> QuantUnsupported:
-        return cls(issue, tuple(fields.items()))
-
-    def __str__(self) -> str:
-        return QUANT_ISSUE_TEXT[self.issue].format(**dict(self.fields))
+register(QUANT_ISSUE_TEXT)
 
 
 def quant_unsupported_reason(lowering: str, static: bool, group_size: int, scale_steps: str, code_steps: str, *,
                              out_dtype: torch.dtype, hidden: int, device: torch.device,
                              static_scale: tuple[torch.dtype, int] | None = None,
-                             return_normed: bool = False) -> QuantUnsupported | None:
+                             return_normed: bool = False) -> Unsupported | None:
     """Why ``lowering`` cannot compute this quantization (``weavepass.runtime.quant``) in its fused
     op, or None. The planner asks here: a lowering with a quantized kernel answers for itself (CUDA:
     the forms ``runtime.cuda.support.cuda_quant_epilogue`` accepts for rows of ``out_dtype`` and
     width ``hidden`` on ``device``; ``static_scale``: the static scale's ``(dtype, ndim)``)."""
-    if lowering not in _QUANT_LOWERINGS:
-        return QuantUnsupported.of(QuantIssue.LOWERING, lowering=str(lowering))
+    if lowering not in QUANT_LOWERINGS:
+        return Unsupported.of(QuantIssue.LOWERING, lowering=str(lowering))
     if lowering == Lowering.CUDA_SYMM:
         from weavepass.runtime.cuda.support import cuda_quant_epilogue
-        from weavepass.runtime.issue import Unsupported
 
         if static and static_scale is None:
-            return QuantUnsupported(QuantIssue.CUDA_STATIC_SCALE_DTYPE)
+            return Unsupported(QuantIssue.CUDA_STATIC_SCALE_DTYPE)
         epilogue = cuda_quant_epilogue(out_dtype, hidden, device, static_scale if static else None, group_size,
                                        scale_steps, code_steps, return_normed)
         if isinstance(epilogue, Unsupported):
-            return QuantUnsupported.of(QuantIssue.CUDA_FORM, cause=epilogue)
+            return Unsupported.of(QuantIssue.CUDA_FORM, cause=epilogue)
         if not CUDA_QUANT_EPILOGUE_VERIFIED:
-            return QuantUnsupported(QuantIssue.CUDA_UNVERIFIED)
+            return Unsupported(QuantIssue.CUDA_UNVERIFIED)
     return None
 
 
@@ -297,13 +275,6 @@ def fused_allreduce_rmsnorm_quant(partial, residual, weight, eps, group_name, ou
                                   workspace_tokens):
     """The kernel of ``weave.fused_allreduce_rmsnorm_quant``: ``(codes, scales, residual_out,
     normed)`` by the lowering named ``lowering`` (``weavepass.runtime.quant``)."""
-    if lowering not in _QUANT_LOWERINGS:
-        raise ValueError(f"weave lowering {lowering!r} does not carry a quantized site; "
-                         f"quantized sites need one of {[str(n) for n in QUANT_LOWERINGS]}")
-    module_name, attr = _QUANT_LOWERINGS[lowering].split(":")
-    run = getattr(importlib.import_module(module_name), attr)
-    args = (partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size, scale_steps,
-            code_steps, return_normed)
-    if lowering == Lowering.PORTABLE:  # no workspace
-        return run(*args)
-    return run(*args, max_workspace_tokens=workspace_tokens)
+    return _kernel("fused_allreduce_rmsnorm_quant", lowering)(
+        partial, residual, weight, eps, group_name, out_dtype, static_scale, group_size, scale_steps, code_steps,
+        return_normed, max_workspace_tokens=workspace_tokens)

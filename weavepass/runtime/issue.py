@@ -1,11 +1,12 @@
 """Why-nots of the runtime's checks, as codes: the runtime cannot import ``weavepass.compile``, so a
 check answers with an ``Unsupported`` (a ``StrEnum`` member of its module and the detail as fields);
-``str()`` renders the sentence from ``ISSUE_TEXT`` (each module registers its table with
-``register``). The compile side reports each as the ``ReasonCode`` of the same value
-(``weavepass.compile.reasons.RUNTIME_ISSUES``, built from the enums ``RUNTIME_ISSUE_ENUMS``),
-rendered from here; ``runtime.cuda.support.CudaUnsupported`` and ``runtime.QuantUnsupported`` are
-the same pattern with their own tables, and a field that is itself one of these (a ``cause``)
-becomes a ``Reason`` too (``reasons.runtime_issue_reason``)."""
+``str()`` renders the sentence from ``ISSUE_TEXT``, the one registry of the runtime's sentences
+(each module registers its table with ``register``: ``runtime.QUANT_ISSUE_TEXT``,
+``runtime.cuda.support.CUDA_ISSUE_TEXT``, ``runtime.cuda.quant_epilogue``'s, ``runtime.npu``'s,
+``runtime.symm_mem_matmul``'s). The compile side reports each as the ``ReasonCode`` of the same
+value (``weavepass.compile.reasons.RUNTIME_ISSUES``, built from the enums ``RUNTIME_ISSUE_ENUMS``),
+rendered from here (``reasons.RUNTIME_ISSUE_TEXTS`` is this registry); a field that is itself an
+``Unsupported`` (a ``cause``) becomes a ``Reason`` too (``reasons.runtime_issue_reason``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ ISSUE_TEXT: dict[str, str] = {}
 def register(texts: Mapping[StrEnum, str]) -> None:
     """Add a module's issue sentences to ``ISSUE_TEXT`` (every member of its enum has one)."""
     for issue, text in texts.items():
-        ISSUE_TEXT[issue.value] = text
+        if ISSUE_TEXT.setdefault(issue.value, text) != text:  # two enums must not share a value
+            raise ValueError(f"issue {issue.value!r} is registered with another sentence")
     members = {member.value for issue in texts for member in type(issue)}
     missing = members - ISSUE_TEXT.keys()
     assert not missing, f"issues without a sentence: {sorted(missing)}"

@@ -104,6 +104,8 @@ def fused_allreduce_layernorm_portable(
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_allreduce_rmsnorm_portable`` with a LayerNorm (``add_layernorm_local``) on the
     rows each rank owns: the kernel of ``weave.fused_allreduce_layernorm``."""
@@ -170,6 +172,8 @@ def matmul_reduce_scatter_rmsnorm_portable(
     eps: float,
     group_name: str,
     out_dtype: torch.dtype,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The portable kernel of ``weave.matmul_reduce_scatter_rmsnorm``: the partial ``x [T, K] @
     mat2 [K, H]`` (``torch.mm``, rounded to ``x.dtype`` as the graph's matmul rounded it), then
@@ -187,6 +191,8 @@ def matmul_reduce_scatter_rmsnorm_shard_portable(
     group_name: str,
     out_dtype: torch.dtype,
     rows_per_rank: int,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The portable kernel of ``weave.matmul_reduce_scatter_rmsnorm_shard`` (FlashComm's sharded
     stream): the partial ``x @ mat2`` as above, its rows zero-padded to ``rows_per_rank x N`` and
@@ -226,6 +232,8 @@ def fused_allreduce_rmsnorm_quant_portable(
     scale_steps: str,
     code_steps: str,
     return_normed: bool,
+    *,
+    max_workspace_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The portable kernel of ``weave.fused_allreduce_rmsnorm_quant``: reduce_scatter -> add +
     RMSNorm on this rank's rows -> their quantization (``weavepass.runtime.quant.quantize_rows``)
@@ -252,11 +260,12 @@ def fused_allreduce_rmsnorm_quant_portable(
 
 
 def all_gather_matmul_portable(shard: torch.Tensor, mat2s: list[torch.Tensor], group_name: str,
-                               num_tokens: int) -> list[torch.Tensor]:
+                               num_tokens: int, *, max_workspace_tokens: int = 0) -> list[torch.Tensor]:
     """The portable kernel of ``weave.all_gather_matmul``: every rank's ``shard`` ``[R, K]`` gathered
     in rank order (one all_gather, in the shard's dtype) into ``[R N, K]``, cut to the first
     ``num_tokens`` rows, then ``rows @ mat2`` (``torch.mm``) for each ``mat2`` ``[K, N_i]``: what
-    FlashComm's portable graph computes with ``all_gather -> slice -> mm``."""
+    FlashComm's portable graph computes with ``all_gather -> slice -> mm``. ``max_workspace_tokens`` is
+    ignored (no workspace)."""
     group = resolve_group(group_name)
     rows = shard.reshape(shard.shape[0], -1).contiguous()
     gathered = rows.new_empty((rows.shape[0] * group.size(), rows.shape[1]))

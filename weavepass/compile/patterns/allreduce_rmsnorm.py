@@ -840,12 +840,13 @@ def _is_expert_sum(node: Node) -> bool:
     sums its routed experts' rows ``[E, T, H] -> [T, H]`` after their all_reduce. It is linear, so
     it moves onto the partial (``_replay``): ``all_reduce(p).view(E, T, H).sum(0) ==
     all_reduce(p.view(E, T, H).sum(0))``, each rank summing its experts before the collective."""
-    if not is_target(node, {aten.sum.dim_IntList}) or node.kwargs or len(node.args) > 3:
+    if not is_target(node, {aten.sum.dim_IntList}) or not node.args:  # (the chain reads its input at 0)
         return False
+    given = arguments(node)  # by name: dim, keepdim and dtype may be keywords
     src, out = val(node.args[0]), val(node)
-    if src is None or out is None or (len(node.args) == 3 and node.args[2]):
+    if src is None or out is None or given["keepdim"] or given["dtype"] is not None:
         return False
-    dims = node.args[1] if len(node.args) > 1 else None
+    dims = given["dim"]
     return (isinstance(dims, (list, tuple)) and bool(dims)
             and all(isinstance(d, int) and d % src.dim() != src.dim() - 1 for d in dims)
             and out.shape[-1] == src.shape[-1])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.fx_args import arg_node, tensor, unexpected
+from weavepass.compile.fx_args import arg_node, arguments, tensor
 from weavepass.compile.patterns.rmsnorm import CONVERTS, RMS_NORM, _convert_dtype, is_target, val
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.runtime.quant import encode_steps
@@ -186,6 +186,24 @@ def _op_name(node: Node) -> str:
     return str(getattr(node.target, "_opname", None) or getattr(node.target, "__name__", node.target))
 
 
+def _cast_or_bound(n: Node) -> tuple[str, object] | None:
+    """The step at ``n`` if it is a cast (``convert``) or a clamp to one constant bound
+    (``clamp_min`` / ``clamp_max``, the bound read by name), which both walks read alike; else None."""
+    dtype = _convert_dtype(n) if is_target(n, CONVERTS) else None
+    if dtype is not None:
+        return "convert", dtype
+    if is_target(n, {aten.clamp_min.default, aten.clamp_max.default}):
+        bound = arguments(n)["min" if n.target is aten.clamp_min.default else "max"]
+        return (_op_name(n), bound) if _scalar(bound) else None
+    return None
+
+
+def _clamp_bounds(n: Node) -> tuple[object, object]:
+    """``(min, max)`` of a ``clamp`` call, by name (either may be None or left out)."""
+    given = arguments(n)
+    return given["min"], given["max"]
+
+
 def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list[tuple[str, object]], Node, Node, list[Node]]:
     """From the cast to the code dtype back to a start: ``(steps, start, scale, nodes)``."""
     steps: list[tuple[str, object]] = [("convert", tensor(codes).dtype)]
@@ -193,13 +211,11 @@ def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list[tuple[str, object]
     n = arg_node(codes, 0)
     while n not in starts:
         nodes.append(n)
-        dtype = _convert_dtype(n) if is_target(n, CONVERTS) else None
-        if dtype is not None:
-            steps.append(("convert", dtype))
-        elif is_target(n, {aten.clamp_min.default, aten.clamp_max.default}) and _scalar(n.args[1]):
-            steps.append((_op_name(n), n.args[1]))
-        elif is_target(n, {aten.clamp.default}) and all(_scalar(a) or a is None for a in n.args[1:3]):
-            lo, hi = (list(n.args[1:3]) + [None])[:2]
+        step = _cast_or_bound(n)
+        if step is not None:
+            steps.append(step)
+        elif is_target(n, {aten.clamp.default}) and all(_scalar(b) or b is None for b in _clamp_bounds(n)):
+            lo, hi = _clamp_bounds(n)
             steps += [s for s in (("clamp_max", hi), ("clamp_min", lo)) if s[1] is not None]
         elif is_target(n, {aten.round.default}):
             steps.append(("round", None))
@@ -232,11 +248,9 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list[tuple[str, object]], lis
     n = scale
     while n is not start:
         nodes.append(n)
-        dtype = _convert_dtype(n) if is_target(n, CONVERTS) else None
-        if dtype is not None:
-            steps.append(("convert", dtype))
-        elif is_target(n, {aten.clamp_min.default, aten.clamp_max.default}) and _scalar(n.args[1]):
-            steps.append((_op_name(n), n.args[1]))
+        step = _cast_or_bound(n)
+        if step is not None:
+            steps.append(step)
         elif is_target(n, {aten.div.Tensor}) and _scalar(n.args[1]):
             steps.append(("div", n.args[1]))
         elif is_target(n, {aten.mul.Tensor}) and _scalar(n.args[1]):
@@ -244,8 +258,9 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list[tuple[str, object]], lis
         elif is_target(n, {aten.abs.default}):
             steps.append(("abs", None))
         elif is_target(n, {aten.amax.default}):
-            dims = list(n.args[1]) if len(n.args) > 1 and isinstance(n.args[1], (list, tuple)) else []
-            keep = bool(n.args[2]) if len(n.args) > 2 else False
+            given = arguments(n)  # by name: dim and keepdim may be keywords
+            dims = list(given["dim"]) if isinstance(given["dim"], (list, tuple)) else []
+            keep = bool(given["keepdim"])
             ndim = tensor(arg_node(n, 0)).ndim
             if dims not in ([-1], [ndim - 1]) or not keep:
                 global_amax = True
@@ -263,17 +278,6 @@ def _source(node: Node, reads: Collection[object]) -> Node:
     while is_target(node, reads):
         node = arg_node(node, 0)
     return node
-
-
-def _arg(node: Node, name: str) -> object:
-    """Argument ``name`` of an OpOverload call, by schema name (positional or keyword)."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        raise unexpected(node, "target", target, "an OpOverload")
-    for i, argument in enumerate(target._schema.arguments):
-        if argument.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name, argument.default_value)
-    raise KeyError(name)
 
 
 def _terminal_readers(node: Node, reads: Collection[object]) -> list[tuple[Node, Node]]:
@@ -300,8 +304,8 @@ def _check_consumers(codes: Node, scale: Node) -> list[Node] | Reason:
 
     for user, operand in _terminal_readers(codes, CODE_READS):
         if is_target(user, SCALED_MMS):
-            which = "scale_a" if _arg(user, "self") is operand else "scale_b"
-            factor = _arg(user, which)
+            given = arguments(user)
+            factor = given["scale_a" if given["self"] is operand else "scale_b"]
             if not isinstance(factor, Node) or _source(factor, SCALE_READS) is not scale:
                 return Reason.of(ReasonCode.QUANT_SCALE_MISMATCH, reader=user.name, op=_op_name(user),
                                  factor=getattr(factor, "name", factor), scale=scale.name)

@@ -26,7 +26,7 @@ from weavepass.runtime.cuda import launcher, quant_epilogue
 from weavepass.runtime.cuda.launch_plan import MAX_CTAS, LaunchOverrides, choose_launch_plan
 from weavepass.runtime.cuda.launcher import DirectLauncher
 from weavepass.runtime.cuda.quant_epilogue import QuantEpilogue, QuantFormIssue, kernel_quant
-from weavepass.runtime.cuda.support import CudaIssue, CudaUnsupported, cuda_quant_epilogue, cuda_unsupported_reason
+from weavepass.runtime.cuda.support import CudaIssue, cuda_quant_epilogue, cuda_unsupported_reason
 from weavepass.runtime.cuda.workspace import (
     DEFAULT_WORKSPACE_TOKENS,
     constant_vector,
@@ -275,9 +275,9 @@ def _prepare(
     if reason is None and layer_norm and bias is not None and (
         bias.shape != (hidden,) or bias.device != partial.device
     ):
-        reason = CudaUnsupported(CudaIssue.BIAS_MISMATCH)
+        reason = Unsupported(CudaIssue.BIAS_MISMATCH)
     if reason is None and isinstance(quant, Unsupported):
-        reason = CudaUnsupported.of(CudaIssue.QUANT_FORM, cause=quant)
+        reason = Unsupported.of(CudaIssue.QUANT_FORM, cause=quant)
     if reason is not None:
         _warn_once(str(reason), f"weave cuda_symm lowering falls back to portable: {reason}")
         return Lowering.PORTABLE

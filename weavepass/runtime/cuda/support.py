@@ -2,20 +2,19 @@
 (``cuda_site_unsupported_reason``) and the dispatcher repeats on a call's tensors. Asking writes
 nothing: the capacity a call may use travels in the op call (``workspace_tokens``).
 
-A check that fails returns a ``CudaUnsupported``: a ``CudaIssue`` code and its detail as fields; code
-branches on the code, and ``str()`` renders the sentence (``ISSUE_TEXT``, the one place of these
-words). The compile side reports each code as the ``ReasonCode`` of the same value
-(``weavepass.compile.reasons``), rendered from here."""
+A check that fails returns a ``runtime.issue.Unsupported``: a ``CudaIssue`` code and its detail as
+fields; code branches on the code, and ``str()`` renders the sentence (``CUDA_ISSUE_TEXT``, the one
+place of these words, registered in ``runtime.issue``). The compile side reports each code as the
+``ReasonCode`` of the same value (``weavepass.compile.reasons``), rendered from here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from weavepass.config import StrEnum
-from weavepass.runtime.issue import Unsupported
+from weavepass.runtime.issue import Unsupported, register
 from weavepass.runtime.portable import resolve_group
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ class CudaIssue(StrEnum):
     PUSH_WORLD_SIZE = "push_world_size"
 
 
-ISSUE_TEXT = {
+CUDA_ISSUE_TEXT = {
     CudaIssue.NOT_ON_CUDA: "tensors are on {device}, not CUDA",
     CudaIssue.DTYPE: "dtype {dtype} is not bf16, fp16 or fp32",
     CudaIssue.OUT_DTYPE: "the norm's output dtype {dtype} is not bf16, fp16 or fp32",
@@ -68,73 +67,59 @@ ISSUE_TEXT = {
         "(N-1) S = {peers} S bytes per rank, where two-shot moves 2 (N-1)/N S = {two_shot:.2f} S"),
 }
 """The sentence of each ``CudaIssue``, formatted with its fields."""
-
-
-@dataclass(frozen=True)
-class CudaUnsupported:
-    """Why the CUDA lowering cannot serve a site or call: ``issue`` and its detail (``fields``)."""
-
-    issue: CudaIssue
-    fields: tuple[tuple[str, object], ...] = ()
-
-    @classmethod
-    def of(cls, issue: CudaIssue, **fields: object) -> CudaUnsupported:
-        return cls(issue, tuple(fields.items()))
-
-    def __str__(self) -> str:
-        return ISSUE_TEXT[self.issue].format(**dict(self.fields))
+register(CUDA_ISSUE_TEXT)
 
 
 def cuda_site_unsupported_reason(
     dtype: torch.dtype, hidden: int, device: torch.device, group_name: str, out_dtype: torch.dtype | None = None
-) -> CudaUnsupported | None:
+) -> Unsupported | None:
     """Why the CUDA lowering cannot serve sites of this kind (compile-time form), or None.
     ``out_dtype``: the normed output's dtype (the input's when None)."""
     if torch.device(device).type != "cuda":
-        return CudaUnsupported.of(CudaIssue.NOT_ON_CUDA, device=torch.device(device).type)
+        return Unsupported.of(CudaIssue.NOT_ON_CUDA, device=torch.device(device).type)
     if dtype not in SUPPORTED_DTYPES:
-        return CudaUnsupported.of(CudaIssue.DTYPE, dtype=dtype)
+        return Unsupported.of(CudaIssue.DTYPE, dtype=dtype)
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-        return CudaUnsupported.of(CudaIssue.OUT_DTYPE, dtype=out_dtype)
+        return Unsupported.of(CudaIssue.OUT_DTYPE, dtype=out_dtype)
     if hidden <= 0 or hidden % 8 != 0:
-        return CudaUnsupported.of(CudaIssue.HIDDEN_NOT_MULTIPLE, hidden=hidden)
+        return Unsupported.of(CudaIssue.HIDDEN_NOT_MULTIPLE, hidden=hidden)
     if hidden > MAX_HIDDEN:
-        return CudaUnsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=hidden, max_hidden=MAX_HIDDEN)
+        return Unsupported.of(CudaIssue.HIDDEN_TOO_LARGE, hidden=hidden, max_hidden=MAX_HIDDEN)
     try:
         import triton  # noqa: F401
     except ImportError:
-        return CudaUnsupported(CudaIssue.NO_TRITON)
+        return Unsupported(CudaIssue.NO_TRITON)
     try:
         world = resolve_group(group_name).size()
     except Exception as exc:  # an unknown group name is a reason, not a crash
-        return CudaUnsupported.of(CudaIssue.GROUP_UNRESOLVED, group=group_name, error=str(exc))
+        return Unsupported.of(CudaIssue.GROUP_UNRESOLVED, group=group_name, error=str(exc))
     # A group of one runs the same code with no peers (add + RMSNorm only): one GPU can then test
     # the launch path and measure its host cost. The plan leaves such groups alone by default
     # (WeaveConfig.min_world_size).
     if not 1 <= world <= MAX_WORLD:
-        return CudaUnsupported.of(CudaIssue.WORLD_SIZE, world=world, max_world=MAX_WORLD)
+        return Unsupported.of(CudaIssue.WORLD_SIZE, world=world, max_world=MAX_WORLD)
     return None
 
 
 def cuda_unsupported_reason(
     partial, residual, weight, group_name: str, out_dtype: torch.dtype | None = None
-) -> CudaUnsupported | None:
+) -> Unsupported | None:
     """Why the CUDA lowering cannot serve this call (run-time form, on the call's tensors), or None.
     Batch size is not checked here: a batch larger than the workspace falls back to portable."""
     hidden = partial.shape[-1] if partial.dim() else 0
     if residual is not None and (residual.shape != partial.shape or residual.device != partial.device):
-        return CudaUnsupported(CudaIssue.RESIDUAL_MISMATCH)
+        return Unsupported(CudaIssue.RESIDUAL_MISMATCH)
     if weight.shape != (hidden,) or weight.device != partial.device:
-        return CudaUnsupported(CudaIssue.WEIGHT_MISMATCH)
+        return Unsupported(CudaIssue.WEIGHT_MISMATCH)
     return cuda_site_unsupported_reason(partial.dtype, hidden, partial.device, group_name, out_dtype)
 
 
-def push_unsupported_reason(world: int) -> CudaUnsupported | None:
+def push_unsupported_reason(world: int) -> Unsupported | None:
     """Why the split's push variant (``WeaveConfig.split_comm="push"``,
     ``weavepass.runtime.cuda.push``) cannot serve a group of ``world`` ranks, or None. Asked by the
     split at compile time (it then keeps the fused async op, and says this) and by each call."""
     if world != PUSH_WORLD:
-        return CudaUnsupported.of(CudaIssue.PUSH_WORLD_SIZE, world=world, peers=world - 1,
+        return Unsupported.of(CudaIssue.PUSH_WORLD_SIZE, world=world, peers=world - 1,
                               two_shot=2 * (world - 1) / world)
     return None
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._ops import OpOverload
 from torch.fx import Graph, Node
 from torch.fx.node import Argument, Target, map_arg
 
-from weavepass.compile.fx_args import arg_node, as_list, unexpected
+from weavepass.compile.fx_args import arg_node, arguments, as_list, unexpected
 from weavepass.config import WeaveConfig
 from weavepass.ops import (
     ASYNC_FUSED_OPS,
@@ -37,6 +38,9 @@ from .symbolic import emit_new
 aten = torch.ops.aten
 
 HALVES = ("A", "B")
+JOIN_READS = ("partial", "residual", "weight", "bias")
+"""The async fused op's arguments its join reads (``weave.join_async``'s ``inputs``), by schema name:
+the tensors the communication stream reads (``bias``: the LayerNorm op's)."""
 
 
 def rewrite(graph: Graph, info: Analysis, config: WeaveConfig, push: bool = False) -> None:
@@ -98,14 +102,14 @@ class Rewrite:
             outside = [n for n in info.token if any(u not in info.token for u in n.users)]
             for node in outside:
                 if info.token[node] is None:  # a size of a non-token dim: half A's copy serves both
-                    joined = self.read(node, "A")
+                    joined: Node | int = self.read_value(node, "A")
                 else:
                     joined = self.emit(aten.cat.default, ([self.read(node, h) for h in HALVES], info.token[node]))
                 for user in [u for u in node.users if u not in info.token]:
-                    user.replace_input_with(node, joined)
+                    _replace_input(user, node, joined)
             for half in HALVES:  # join every fork, also where an output is never read
                 for node in list(self.copies[half]):
-                    self.read(node, half)
+                    self.read_value(node, half)
         for node in reversed(list(info.token)):
             self.graph.erase_node(node)
         for node in info.block_consts:  # read by the block only, whose nodes are gone
@@ -132,10 +136,18 @@ class Rewrite:
         return self.joins[node]
 
     def read(self, node: Node, half: str) -> Node:
-        """``node``'s copy for ``half``; an async fused op's output is joined first (once per op)."""
-        copy = self.copies[half][node]
+        """Token tensor ``node``'s copy for ``half`` (``read_value``)."""
+        copy = self.read_value(node, half)
         if not isinstance(copy, Node):
             raise unexpected(node, f"half {half}'s copy", copy, "a node")
+        return copy
+
+    def read_value(self, node: Node, half: str) -> Node | int:
+        """``node``'s copy for ``half``, or the int a size's copy folded to (``emit_size``); an async
+        fused op's output is joined first (once per op)."""
+        copy = self.copies[half][node]
+        if isinstance(copy, int):
+            return copy
         fork = arg_node(copy, 0) if copy.target is operator.getitem else None
         if fork is not None and fork.target in ASYNC_FUSED_OPS:
             if fork not in self.joined_ops:
@@ -144,8 +156,8 @@ class Rewrite:
                 # partial, residual, weight (and a LayerNorm's bias): all read by the comm stream.
                 # The weight too: Gemma's (1 + w) is a buffer of the graph, freed after the op's
                 # launch without this read.
-                read = 4 if fork.target is FUSED_ALLREDUCE_LAYERNORM_ASYNC else 3
-                inputs = [a for a in fork.args[:read] if isinstance(a, Node)]
+                given = arguments(fork)
+                inputs = [a for name in JOIN_READS if isinstance(a := given.get(name), Node)]
                 self.emit(JOIN_ASYNC, (*outputs, inputs))
         return copy
 
@@ -163,11 +175,11 @@ class Rewrite:
         key_sliced = info.key_sliced.get(node, {}) if half == "A" else {}
         all_keys = info.key_operands.get(node, {}) if half == "B" else {}
 
-        def arg(a: Node) -> Node:
+        def arg(a: Node) -> Node | int:
             if a in all_keys:  # attention's k^T or v, over A's keys and B's
                 return self.joined(a, all_keys[a])
             if a in info.token:
-                return self.read(a, half)
+                return self.read_value(a, half)
             if a in info.block_consts:
                 if (a, half) not in self.block_consts:
                     self.block_consts[(a, half)] = emit_block_const(self, a, half)
@@ -186,13 +198,14 @@ class Rewrite:
         args, kwargs = map_arg(node.args, arg), map_arg(node.kwargs, arg)
         target = node.target
         if node in info.sites:
+            extra: dict[str, Argument] = {"num_ctas": self.config.split_comm_ctas}
             if self.push:  # one staging slot per half: a slot is reused only after its join
                 target = FUSED_ALLREDUCE_RMSNORM_PUSH_ASYNC
-                args = (*args, self.config.split_comm_ctas, HALVES.index(half))
+                extra["slot"] = HALVES.index(half)
             else:
                 layer_norm = target is FUSED_ALLREDUCE_LAYERNORM
                 target = FUSED_ALLREDUCE_LAYERNORM_ASYNC if layer_norm else FUSED_ALLREDUCE_RMSNORM_ASYNC
-                args = (*args, self.config.split_comm_ctas)
+            args, kwargs = _async_arguments(node, target, args, kwargs, extra), {}
         elif target in VIEWS:
             size = half_view_size(node, info.dim(node), args[1])
             if node in info.keys:  # the half's key count, from the scores it views
@@ -211,3 +224,21 @@ class Rewrite:
             self.copies[half][node] = emit_attention(self, node, half, args, kwargs)
             return
         self.copies[half][node] = self.emit(target, args, kwargs)
+
+
+def _replace_input(user: Node, old: Node, new: Node | int) -> None:
+    """``user`` reads ``new`` where it read ``old``; ``new`` may be the int a size folded to, which
+    ``Node.replace_input_with`` does not take."""
+    user.args, user.kwargs = map_arg((user.args, user.kwargs), lambda n: new if n is old else n)
+
+
+def _async_arguments(site: Node, target: OpOverload, args: tuple[Argument, ...], kwargs: dict[str, Argument],
+                     extra: dict[str, Argument]) -> tuple[Argument, ...]:
+    """The positional arguments of async op ``target`` for fused op ``site`` (its arguments, copied
+    for a half: ``args`` and ``kwargs``), by schema name: the site's, then ``extra`` (``num_ctas``,
+    the push's ``slot``)."""
+    schema = getattr(site.target, "_schema", None)
+    if not isinstance(schema, torch.FunctionSchema):
+        raise unexpected(site, "target", site.target, "an op with a schema")
+    given = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs, **extra}
+    return tuple(given[a.name] for a in target._schema.arguments)

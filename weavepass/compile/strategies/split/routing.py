@@ -46,7 +46,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import Argument
 
-from weavepass.compile.fx_args import arg, arg_int, arg_list, arg_node, as_node, unexpected
+from weavepass.compile.fx_args import arg, arg_int, arg_list, arg_node, arguments, as_node, unexpected, with_argument
 from weavepass.compile.reasons import Reason, ReasonCode
 
 from .attention import HalfEmitter
@@ -124,8 +124,7 @@ def sort_by_expert(node: Node, info: Analysis) -> tuple[int, int]:
     experts = _experts_of(x)
     if experts is None or val(x).dim() != 1 or x in info.roles:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SORT_TOKEN_DIM, node=node.name, op=op_name(node.target)))
-    descending = node.args[2] if node.target is aten.sort.default and len(node.args) > 2 else \
-        node.kwargs.get("descending", False)
+    descending = arguments(node)["descending"]
     if descending:  # the offsets count experts upwards: rows must be in ascending expert order
         raise Unsupported(Reason.of(ReasonCode.SPLIT_SORT_DESCENDING, node=node.name, op=op_name(node.target)))
     info.roles[node] = (Rows(node, keys=True, experts=experts),
@@ -224,7 +223,7 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
     role = info.roles[pos]
     if not isinstance(role, Positions):  # (``routed_dims`` picked ``pos`` for its role)
         raise unexpected(pos, "role", role, "Positions")
-    c = node.args[1] if len(node.args) > 1 else None
+    c = arg(node, 1, "other")
     floor = (node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor") \
         or node.target is aten.floor_divide.default  # on integers: a floor too
     units = hint(info.cut.units)
@@ -256,7 +255,8 @@ def _histogram(node: Node, info: Analysis) -> None:
     """``histc(keys, E, 0, E - 1)``: every expert's own bin, counted from the sorted keys."""
     x = arg_node(node, 0)
     role = info.roles.get(x)
-    bins, low, high = (list(node.args[1:]) + [100, 0, 0][len(node.args) - 1:])[:3]
+    given = arguments(node)  # by name, the schema's defaults filled in (bins=100, min=0, max=0)
+    bins, low, high = given["bins"], given["min"], given["max"]
     # (``bins`` is an int by histc's schema; the keys of a sort have their sort as order)
     if not (isinstance(role, Rows) and role.keys and role.order is not None and isinstance(bins, int)
             and bins == role.experts and low == 0 and high == bins - 1):
@@ -369,13 +369,13 @@ def _is_block_const(node: Argument, targets: tuple[object, ...], rows: int, info
 
 def _arange_length(node: Node) -> int | None:
     """``n`` of ``arange(n)`` / ``arange(0, n, 1)`` / ``iota(n, start=0, step=1)``; else None."""
+    given = arguments(node)  # by name: any of them may be a keyword
     if node.target is prims.iota.default:
-        start, step, end = node.kwargs.get("start", 0), node.kwargs.get("step", 1), node.args[0]
+        start, step, end = given.get("start", 0), given.get("step", 1), given["length"]
     elif node.target is aten.arange.default:
-        start, step, end = 0, 1, node.args[0]
+        start, step, end = 0, 1, given["end"]
     else:
-        start, end = node.args[:2]
-        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        start, step, end = given["start"], given["step"], given["end"]
     return end if (start, step) == (0, 1) and isinstance(end, int) else None
 
 
@@ -410,13 +410,14 @@ def emit_block_const(rw: HalfEmitter, node: Node, half: str) -> Node:
     if not isinstance(start, int) or not isinstance(end, int):  # (``check_block``: no symbolic cut)
         raise unexpected(node, f"half {half}'s rows", (start, end), "static bounds")
     rows = end - start if half == "A" else size - start
-    args = list(node.args)
-    if node.target is aten.arange.start_step:
-        args[1] = rows
-    else:
-        args[0] = rows if node.target in ARANGES else [rows, *arg_list(node, 0)[1:]]
+    if node.target is prims.iota.default:
+        args, kwargs = with_argument(node, "length", rows)
+    elif node.target in ARANGES:
+        args, kwargs = with_argument(node, "end", rows)
+    else:  # zeros, empty, full, ...: the size's first dim
+        args, kwargs = with_argument(node, "size", [rows, *arg_list(node, 0)[1:]])
     with val(node).fake_mode:  # no tensor argument to find the mode from: the original's
-        return rw.emit(node.target, tuple(args), node.kwargs)
+        return rw.emit(node.target, args, kwargs)
 
 
 # The sort rule lives here, with the routing blocks it hands a sort along the tokens to.
@@ -425,8 +426,7 @@ def _sort(node: Node, info: Analysis) -> tuple[int, int]:
     """Along another dim (the experts of one token): values and indices carry the tokens. Along
     the token dim the order of each half's tokens is not their order in the whole: only MoE
     routing that groups the token-expert pairs by expert is taken, as a block (``routing``)."""
-    default = node.args[1] if node.target is aten.sort.default and len(node.args) > 1 else -1
-    dim = node.kwargs.get("dim", default)
+    dim = arguments(node)["dim"]
     if not isinstance(dim, int):
         raise unexpected(node, "argument dim", dim, "an int")
     if norm_dim(dim, rank_of(node)) == input_token_dim(node, info):
