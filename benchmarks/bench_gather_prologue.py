@@ -46,7 +46,16 @@ if "--smoke" in sys.argv:  # before Triton defines the kernels: the interpreter 
 
 import gpu_env  # noqa: F401  (must precede torch: multicast off, checkout on sys.path)
 import torch
-from bench_gemm import _check, _graph_timer, _timer, gemm_dims  # benchmarks/bench_gemm.py
+from bench_gemm import (  # benchmarks/bench_gemm.py: one list of models and token counts
+    MODELS,
+    QUICK_MODELS,
+    QUICK_TOKENS,
+    TOKENS,
+    _check,
+    _graph_timer,
+    _timer,
+    gemm_dims,
+)
 from report import pyplot, save_figure, write_csv  # benchmarks/report.py
 from timing import progress_bar  # benchmarks/timing.py
 
@@ -54,10 +63,6 @@ from weavepass.runtime.cuda import gather, gemm
 from weavepass.testing.gemm_sim import SimulatedGatherRanks
 from weavepass.tune.shapes import SHAPES
 
-MODELS = ("70b_tp8", "70b_tp4", "70b_tp2", "8b_tp2")
-QUICK_MODELS = ("70b_tp8", "8b_tp2")
-TOKENS = (2048, 4096, 8192, 16384)
-QUICK_TOKENS = (2048, 8192)
 GEMMS = ("qkv", "gate_up")
 OWNERS = (2, 4, 8)
 FAR_AHEAD = 1 << 30

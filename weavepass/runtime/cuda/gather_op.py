@@ -29,7 +29,7 @@ from weavepass.runtime.cuda import workspace
 from weavepass.runtime.cuda.gather import ALIGNMENT, PrologueLayout, PrologueWorkspace, gather_matmuls, push_gather_rows
 from weavepass.runtime.cuda.gemm import SUPPORTED_DTYPES, OwnerRows
 from weavepass.runtime.cuda.launch_plan import triton_next_power_of_2
-from weavepass.runtime.cuda.support import MAX_WORLD
+from weavepass.runtime.cuda.matmul import group_world
 from weavepass.runtime.portable import all_gather_matmul_portable, resolve_group
 
 logger = logging.getLogger("weavepass")
@@ -66,12 +66,9 @@ def unsupported_reason(shard: torch.Tensor, mat2s: list[torch.Tensor], group_nam
         return f"the Triton GEMM takes bf16 or fp16 operands of one dtype, not {shard.dtype}"
     if shard.shape[1] % 8:
         return f"K = {shard.shape[1]} is not a multiple of 8 (16-byte vectors)"
-    try:
-        world = resolve_group(group_name).size()
-    except Exception as error:  # noqa: BLE001 (any failure to resolve is the reason)
-        return f"process group {group_name!r} cannot be resolved: {error}"
-    if not 1 <= world <= MAX_WORLD:
-        return f"world size {world} is outside 1..{MAX_WORLD}"
+    world, why = group_world(group_name)
+    if why is not None:
+        return why
     if shard.shape[0] * world < num_tokens:
         return f"{num_tokens} tokens do not fit {world} shards of {shard.shape[0]} rows"
     return None

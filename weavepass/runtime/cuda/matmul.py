@@ -222,13 +222,19 @@ def unsupported_reason(x: torch.Tensor, mat2: torch.Tensor, residual: torch.Tens
         return "the norm's weight is not a [hidden] tensor on the operands' device"
     if residual is not None and residual.device != x.device:
         return "the residual is on another device"
+    return group_world(group_name)[1]
+
+
+def group_world(group_name: str) -> tuple[int, str | None]:
+    """``(size, None)`` for a group the GEMM kernels can serve, else ``(size or 0, why not)``: it
+    cannot be resolved, or its size is outside 1..``MAX_WORLD``."""
     try:
         world = resolve_group(group_name).size()
     except Exception as error:  # noqa: BLE001 (any failure to resolve is the reason)
-        return f"process group {group_name!r} cannot be resolved: {error}"
+        return 0, f"process group {group_name!r} cannot be resolved: {error}"
     if not 1 <= world <= MAX_WORLD:
-        return f"world size {world} is outside 1..{MAX_WORLD}"
-    return None
+        return world, f"world size {world} is outside 1..{MAX_WORLD}"
+    return world, None
 
 
 @dataclass
