@@ -126,3 +126,20 @@ def _numbers_rank(rank, world):
 def test_numbers_against_torch_mm_eager_and_the_reference(world):
     for checked, replaced in spawn(_numbers_rank, world, "gloo"):
         assert len(checked) == 6 and replaced == 2 * CFG.n_layers
+
+
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_force_on_a_lowering_without_the_op_says_why_the_gather_stays():
+    """The NPU form without ``enable_mmrs_fusion`` runs its matmuls on the ``npu`` lowering, which
+    has no kernel of ``weave.all_gather_matmul``: under ``force`` every site keeps its gather and
+    its note says so, as the row-parallel side's ``GEMM_EPILOGUE_LOWERING`` does (it said nothing)."""
+    from weavepass.testing.npu_emulator import emulated_torch_npu
+
+    with emulated_torch_npu():
+        graph = model_report(WeaveConfig(gemm_epilogue="force", **FLASHCOMM), kind="npu")
+    assert graph.ops_after[GATHER_OP] == 0 and graph.ops_after[AG] == NORM_SITES + 1
+    for record in graph.records:
+        (note,) = [r for r in record.notes if r.code is ReasonCode.FLASHCOMM_GATHER_NOT_FUSED]
+        cause = note.field("cause")
+        assert cause.code is ReasonCode.GEMM_EPILOGUE_LOWERING and cause.field("lowering") == "npu", note
+        assert "weave.all_gather_matmul" in note.render(), note.render()
