@@ -145,3 +145,25 @@ def test_force_on_a_lowering_without_the_op_says_why_the_gather_stays():
         cause = note.field("cause")
         assert cause.code is ReasonCode.GEMM_EPILOGUE_LOWERING and cause.field("lowering") == "npu", note
         assert "weave.all_gather_matmul" in note.render(), note.render()
+
+
+def test_the_cuda_symm_reason_names_the_dtypes_it_refuses():
+    """``gather_op.unsupported_reason`` on CUDA operands (fake tensors: no GPU needed) names every
+    dtype of a mixed call, as the scatter op's reason does; it said ``not torch.bfloat16`` for bf16
+    rows with fp16 weights, as if bf16 were refused."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from weavepass.runtime.cuda import gather_op
+
+    with FakeTensorMode():
+        shard = torch.empty(16, 64, dtype=torch.bfloat16, device="cuda")
+        mixed = [torch.empty(64, 32, dtype=torch.bfloat16, device="cuda"),
+                 torch.empty(64, 8, dtype=torch.float16, device="cuda")]
+        fp32 = [torch.empty(16, 64, dtype=torch.float32, device="cuda"),
+                torch.empty(64, 32, dtype=torch.float32, device="cuda")]
+    why = gather_op.unsupported_reason(shard, mixed, "unused", 16)
+    assert why is not None and "torch.float16" in why and why.endswith("not torch.bfloat16 rows and "
+                                                                      "torch.bfloat16, torch.float16 weights"), why
+    why = gather_op.unsupported_reason(fp32[0], fp32[1:], "unused", 16)
+    assert why is not None and why.endswith("not torch.float32 rows and torch.float32 weights"), why

@@ -63,7 +63,8 @@ def unsupported_reason(shard: torch.Tensor, mat2s: list[torch.Tensor], group_nam
     if shard.dim() != 2 or any(m.dim() != 2 or m.shape[0] != shard.shape[1] for m in mat2s) or not mat2s:
         return f"shard {tuple(shard.shape)} and the mat2s are not [R, K] and [K, N_i]"
     if shard.dtype not in SUPPORTED_DTYPES or any(m.dtype != shard.dtype for m in mat2s):
-        return f"the Triton GEMM takes bf16 or fp16 operands of one dtype, not {shard.dtype}"
+        weights = ", ".join(sorted({str(m.dtype) for m in mat2s}))
+        return f"the Triton GEMM takes bf16 or fp16 operands of one dtype, not {shard.dtype} rows and {weights} weights"
     if shard.shape[1] % 8:
         return f"K = {shard.shape[1]} is not a multiple of 8 (16-byte vectors)"
     world, why = group_world(group_name)
