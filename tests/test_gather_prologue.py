@@ -167,3 +167,39 @@ def test_the_cuda_symm_reason_names_the_dtypes_it_refuses():
                                                                       "torch.bfloat16, torch.float16 weights"), why
     why = gather_op.unsupported_reason(fp32[0], fp32[1:], "unused", 16)
     assert why is not None and why.endswith("not torch.float32 rows and torch.float32 weights"), why
+
+
+def _capture_causes_rank(rank, world):
+    """``all_gather_matmul_cuda`` inside a (pretended) CUDA-graph capture at a gloo group of one, the
+    symmetric allocation replaced by CPU tensors: a split new there, then a workspace new there. Both
+    run the portable lowering (no kernel launches); returns the causes warned."""
+    from weavepass.runtime.cuda import gather_op, workspace
+
+    workspace.new_symmetric = lambda group_name, dtype, device, numel, pad_slots: workspace.SymmetricBuffer(
+        torch.zeros(numel, dtype=dtype), torch.zeros(pad_slots, dtype=torch.int32), [0], [0], 0, 1)
+    workspace.outside_graph_pools = lambda make, device: make()
+    gather_op.unsupported_reason = lambda *args: None  # CPU tensors stand for CUDA ones
+    group = dist.group.WORLD.group_name
+    k = 16
+    assert gather_op.get_workspace(group, torch.float16, torch.device("cpu"), k, 32, 1024) is not None  # warm-up
+    gather_op._capturing = lambda: True
+    mat2s = [torch.randn(k, 8).to(torch.float16)]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        gather_op.all_gather_matmul_cuda(torch.randn(32, k).to(torch.float16), mat2s, group, 20,
+                                         max_workspace_tokens=1024)  # fits the cached workspace; new split
+        gather_op.all_gather_matmul_cuda(torch.randn(600, k).to(torch.float16), mat2s, group, 600,
+                                         max_workspace_tokens=1024)  # needs a new workspace
+    return sorted(gather_op._WARNED)
+
+
+def test_a_fallback_inside_capture_names_what_is_new():
+    """A call whose split is new inside CUDA-graph capture (its workspace exists) says so, as the
+    scatter op does; it said the tokens needed a workspace past the limit and to raise
+    ``cuda_workspace_tokens``, which would not help."""
+    pytest.importorskip("triton")
+    (causes,) = spawn(_capture_causes_rank, 1, "gloo")
+    split_cause = "the split of 20 tokens is new inside CUDA-graph capture (a warm-up call builds it)"
+    assert split_cause in causes and len(causes) == 2, causes
+    (workspace_cause,) = set(causes) - {split_cause}
+    assert workspace_cause.startswith("600 tokens need a gather workspace") and "capture" in workspace_cause

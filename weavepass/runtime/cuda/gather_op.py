@@ -140,9 +140,11 @@ def all_gather_matmul_cuda(shard: torch.Tensor, mat2s: list[torch.Tensor], group
         world = resolve_group(group_name).size()
         ws = get_workspace(group_name, shard.dtype, shard.device, shard.shape[1], shard.shape[0], max_workspace_tokens)
         split = owners(num_tokens, shard.shape[0], world, shard.device)
-        if ws is None or split is None:
+        if ws is None:
             cause = (f"{num_tokens} tokens need a gather workspace larger than the {max_workspace_tokens}-token limit "
-                     "(or a new workspace or split inside CUDA-graph capture); raise WeaveConfig.cuda_workspace_tokens")
+                     "(or a new one inside CUDA-graph capture); raise WeaveConfig.cuda_workspace_tokens")
+        elif split is None:
+            cause = f"the split of {num_tokens} tokens is new inside CUDA-graph capture (a warm-up call builds it)"
     if cause is not None or ws is None or split is None:
         if num_tokens:
             _warn_once(str(cause), f"weave cuda_symm all_gather_matmul falls back to portable: {cause}")
