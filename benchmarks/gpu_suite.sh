@@ -95,6 +95,8 @@
 #              2/4/8 ranks simulated, bf16/fp16, ragged, CUDA-graph replay, an owner that never
 #              pushes), then bench_gather_prologue (the gather GEMM with 2/4/8 owners vs the plain
 #              Triton GEMM and cuBLAS); `nvidia-h200` kind, not yet run on the device
+#   tests34    issue 34's GPU tests on simulated ranks (test_gemm_gpu, test_gather_gpu, test_gemm_op_gpu but
+#              their real-rank cases), each test its own process, GEMM34_JOBS (8) at a time; one GPU
 #   gemmop     issue 34's cuda_symm lowering of the matmul ops: tests/gpu/test_gemm_op_gpu.py, the real
 #              ranks' cases first (the ops at 1-1030 tokens, the decoder with gemm_epilogue="force",
 #              reduce-overhead; WORLD=2 GPUs, or SHARED=1), then the simulated ranks (2 and 4, each in a
@@ -212,7 +214,7 @@ DECODE_SHAPES="${DECODE_SHAPES-$SHAPES_DECODE}"
 DECODE70_SHAPES="${DECODE70_SHAPES-$SHAPES_DECODE70}"
 ALONE_LIMIT=540  # a benchmark step that has a device call to itself at 4 or 8 ranks
 [ "$WORLD" = 2 ] && ALONE_LIMIT=""
-ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,gather,gemmspeed,gemmmodel,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
+ALL_STEPS="tests,kernel,onegpu,sim,peerwait,gemm,gemmop,gather,tests34,gemmspeed,gemmmodel,local,splitcost,simsweep,simloads,auto,host,overlap,overlap2,decode,decode70,fused,flashcomm,hf"
 STEPS="${STEPS:-$ALL_STEPS}"
 mkdir -p "$OUT"
 LOG="$OUT/suite$TP.log"
@@ -310,6 +312,11 @@ wanted gather && step pytest_gather8 "${GATHER_TEST_TIMEOUT_S:-300}" python3 -m 
     $HANG_GUARD tests/gpu/test_gather_gpu.py -k world8
 wanted gather && step bench_gather "${GATHER_TIMEOUT_S:-300}" python3 benchmarks/bench_gather_prologue.py --out "$OUT" \
     $QUICK
+# Issue 34's simulated-rank GPU tests of all three files in one step, each test its own process,
+# GEMM34_JOBS at a time (their time is compiling every simulated rank's kernels; correctness only).
+wanted tests34 && step pytest_issue34_parallel "${TESTS34_TIMEOUT_S:-420}" python3 benchmarks/parallel_pytest.py \
+    --jobs "${GEMM34_JOBS:-8}" tests/gpu/test_gemm_gpu.py tests/gpu/test_gather_gpu.py tests/gpu/test_gemm_op_gpu.py \
+    -k "not real_ranks and not reference_model" -- -m gpu $HANG_GUARD
 # Issue 34: the cuda_symm lowering of the matmul ops, real (or shared) ranks first, then simulated.
 wanted gemmop && WEAVE_PEER_TIMEOUT_S="${WEAVE_PEER_TIMEOUT_S:-60}" step pytest_gemm_op_ranks \
     "${GEMMOP_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -s -rA --durations=10 tests/gpu/test_gemm_op_gpu.py \

@@ -6,7 +6,7 @@ finish inside one 10-minute device call (2026-12-04: 4 of 13 tests in 555 s on o
 device machine has 16 CPU cores, so the tests' compiles can run side by side; the GPU work of each
 test is small. Timings of such a run mean nothing; it is for correctness only.
 
-Usage: python3 benchmarks/parallel_pytest.py --jobs 6 [--log-dir DIR] FILE [-k EXPR] [-- PYTEST ARGS...]
+Usage: python3 benchmarks/parallel_pytest.py --jobs 6 [--log-dir DIR] FILE... [-k EXPR] [-- PYTEST ARGS...]
 
 Every test's output goes to its own log, printed in full as that test ends; the last line counts
 passed, failed, skipped and errors over all tests. Exit status 0 only when no test failed or errored
@@ -26,9 +26,9 @@ OUTCOMES = ("passed", "failed", "skipped", "error", "errors", "xfailed", "xpasse
 _SUMMARY = re.compile(r"(\d+) (" + "|".join(OUTCOMES) + r")\b")
 
 
-def collect(file: str, expr: str | None, extra: list[str]) -> list[str]:
-    """The node ids pytest would run for ``file`` (and ``-k expr``), in collection order."""
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", file, *extra]
+def collect(files: list[str], expr: str | None, extra: list[str]) -> list[str]:
+    """The node ids pytest would run for ``files`` (and ``-k expr``), in collection order."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", *files, *extra]
     if expr:
         cmd += ["-k", expr]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -60,7 +60,7 @@ def run_one(node: str, log: Path, extra: list[str]) -> tuple[str, int, dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("file")
+    parser.add_argument("files", nargs="+")
     parser.add_argument("-k", dest="expr", default=None)
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--log-dir", default=None)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
-    nodes = collect(args.file, args.expr, extra)
+    nodes = collect(args.files, args.expr, extra)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="parallel_pytest_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = [log_dir / f"test_{i:03d}.log" for i in range(len(nodes))]
