@@ -282,8 +282,10 @@ TABLE_RULE = (
     "of the per-repeat speeds <= {spread:.0%}. Its config: the one with the lowest time summed over the "
     "bucket's token counts and the repeats, among the configs that ran in all of them. Its speed per "
     "repeat: cuBLAS's time / the GEMM's, each summed over the bucket's token counts; for a row-parallel "
-    "GEMM (scatter rows measured) the scatter's (variant scatterN: the op's GEMM), the slowest owner "
-    "count, else the plain GEMM's with that config, which decides the key's entry but is not written: "
+    "GEMM (scatter rows measured) the scatter the op runs at each group size (scatter1: one rank, its "
+    "staging one allocation; scatterN_ptr at N > 1: each rank's staging its own allocation, pointer "
+    "stores), the slowest owner count, else the plain GEMM's with that config, which decides the key's "
+    "entry but is not written: "
     "MEASURED_SPEED holds the scatter's speeds alone, since the planner reads it for row-parallel sites, "
     "and another model's row-parallel GEMM may have a column-parallel key's (N, K). MEASURED_SPEED holds "
     "the median over the repeats. Keys that fail are left out and listed with why"
@@ -317,9 +319,8 @@ def measured_table(tune_rows: list[dict], bench_rows: list[dict], min_repeats: i
             times.setdefault(key, {}).setdefault(index[r["config"]], {})[cell] = float(r["ms"])
     scatter: dict = {}  # key -> owners -> {(repeat, m): ms}
     for r in bench_rows:
-        name = r["variant"]
-        if name.startswith("scatter") and name[len("scatter"):].isdigit() and r["ms"]:
-            owners = int(name[len("scatter"):])
+        owners = op_scatter_owners(r["variant"])
+        if owners is not None and r["ms"]:
             scatter.setdefault(key_of(r), {}).setdefault(owners, {})[(int(r.get("repeat") or 0), int(r["m"]))] = \
                 float(r["ms"])
     configs, speeds, left_out = {}, {}, {}
@@ -357,6 +358,19 @@ def measured_table(tune_rows: list[dict], bench_rows: list[dict], min_repeats: i
         if key in scatter:  # the planner reads a speed for a row-parallel site only: the scatter's
             speeds[key] = round(middle, 3)
     return configs, speeds, left_out
+
+
+def op_scatter_owners(variant: str) -> int | None:
+    """The owner count N of a ``bench_gemm.csv`` row that times the scatter the ``cuda_symm`` op runs
+    at a group of N ranks, or None: ``scatter1`` at one rank (its staging is one allocation: TMA stores
+    where ``gemm.scatter_store_reason`` allows), ``scatterN_ptr`` at N > 1 (each rank's staging is its
+    own allocation: pointer stores; ``scatterN``, one allocation, is no group's form there)."""
+    if variant == "scatter1":
+        return 1
+    if variant.startswith("scatter") and variant.endswith("_ptr") and variant[7:-4].isdigit():
+        owners = int(variant[7:-4])
+        return owners if owners > 1 else None
+    return None
 
 
 def table_source(configs: dict, speeds: dict, left_out: dict) -> str:

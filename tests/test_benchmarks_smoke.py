@@ -313,8 +313,9 @@ def _bench_gemm():
 def test_gemm_table_rule_on_hand_made_rows():
     """``bench_gemm.measured_table`` (``TABLE_RULE``) on made-up CSV rows: a key enters only with
     >= 2 repeats whose speeds agree within 5 %; its config is the lowest total time; a row-parallel
-    key's speed is the scatter's (the slowest owner count, signals on), not the plain GEMM's; keys
-    that fail are listed with why."""
+    key's speed is the scatter's the op runs (``scatter1`` at one rank, ``scatterN_ptr`` at N > 1:
+    the TMA-stored ``scatterN`` needs one allocation, which N GPUs' stagings are not; the slowest
+    owner count), not the plain GEMM's; keys that fail are listed with why."""
     pytest.importorskip("triton")
     bench_gemm = _bench_gemm()
     from weavepass.runtime.cuda.gemm import GPU_CONFIGS
@@ -332,16 +333,19 @@ def test_gemm_table_rule_on_hand_made_rows():
     for rep, ms in ((0, 1.0), (1, 1.02)):  # plain, bucket 2048 (two token counts): speeds 1.0 and 0.980
         for m in (2048, 4096):
             tune_rows += [tune(1280, 8192, m, rep, fast, ms), tune(1280, 8192, m, rep, slow, 1.2)]
-    for rep in (0, 1):  # row-parallel: plain 1.11x cuBLAS, the scatter to 8 owners 0.8x
+    for rep in (0, 1):  # row-parallel: plain 1.11x cuBLAS, the op's scatter at 8 ranks 0.8x
         tune_rows.append(tune(8192, 1024, 8192, rep, fast, 0.9))
-        bench_rows += [bench(8192, 1024, 8192, rep, "scatter2", 1.1 + 0.02 * rep),
-                       bench(8192, 1024, 8192, rep, "scatter8", 1.25),
-                       bench(8192, 1024, 8192, rep, "scatter8_nosig", 0.5),  # not the op's GEMM: ignored
+        bench_rows += [bench(8192, 1024, 8192, rep, "scatter1", 1.1 + 0.02 * rep),
+                       bench(8192, 1024, 8192, rep, "scatter8_ptr", 1.25),
+                       # not the op's GEMM at their group size: ignored
+                       bench(8192, 1024, 8192, rep, "scatter8", 0.9),  # one allocation: 1 rank only
+                       bench(8192, 1024, 8192, rep, "scatter1_ptr", 0.9),
+                       bench(8192, 1024, 8192, rep, "scatter8_nosig", 0.5),
                        bench(8192, 1024, 8192, rep, "cublas", 1.0)]
     tune_rows += [tune(4096, 2048, 2048, 0, fast, 1.0), tune(4096, 2048, 2048, 1, fast, 1.2)]  # 18 % apart
     tune_rows.append(tune(7168, 8192, 2048, 0, fast, 1.0))  # one repeat
     tune_rows += [tune(4096, 7168, 8192, rep, fast, 1.0) for rep in (0, 1)]
-    bench_rows.append(bench(4096, 7168, 8192, 0, "scatter2", 1.0))  # the scatter in one repeat only
+    bench_rows.append(bench(4096, 7168, 8192, 0, "scatter2_ptr", 1.0))  # the scatter in one repeat only
     configs, speeds, left_out = bench_gemm.measured_table(tune_rows, bench_rows)
     assert configs == {(1280, 8192, 2048): GPU_CONFIGS[0], (8192, 1024, 8192): GPU_CONFIGS[0]}
     # only the scatter's speed is written: a plain key's (N, K) may be another model's row-parallel GEMM

@@ -76,6 +76,40 @@ def test_every_launch_passes_only_its_kernels_parameters():
             assert not extra, f"scatter GEMM given {sorted(extra)} by {config.label()}"
 
 
+def test_every_launch_site_names_only_its_kernels_parameters():
+    """What a launch adds by hand, beside a config's dict (above): the keywords written at every
+    ``kernel[grid](...)`` of weavepass/ (read from the source) and the row kernels' argument builders
+    (``push_arguments``, ``reduce_arguments``, ``copy_arguments``) are parameters of the kernel they
+    launch: the GPU refuses any other, the interpreter does not."""
+    import ast
+
+    from weavepass.runtime.cuda import gather, gather_kernels, gemm, gemm_kernels, kernels
+
+    jitted = {name: fn for module in (kernels, gemm_kernels, gather_kernels)
+              for name, fn in vars(module).items() if hasattr(fn, "arg_names") and name.endswith("_kernel")}
+    options = {"num_stages", "num_warps"}
+    root = pathlib.Path(gather.__file__).parents[2]
+    launches = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                name = ast.unparse(node.func.value).split(".")[-1]
+                if name in jitted:
+                    given = {k.arg for k in node.keywords if k.arg is not None}
+                    launches.append(name)
+                    extra = given - options - set(jitted[name].arg_names)
+                    assert not extra, f"{path.name}:{node.lineno}: {name} given {sorted(extra)}"
+    # the GEMM, scatter reduce, push/collect, gather push and gather GEMM launches at least
+    assert {"persistent_gemm_kernel", "reduce_scattered_rows_kernel", "push_rows_kernel", "collect_rows_kernel",
+            "push_gather_rows_kernel", "gather_gemm_kernel"} <= set(launches), launches
+    built = {"push_gather_rows_kernel": gather.push_arguments(8192, 2, 128),
+             "reduce_scattered_rows_kernel": gemm.reduce_arguments(8192, 2, 128),
+             "push_rows_kernel": gemm.copy_arguments(8192, 2), "collect_rows_kernel": gemm.copy_arguments(8192, 2)}
+    for name, meta in built.items():
+        extra = set(meta) - options - set(jitted[name].arg_names)
+        assert not extra, f"{name} given {sorted(extra)} by its argument builder"
+
+
 @pytest.mark.slow
 def test_bench_gather_prologue_smoke(tmp_path):
     """bench_gather_prologue through Triton's interpreter: both GEMMs of the tiny preset, every

@@ -331,7 +331,8 @@ class SimulatedGatherRanks:
         """Owner ``r`` pushes ``rows[r]`` (its ``[>= count_r, K]`` rows; ``extras[r]``: residual_out
         rows, two-part layouts) and every rank computes ``gathered @ w^T`` for each of ``weights``
         (``[N_i, K]``, the same on every rank here: a column-parallel weight shard per rank in a
-        model). ``counts``: rows per owner (default the fused op's split). Returns every rank's
+        model). ``counts``: rows per owner, or ``owners``: the split itself (one of the two is
+        needed; without either the call is refused). Returns every rank's
         outputs ``[T, N_i]``. ``one_stream``: every launch on the calling stream, one after another
         (no wait can block: the warm-up and a CUDA-graph capture use it). ``interleaved`` (GPU only):
         rank by rank, push then GEMMs, so rank 0's GEMM is launched before its peers' pushes; give

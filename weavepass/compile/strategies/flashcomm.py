@@ -465,8 +465,10 @@ class PortableFlashComm:
         (``rewrite_site``); a matmul weight computed after it is not read.
 
         ``gemm_epilogue="force"`` where the form's lowering carries ``weave.all_gather_matmul``: the
-        gather and the consumer matmuls in that op (the gather prologue). ``"auto"`` keeps the
-        gather, with the reason: nothing has measured the gather GEMM against the plain matmul."""
+        gather and the consumer matmuls in that op (the gather prologue); where it does not (the
+        NPU form's ``npu``), the gather stays, noted and warned as the row-parallel side's
+        ``GEMM_EPILOGUE_LOWERING``. ``"auto"`` keeps the gather, with the reason: nothing has
+        measured the gather GEMM against the plain matmul."""
         mode = self.config.gemm_epilogue
         note: Reason | None = None
         if mode == "force" and self.matmul_lowering in GATHER_LOWERINGS:
@@ -474,6 +476,11 @@ class PortableFlashComm:
             if reason is None:
                 return None, Reason.of(ReasonCode.FLASHCOMM_CONSUMERS_FUSED, op="weave.all_gather_matmul")
             log.info("weavepass: FlashComm gather prologue not used after %s: %s", site.all_reduce.name, reason)
+            note = Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=reason)
+        elif mode == "force":  # the form's lowering has no kernel of the op (the NPU form's "npu")
+            reason = Reason.of(ReasonCode.GEMM_EPILOGUE_LOWERING, mode=mode, lowering=str(self.matmul_lowering),
+                               cause="no kernel of weave.all_gather_matmul runs there")
+            log.warning("weavepass: FlashComm: %s: %s", site.all_reduce.name, reason)
             note = Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=reason)
         elif mode == "auto":
             note = Reason.of(ReasonCode.FLASHCOMM_GATHER_NOT_FUSED, cause=Reason.of(

@@ -63,7 +63,8 @@ def unsupported_reason(shard: torch.Tensor, mat2s: list[torch.Tensor], group_nam
     if shard.dim() != 2 or any(m.dim() != 2 or m.shape[0] != shard.shape[1] for m in mat2s) or not mat2s:
         return f"shard {tuple(shard.shape)} and the mat2s are not [R, K] and [K, N_i]"
     if shard.dtype not in SUPPORTED_DTYPES or any(m.dtype != shard.dtype for m in mat2s):
-        return f"the Triton GEMM takes bf16 or fp16 operands of one dtype, not {shard.dtype}"
+        weights = ", ".join(sorted({str(m.dtype) for m in mat2s}))
+        return f"the Triton GEMM takes bf16 or fp16 operands of one dtype, not {shard.dtype} rows and {weights} weights"
     if shard.shape[1] % 8:
         return f"K = {shard.shape[1]} is not a multiple of 8 (16-byte vectors)"
     world, why = group_world(group_name)
@@ -139,9 +140,11 @@ def all_gather_matmul_cuda(shard: torch.Tensor, mat2s: list[torch.Tensor], group
         world = resolve_group(group_name).size()
         ws = get_workspace(group_name, shard.dtype, shard.device, shard.shape[1], shard.shape[0], max_workspace_tokens)
         split = owners(num_tokens, shard.shape[0], world, shard.device)
-        if ws is None or split is None:
+        if ws is None:
             cause = (f"{num_tokens} tokens need a gather workspace larger than the {max_workspace_tokens}-token limit "
-                     "(or a new workspace or split inside CUDA-graph capture); raise WeaveConfig.cuda_workspace_tokens")
+                     "(or a new one inside CUDA-graph capture); raise WeaveConfig.cuda_workspace_tokens")
+        elif split is None:
+            cause = f"the split of {num_tokens} tokens is new inside CUDA-graph capture (a warm-up call builds it)"
     if cause is not None or ws is None or split is None:
         if num_tokens:
             _warn_once(str(cause), f"weave cuda_symm all_gather_matmul falls back to portable: {cause}")

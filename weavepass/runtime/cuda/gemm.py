@@ -111,6 +111,8 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
     (1280, 8192, 8192): GemmConfig(128, 128, 64, 8, 4, 8, flatten=True, store_desc=True),
     (3072, 4096, 8192): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=4, store_desc=True),
     (4096, 2048, 8192): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
+    (4096, 7168, 2048): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
+    (8192, 1024, 2048): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=4, store_desc=True),
     (8192, 1024, 8192): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
     (8192, 3584, 2048): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=2, store_desc=True),
     (8192, 3584, 8192): GemmConfig(128, 256, 64, 8, 4, 8, flatten=True, epilogue_split=4, store_desc=True),
@@ -118,23 +120,25 @@ MEASURED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
 }
 """The fastest plain config per ``(N, K, token bucket)`` (``token_bucket``), measured on one H200
 (2026-12-04, torch 2.11 / Triton 3.6, ``bench_gemm.py --quick --repeat 2 --rep 15 --owners 1 2 8``,
-then ``--table-from``: the keys whose two repeats agreed by ``bench_gemm.TABLE_RULE``; eight keys were
-left out, six of them at 2K: docs/gemm_epilogue.md, "Third version: measured"); shapes not in it take
+then ``--table-from``: the keys whose two repeats agreed by ``bench_gemm.TABLE_RULE``; six keys were
+left out, four of them at 2K: docs/gemm_epilogue.md, "Third version: measured"); shapes not in it take
 ``DEFAULT_GPU_CONFIG``."""
 
 
 MEASURED_SPEED: dict[tuple[int, int, int], float] = {
-    (4096, 2048, 8192): 0.779,
-    (8192, 1024, 8192): 0.859,
-    (8192, 3584, 2048): 0.776,
-    (8192, 3584, 8192): 0.965,
+    (4096, 2048, 8192): 0.769,
+    (4096, 7168, 2048): 0.778,
+    (8192, 1024, 2048): 0.585,
+    (8192, 1024, 8192): 0.815,
+    (8192, 3584, 2048): 0.731,
+    (8192, 3584, 8192): 0.925,
 }
 """cuBLAS's time / the Triton GEMM's, same keys (``do_bench`` medians over the bucket's token counts,
 the median of ``bench_gemm --repeat`` rounds that agree: ``bench_gemm.TABLE_RULE``; above 1: the
-Triton GEMM is faster), for the row-parallel shapes only: the scatter's time (the GEMM the op runs,
-the slowest owner count measured). What the planner reads to keep cuBLAS where the op's GEMM is
-slower (``measured_speed``); a column-parallel shape's plain speed is not written, since another
-model's row-parallel GEMM may share its (N, K)."""
+Triton GEMM is faster), for the row-parallel shapes only: the scatter's time (the GEMM the op runs at
+each group size: ``bench_gemm.op_scatter_owners``, the slowest owner count measured). What the
+planner reads to keep cuBLAS where the op's GEMM is slower (``measured_speed``); a column-parallel
+shape's plain speed is not written, since another model's row-parallel GEMM may share its (N, K)."""
 
 
 def measured_speed(m: int, n: int, k: int) -> float | None:
