@@ -190,15 +190,19 @@ def _capture_causes_rank(rank, world):
                                          max_workspace_tokens=1024)  # fits the cached workspace; new split
         gather_op.all_gather_matmul_cuda(torch.randn(600, k).to(torch.float16), mat2s, group, 600,
                                          max_workspace_tokens=1024)  # needs a new workspace
-    return sorted(gather_op._WARNED)
+    from weavepass.runtime.cuda.matmul import FALLBACKS
+
+    return sorted(gather_op._WARNED), dict(FALLBACKS)
 
 
 def test_a_fallback_inside_capture_names_what_is_new():
     """A call whose split is new inside CUDA-graph capture (its workspace exists) says so, as the
     scatter op does; it said the tokens needed a workspace past the limit and to raise
-    ``cuda_workspace_tokens``, which would not help."""
+    ``cuda_workspace_tokens``, which would not help. Each fallback is counted in
+    ``runtime.cuda.matmul.FALLBACKS`` as the matmul ops' are (benchmarks read it)."""
     pytest.importorskip("triton")
-    (causes,) = spawn(_capture_causes_rank, 1, "gloo")
+    ((causes, counted),) = spawn(_capture_causes_rank, 1, "gloo")
+    assert counted == {cause: 1 for cause in causes}  # every fallback counted (matmul.FALLBACKS), once each
     split_cause = "the split of 20 tokens is new inside CUDA-graph capture (a warm-up call builds it)"
     assert split_cause in causes and len(causes) == 2, causes
     (workspace_cause,) = set(causes) - {split_cause}

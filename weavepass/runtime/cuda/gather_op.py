@@ -29,7 +29,7 @@ from weavepass.runtime.cuda import workspace
 from weavepass.runtime.cuda.gather import ALIGNMENT, PrologueLayout, PrologueWorkspace, gather_matmuls, push_gather_rows
 from weavepass.runtime.cuda.gemm import SUPPORTED_DTYPES, OwnerRows
 from weavepass.runtime.cuda.launch_plan import triton_next_power_of_2
-from weavepass.runtime.cuda.matmul import group_world
+from weavepass.runtime.cuda.matmul import FALLBACKS, group_world
 from weavepass.runtime.portable import all_gather_matmul_portable, resolve_group
 
 logger = logging.getLogger("weavepass")
@@ -146,7 +146,8 @@ def all_gather_matmul_cuda(shard: torch.Tensor, mat2s: list[torch.Tensor], group
         elif split is None:
             cause = f"the split of {num_tokens} tokens is new inside CUDA-graph capture (a warm-up call builds it)"
     if cause is not None or ws is None or split is None:
-        if num_tokens:
+        if num_tokens:  # counted with the matmul ops' (a benchmark reads it: it must not time this as the kernels)
+            FALLBACKS[str(cause)] += 1
             _warn_once(str(cause), f"weave cuda_symm all_gather_matmul falls back to portable: {cause}")
         return all_gather_matmul_portable(shard, mat2s, group_name, num_tokens)
     weights = []

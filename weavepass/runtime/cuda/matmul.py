@@ -72,10 +72,11 @@ ROW_ALIGNMENT = 16
 _WARNED: set[str] = set()
 
 FALLBACKS: Counter[str] = Counter()
-"""Calls of the ``cuda_symm`` matmul ops that ran the portable lowering (cuBLAS's matmul and the
-group's collectives) instead of the Triton kernels, per reason, every call counted (the warning is
-once per reason): a benchmark reads it so that it never reports the portable path's time as the
-kernels' (benchmarks/bench_overlap.py)."""
+"""Calls of the ``cuda_symm`` matmul ops (the scatter ops here, ``weave.all_gather_matmul`` in
+``gather_op``) that ran the portable lowering (cuBLAS's matmul and the group's collectives) instead of
+the Triton kernels, per reason, every call counted (the warning is once per reason): a benchmark
+reads it so that it never reports the portable path's time as the kernels'
+(benchmarks/bench_overlap.py)."""
 
 
 def _warn_once(key: str, message: str) -> None:
