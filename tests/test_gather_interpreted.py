@@ -10,12 +10,10 @@ tests/gpu/test_gather_gpu.py on one GPU."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from interpreted import run_interpreted  # tests/interpreted.py
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
 
@@ -24,11 +22,7 @@ CASE = pathlib.Path(__file__).with_name("gather_interpreter_case.py")
 
 @pytest.mark.parametrize("case", ["gather", "chunks", "full_stream", "push_dtypes", "op_entry"])
 def test_gather_kernels_interpreted(case):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
-    result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert f"{case}: OK" in result.stdout
+    run_interpreted(CASE.name, case, ok=f"{case}: OK")
 
 
 def test_gather_refuses_what_it_cannot_serve():

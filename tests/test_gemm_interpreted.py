@@ -10,12 +10,10 @@ covers those on one GPU."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from interpreted import run_interpreted  # tests/interpreted.py
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
 
@@ -25,11 +23,7 @@ CASE = pathlib.Path(__file__).with_name("gemm_interpreter_case.py")
 @pytest.mark.parametrize("case", ["gemm", "scatter", "scatter_paths", "reduce", "capture", "matmul_op",
                                   "matmul_entry"])
 def test_gemm_kernels_interpreted(case):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
-    result = subprocess.run([sys.executable, str(CASE), case], env=env, capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert f"{case}: OK" in result.stdout
+    run_interpreted(CASE.name, case, ok=f"{case}: OK")
 
 
 def test_owner_row_starts():

@@ -9,12 +9,10 @@ tests/gpu/test_overlap_gpu.py cover those)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from interpreted import run_interpreted  # tests/interpreted.py
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
 
@@ -27,8 +25,4 @@ CASE = pathlib.Path(__file__).with_name("push_interpreter_case.py")
     ("in_step", "no_residual", "bfloat16"),
 ])
 def test_push_kernels_match_reference(schedule, residual, dtype):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
-    result = subprocess.run([sys.executable, str(CASE), schedule, residual, dtype], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "push kernels: OK" in result.stdout
+    run_interpreted(CASE.name, schedule, residual, dtype, ok="push kernels: OK")

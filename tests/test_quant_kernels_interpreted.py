@@ -12,9 +12,9 @@ import importlib.util
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
+from interpreted import run_interpreted  # tests/interpreted.py
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
 
@@ -32,22 +32,14 @@ CASE = pathlib.Path(__file__).with_name("quant_interpreter_case.py")
     (2, "lamport", "bfloat16"),
 ])
 def test_quantized_epilogue_matches_eager(world, algorithm, dtype):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
-    result = subprocess.run([sys.executable, str(CASE), str(world), algorithm, dtype], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "quant kernels: OK" in result.stdout
+    run_interpreted(CASE.name, str(world), algorithm, dtype, ok="quant kernels: OK", timeout=600)
 
 
 def test_division_through_one_reciprocal_per_scale_is_ieee_division():
     """``kernels._divide_rn`` against numpy's IEEE division (tests/quant_divide_case.py): bit for
     bit wherever a quotient can reach a nonzero code, over every bf16 and fp16 dividend, fp32
     significands, special values, and scales from 1e-45 to inf (negative too)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(CASE.parent.parent))
-    result = subprocess.run([sys.executable, str(CASE.with_name("quant_divide_case.py"))], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "divide_rn: OK" in result.stdout
+    run_interpreted("quant_divide_case.py", ok="divide_rn: OK", timeout=600)
 
 
 def _sass(cubin: bytes) -> str:
