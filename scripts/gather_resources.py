@@ -15,12 +15,10 @@ machine's Triton (3.6: ``pip install --target /tmp/t36 triton==3.6.0``) for its 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
+from kernel_resources import cuobjdump  # scripts/kernel_resources.py (this folder is on sys.path)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -48,13 +46,7 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, num_stages: i
 
 
 def resources(compiled) -> str:
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as folder:
-        cubin = os.path.join(folder, "kernel.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
-        sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    usage, sass = cuobjdump(compiled)
     fields = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
     counts = " ".join(f"{name} {sass.count(name)}" for name in SASS)
     fence = compiled.asm["ptx"].count("fence.proxy.async")

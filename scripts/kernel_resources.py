@@ -61,7 +61,9 @@ def compile_sm90(fn, constants: dict, num_warps: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def resources(compiled) -> str:
+def cuobjdump(compiled) -> tuple[str, str]:
+    """``(resource usage, SASS)`` of a compiled kernel, from Triton's bundled ``cuobjdump``
+    (scripts/gather_resources.py reads them too)."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "kernel.cubin")
@@ -69,6 +71,11 @@ def resources(compiled) -> str:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
         sass = subprocess.run([f"{tools}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    return usage, sass
+
+
+def resources(compiled) -> str:
+    usage, sass = cuobjdump(compiled)
     fields = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
     counts = " ".join(f"{name} {len(re.findall('|'.join(map(re.escape, pattern.split('|'))), sass))}"
                       for name, pattern in SASS.items())
