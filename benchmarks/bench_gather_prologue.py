@@ -55,8 +55,9 @@ from bench_gemm import (  # benchmarks/bench_gemm.py: one list of models and tok
     _graph_timer,
     _timer,
     gemm_dims,
+    plot,
 )
-from report import pyplot, save_figure, write_csv  # benchmarks/report.py
+from report import write_csv  # benchmarks/report.py
 from timing import progress_bar  # benchmarks/timing.py
 
 from weavepass.runtime.cuda import gather, gemm
@@ -136,32 +137,6 @@ def measure_cell(model, name, tokens, dtype, device, path, time_ms, owner_counts
     return rows
 
 
-def plot(rows: list[dict], path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(len(models), len(GEMMS), figsize=(4 * len(GEMMS), 2.8 * len(models)), squeeze=False,
-                             sharey=True)
-    for (i, model), (j, name) in itertools.product(enumerate(models), enumerate(GEMMS)):
-        ax = axes[i][j]
-        cell = [r for r in rows if r["model"] == model and r["gemm"] == name and r["variant"] != "triton"]
-        for variant in dict.fromkeys(r["variant"] for r in cell):
-            points = sorted((r["tokens"], r["vs_triton"]) for r in cell if r["variant"] == variant)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.axhline(0.97, color="grey", lw=0.6, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{model} {name}", fontsize=9)
-        if j == 0:
-            ax.set_ylabel("speed vs plain Triton")
-        if i == len(models) - 1:
-            ax.set_xlabel("tokens")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="70b_tp8 and 8b_tp2 at 2K and 8K tokens")
@@ -206,7 +181,8 @@ def main() -> None:
         progress.update()
     progress.close()
     print(f"wrote {os.path.join(args.out, 'bench_gather_prologue.csv')}")
-    plot(rows, os.path.join(args.out, "bench_gather_prologue.png"))
+    plot(rows, os.path.join(args.out, "bench_gather_prologue.png"), key="vs_triton", baseline="triton",
+         ylabel="speed vs plain Triton")
 
 
 if __name__ == "__main__":

@@ -247,7 +247,10 @@ def _check(got: torch.Tensor, reference: torch.Tensor | None) -> str:
     return "ok"
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, key: str = "speed_vs_cublas", baseline: str = "cublas",
+         ylabel: str = "speed vs cuBLAS") -> None:
+    """One panel per (model, GEMM): each variant but ``baseline``'s ``key`` over the token count, the
+    median over ``--repeat``; lines at 1 and at the issue's 0.97 (bench_gather_prologue uses it too)."""
     plt = pyplot()
     if plt is None:
         return
@@ -257,10 +260,10 @@ def plot(rows: list[dict], path) -> None:
                              squeeze=False, sharey=True)
     for (i, model), (j, name) in itertools.product(enumerate(models), enumerate(names)):
         ax = axes[i][j]
-        cell = [r for r in rows if r["model"] == model and r["gemm"] == name and r["variant"] != "cublas"]
+        cell = [r for r in rows if r["model"] == model and r["gemm"] == name and r["variant"] != baseline]
         for variant in dict.fromkeys(r["variant"] for r in cell):
             tokens = sorted({r["tokens"] for r in cell if r["variant"] == variant})
-            points = [(t, statistics.median(r["speed_vs_cublas"] for r in cell  # median over --repeat
+            points = [(t, statistics.median(r[key] for r in cell  # median over --repeat
                                             if r["variant"] == variant and r["tokens"] == t)) for t in tokens]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
         ax.axhline(1.0, color="grey", lw=0.8)
@@ -268,7 +271,7 @@ def plot(rows: list[dict], path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(f"{model} {name}", fontsize=9)
         if j == 0:
-            ax.set_ylabel("speed vs cuBLAS")
+            ax.set_ylabel(ylabel)
         if i == len(models) - 1:
             ax.set_xlabel("tokens")
     axes[0][-1].legend(fontsize=7)
