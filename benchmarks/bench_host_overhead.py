@@ -24,6 +24,19 @@ for these ways of running all_reduce + add + RMSNorm:
                    (``extern_kernels.weave_fused_allreduce_rmsnorm``, ``weavepass.compile.direct_calls``)
     graph_async    the async op and its join as a split graph calls them (direct)
 
+and, for issue 34's op (the row-parallel matmul inside the op, ``gemm_epilogue``; x ``[tokens, K]``
+with ``--matmul-k`` (1024: 70b_tp8's o_proj), mat2 ``[K, 8192]``, the transposed weight):
+
+    mm_graph_op    ``torch.mm`` then the fused op's direct call: what a fuse-only graph runs for the
+                   same site (cuBLAS + the fused op)
+    matmul_lowering  ``weavepass.runtime.cuda.matmul.matmul_reduce_scatter_rmsnorm_cuda`` directly
+    matmul_unplanned the same with ``matmul.PLAN_CALLS`` off: every call validated and planned, its
+                   launches through Triton's dispatch (the path before ``gemm.ScatterPlan``)
+    graph_matmul   ``weave.matmul_reduce_scatter_rmsnorm`` as a compiled graph calls it (direct call)
+
+``--profile WAY`` then runs ``--profile-calls`` calls of that way under ``cProfile`` (rank 0) and
+prints the functions by own time: where the host time of a call goes.
+
 Before measuring, each rank compiles a two-op function with the weave backend and checks that the
 generated code calls the ops directly (``direct_calls_in_graph`` in the CSV): graph_* are the
 graph's cost only if it does.
@@ -49,7 +62,9 @@ import torch.distributed as dist
 from report import world_name, write_csv  # benchmarks/report.py
 
 WAYS = ("nccl_unfused", "dispatch", "lowering", "lowering_triton", "op", "async_op", "push_op", "graph_op",
-        "graph_async")
+        "graph_async", "mm_graph_op", "matmul_lowering", "matmul_unplanned", "graph_matmul")
+MATMUL_WAYS = ("mm_graph_op", "matmul_lowering", "matmul_unplanned", "graph_matmul")
+"""Ways called with ``(x, mat2, residual, weight)``, not ``(partial, residual, weight)``."""
 
 
 def _callables(group_name: str):
@@ -115,7 +130,31 @@ def _callables(group_name: str):
         direct_join(normed, res, [p, r])
         return normed, res
 
-    return {"nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
+    from weavepass.ops import MATMUL_REDUCE_SCATTER_RMSNORM
+    from weavepass.runtime.cuda import matmul
+    from weavepass.runtime.cuda.matmul import matmul_reduce_scatter_rmsnorm_cuda
+
+    direct_matmul = getattr(extern_kernels, direct_calls.extern_name(MATMUL_REDUCE_SCATTER_RMSNORM))
+
+    def mm_graph_op(x, m, r, w):
+        return direct_fused(torch.mm(x, m), r, w, 1e-5, group_name, x.dtype, "cuda_symm", capacity)
+
+    def matmul_lowering(x, m, r, w):
+        return matmul_reduce_scatter_rmsnorm_cuda(x, m, r, w, 1e-5, group_name, x.dtype, max_workspace_tokens=capacity)
+
+    def matmul_unplanned(x, m, r, w):
+        matmul.PLAN_CALLS = False
+        try:
+            return matmul_lowering(x, m, r, w)
+        finally:
+            matmul.PLAN_CALLS = True
+
+    def graph_matmul(x, m, r, w):
+        return direct_matmul(x, m, r, w, 1e-5, group_name, x.dtype, "cuda_symm", capacity)
+
+    return {"mm_graph_op": mm_graph_op, "matmul_lowering": matmul_lowering, "matmul_unplanned": matmul_unplanned,
+            "graph_matmul": graph_matmul,
+            "nccl_unfused": nccl_unfused, "dispatch": dispatch, "lowering": lowering,
             "lowering_triton": lowering_triton, "op": op, "async_op": async_op, "push_op": push_op,
             "graph_op": graph_op, "graph_async": graph_async}
 
@@ -196,20 +235,46 @@ def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
             p = torch.randn(tokens, 8192, device=device, dtype=torch.bfloat16, generator=gen)
             r = torch.randn_like(p)
             w = torch.ones(8192, device=device, dtype=torch.bfloat16)
+            k = config["matmul_k"]
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=gen) / k ** 0.5
+            mat2 = torch.randn(8192, k, device=device, dtype=torch.bfloat16, generator=gen).t()  # a linear's weight.T
+            inputs = {name: (x, mat2, r, w) if name in MATMUL_WAYS else (p, r, w) for name in config["ways"]}
             for name in config["ways"]:
                 for _ in range(5):  # warm up: Triton compile, workspace, NCCL communicator
-                    ways[name](p, r, w)
+                    ways[name](*inputs[name])
             samples = {name: ([], []) for name in config["ways"]}
             for _ in range(config["repeats"]):
                 for name in config["ways"]:
-                    host, gpu = _measure_once(ways[name], (p, r, w), config["calls"])
+                    host, gpu = _measure_once(ways[name], inputs[name], config["calls"])
                     samples[name][0].append(host)
                     samples[name][1].append(gpu)
             for name, (host, gpu) in samples.items():
                 host_us, gpu_us = statistics.median(host), statistics.median(gpu)
                 rows.append({"way": name, "tokens": tokens, "host_us": host_us, "gpu_us": gpu_us,
                              "host_bound": host_us > gpu_us, "direct_calls_in_graph": bool(direct)})
+            if config["profile"] and rank == 0:
+                _profile(ways[config["profile"]], inputs[config["profile"]], config["profile_calls"],
+                         f"{config['profile']} at {tokens} tokens")
     return rows
+
+
+def _profile(fn, args, calls: int, label: str) -> None:
+    """``calls`` calls of ``fn`` under cProfile, the top functions by own time printed (per call)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn(*args)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"--- cProfile of {calls} calls of {label} (times are totals over the calls; cProfile's own "
+          f"overhead inflates them, the ranking is what counts)\n{text.getvalue()}")
 
 
 def main() -> None:
@@ -220,13 +285,22 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--world", type=int, default=2, help="GPUs (ranks); 1: host cost on one GPU")
+    parser.add_argument("--matmul-k", type=int, default=1024, help="K of the matmul ways' x [tokens, K]")
+    parser.add_argument("--profile", choices=WAYS, help="then profile this way's calls (cProfile, rank 0)")
+    parser.add_argument("--profile-calls", type=int, default=200)
     args = parser.parse_args()
+    unknown = set(args.ways.split(",")) - set(WAYS)
+    if unknown:
+        parser.error(f"unknown ways {sorted(unknown)}; known: {', '.join(WAYS)}")
+    if args.profile and args.profile not in args.ways.split(","):
+        parser.error(f"--profile {args.profile} must be one of --ways")
     if torch.cuda.device_count() < args.world:
         raise SystemExit(f"bench_host_overhead --world {args.world} needs {args.world} GPUs")
     from weavepass.testing import spawn
 
     config = {"tokens": args.tokens, "ways": args.ways.split(","), "calls": args.calls,
-              "repeats": args.repeats}
+              "repeats": args.repeats, "matmul_k": args.matmul_k, "profile": args.profile,
+              "profile_calls": args.profile_calls}
     rows = spawn(_run_rank, args.world, "nccl", config, timeout_s=600.0)[0]
     for row in rows:
         row["world"] = args.world

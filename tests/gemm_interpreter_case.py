@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import itertools
 import sys
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -279,6 +280,55 @@ def case_matmul_op() -> None:
     print("matmul_op: OK")
 
 
+def case_planned() -> None:
+    """``gemm.ScatterPlan`` (the op's launches after the first call of a signature:
+    ``matmul._planned_call``) against the general path (``scatter_matmul`` + ``reduce_scattered``) on
+    the same inputs, to the bit, at world 1 and 2 with and without a residual: three calls of one
+    signature (the first launches with the call's own descriptors, the later ones with copies rebased
+    on new x and w), then an x 2 bytes off 16-byte alignment (the plan then runs ``scatter_matmul``,
+    which loads through pointers), against the reference. The plan holds neither the first call's x
+    nor its w."""
+    from weavepass.runtime.cuda.gemm import ScatterPlan
+    from weavepass.testing.gemm_sim import SimulatedMatmulRanks
+
+    hidden, k, tokens = 24, 40, 37
+    for world, residual in [(1, True), (2, False), (2, True)]:
+        gen = torch.Generator().manual_seed(world * 10 + residual)
+        sim = SimulatedMatmulRanks(world, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DTYPE)
+        plans = None
+        for step in range(4):
+            xs = [_draw(gen, tokens, k) for _ in range(world)]
+            if step == 3:  # x off alignment: a flat buffer viewed from its second element
+                xs = [torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(tokens, k) for x in xs]
+                assert all(x.data_ptr() % 16 for x in xs)
+            mats = [_draw(gen, hidden, k) for _ in range(world)]
+            res = [_draw(gen, tokens, hidden)] * world if residual else None
+            general = sim.calls(xs, [m.t() for m in mats], res, weight, EPS, num_ctas=2)
+            sim.run(general)
+            planned = sim.calls(xs, [m.t() for m in mats], res, weight, EPS, num_ctas=2)
+            if plans is None:
+                plans = [ScatterPlan(c.x, c.w, c.ws.scatter, c.owners, c.count, EPS, c.num_ctas, residual)
+                         for c in planned]
+                refs = [weakref.ref(t) for c in planned for t in (c.x, c.w)]
+            for c, plan in zip(planned, plans, strict=True):
+                c.plan = plan
+            sim.run(planned)
+            for a, b in zip(general, planned, strict=True):
+                assert torch.equal(a.normed, b.normed) and torch.equal(a.residual_out, b.residual_out), step
+            partials = [matmul(x.contiguous(), m, config=INTERPRETER_CONFIG) for x, m in zip(xs, mats, strict=True)]
+            want_n, want_r = fused_allreduce_rmsnorm_reference(partials, None if res is None else res[0], weight, EPS,
+                                                               DTYPE)
+            torch.testing.assert_close(planned[0].residual_out, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(planned[0].normed, want_n, **NORMED_TOL)
+            if step == 0:
+                del general, planned, partials, c, a, b, xs, mats
+                gc.collect()
+                assert all(r() is None for r in refs), "a plan keeps its first call's x or w alive"
+        assert all(p.use_descriptors for p in plans)  # the interpreter takes descriptors: the rebased path ran
+    print("planned: OK")
+
+
 def case_matmul_entry() -> None:
     """The lowering's entry points (``matmul_reduce_scatter_rmsnorm_cuda`` and the shard form) at a
     gloo group of one rank, the symmetric allocation replaced by ordinary CPU tensors (the kernels'
@@ -363,4 +413,5 @@ def case_matmul_entry() -> None:
 
 if __name__ == "__main__":
     {"gemm": case_gemm, "scatter": case_scatter, "reduce": case_reduce, "capture": case_capture,
-     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry, "scatter_paths": case_scatter_paths}[sys.argv[1]]()
+     "matmul_op": case_matmul_op, "matmul_entry": case_matmul_entry, "scatter_paths": case_scatter_paths,
+     "planned": case_planned}[sys.argv[1]]()

@@ -21,7 +21,7 @@ CASE = pathlib.Path(__file__).with_name("gemm_interpreter_case.py")
 
 
 @pytest.mark.parametrize("case", ["gemm", "scatter", "scatter_paths", "reduce", "capture", "matmul_op",
-                                  "matmul_entry"])
+                                  "matmul_entry", "planned"])
 def test_gemm_kernels_interpreted(case):
     run_interpreted(CASE.name, case, ok=f"{case}: OK")
 

@@ -28,6 +28,8 @@ Tolerances, and why:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,6 +159,58 @@ def test_matmul_op_simulated(world, dtype, request):
                      f"world {world} call {call} {'full' if full else 'shard'}")
     assert [p[:4].tolist()[0::2] for p in sim.pads] == [[6, 6]] * world  # GEMM_SEQ, REDUCE_SEQ
     assert [int(p[0]) for p in sim.gather_pads] == [3] * world  # GATHER_SEQ: the three full calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_planned_calls_match_the_general_path(world, dtype, request):
+    """``gemm.ScatterPlan`` (the op's launches after the first call of a signature,
+    ``matmul._planned_call``) on the GPU, where its launches go direct (``launcher.DirectLauncher``,
+    tensor descriptors rebased on each call's x and w): five calls of one signature, each run first
+    by the general path (``scatter_matmul`` + ``reduce_scattered``, Triton's dispatch) and then by the
+    plan on the same inputs, equal to the bit (the same kernel, config and store path); the plan's
+    GEMM and reduce launched direct from the second call on; then an x off 16-byte alignment (the
+    plan runs ``scatter_matmul``, pointer loads), against the reference."""
+    if _in_child(request):
+        return
+    from weavepass.runtime.cuda import launcher
+    from weavepass.runtime.cuda.gemm import ScatterPlan
+    from weavepass.testing.gemm_sim import SimulatedMatmulRanks
+
+    assert launcher.DIRECT_LAUNCH
+    tokens, hidden, k = 1030, 4096, 512
+    sim = SimulatedMatmulRanks(world, hidden, 2048, dtype)  # 2048 rows per owner: a multiple of every block_m
+    if world == 1:  # as the op's group of one: its staging is every owner's, so the scatter stores by TMA
+        ws0 = sim.workspaces[0]
+        ws0.scatter = dataclasses.replace(ws0.scatter, shared=ws0.scatter.staging)
+    gen = torch.Generator(device="cuda").manual_seed(7 * world)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+    plans = None
+    for call in range(6):
+        xs = [_draw(gen, tokens, k, dtype) for _ in range(world)]
+        if call == 5:
+            xs = [torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(tokens, k) for x in xs]
+            assert all(x.data_ptr() % 16 for x in xs)
+        ws = [_draw(gen, hidden, k, dtype, scale=k**-0.5) for _ in range(world)]
+        residual = _draw(gen, tokens, hidden, dtype)
+        general = sim.calls(xs, [w.t() for w in ws], [residual] * world, weight, EPS)
+        sim.run(general, one_stream=call == 0)
+        planned = sim.calls(xs, [w.t() for w in ws], [residual] * world, weight, EPS)
+        if plans is None:
+            plans = [ScatterPlan(c.x, c.w, c.ws.scatter, c.owners, c.count, EPS, c.num_ctas, True) for c in planned]
+        for c, plan in zip(planned, plans, strict=True):
+            c.plan = plan
+        sim.run(planned, one_stream=call == 0)
+        torch.cuda.synchronize()
+        for r, (a, b) in enumerate(zip(general, planned, strict=True)):
+            assert torch.equal(a.normed, b.normed) and torch.equal(a.residual_out, b.residual_out), \
+                f"call {call} rank {r}: the planned launches differ from the general path"
+        partials = [_plain(x.contiguous(), w) for x, w in zip(xs, ws, strict=True)]
+        _check_calls(planned, partials, residual, None, weight, dtype, f"planned world {world} call {call}")
+    for plan in plans:
+        assert plan.use_descriptors and plan.gemm_launcher.compiled is not None \
+            and plan.reduce_launcher.compiled is not None, "the plan's launches did not go direct"
+        assert plan.gemm_launcher.meta["STORE_DESC"] == (world == 1)  # TMA stores where one allocation holds all
 
 
 # ---------------------------------------------------------------- real ranks

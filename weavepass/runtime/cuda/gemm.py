@@ -373,20 +373,30 @@ def _launch(x, w, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blo
     each owner's staging row in it."""
     from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
 
+    grid, tail, meta = _gemm_arguments(x, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blocks, watch,
+                                       timeout_ns, rank, world, signal_rows, config, use_descriptors, has_signals,
+                                       num_tiles, max_ctas, store_desc, y_desc)
+    persistent_gemm_kernel[grid](*_operands(x, w, config, use_descriptors), *tail, **meta)
+
+
+def _gemm_arguments(x, staging, starts, deltas, pad, pad_deltas, n, capacity, num_blocks, watch, timeout_ns, rank,
+                    world, signal_rows, config, use_descriptors, has_signals, num_tiles, max_ctas, store_desc=False,
+                    y_desc=None):
+    """``(grid, tail, meta)`` of a ``persistent_gemm_kernel`` launch (``_launch``'s arguments): the
+    kernel runs as ``kernel[grid](x operand, w operand, *tail, **meta)``."""
     if signal_rows % config.block_m:
         raise ValueError(f"signal rows {signal_rows} are not a multiple of block_m {config.block_m}")
-    a, b = _operands(x, w, config, use_descriptors)
     if store_desc and y_desc is None:  # the plain GEMM: staging is y [M, N]
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         y_desc = TensorDescriptor(staging, list(staging.shape), list(staging.stride()),
                                   [config.block_m, config.block_n // config.epilogue_split])
     grid = _grid(num_tiles, x.device, max_ctas)
-    persistent_gemm_kernel[grid](
-        a, b, staging, staging if y_desc is None else y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n,
-        x.shape[1], capacity, num_blocks, watch, timeout_ns, RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows,
-        USE_DESC=use_descriptors, HAS_SIGNALS=has_signals, THREADS=config.num_warps * 32,
-        GPU_FENCES=not interpreting(), **config.meta(store_desc))
+    tail = (staging, staging if y_desc is None else y_desc, starts, deltas, pad, pad_deltas, x.shape[0], n,
+            x.shape[1], capacity, num_blocks, watch, timeout_ns)
+    meta = dict(RANK=rank, WORLD=world, SIGNAL_ROWS=signal_rows, USE_DESC=use_descriptors, HAS_SIGNALS=has_signals,
+                THREADS=config.num_warps * 32, GPU_FENCES=not interpreting(), **config.meta(store_desc))
+    return grid, tail, meta
 
 
 def _resolve(x, w, config: GemmConfig, use_descriptors) -> tuple[GemmConfig, bool]:
@@ -463,15 +473,87 @@ def scatter_matmul(x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owner
         raise ValueError(f"row counts of {owners.starts} exceed the staging capacity of {lay.capacity} rows")
     config, use_descriptors = _resolve(x, w, config or select_config(x.shape[0], lay.hidden, x.shape[1], x.device),
                                        use_descriptors)
+    from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
+
+    grid, tail, meta = _scatter_arguments(x, ws, owners, config, use_descriptors, max_ctas, signals)
+    persistent_gemm_kernel[grid](*_operands(x, w, config, use_descriptors), *tail, **meta)
+
+
+def _scatter_arguments(x: torch.Tensor, ws: ScatterWorkspace, owners: OwnerRows, config: GemmConfig,
+                       use_descriptors: bool, max_ctas: int | None, signals: bool):
+    """``(grid, tail, meta)`` of ``scatter_matmul``'s launch (``_gemm_arguments``)."""
+    lay = ws.layout
     # Upper bound of the tiles (the kernel counts exactly): enough to size the persistent grid.
     tiles = (-(-x.shape[0] // config.block_m) + lay.world) * -(-lay.hidden // config.block_n)
     store_desc = scatter_store_reason(ws, config, use_descriptors, signals) is None
     deltas, y_desc = ws.deltas, None
     if store_desc:
         deltas, y_desc = ws.shared_rows, ws.store_descriptor(config.block_m, config.block_n // config.epilogue_split)
-    _launch(x, w, ws.staging, owners.table, deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,
-            lay.num_blocks, ws.watch, ws.timeout_ns, ws.rank, lay.world, lay.signal_rows, config, use_descriptors,
-            signals, tiles, max_ctas, store_desc, y_desc)
+    return _gemm_arguments(x, ws.staging, owners.table, deltas, ws.pad, ws.pad_deltas, lay.hidden, lay.capacity,
+                           lay.num_blocks, ws.watch, ws.timeout_ns, ws.rank, lay.world, lay.signal_rows, config,
+                           use_descriptors, signals, tiles, max_ctas, store_desc, y_desc)
+
+
+class ScatterPlan:
+    """``scatter_matmul`` and ``reduce_scattered`` of one call signature (shapes, dtypes, workspace,
+    split, eps), planned once and launched with little host work (``launcher.DirectLauncher``): the
+    ``cuda_symm`` matmul op's path after its first call of a signature. At a small batch the op is
+    host-bound: through Triton's dispatch its two launches and the per-call planning cost ~170 us of
+    host time on the H200 host, against ~90 us of GPU time at 2048 tokens
+    (benchmarks/bench_host_overhead.py, 2026-12-04).
+
+    The config and the store path are fixed here, as ``scatter_matmul`` would choose them for the
+    first call; the TMA operands' descriptors are copies of the first call's with the new bases (the
+    shapes and strides are the signature's). A call whose x or w is not 16-byte aligned where the
+    plan loads through descriptors runs ``scatter_matmul`` itself (which loads through pointers)."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owners: OwnerRows, count: int,
+                 eps: float, num_ctas: int, has_residual: bool) -> None:
+        from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel, reduce_scattered_rows_kernel
+        from weavepass.runtime.cuda.launcher import DirectLauncher
+
+        _check(x, w, ws.staging.dtype)
+        self.ws, self.owners = ws, owners
+        config, self.use_descriptors = _resolve(x, w, select_config(x.shape[0], ws.layout.hidden, x.shape[1],
+                                                                    x.device), None)
+        self.config = config
+        grid, tail, meta = _scatter_arguments(x, ws, owners, config, self.use_descriptors, None, True)
+        self.gemm_launcher = DirectLauncher(persistent_gemm_kernel, grid, tail, meta)
+        grid, tail, meta = _reduce_arguments(ws, count, eps, num_ctas, has_residual)
+        self.reduce_launcher = DirectLauncher(reduce_scattered_rows_kernel, grid, tail, meta)
+        self._templates: tuple | None = None  # the first call's (x, w) descriptors
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        """``scatter_matmul(x, w, ws, owners)`` for x and w of the planned signature."""
+        if not self.use_descriptors:
+            self.gemm_launcher.launch((x, w))
+            return
+        if (x.data_ptr() | w.data_ptr()) & 15:
+            scatter_matmul(x, w, self.ws, self.owners)
+            return
+        if self._templates is None:
+            operands = _operands(x, w, self.config, True)
+            self.gemm_launcher.launch(operands)
+            self._templates = tuple(_rebased(t, None) for t in operands)  # holds neither x nor w
+            return
+        tx, tw = self._templates
+        self.gemm_launcher.launch((_rebased(tx, x), _rebased(tw, w)))
+
+    def reduce(self, residual: torch.Tensor | None, weight: torch.Tensor, normed: torch.Tensor,
+               residual_out: torch.Tensor) -> None:
+        """``reduce_scattered`` of the planned count, eps and grid."""
+        self.reduce_launcher.launch((self.ws.staging, self.ws.pad, residual_out if residual is None else residual,
+                                     weight, normed, residual_out))
+
+
+def _rebased(template, base: torch.Tensor | None):
+    """A copy of the tensor descriptor ``template`` over ``base``: same shape, strides and block
+    (the caller has checked that ``base`` has them and a 16-byte aligned address), without the
+    constructor's checks, which cost microseconds per call."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = base
+    return desc
 
 
 def reduce_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:
@@ -492,16 +574,21 @@ def reduce_scattered(ws: ScatterWorkspace, count: int, residual: torch.Tensor | 
     ``num_ctas`` programs."""
     from weavepass.runtime.cuda.gemm_kernels import reduce_scattered_rows_kernel
 
+    grid, tail, meta = _reduce_arguments(ws, count, eps, num_ctas, residual is not None)
+    reduce_scattered_rows_kernel[grid](ws.staging, ws.pad, residual_out if residual is None else residual, weight,
+                                       normed, residual_out, *tail, **meta)
+
+
+def _reduce_arguments(ws: ScatterWorkspace, count: int, eps: float, num_ctas: int, has_residual: bool):
+    """``(grid, tail, meta)`` of ``reduce_scattered``'s launch: the kernel runs as
+    ``kernel[grid](staging, pad, residual, weight, normed, residual_out, *tail, **meta)``."""
     lay = ws.layout
     if lay.signal_rows & (lay.signal_rows - 1):
         raise ValueError(f"signal rows {lay.signal_rows} must be a power of two (reduce tiles divide it)")
     meta = reduce_arguments(lay.hidden, ws.staging.element_size(), lay.signal_rows)
-    rows = meta["ROWS"]
-    grid = (max(1, min(num_ctas, -(-count // rows))),)
-    reduce_scattered_rows_kernel[grid](
-        ws.staging, ws.pad, residual_out if residual is None else residual, weight, normed, residual_out, count,
-        lay.capacity, lay.num_blocks, ws.watch, ws.timeout_ns, eps, RANK=ws.rank, WORLD=lay.world,
-        HAS_RESIDUAL=residual is not None, **meta)
+    grid = (max(1, min(num_ctas, -(-count // meta["ROWS"]))),)
+    tail = (count, lay.capacity, lay.num_blocks, ws.watch, ws.timeout_ns, eps)
+    return grid, tail, dict(RANK=ws.rank, WORLD=lay.world, HAS_RESIDUAL=has_residual, **meta)
 
 
 def tune(run, configs=GPU_CONFIGS, report=None) -> tuple[GemmConfig, dict]:

@@ -19,7 +19,11 @@ and records the compiled kernel; later launches call that kernel's launcher dire
 * on Triton 3.6, through the C ``launch`` function without the Python wrapper around it
   (``_bare_launcher``);
 * on the current stream, or on a stream it is handed, by handle (the split's communication stream:
-  ``weavepass.runtime.streams``), without making that stream current.
+  ``weavepass.runtime.streams``), without making that stream current;
+* with tensor descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``, the Triton GEMM's
+  TMA operands) passed as they are: Triton's launcher wrapper (``wrap_handle_tensordesc`` in 3.6)
+  turns each into its ``CUtensorMap`` and sizes at every launch, as its own path does; the
+  alignment checked is the descriptor's base address.
 
 Launch hooks (a profiler) get what Triton's own path gives them, tensors included. The direct path
 is valid while the specialisation cannot change: the integer arguments are part of the caller's
@@ -59,15 +63,24 @@ class DirectLauncher:
     idle_exit: object = None  # the same for the exit hook
     bare: object = None  # the launcher to call (``_bare_launcher``) and its extra arguments
     bare_fixed: tuple = ()
+    descriptors: bool = False  # whether ``tensors`` holds tensor descriptors (TMA operands), seen at the first launch
 
     def launch(self, tensors: tuple, scalars: tuple = (), stream: torch.cuda.Stream | None = None) -> None:
         """Launch on ``tensors`` (all on one CUDA device) and ``scalars``, on ``stream`` (default:
         the current stream)."""
         compiled = self.compiled
         if compiled is not None and DIRECT_LAUNCH:
-            ptrs = [t.data_ptr() for t in tensors]
-            if _aligned(ptrs) == self.aligned:
-                raw = (torch._C._cuda_getCurrentRawStream(tensors[0].device.index) if stream is None
+            first = tensors[0]
+            if self.descriptors:  # tensor descriptors pass as they are (Triton's launcher expands them)
+                ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors]
+                aligned = _aligned([_address(t) for t in tensors])
+                if not isinstance(first, torch.Tensor):
+                    first = first.base
+            else:
+                ptrs = [t.data_ptr() for t in tensors]
+                aligned = _aligned(ptrs)
+            if aligned == self.aligned:
+                raw = (torch._C._cuda_getCurrentRawStream(first.device.index) if stream is None
                        else stream.cuda_stream)
                 runtime = self.runtime
                 enter = runtime.launch_enter_hook
@@ -93,13 +106,19 @@ class DirectLauncher:
             names = self.kernel.arg_names[len(tensors) + len(self.tail) + len(scalars):]
             if set(names) <= set(self.meta):  # every remaining parameter is a constexpr we pass
                 self.constexprs = tuple(self.meta[name] for name in names)
-                self.aligned = _aligned([t.data_ptr() for t in tensors])
+                self.descriptors = not all(isinstance(t, torch.Tensor) for t in tensors)
+                self.aligned = _aligned([_address(t) for t in tensors])
                 self.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.tail)
                 self.runtime = runtime
                 self.idle_enter = _idle_chain(runtime.launch_enter_hook)
                 self.idle_exit = _idle_chain(runtime.launch_exit_hook)
                 self.bare, self.bare_fixed = _bare_launcher(result.run)
                 self.compiled = result
+
+
+def _address(t) -> int:
+    """A tensor's address, or a tensor descriptor's base address (``triton.tools.tensor_descriptor``)."""
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.base.data_ptr()
 
 
 def _aligned(addresses) -> bool:

@@ -30,6 +30,7 @@ memory's rendezvous cannot be captured): that call runs the portable lowering, w
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from weavepass.runtime.cuda.gemm import (
     GatherWorkspace,
     OwnerRows,
     ScatterLayout,
+    ScatterPlan,
     ScatterWorkspace,
     collect_rows,
     push_rows,
@@ -254,6 +256,7 @@ class MatmulCall:
     residual_out: torch.Tensor
     full: bool  # the full stream: the outputs hold every token's rows, gathered
     num_ctas: int
+    plan: ScatterPlan | None = None  # the signature's planned launches (the op's calls), else the general path
 
     @property
     def start(self) -> int:
@@ -272,11 +275,17 @@ class MatmulCall:
         return t[self.start: self.start + self.count] if self.full else t[: self.count]
 
     def gemm(self) -> None:
-        scatter_matmul(self.x, self.w, self.ws.scatter, self.owners)
+        if self.plan is not None:
+            self.plan.gemm(self.x, self.w)
+        else:
+            scatter_matmul(self.x, self.w, self.ws.scatter, self.owners)
 
     def reduce(self) -> None:
-        reduce_scattered(self.ws.scatter, self.count, self.residual, self.weight, self.eps, self.own(self.normed),
-                         self.own(self.residual_out), self.num_ctas)
+        if self.plan is not None:
+            self.plan.reduce(self.residual, self.weight, self.own(self.normed), self.own(self.residual_out))
+        else:
+            reduce_scattered(self.ws.scatter, self.count, self.residual, self.weight, self.eps,
+                             self.own(self.normed), self.own(self.residual_out), self.num_ctas)
 
     def push(self) -> None:
         if self.full and self.ws.world > 1:
@@ -371,6 +380,43 @@ def _lowering_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_to
     return prepare_call(ws, owners, x, mat2, residual, weight, eps, out_dtype, rows_out)
 
 
+_PLANS: dict[tuple, tuple[MatmulWorkspace, ScatterPlan]] = {}
+"""The planned launches of each call signature the kernels have served (``_planned_call``)."""
+PLAN_CALLS = os.environ.get("WEAVE_MATMUL_PLANS", "1") != "0"
+"""Debugging switch: ``WEAVE_MATMUL_PLANS=0`` validates and plans every call of the matmul ops, each
+launch through Triton's dispatch, as before the plans (read at each call as ``matmul.PLAN_CALLS``;
+benchmarks/bench_host_overhead.py measures both in one process)."""
+
+
+def _planned_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_tokens: int,
+                  rows_out: int | None) -> MatmulCall | str:
+    """``_lowering_call``, validated and planned at the first call of each signature and then only
+    prepared (outputs allocated, the residual's rows taken): at a small batch the op is host-bound
+    (``gemm.ScatterPlan``). Every property the checks, the workspace, the split and the launches
+    depend on is in the key: shapes, strides (what is copied to contiguous first), dtypes, devices,
+    eps, the group and the limits. A workspace, once chosen for a signature, stays the smallest that
+    fits it (a new one is allocated only when none fits), and a split's table is kept for the process."""
+    key = (x.shape, x.stride(), x.dtype, x.device, mat2.shape, mat2.stride(), mat2.dtype, mat2.device,
+           None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
+           None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device),
+           eps, group_name, out_dtype, max_tokens, rows_out)
+    if not PLAN_CALLS:
+        return _lowering_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_tokens, rows_out)
+    planned = _PLANS.get(key)
+    if planned is not None:
+        ws, plan = planned
+        call = prepare_call(ws, plan.owners, x, mat2, residual, weight, eps, out_dtype, rows_out)
+        call.plan = plan
+        return call
+    call = _lowering_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_tokens, rows_out)
+    if isinstance(call, str):
+        return call  # not kept: outside a capture a later call may find its workspace or split
+    call.plan = ScatterPlan(call.x, call.w, call.ws.scatter, call.owners, call.count, eps, call.num_ctas,
+                            call.residual is not None)
+    _PLANS[key] = (call.ws, call.plan)
+    return call
+
+
 def _fall_back(cause: str) -> None:
     FALLBACKS[cause] += 1
     _warn_once(cause, f"weave cuda_symm matmul op falls back to portable: {cause}")
@@ -383,7 +429,7 @@ def matmul_reduce_scatter_rmsnorm_cuda(x, mat2, residual, weight, eps, group_nam
     lowering, with a one-time warning."""
     if x.shape[0] == 0:
         return matmul_reduce_scatter_rmsnorm_portable(x, mat2, residual, weight, eps, group_name, out_dtype)
-    call = _lowering_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_workspace_tokens, None)
+    call = _planned_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_workspace_tokens, None)
     if isinstance(call, str):
         _fall_back(call)
         return matmul_reduce_scatter_rmsnorm_portable(x, mat2, residual, weight, eps, group_name, out_dtype)
@@ -397,7 +443,7 @@ def matmul_reduce_scatter_rmsnorm_shard_cuda(x, mat2, residual, weight, eps, gro
     args = (x, mat2, residual, weight, eps, group_name, out_dtype)
     if x.shape[0] == 0:
         return matmul_reduce_scatter_rmsnorm_shard_portable(*args, rows_per_rank)
-    call = _lowering_call(*args, max_workspace_tokens, rows_per_rank)
+    call = _planned_call(*args, max_workspace_tokens, rows_per_rank)
     if isinstance(call, str):
         _fall_back(call)
         return matmul_reduce_scatter_rmsnorm_shard_portable(*args, rows_per_rank)
