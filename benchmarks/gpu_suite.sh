@@ -111,8 +111,10 @@
 #              2026-12-03 with fewer scatter variants)
 #   gemmmodel  issue 34: bench_overlap (--quick, 2K-16K tokens, one sequence) at 70b_tp8sim and 8b_tp2 with
 #              inductor, weave_fuse, weave_gemm_epilogue, inductor_cg, weave_gemm_epilogue_cg
-#              (bench_overlap_gemm*.csv; meant for WORLD=1: the op's local cost against Inductor); limit
-#              480 s, not yet timed; a FALLBACK line in the log means a cell did not time the kernels
+#              (bench_overlap_gemm*.csv; meant for WORLD=1: the op's local cost against Inductor), 5 rounds
+#              of 6 calls (3 rounds of 2 moved CUDA-graph cells by up to 8 points between runs); limit
+#              480 s, ~100 s on one H200 (2026-12-04); a FALLBACK line in the log means a cell did not
+#              time the kernels
 #   splitcost  issue 33 (b): bench_split_cost, one layer's seven GEMMs on all tokens against the two
 #              halves of the wave model's, the tile, the half and a 5/8 cut (70b_tp8sim, 8b_tp2, 2K-16K),
 #              measured against the wave model's prediction; one GPU, well under a minute
@@ -147,7 +149,8 @@
 #              166 s on one H200 (2026-12-03) before the A/A controls and 8 rounds (not timed since);
 #              WORLD=2 is not timed (AUTO_TABLE=path: verify that table instead of measuring one;
 #              AUTO_VARIANTS)
-#   host       bench_host_overhead (host cost per fused-op call)
+#   host       bench_host_overhead (host cost per fused-op call, and per call of issue 34's matmul op,
+#              planned once per signature and, for comparison, planned every call)
 #   local      bench_local_cost: the op at a group of one rank against Inductor's add + RMSNorm and the
 #              HBM floor, then simulated ranks (2, 4 and flat-kernel 8 at 2048 tokens) against a copy of
 #              their minimum local bytes; one GPU (docs/cuda_kernel.md, "Local cost")
@@ -332,6 +335,7 @@ wanted gemmspeed && step gemm_table "${GEMMTABLE_TIMEOUT_S:-60}" python3 benchma
 wanted gemmmodel && with_shapes gemmmodel "$OVERLAP_SHAPES" && step bench_overlap_gemm "${GEMMMODEL_TIMEOUT_S:-480}" \
     python3 benchmarks/bench_overlap.py --out "$OUT" --world "$WORLD" --name "bench_overlap_gemm$TP" --quick \
     --shape $OVERLAP_SHAPES --tokens $OVERLAP_TOKENS --layouts 1 \
+    --rounds "${GEMMMODEL_ROUNDS:-5}" --iters "${GEMMMODEL_ITERS:-30}" \
     --variants "${GEMMMODEL_VARIANTS:-inductor,weave_fuse,weave_gemm_epilogue,inductor_cg,weave_gemm_epilogue_cg}"
 # The split end to end on a group of one rank (no peers; streams, joins and CUDA graphs as on more).
 wanted onegpu && WEAVE_GPU_WORLD=1 step pytest_overlap_one_gpu "${OVERLAP1_TIMEOUT_S:-180}" python3 -m pytest -m gpu \
