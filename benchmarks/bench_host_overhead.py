@@ -35,7 +35,8 @@ with ``--matmul-k`` (1024: 70b_tp8's o_proj), mat2 ``[K, 8192]``, the transposed
     graph_matmul   ``weave.matmul_reduce_scatter_rmsnorm`` as a compiled graph calls it (direct call)
 
 ``--profile WAY`` then runs ``--profile-calls`` calls of that way under ``cProfile`` (rank 0) and
-prints the functions by own time: where the host time of a call goes.
+prints the functions by own time: where the host time of a call goes. ``--kernels`` prints each
+way's GPU kernels with their mean time per call (``torch.profiler``): where its GPU time goes.
 
 Before measuring, each rank compiles a two-op function with the weave backend and checks that the
 generated code calls the ops directly (``direct_calls_in_graph`` in the CSV): graph_* are the
@@ -255,7 +256,26 @@ def _run_rank(rank: int, world: int, config: dict) -> list[dict]:
             if config["profile"] and rank == 0:
                 _profile(ways[config["profile"]], inputs[config["profile"]], config["profile_calls"],
                          f"{config['profile']} at {tokens} tokens")
+            if config["kernels"] and rank == 0:
+                for name in config["ways"]:
+                    _kernel_times(ways[name], inputs[name], 20, f"{name} at {tokens} tokens")
     return rows
+
+
+def _kernel_times(fn, args, calls: int, label: str) -> None:
+    """Each GPU kernel's mean time over ``calls`` calls of ``fn`` (torch.profiler, CUDA activity):
+    which of a way's kernels its GPU time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+    print(f"--- kernels of {label} ({calls} calls; us per call)")
+    for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if event.device_time_total > 0:
+            print(f"    {event.device_time_total / calls:9.1f} us  x{event.count // calls:<2} {event.key[:110]}")
 
 
 def _profile(fn, args, calls: int, label: str) -> None:
@@ -288,6 +308,8 @@ def main() -> None:
     parser.add_argument("--matmul-k", type=int, default=1024, help="K of the matmul ways' x [tokens, K]")
     parser.add_argument("--profile", choices=WAYS, help="then profile this way's calls (cProfile, rank 0)")
     parser.add_argument("--profile-calls", type=int, default=200)
+    parser.add_argument("--kernels", action="store_true",
+                        help="then each way's GPU kernels and their mean times (torch.profiler, rank 0)")
     args = parser.parse_args()
     unknown = set(args.ways.split(",")) - set(WAYS)
     if unknown:
@@ -300,7 +322,7 @@ def main() -> None:
 
     config = {"tokens": args.tokens, "ways": args.ways.split(","), "calls": args.calls,
               "repeats": args.repeats, "matmul_k": args.matmul_k, "profile": args.profile,
-              "profile_calls": args.profile_calls}
+              "profile_calls": args.profile_calls, "kernels": args.kernels}
     rows = spawn(_run_rank, args.world, "nccl", config, timeout_s=600.0)[0]
     for row in rows:
         row["world"] = args.world

@@ -78,3 +78,18 @@ def test_select_config_reads_the_measured_table(monkeypatch):
     assert gemm.select_config(2048, 8192, 1024, torch.device("cpu")) == gemm.INTERPRETER_CONFIG
     monkeypatch.setattr(gemm, "MEASURED_SPEED", {(8192, 1024, 2048): 0.95})
     assert gemm.measured_speed(3000, 8192, 1024) == 0.95 and gemm.measured_speed(8192, 8192, 1024) is None
+
+
+def test_reduce_tiles_follow_the_fused_kernels_rule():
+    """The owners' reduce takes the fused kernel's large tiles (``LARGE_TILE_BYTES``: 4 bf16 rows of
+    8192, 16 warps) where its rows fill every program with them, else one-row small tiles; a tile
+    never spans two signal blocks (its rows divide ``signal_rows``). One-row tiles made the reduce
+    1.3x the fused op's kernel on one H200 (each tile waits for its block's signals first)."""
+    from weavepass.runtime.cuda.gemm import reduce_arguments
+
+    large = reduce_arguments(8192, 2, 128, count=8192, num_ctas=132)
+    assert (large["ROWS"], large["num_warps"]) == (4, 16)
+    assert reduce_arguments(8192, 2, 128, count=4 * 132 - 1, num_ctas=132)["ROWS"] == 1  # too few rows
+    assert reduce_arguments(8192, 2, 128)["ROWS"] == 1  # no count given: the small tile
+    assert reduce_arguments(4096, 2, 128, count=8192, num_ctas=132)["ROWS"] == 8
+    assert reduce_arguments(24, 2, 16, count=10**6, num_ctas=4)["ROWS"] == 16  # capped by the signal rows

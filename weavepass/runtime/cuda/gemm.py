@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weavepass.runtime.cuda.gemm_kernels import HEADER_SLOTS
-from weavepass.runtime.cuda.launch_plan import SMALL_TILE_BYTES, triton_next_power_of_2
+from weavepass.runtime.cuda.launch_plan import LARGE_TILE_BYTES, SMALL_TILE_BYTES, triton_next_power_of_2
 from weavepass.runtime.portable import rows_per_rank
 
 STAGING_SLOTS = 2
@@ -556,11 +556,16 @@ def _rebased(template, base: torch.Tensor | None):
     return desc
 
 
-def reduce_arguments(hidden: int, element_size: int, signal_rows: int) -> dict:
-    """Constexprs of ``reduce_scattered_rows_kernel``: a tile of about ``SMALL_TILE_BYTES`` (the fused
-    kernel's rule), at most ``signal_rows`` rows so that no tile spans two signals."""
+def reduce_arguments(hidden: int, element_size: int, signal_rows: int, count: int = 0, num_ctas: int = 0) -> dict:
+    """Constexprs of ``reduce_scattered_rows_kernel``: tiles of about ``LARGE_TILE_BYTES`` where the
+    ``count`` rows fill ``num_ctas`` programs with such tiles, else ``SMALL_TILE_BYTES`` (the fused
+    kernel's rule, ``launch_plan``), at most ``signal_rows`` rows so that no tile spans two signals.
+    Each tile waits for its row block's signals before its loads, so small tiles were latency-bound:
+    at 8192 rows of 8192 on one H200 the reduce took 168 us with one-row tiles against 130 us for the
+    fused op's kernel over the same bytes (benchmarks/bench_host_overhead.py --kernels, 2026-12-04)."""
     block_h = triton_next_power_of_2(hidden)
-    rows = max(1, min(signal_rows, SMALL_TILE_BYTES // element_size // block_h))
+    large = num_ctas > 0 and count * block_h * element_size >= num_ctas * LARGE_TILE_BYTES
+    rows = max(1, min(signal_rows, (LARGE_TILE_BYTES if large else SMALL_TILE_BYTES) // element_size // block_h))
     rows = 1 << (rows.bit_length() - 1)  # a power of two, so it divides signal_rows
     # num_stages=1: no software pipelining may hoist a tile's staging loads above its wait.
     return dict(HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, SIGNAL_ROWS=signal_rows, num_stages=1,
@@ -585,7 +590,7 @@ def _reduce_arguments(ws: ScatterWorkspace, count: int, eps: float, num_ctas: in
     lay = ws.layout
     if lay.signal_rows & (lay.signal_rows - 1):
         raise ValueError(f"signal rows {lay.signal_rows} must be a power of two (reduce tiles divide it)")
-    meta = reduce_arguments(lay.hidden, ws.staging.element_size(), lay.signal_rows)
+    meta = reduce_arguments(lay.hidden, ws.staging.element_size(), lay.signal_rows, count, num_ctas)
     grid = (max(1, min(num_ctas, -(-count // meta["ROWS"]))),)
     tail = (count, lay.capacity, lay.num_blocks, ws.watch, ws.timeout_ns, eps)
     return grid, tail, dict(RANK=ws.rank, WORLD=lay.world, HAS_RESIDUAL=has_residual, **meta)
