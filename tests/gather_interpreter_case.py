@@ -13,7 +13,9 @@ operands to fp32 first (``DOT_IN_FP32``: the same products, exactly); on the GPU
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -102,16 +104,13 @@ def case_chunks() -> None:
     print("chunks: OK")
 
 
-def case_op_entry() -> None:
-    """The ``cuda_symm`` entry point (``gather_op.all_gather_matmul_cuda``) at a gloo group of one
-    rank, the symmetric allocation replaced by ordinary CPU tensors (its only peer is itself):
-    FlashComm's shards with padding rows (never pushed, never computed), two weights, the size
-    classes (a larger shard allocates the next, a smaller one reuses the smallest that fits), the
-    splits held per (tokens, rows per owner), a non-contiguous mat2 copied with a warning, and the
-    portable fallback past the limit, said once."""
+@contextlib.contextmanager
+def _group_of_one() -> Iterator[str]:
+    """A gloo group of one rank (its name), the entry point's symmetric allocation replaced by
+    ordinary CPU tensors (its only peer is itself) and its CUDA checks by None (the CPU tensors: the
+    interpreter runs the kernels)."""
     import os
     import tempfile
-    import warnings
 
     import torch.distributed as dist
 
@@ -123,11 +122,27 @@ def case_op_entry() -> None:
 
     workspace.new_symmetric = cpu_symmetric
     workspace.outside_graph_pools = lambda make, device: make()
-    gather_op.unsupported_reason = lambda *args: None  # the CPU tensors: the interpreter runs the kernels
-    gen = torch.Generator().manual_seed(4)
+    gather_op.unsupported_reason = lambda *args: None
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
-        group = dist.group.WORLD.group_name
+        try:
+            yield dist.group.WORLD.group_name
+        finally:
+            dist.destroy_process_group()
+
+
+def case_op_entry() -> None:
+    """The ``cuda_symm`` entry point (``gather_op.all_gather_matmul_cuda``) at a gloo group of one
+    rank (``_group_of_one``): FlashComm's shards with padding rows (never pushed, never computed),
+    two weights, the size classes (a larger shard allocates the next, a smaller one reuses the
+    smallest that fits), the splits held per (tokens, rows per owner), a non-contiguous mat2 copied
+    with a warning, and the portable fallback past the limit, said once."""
+    import warnings
+
+    from weavepass.runtime.cuda import gather_op
+
+    gen = torch.Generator().manual_seed(4)
+    with _group_of_one() as group:
         k = 32
         for tokens in (300, 21, 300, 600):
             per = -(-tokens // 16) * 16 + 16  # FlashComm's rows and padding past them
@@ -151,8 +166,103 @@ def case_op_entry() -> None:
             got = gather_op.all_gather_matmul_cuda(big, mat2s, group, 1100, max_workspace_tokens=1024)
             assert torch.equal(got[0], torch.mm(big, mat2s[0]))
             assert len(gather_op._WARNED) == 2 and any("1024-token limit" in w for w in gather_op._WARNED)
-        dist.destroy_process_group()
     print("op_entry: OK")
+
+
+def case_op_signatures() -> None:
+    """The entry point's per-signature state (``gather_op._served``) at a gloo group of one: the
+    first call of a signature validates it (``unsupported_reason``, the group, the workspace, the
+    split); later calls of the signature, on new rows and weights, do none of that and give what a
+    validated call gives, to the bit; a signature that differs in one property (the tokens, the
+    shard's rows, a weight's width, the number of weights, the dtype, the limit, the group) is
+    validated anew; a call that falls back is validated every time; ``matmul.PLAN_CALLS`` off
+    validates every call."""
+    import warnings
+    from collections import Counter
+
+    import torch.distributed as dist
+
+    from weavepass.runtime.cuda import gather_op, matmul
+
+    gen = torch.Generator().manual_seed(6)
+    with _group_of_one() as group:
+        steps: Counter[str] = Counter()
+
+        def counted(name, fn):
+            def call(*args, **kwargs):
+                steps[name] += 1
+                return fn(*args, **kwargs)
+            return call
+
+        gather_op.unsupported_reason = counted("checks", gather_op.unsupported_reason)
+        gather_op.resolve_group = counted("group", gather_op.resolve_group)
+        gather_op.get_workspace = counted("workspace", gather_op.get_workspace)
+        gather_op.owners = counted("split", gather_op.owners)
+        k = 32
+
+        def inputs(rows, widths, dtype=torch.float16):
+            return _draw(gen, dtype, rows, k), [_draw(gen, dtype, n, k).t() for n in widths]
+
+        def call(shard, mat2s, tokens, validated: bool, group_name=group, limit=1024):
+            """The op's outputs, checked against the fp32 product; ``validated``: whether the call
+            went through the checks, the workspace and the split (each once), else none of them."""
+            before = dict(steps)
+            got = gather_op.all_gather_matmul_cuda(shard, mat2s, group_name, tokens, max_workspace_tokens=limit)
+            done = {name: steps[name] - before.get(name, 0) for name in steps}
+            if validated:
+                assert done["checks"] == done["workspace"] == done["split"] == 1 and done["group"] >= 1, done
+            else:
+                assert not any(done.values()), f"a call of a served signature validated again: {done}"
+            for out, mat2 in zip(got, mat2s, strict=True):
+                torch.testing.assert_close(out.float(), shard[:tokens].float() @ mat2.float(), **TOL[shard.dtype])
+            return got
+
+        shard, mat2s = inputs(80, (24, 16))  # 50 tokens: FlashComm's 64 rows and padding past them
+        first = call(shard, mat2s, 50, validated=True)
+        again = call(shard, mat2s, 50, validated=False)
+        assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+        shard, mat2s = inputs(80, (24, 16))  # new rows and weights, the same signature
+        looked_up = call(shard, mat2s, 50, validated=False)
+        matmul.PLAN_CALLS = False  # every call validated: the reference for the looked-up call
+        checked = call(shard, mat2s, 50, validated=True)
+        checked_again = call(shard, mat2s, 50, validated=True)
+        matmul.PLAN_CALLS = True
+        assert all(torch.equal(a, b) for a, b in zip(looked_up, checked, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(checked, checked_again, strict=True))
+        assert len(gather_op._SERVED) == 1, list(gather_op._SERVED)
+        other = dist.new_group([0])  # another group of the one rank: another name
+        assert other.group_name != group
+        for shard, mat2s, tokens, kwargs in (
+                (*inputs(80, (24, 16)), 49, {}),  # the tokens
+                (*inputs(96, (24, 16)), 50, {}),  # the shard's rows
+                (*inputs(80, (24, 8)), 50, {}),  # a weight's width
+                (*inputs(80, (24,)), 50, {}),  # the number of weights
+                (*inputs(80, (24, 16), torch.bfloat16), 50, {}),  # the dtype
+                (*inputs(80, (24, 16)), 50, {"limit": 2048}),  # the limit
+                (*inputs(80, (24, 16)), 50, {"group_name": other.group_name})):  # the group
+            call(shard, mat2s, tokens, validated=True, **kwargs)
+            call(shard, mat2s, tokens, validated=False, **kwargs)
+        assert len(gather_op._SERVED) == 8, list(gather_op._SERVED)
+        # A strided weight of the same shape: strides are not read by the checks, the call is looked
+        # up, and the weight is copied as on a validated call (warned).
+        shard, _ = inputs(80, ())
+        strided = [_draw(gen, torch.float16, k, 48)[:, ::2], _draw(gen, torch.float16, 16, k).t()]
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            call(shard, strided, 50, validated=False)
+        assert gather_op._WARNED == {"mat2"}, gather_op._WARNED
+        # Past the limit: the portable lowering, validated at every call (a fallback is not kept).
+        big, mat2s = inputs(1100, (24,))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            for _ in range(2):
+                before = steps["checks"]
+                got = gather_op.all_gather_matmul_cuda(big, mat2s, group, 1100, max_workspace_tokens=1024)
+                assert steps["checks"] == before + 1 and torch.equal(got[0], torch.mm(big, mat2s[0]))
+        (cause,) = [c for c in matmul.FALLBACKS if "1024-token limit" in c]
+        assert matmul.FALLBACKS[cause] == 2 and len(gather_op._SERVED) == 8
+        dist.destroy_process_group(other)
+    print("op_signatures: OK")
 
 
 def case_full_stream() -> None:
@@ -182,4 +292,4 @@ def case_push_dtypes() -> None:
 if __name__ == "__main__":
     assert INTERPRETER_CONFIG.block_m == SIGNAL_ROWS
     {"gather": case_gather, "chunks": case_chunks, "full_stream": case_full_stream, "op_entry": case_op_entry,
-     "push_dtypes": case_push_dtypes}[sys.argv[1]]()
+     "op_signatures": case_op_signatures, "push_dtypes": case_push_dtypes}[sys.argv[1]]()

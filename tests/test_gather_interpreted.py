@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CASE = pathlib.Path(__file__).with_name("gather_interpreter_case.py")
 
 
-@pytest.mark.parametrize("case", ["gather", "chunks", "full_stream", "push_dtypes", "op_entry"])
+@pytest.mark.parametrize("case", ["gather", "chunks", "full_stream", "push_dtypes", "op_entry", "op_signatures"])
 def test_gather_kernels_interpreted(case):
     run_interpreted(CASE.name, case, ok=f"{case}: OK")
 

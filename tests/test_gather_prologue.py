@@ -30,6 +30,8 @@ from test_gemm_epilogue import (
 from test_gemm_epilogue import fake_world as fake_world_fixture  # noqa: F401 (a fixture)
 
 from weavepass import WeaveConfig
+from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS
+from weavepass.compile.patterns.rmsnorm import is_target
 from weavepass.compile.reasons import ReasonCode
 from weavepass.testing.distributed import spawn
 
@@ -59,6 +61,43 @@ def test_force_moves_the_consumer_matmuls_into_the_op():
         assert len(fused) == 1 and fused[0].field("op") == "weave.all_gather_matmul", record.notes
     (kept,) = [r for r in final.notes if r.code is ReasonCode.FLASHCOMM_GATHER_NOT_FUSED]
     assert kept.field("cause").code is ReasonCode.FLASHCOMM_READER_NOT_MM
+
+
+def _summed(node: torch.fx.Node) -> bool:
+    """Whether ``node`` reaches an all_reduce through views: a row-parallel matmul's output."""
+    return any(is_target(u, {torch.ops._c10d_functional.all_reduce.default})
+               or (is_target(u, VIEWS) and _summed(u)) for u in node.users)
+
+
+KEYWORD_MMS: list[str] = []
+
+
+def _consumer_mms_by_keyword(graph: torch.fx.Graph) -> None:
+    """A pass chained before weave's (``post_grad_custom_pre_pass``) that gives the column-parallel
+    ``aten.mm.default`` calls (q, k, v, gate, up: those no all_reduce sums) their arguments by
+    keyword, ``mm(self=rows, mat2=weight)``; their names into ``KEYWORD_MMS``."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.mm.default and not _summed(node):
+            node.args, node.kwargs = (), {"self": node.args[0], "mat2": node.args[1]}
+            KEYWORD_MMS.append(node.name)
+
+
+@pytest.mark.usefixtures("fake_world_fixture")
+def test_consumer_matmuls_given_by_keyword_move_into_the_op():
+    """``row_matmuls`` reads each reader's rows by the schema's name (``self``): matmuls whose
+    arguments a chained pass gave by keyword move into the op as positional ones do. (Reading
+    ``reader.args[0]`` raised IndexError on them.)"""
+    import torch._inductor.config as inductor_config
+
+    KEYWORD_MMS.clear()
+    with inductor_config.patch(post_grad_custom_pre_pass=_consumer_mms_by_keyword):
+        graph = model_report(WeaveConfig(gemm_epilogue="force", **FLASHCOMM))
+    assert len(KEYWORD_MMS) == 5 * CFG.n_layers  # every layer's q, k, v, gate, up
+    assert graph.ops_after[GATHER_OP] == NORM_SITES and graph.ops_after[AG] == 1 and graph.ops_after[MM] == 0
+    *layers, _ = graph.records
+    for record in layers:
+        fused = [r for r in record.notes if r.code is ReasonCode.FLASHCOMM_CONSUMERS_FUSED]
+        assert len(fused) == 1, record.notes
 
 
 @pytest.mark.usefixtures("fake_world_fixture")

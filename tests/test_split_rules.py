@@ -21,7 +21,7 @@ from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.strategies.split import Unsupported
 from weavepass.compile.strategies.split.analysis import analyse, token_dims
 from weavepass.compile.strategies.split.rewrite import rewrite
-from weavepass.compile.strategies.split.routing import Counts, Positions, Rows
+from weavepass.compile.strategies.split.routing import CASTS, Counts, Positions, Rows
 from weavepass.compile.strategies.split.rules import broadcast_dims, half_view_size, register, rule_for
 from weavepass.compile.strategies.split.state import Analysis
 from weavepass.compile.strategies.split.symbolic import Cut
@@ -50,10 +50,13 @@ def _trace(fn, *inputs, tracing_mode="fake"):
     return gm
 
 
-def _token_dims(fn, inputs, tokens: dict[int, int], cut: Cut = SEQ, tracing_mode="fake"):
+def _token_dims(fn, inputs, tokens: dict[int, int], cut: Cut = SEQ, tracing_mode="fake", edit=None):
     """(the token dims of ``fn``'s outputs, the analysis) with input ``i`` carrying tokens in dim
-    ``tokens[i]``; inputs are shapes (random tensors) or tensors."""
+    ``tokens[i]``; inputs are shapes (random tensors) or tensors. ``edit``: called with the traced
+    graph before the rules run (to give some calls their arguments by keyword)."""
     gm = _trace(fn, *inputs, tracing_mode=tracing_mode)
+    if edit is not None:
+        edit(gm.graph)
     info = Analysis(cut, sites=[])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, dim in tokens.items():
@@ -530,9 +533,10 @@ def _moe_inputs():
     return [t.bfloat16() for t in (torch.randn(T, H, generator=g), *routing.moe_weights(H, 24, E, g))]
 
 
-def _routed(fn, cut: Cut = SEQ):
-    """Token dims and analysis of ``fn(x, router, w_up, w_down)`` with ``x``'s tokens in dim 0."""
-    return _token_dims(fn, _moe_inputs(), {0: 0}, cut)
+def _routed(fn, cut: Cut = SEQ, edit=None):
+    """Token dims and analysis of ``fn(x, router, w_up, w_down)`` with ``x``'s tokens in dim 0
+    (``edit``: as ``_token_dims``'s)."""
+    return _token_dims(fn, _moe_inputs(), {0: 0}, cut, edit=edit)
 
 
 def _routed_refused(fn) -> Reason:
@@ -562,6 +566,50 @@ def test_grouped_mm_routing_block_is_token_wise(cut):
     # Back in token order after the inverse gather: the view to [T, k, H] and the sum need no role.
     assert not any(n.target in (aten.view.default, aten.sum.dim_IntList) and n.args[0].target is aten.index.Tensor
                    and n in info.roles for n in info.token)
+
+
+def _by_keyword(graph: torch.fx.Graph, ops) -> int:
+    """Give every call of ``ops`` in ``graph`` all its arguments by keyword (by the op's schema
+    names, ``self`` included), as a pass chained before weave's may write them; returns how many."""
+    moved = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            names = [a.name for a in node.target._schema.arguments]
+            node.args, node.kwargs = (), {**dict(zip(names, node.args)), **node.kwargs}
+            moved += 1
+    return moved
+
+
+def _pair_to_token_as_div(graph: torch.fx.Graph) -> None:
+    """``perm // k`` written as ``div(perm, k, rounding_mode="floor")`` (``aten.div.Tensor_mode``)."""
+    (node,) = [n for n in graph.nodes if n.target is aten.floor_divide.default]
+    node.target, node.kwargs = aten.div.Tensor_mode, {**node.kwargs, "rounding_mode": "floor"}
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("form", [aten.floor_divide.default, aten.div.Tensor_mode], ids=["floor_divide", "div_floor"])
+@pytest.mark.parametrize("keywords", [False, True], ids=["positional", "keywords"])
+def test_routing_block_reads_positions_and_counts_ops_by_name(form, keywords):
+    """The pair -> token division (``_position_op``), the offsets' cumsum and the counts' casts
+    (``_counts_op``) read their operands by schema name: with every argument given by keyword (a
+    pass chained before weave's may write them so) the block has the roles it has with positional
+    ones. (Reading ``node.args[0]`` raised IndexError on the keyword calls.)"""
+    ops = {form, aten.cumsum.default, *CASTS}
+
+    def edit(graph: torch.fx.Graph) -> None:
+        if form is aten.div.Tensor_mode:
+            _pair_to_token_as_div(graph)
+        if keywords:
+            assert _by_keyword(graph, ops) >= 3  # the division, the cumsum, the keys' cast to float
+
+    (out,), info = _routed(lambda x, r, u, d: routing.grouped_mm_moe(x, r, u, d, K), edit=edit)
+    assert out == 0
+    by_op = {n.target: info.roles[n] for n in info.roles if not isinstance(info.roles[n], tuple)}
+    (sort,) = [n for n in info.roles if n.target is aten.sort.default]
+    (division,) = [n for n in info.roles if n.target is form]
+    assert (division.args == ()) == keywords
+    assert by_op[form] == Positions(sort, None, T, bijection=False)  # pair -> token
+    assert by_op[aten.cumsum.default] == Counts(sort, cumulative=True)
 
 
 @needs_grouped_mm

@@ -46,7 +46,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import Argument
 
-from weavepass.compile.fx_args import arg_node, as_node, tensor
+from weavepass.compile.fx_args import arg, arg_node, as_node, tensor
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals, prepare
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.patterns.row_matmul import RowParallelMatmul
@@ -503,7 +503,7 @@ class PortableFlashComm:
             else:
                 readers = [(user, out)]
             for reader, rows in readers:
-                if not (is_target(reader, {aten.mm.default}) and reader.args[0] is rows
+                if not (is_target(reader, {aten.mm.default}) and arg(reader, 0) is rows  # (``self`` by name)
                         and tuple(tensor(rows).shape) == rows_shape):
                     return Reason.of(ReasonCode.FLASHCOMM_READER_NOT_MM, node=reader.name, op=str(reader.target))
                 mms.append(reader)

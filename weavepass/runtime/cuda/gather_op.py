@@ -15,6 +15,11 @@ The workspace (``PrologueWorkspace`` per (group, dtype, device, K) and size clas
 process) and each split's device table are built outside CUDA-graph pools and held here: a graph
 keeps its kernels' arguments as addresses (docs/gemm_epilogue.md, "CUDA graphs"). One needed for the
 first time inside a capture is not built there: that call runs the portable lowering, warned once.
+
+The checks, the workspace and the split depend on the call's signature only (``_signature``): the
+first call of a signature the kernels serve validates it and finds both, later ones look them up
+(``_served``: no checks, no ``resolve_group`` through ``torch.distributed``). The launches go
+through Triton's dispatch on every call.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import warnings
 import torch
 
 from weavepass.env import disable_multicast
-from weavepass.runtime.cuda import workspace
+from weavepass.runtime.cuda import matmul, workspace
 from weavepass.runtime.cuda.gather import ALIGNMENT, PrologueLayout, PrologueWorkspace, gather_matmuls, push_gather_rows
 from weavepass.runtime.cuda.gemm import SUPPORTED_DTYPES, OwnerRows
 from weavepass.runtime.cuda.launch_plan import triton_next_power_of_2
@@ -42,6 +47,8 @@ ROW_ALIGNMENT = 16
 _WARNED: set[str] = set()
 _WORKSPACES: dict[tuple[str, torch.dtype, int | None, int], list[PrologueWorkspace]] = {}
 _SPLITS: dict[tuple[int, int, int, int | None], OwnerRows] = {}
+_SERVED: dict[tuple, tuple[PrologueWorkspace, OwnerRows]] = {}
+"""The workspace and split of each call signature the kernels have served (``_served``)."""
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -129,27 +136,58 @@ def owners(num_tokens: int, per_owner: int, world: int, device: torch.device) ->
     return split
 
 
+def _signature(shard: torch.Tensor, mat2s: list[torch.Tensor], group_name: str, num_tokens: int,
+               max_tokens: int) -> tuple:
+    """Every property ``unsupported_reason``, ``get_workspace`` and ``owners`` read: the shard's and
+    each mat2's shape, dtype and device (their number), the group, the tokens and the limit. (Strides
+    are not read there: whether a tensor is copied to contiguous is decided per call.)"""
+    return (shard.shape, shard.dtype, shard.device, tuple((m.shape, m.dtype, m.device) for m in mat2s),
+            group_name, num_tokens, max_tokens)
+
+
+def _served(shard: torch.Tensor, mat2s: list[torch.Tensor], group_name: str, num_tokens: int,
+            max_tokens: int) -> tuple[PrologueWorkspace, OwnerRows] | str:
+    """The workspace and split of a call the kernels serve, or why it runs the portable lowering.
+    Validated at the first call of each signature and then looked up (``_SERVED``; with
+    ``matmul.PLAN_CALLS`` off, ``WEAVE_MATMUL_PLANS=0``, every call is validated). A workspace, once
+    chosen for a signature, stays the smallest that fits it (a new one is allocated only when none
+    fits, larger than every cached one), and a split's table is kept for the process, so a lookup
+    gives what the checks would. A call that runs the portable lowering is not kept: outside a
+    capture a later call of its signature may find its workspace or split."""
+    key = _signature(shard, mat2s, group_name, num_tokens, max_tokens) if matmul.PLAN_CALLS else None
+    if key is not None:
+        served = _SERVED.get(key)
+        if served is not None:
+            return served
+    if not num_tokens:
+        return "no tokens"
+    cause = unsupported_reason(shard, mat2s, group_name, num_tokens)
+    if cause is not None:
+        return cause
+    world = resolve_group(group_name).size()
+    ws = get_workspace(group_name, shard.dtype, shard.device, shard.shape[1], shard.shape[0], max_tokens)
+    if ws is None:
+        return (f"{num_tokens} tokens need a gather workspace larger than the {max_tokens}-token limit "
+                "(or a new one inside CUDA-graph capture); raise WeaveConfig.cuda_workspace_tokens")
+    split = owners(num_tokens, shard.shape[0], world, shard.device)
+    if split is None:
+        return f"the split of {num_tokens} tokens is new inside CUDA-graph capture (a warm-up call builds it)"
+    if key is not None:
+        _SERVED[key] = (ws, split)
+    return ws, split
+
+
 def all_gather_matmul_cuda(shard: torch.Tensor, mat2s: list[torch.Tensor], group_name: str, num_tokens: int, *,
                            max_workspace_tokens: int = workspace.DEFAULT_WORKSPACE_TOKENS) -> list[torch.Tensor]:
     """The ``cuda_symm`` kernel of ``weave.all_gather_matmul`` (the module docstring says how). Calls
     the kernels cannot serve run the portable lowering, with a one-time warning."""
-    cause = None if num_tokens else "no tokens"
-    cause = cause or unsupported_reason(shard, mat2s, group_name, num_tokens)
-    ws = split = None
-    if cause is None:
-        world = resolve_group(group_name).size()
-        ws = get_workspace(group_name, shard.dtype, shard.device, shard.shape[1], shard.shape[0], max_workspace_tokens)
-        split = owners(num_tokens, shard.shape[0], world, shard.device)
-        if ws is None:
-            cause = (f"{num_tokens} tokens need a gather workspace larger than the {max_workspace_tokens}-token limit "
-                     "(or a new one inside CUDA-graph capture); raise WeaveConfig.cuda_workspace_tokens")
-        elif split is None:
-            cause = f"the split of {num_tokens} tokens is new inside CUDA-graph capture (a warm-up call builds it)"
-    if cause is not None or ws is None or split is None:
+    served = _served(shard, mat2s, group_name, num_tokens, max_workspace_tokens)
+    if isinstance(served, str):
         if num_tokens:  # counted with the matmul ops' (a benchmark reads it: it must not time this as the kernels)
-            FALLBACKS[str(cause)] += 1
-            _warn_once(str(cause), f"weave cuda_symm all_gather_matmul falls back to portable: {cause}")
+            FALLBACKS[served] += 1
+            _warn_once(served, f"weave cuda_symm all_gather_matmul falls back to portable: {served}")
         return all_gather_matmul_portable(shard, mat2s, group_name, num_tokens)
+    ws, split = served
     weights = []
     for mat2 in mat2s:
         w = mat2.t()

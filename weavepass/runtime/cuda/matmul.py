@@ -384,8 +384,9 @@ _PLANS: dict[tuple, tuple[MatmulWorkspace, ScatterPlan]] = {}
 """The planned launches of each call signature the kernels have served (``_planned_call``)."""
 PLAN_CALLS = os.environ.get("WEAVE_MATMUL_PLANS", "1") != "0"
 """Debugging switch: ``WEAVE_MATMUL_PLANS=0`` validates and plans every call of the matmul ops, each
-launch through Triton's dispatch, as before the plans (read at each call as ``matmul.PLAN_CALLS``;
-benchmarks/bench_host_overhead.py measures both in one process)."""
+launch through Triton's dispatch, as before the plans, and every call of the gather op
+(``gather_op._served``); read at each call as ``matmul.PLAN_CALLS`` (benchmarks/bench_host_overhead.py
+measures both ways of the matmul ops in one process)."""
 
 
 def _planned_call(x, mat2, residual, weight, eps, group_name, out_dtype, max_tokens: int,

@@ -224,10 +224,11 @@ def _position_op(node: Node, info: Analysis, pos: Node) -> int:
     if not isinstance(role, Positions):  # (``routed_dims`` picked ``pos`` for its role)
         raise unexpected(pos, "role", role, "Positions")
     c = arg(node, 1, "other")
-    floor = (node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor") \
+    floor = (node.target is aten.div.Tensor_mode and arguments(node)["rounding_mode"] == "floor") \
         or node.target is aten.floor_divide.default  # on integers: a floor too
     units = hint(info.cut.units)
-    if not (floor and node.args[0] is pos and isinstance(c, int) and c > 0 and role.points is None
+    # (operands by the schema's names: a call may give ``self`` by keyword)
+    if not (floor and arg(node, 0) is pos and isinstance(c, int) and c > 0 and role.points is None
             and role.space % units == 0 and (role.space // units) % c == 0):
         raise Unsupported(Reason.of(ReasonCode.SPLIT_ROW_POSITIONS_ARITHMETIC, node=node.name, op=op_name(node.target)))
     info.roles[node] = Positions(role.order, None, role.space // c, bijection=False)
@@ -239,9 +240,10 @@ def _counts_op(node: Node, info: Analysis, counts: list[Node]) -> None:
     role = info.roles[counts[0]]
     if not isinstance(role, Counts):  # (``routed_dims`` picked ``counts`` for their role)
         raise unexpected(counts[0], "role", role, "Counts")
-    cast = node.target in CASTS and node.args[0] is counts[0]
-    cumsum = node.target is aten.cumsum.default and node.args[0] is counts[0] \
-        and norm_dim(arg_int(node, 1), 1) == 0 and not role.cumulative and val(node.args[0]).dim() == 1
+    source = arg(node, 0)  # (by the schema's name: a keyword ``self`` too)
+    cast = node.target in CASTS and source is counts[0]
+    cumsum = node.target is aten.cumsum.default and source is counts[0] \
+        and norm_dim(arg_int(node, 1), 1) == 0 and not role.cumulative and val(counts[0]).dim() == 1
     if (cast or cumsum) and val(node).dtype not in EXACT_KEYS:
         raise Unsupported(Reason.of(ReasonCode.SPLIT_COUNTS_DTYPE, node=node.name, op=op_name(node.target),
                                     dtype=val(node).dtype))
