@@ -326,6 +326,28 @@ def case_planned() -> None:
                 gc.collect()
                 assert all(r() is None for r in refs), "a plan keeps its first call's x or w alive"
         assert all(p.use_descriptors for p in plans)  # the interpreter takes descriptors: the rebased path ran
+    # A signature whose first call has x off 16-byte alignment (it runs scatter_matmul): the plan's
+    # later, aligned calls still load through descriptors, as the general path's do.
+    sim = SimulatedMatmulRanks(1, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+    plan = None
+    for step in range(3):
+        x = _draw(gen, tokens, k)
+        if step == 0:
+            x = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(tokens, k)
+            assert x.data_ptr() % 16
+        mat = _draw(gen, hidden, k)
+        general = sim.calls([x], [mat.t()], None, weight, EPS, num_ctas=2)
+        sim.run(general)
+        planned = sim.calls([x], [mat.t()], None, weight, EPS, num_ctas=2)
+        if plan is None:
+            (c,) = planned
+            plan = ScatterPlan(c.x, c.w, c.ws.scatter, c.owners, c.count, EPS, c.num_ctas, False)
+        planned[0].plan = plan
+        sim.run(planned)
+        assert torch.equal(general[0].normed, planned[0].normed), step
+        assert torch.equal(general[0].residual_out, planned[0].residual_out), step
+    assert plan.use_descriptors and plan.gemm_launcher.meta["USE_DESC"], "a misaligned first call pinned pointer loads"
+    assert plan._templates is not None  # the aligned calls launched through (rebased) descriptors
     print("planned: OK")
 
 
