@@ -161,21 +161,33 @@ def _bare_launcher(run):
     needs it (ours need none) and then calls its C ``launch`` with two of its own attributes and
     the two scratch buffers inserted. That wrapper cost 1.3 us per launch on the H200 host (A/B in
     one process, scripts/profile_host_cost.py). When the wrapper is exactly that code and the
-    kernel needs no scratch, the C function is returned with those four arguments; otherwise
-    (another Triton, scratch needed, ``WEAVE_TRITON_BARE_LAUNCH=0``) ``run`` itself with none."""
+    kernel needs no scratch, the C function (for a kernel with tensor descriptors, Triton's
+    ``wrap_handle_tensordesc`` around it) is returned with those four arguments; otherwise (another
+    Triton, scratch needed, ``WEAVE_TRITON_BARE_LAUNCH=0``) ``run`` itself with none."""
     if not _BARE_LAUNCH:
         return run, ()
     try:
-        import inspect
-
-        source = " ".join(inspect.getsource(type(run).__call__).split())
         fixed = (run.launch_cooperative_grid, run.launch_pdl, None, None)
         no_scratch = run.global_scratch_size == 0 and run.profile_scratch_size == 0
-    except (AttributeError, OSError, TypeError):
+    except AttributeError:
         return run, ()
-    if _TRITON_36_CALL in source and no_scratch and callable(getattr(run, "launch", None)):
+    if _calls_launch_as_36(type(run)) and no_scratch and callable(getattr(run, "launch", None)):
         return run.launch, fixed
     return run, ()
+
+
+@functools.cache
+def _calls_launch_as_36(launcher_type: type) -> bool:
+    """Whether ``launcher_type.__call__`` calls its ``launch`` as Triton 3.6's does (``_bare_launcher``).
+    Read once per type: ``inspect.getsource`` costs ~0.5 ms, paid at every new signature's first
+    launch otherwise (the matmul op plans one per token count)."""
+    try:
+        import inspect
+
+        source = " ".join(inspect.getsource(launcher_type.__call__).split())
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _TRITON_36_CALL in source
 
 
 @functools.cache
