@@ -422,6 +422,19 @@ def case_matmul_entry() -> None:
             torch.testing.assert_close(normed, want_n, **NORMED_TOL)
         finally:
             gemm.INTERPRETER_CONFIG = INTERPRETER_CONFIG
+        # The plans' key (matmul._planned_call): calls of one shape that differ only in eps or in
+        # the residual's presence are planned apart, each right (a plan served to the other is not).
+        x, w = _draw(gen, 21, k), _draw(gen, hidden, k)
+        residual = _draw(gen, 21, hidden)
+        plans = len(lowering._PLANS)
+        for eps, res in [(EPS, residual), (0.5, residual), (EPS, None), (EPS, residual)]:
+            want_n, want_r = fused_allreduce_rmsnorm_reference([matmul(x, w, config=INTERPRETER_CONFIG)], res, weight,
+                                                               eps, DTYPE)
+            normed, res_out = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), res, weight, eps, group, DTYPE,
+                                                                          max_workspace_tokens=1024)
+            torch.testing.assert_close(res_out, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(normed, want_n, **NORMED_TOL)
+        assert len(lowering._PLANS) == plans + 3, len(lowering._PLANS) - plans
         assert not lowering._WARNED and not lowering.FALLBACKS, (lowering._WARNED, lowering.FALLBACKS)
         x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once, counted twice
         for _ in range(2):
