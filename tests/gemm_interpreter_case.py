@@ -416,6 +416,9 @@ def case_matmul_entry() -> None:
                                                                weight, EPS, DTYPE)
             normed, res = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), residual, weight, EPS, group, DTYPE,
                                                                       max_workspace_tokens=1024)
+            # Planned under the patched config (a plan of an earlier call of this signature would not be).
+            (plan,) = [p for _, p in lowering._PLANS.values() if p.config is tma]
+            assert plan.gemm_launcher.meta["STORE_DESC"]
             scatter = cached[0].scatter  # the TMA-stored partial: the plain GEMM's to the bit
             assert torch.equal(scatter.staged(0, 300, scatter.last_slot()), matmul(x, w, config=INTERPRETER_CONFIG))
             torch.testing.assert_close(res, want_r, **RESIDUAL_TOL)
