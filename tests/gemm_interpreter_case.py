@@ -285,9 +285,10 @@ def case_planned() -> None:
     ``matmul._planned_call``) against the general path (``scatter_matmul`` + ``reduce_scattered``) on
     the same inputs, to the bit, at world 1 and 2 with and without a residual: three calls of one
     signature (the first launches with the call's own descriptors, the later ones with copies rebased
-    on new x and w), then an x 2 bytes off 16-byte alignment (the plan then runs ``scatter_matmul``,
-    which loads through pointers), against the reference. The plan holds neither the first call's x
-    nor its w."""
+    on new x and w), then an x 2 bytes off 16-byte alignment (the plan then launches what
+    ``scatter_matmul`` does for it, pointer loads), against the reference. The plan holds neither the
+    first call's x nor its w. A signature whose first call is off alignment still loads through
+    descriptors at its aligned calls."""
     from weavepass.runtime.cuda.gemm import ScatterPlan
     from weavepass.testing.gemm_sim import SimulatedMatmulRanks
 
@@ -326,8 +327,8 @@ def case_planned() -> None:
                 gc.collect()
                 assert all(r() is None for r in refs), "a plan keeps its first call's x or w alive"
         assert all(p.use_descriptors for p in plans)  # the interpreter takes descriptors: the rebased path ran
-    # A signature whose first call has x off 16-byte alignment (it runs scatter_matmul): the plan's
-    # later, aligned calls still load through descriptors, as the general path's do.
+    # A signature whose first call has x off 16-byte alignment (pointer loads): the plan's later,
+    # aligned calls still load through descriptors, as the general path's do.
     sim = SimulatedMatmulRanks(1, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
     plan = None
     for step in range(3):
@@ -348,6 +349,7 @@ def case_planned() -> None:
         assert torch.equal(general[0].residual_out, planned[0].residual_out), step
     assert plan.use_descriptors and plan.gemm_launcher.meta["USE_DESC"], "a misaligned first call pinned pointer loads"
     assert plan._templates is not None  # the aligned calls launched through (rebased) descriptors
+    assert plan.pointer_launcher is not None and not plan.pointer_launcher.meta["USE_DESC"]
     print("planned: OK")
 
 

@@ -507,7 +507,7 @@ class ScatterPlan:
     16-byte aligned call of the signature (whatever the first call's addresses); the TMA operands'
     descriptors are copies of the first descriptor launch's with the new bases (the shapes and
     strides are the signature's). A call whose x or w is not 16-byte aligned where the plan loads
-    through descriptors runs ``scatter_matmul`` itself (which loads through pointers)."""
+    through descriptors launches what ``scatter_matmul`` would for it (pointer loads and stores)."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owners: OwnerRows, count: int,
                  eps: float, num_ctas: int, has_residual: bool) -> None:
@@ -525,14 +525,21 @@ class ScatterPlan:
         grid, tail, meta = _reduce_arguments(ws, count, eps, num_ctas, has_residual)
         self.reduce_launcher = DirectLauncher(reduce_scattered_rows_kernel, grid, tail, meta)
         self._templates: tuple | None = None  # the first descriptor launch's (x, w) descriptors
+        self.pointer_launcher: DirectLauncher | None = None  # a descriptor plan's misaligned calls (built at the first)
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor) -> None:
         """``scatter_matmul(x, w, ws, owners)`` for x and w of the planned signature."""
         if not self.use_descriptors:
             self.gemm_launcher.launch((x, w))
             return
-        if (x.data_ptr() | w.data_ptr()) & 15:
-            scatter_matmul(x, w, self.ws, self.owners)
+        if (x.data_ptr() | w.data_ptr()) & 15:  # scatter_matmul's launch for it: pointer loads and stores
+            if self.pointer_launcher is None:
+                from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
+                from weavepass.runtime.cuda.launcher import DirectLauncher
+
+                grid, tail, meta = _scatter_arguments(x, self.ws, self.owners, self.config, False, None, True)
+                self.pointer_launcher = DirectLauncher(persistent_gemm_kernel, grid, tail, meta)
+            self.pointer_launcher.launch((x, w))
             return
         if self._templates is None:
             operands = _operands(x, w, self.config, True)
