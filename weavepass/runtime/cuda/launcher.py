@@ -13,8 +13,9 @@ and records the compiled kernel; later launches call that kernel's launcher dire
 
 * with the tensors' addresses, not the tensors: Triton 3.6's launcher calls a tensor argument's
   ``data_ptr`` method and then ``cuPointerGetAttribute`` (a driver call) for every pointer. The
-  addresses are needed anyway for the 16-byte alignment check (an unaligned call takes Triton's
-  path, which picks its own specialisation), the caller's signature key fixes every tensor's
+  addresses are needed anyway for the 16-byte alignment check (a call whose pointers are not
+  aligned as the first launch's were, each one, takes Triton's path, which picks its own
+  specialisation), the caller's signature key fixes every tensor's
   device, and the workspace's addresses are taken once;
 * on Triton 3.6, through the C ``launch`` function without the Python wrapper around it
   (``_bare_launcher``);
@@ -27,7 +28,7 @@ and records the compiled kernel; later launches call that kernel's launcher dire
 
 Launch hooks (a profiler) get what Triton's own path gives them, tensors included. The direct path
 is valid while the specialisation cannot change: the integer arguments are part of the caller's
-signature key, and the pointers are checked for the alignment the first launch saw.
+signature key, and each pointer is checked for the alignment the first launch saw for it.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class DirectLauncher:
     meta: dict  # constexprs and num_warps
     compiled: object = None  # triton CompiledKernel, after the first launch
     constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
-    aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
+    misaligned: int = 0  # which tensor pointers the first launch saw off 16-byte alignment (``_misaligned``)
     tail_ptrs: tuple = ()  # ``tail`` with the workspace tensors as addresses (they outlive the launch)
     runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
     idle_enter: object = None  # the launch-enter hook chain seen at the first launch (``_idle_chain``)
@@ -73,13 +74,13 @@ class DirectLauncher:
             first = tensors[0]
             if self.descriptors:  # tensor descriptors pass as they are (Triton's launcher expands them)
                 ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors]
-                aligned = _aligned([_address(t) for t in tensors])
+                misaligned = _misaligned([_address(t) for t in tensors])
                 if not isinstance(first, torch.Tensor):
                     first = first.base
             else:
                 ptrs = [t.data_ptr() for t in tensors]
-                aligned = _aligned(ptrs)
-            if aligned == self.aligned:
+                misaligned = _misaligned(ptrs)
+            if misaligned == self.misaligned:
                 raw = (torch._C._cuda_getCurrentRawStream(first.device.index) if stream is None
                        else stream.cuda_stream)
                 runtime = self.runtime
@@ -107,7 +108,7 @@ class DirectLauncher:
             if set(names) <= set(self.meta):  # every remaining parameter is a constexpr we pass
                 self.constexprs = tuple(self.meta[name] for name in names)
                 self.descriptors = not all(isinstance(t, torch.Tensor) for t in tensors)
-                self.aligned = _aligned([_address(t) for t in tensors])
+                self.misaligned = _misaligned([_address(t) for t in tensors])
                 self.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.tail)
                 self.runtime = runtime
                 self.idle_enter = _idle_chain(runtime.launch_enter_hook)
@@ -121,12 +122,17 @@ def _address(t) -> int:
     return t.data_ptr() if isinstance(t, torch.Tensor) else t.base.data_ptr()
 
 
-def _aligned(addresses) -> bool:
-    """Whether every address is 16-byte aligned (what Triton specialises pointer arguments on)."""
+def _misaligned(addresses: list[int]) -> int:
+    """Which addresses are not 16-byte aligned, as a bit mask (bit ``i``: ``addresses[i]``; 0: all
+    aligned). Triton specialises each pointer argument on its own alignment: a launch whose pattern
+    differs from the first launch's (not only one whose every address is aligned) needs another
+    compiled kernel."""
     bits = 0
     for address in addresses:
         bits |= address
-    return not bits & 15
+    if not bits & 15:
+        return 0
+    return sum(1 << i for i, address in enumerate(addresses) if address & 15)
 
 
 def _idle_chain(hook):
