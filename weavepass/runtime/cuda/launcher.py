@@ -13,10 +13,9 @@ and records the compiled kernel; later launches call that kernel's launcher dire
 
 * with the tensors' addresses, not the tensors: Triton 3.6's launcher calls a tensor argument's
   ``data_ptr`` method and then ``cuPointerGetAttribute`` (a driver call) for every pointer. The
-  addresses are needed anyway for the 16-byte alignment check (a call whose pointers are not
-  aligned as the first launch's were, each one, takes Triton's path, which picks its own
-  specialisation), the caller's signature key fixes every tensor's
-  device, and the workspace's addresses are taken once;
+  addresses are needed anyway for the 16-byte alignment check (a call whose pointers are not each
+  aligned as at the first launch takes Triton's path, which picks its own specialisation), the
+  caller's signature key fixes every tensor's device, and the workspace's addresses are taken once;
 * on Triton 3.6, through the C ``launch`` function without the Python wrapper around it
   (``_bare_launcher``);
 * on the current stream, or on a stream it is handed, by handle (the split's communication stream:
