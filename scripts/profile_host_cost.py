@@ -76,7 +76,7 @@ def main() -> None:
     lowering()
     launch = next(v for k, v in cuda_symm._LAUNCHES.items() if k[0] == p.shape)
     runtime = cuda_symm._triton_runtime_knobs()
-    print("direct launch recorded:", launch.compiled is not None, "aligned:", launch.aligned,
+    print("direct launch recorded:", launch.compiled is not None, "misaligned:", launch.misaligned,
           "launch hooks:", runtime.launch_enter_hook, runtime.launch_exit_hook)
     n_out = torch.empty_like(p)
     o_out = torch.empty_like(p)

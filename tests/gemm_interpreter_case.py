@@ -285,9 +285,10 @@ def case_planned() -> None:
     ``matmul._planned_call``) against the general path (``scatter_matmul`` + ``reduce_scattered``) on
     the same inputs, to the bit, at world 1 and 2 with and without a residual: three calls of one
     signature (the first launches with the call's own descriptors, the later ones with copies rebased
-    on new x and w), then an x 2 bytes off 16-byte alignment (the plan then runs ``scatter_matmul``,
-    which loads through pointers), against the reference. The plan holds neither the first call's x
-    nor its w."""
+    on new x and w), then an x 2 bytes off 16-byte alignment (the plan then launches what
+    ``scatter_matmul`` does for it, pointer loads), against the reference. The plan holds neither the
+    first call's x nor its w. A signature whose first call is off alignment still loads through
+    descriptors at its aligned calls."""
     from weavepass.runtime.cuda.gemm import ScatterPlan
     from weavepass.testing.gemm_sim import SimulatedMatmulRanks
 
@@ -326,6 +327,29 @@ def case_planned() -> None:
                 gc.collect()
                 assert all(r() is None for r in refs), "a plan keeps its first call's x or w alive"
         assert all(p.use_descriptors for p in plans)  # the interpreter takes descriptors: the rebased path ran
+    # A signature whose first call has x off 16-byte alignment (pointer loads): the plan's later,
+    # aligned calls still load through descriptors, as the general path's do.
+    sim = SimulatedMatmulRanks(1, hidden, 64, DTYPE, "cpu", signal_rows=SIGNAL_ROWS)
+    plan = None
+    for step in range(3):
+        x = _draw(gen, tokens, k)
+        if step == 0:
+            x = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(tokens, k)
+            assert x.data_ptr() % 16
+        mat = _draw(gen, hidden, k)
+        general = sim.calls([x], [mat.t()], None, weight, EPS, num_ctas=2)
+        sim.run(general)
+        planned = sim.calls([x], [mat.t()], None, weight, EPS, num_ctas=2)
+        if plan is None:
+            (c,) = planned
+            plan = ScatterPlan(c.x, c.w, c.ws.scatter, c.owners, c.count, EPS, c.num_ctas, False)
+        planned[0].plan = plan
+        sim.run(planned)
+        assert torch.equal(general[0].normed, planned[0].normed), step
+        assert torch.equal(general[0].residual_out, planned[0].residual_out), step
+    assert plan.use_descriptors and plan.gemm_launcher.meta["USE_DESC"], "a misaligned first call pinned pointer loads"
+    assert plan._templates is not None  # the aligned calls launched through (rebased) descriptors
+    assert plan.pointer_launcher is not None and not plan.pointer_launcher.meta["USE_DESC"]
     print("planned: OK")
 
 
@@ -394,12 +418,28 @@ def case_matmul_entry() -> None:
                                                                weight, EPS, DTYPE)
             normed, res = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), residual, weight, EPS, group, DTYPE,
                                                                       max_workspace_tokens=1024)
+            # Planned under the patched config (a plan of an earlier call of this signature would not be).
+            (plan,) = [p for _, p in lowering._PLANS.values() if p.config is tma]
+            assert plan.gemm_launcher.meta["STORE_DESC"]
             scatter = cached[0].scatter  # the TMA-stored partial: the plain GEMM's to the bit
             assert torch.equal(scatter.staged(0, 300, scatter.last_slot()), matmul(x, w, config=INTERPRETER_CONFIG))
             torch.testing.assert_close(res, want_r, **RESIDUAL_TOL)
             torch.testing.assert_close(normed, want_n, **NORMED_TOL)
         finally:
             gemm.INTERPRETER_CONFIG = INTERPRETER_CONFIG
+        # The plans' key (matmul._planned_call): calls of one shape that differ only in eps or in
+        # the residual's presence are planned apart, each right (a plan served to the other is not).
+        x, w = _draw(gen, 21, k), _draw(gen, hidden, k)
+        residual = _draw(gen, 21, hidden)
+        plans = len(lowering._PLANS)
+        for eps, res in [(EPS, residual), (0.5, residual), (EPS, None), (EPS, residual)]:
+            want_n, want_r = fused_allreduce_rmsnorm_reference([matmul(x, w, config=INTERPRETER_CONFIG)], res, weight,
+                                                               eps, DTYPE)
+            normed, res_out = lowering.matmul_reduce_scatter_rmsnorm_cuda(x, w.t(), res, weight, eps, group, DTYPE,
+                                                                          max_workspace_tokens=1024)
+            torch.testing.assert_close(res_out, want_r, **RESIDUAL_TOL)
+            torch.testing.assert_close(normed, want_n, **NORMED_TOL)
+        assert len(lowering._PLANS) == plans + 3, len(lowering._PLANS) - plans
         assert not lowering._WARNED and not lowering.FALLBACKS, (lowering._WARNED, lowering.FALLBACKS)
         x = _draw(gen, 1100, k)  # past the 1024-token limit: the portable lowering, said once, counted twice
         for _ in range(2):

@@ -170,7 +170,7 @@ def test_planned_calls_match_the_general_path(world, dtype, request):
     by the general path (``scatter_matmul`` + ``reduce_scattered``, Triton's dispatch) and then by the
     plan on the same inputs, equal to the bit (the same kernel, config and store path); the plan's
     GEMM and reduce launched direct from the second call on; then an x off 16-byte alignment (the
-    plan runs ``scatter_matmul``, pointer loads), against the reference."""
+    plan launches what ``scatter_matmul`` does for it, pointer loads), against the reference."""
     if _in_child(request):
         return
     from weavepass.runtime.cuda import launcher

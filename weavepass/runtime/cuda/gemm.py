@@ -167,8 +167,9 @@ def select_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     return MEASURED_CONFIGS.get((n, k, token_bucket(m)), DEFAULT_GPU_CONFIG)
 
 
-def descriptor_unsupported_reason(*tensors: torch.Tensor) -> str | None:
-    """Why the tensor-descriptor (TMA) loads cannot serve these operands, or None."""
+def descriptor_unsupported_reason(*tensors: torch.Tensor, addresses: bool = True) -> str | None:
+    """Why the tensor-descriptor (TMA) loads cannot serve these operands, or None. ``addresses``
+    False: leave out their base addresses (``ScatterPlan``, which checks each call's)."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
@@ -179,7 +180,7 @@ def descriptor_unsupported_reason(*tensors: torch.Tensor) -> str | None:
         if _capability(tensors[0].device.index or 0)[0] < 9:
             return "TMA needs compute capability 9.0 or newer"
     for t in tensors:
-        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(-1) != 1:
+        if (addresses and t.data_ptr() % 16) or (t.stride(0) * t.element_size()) % 16 or t.stride(-1) != 1:
             return "a TMA operand needs a 16-byte aligned base and row stride, and contiguous rows"
     return None
 
@@ -502,10 +503,11 @@ class ScatterPlan:
     host time on the H200 host, against ~90 us of GPU time at 2048 tokens
     (benchmarks/bench_host_overhead.py, 2026-12-04).
 
-    The config and the store path are fixed here, as ``scatter_matmul`` would choose them for the
-    first call; the TMA operands' descriptors are copies of the first call's with the new bases (the
-    shapes and strides are the signature's). A call whose x or w is not 16-byte aligned where the
-    plan loads through descriptors runs ``scatter_matmul`` itself (which loads through pointers)."""
+    The config and the store path are fixed here, as ``scatter_matmul`` would choose them for a
+    16-byte aligned call of the signature (whatever the first call's addresses); the TMA operands'
+    descriptors are copies of the first descriptor launch's with the new bases (the shapes and
+    strides are the signature's). A call whose x or w is not 16-byte aligned where the plan loads
+    through descriptors launches what ``scatter_matmul`` would for it (pointer loads and stores)."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, ws: ScatterWorkspace, owners: OwnerRows, count: int,
                  eps: float, num_ctas: int, has_residual: bool) -> None:
@@ -514,22 +516,30 @@ class ScatterPlan:
 
         _check(x, w, ws.staging.dtype)
         self.ws, self.owners = ws, owners
-        config, self.use_descriptors = _resolve(x, w, select_config(x.shape[0], ws.layout.hidden, x.shape[1],
-                                                                    x.device), None)
-        self.config = config
+        # Descriptors where the signature allows them, whatever this call's addresses: an x off
+        # 16-byte alignment at the first call must not send every later call through pointers.
+        self.config = config = select_config(x.shape[0], ws.layout.hidden, x.shape[1], x.device)
+        self.use_descriptors = descriptor_unsupported_reason(x, w, addresses=False) is None
         grid, tail, meta = _scatter_arguments(x, ws, owners, config, self.use_descriptors, None, True)
         self.gemm_launcher = DirectLauncher(persistent_gemm_kernel, grid, tail, meta)
         grid, tail, meta = _reduce_arguments(ws, count, eps, num_ctas, has_residual)
         self.reduce_launcher = DirectLauncher(reduce_scattered_rows_kernel, grid, tail, meta)
-        self._templates: tuple | None = None  # the first call's (x, w) descriptors
+        self._templates: tuple | None = None  # the first descriptor launch's (x, w) descriptors
+        self.pointer_launcher: DirectLauncher | None = None  # a descriptor plan's misaligned calls (built at the first)
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor) -> None:
         """``scatter_matmul(x, w, ws, owners)`` for x and w of the planned signature."""
         if not self.use_descriptors:
             self.gemm_launcher.launch((x, w))
             return
-        if (x.data_ptr() | w.data_ptr()) & 15:
-            scatter_matmul(x, w, self.ws, self.owners)
+        if (x.data_ptr() | w.data_ptr()) & 15:  # scatter_matmul's launch for it: pointer loads and stores
+            if self.pointer_launcher is None:
+                from weavepass.runtime.cuda.gemm_kernels import persistent_gemm_kernel
+                from weavepass.runtime.cuda.launcher import DirectLauncher
+
+                grid, tail, meta = _scatter_arguments(x, self.ws, self.owners, self.config, False, None, True)
+                self.pointer_launcher = DirectLauncher(persistent_gemm_kernel, grid, tail, meta)
+            self.pointer_launcher.launch((x, w))
             return
         if self._templates is None:
             operands = _operands(x, w, self.config, True)

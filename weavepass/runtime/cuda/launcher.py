@@ -13,9 +13,9 @@ and records the compiled kernel; later launches call that kernel's launcher dire
 
 * with the tensors' addresses, not the tensors: Triton 3.6's launcher calls a tensor argument's
   ``data_ptr`` method and then ``cuPointerGetAttribute`` (a driver call) for every pointer. The
-  addresses are needed anyway for the 16-byte alignment check (an unaligned call takes Triton's
-  path, which picks its own specialisation), the caller's signature key fixes every tensor's
-  device, and the workspace's addresses are taken once;
+  addresses are needed anyway for the 16-byte alignment check (a call whose pointers are not each
+  aligned as at the first launch takes Triton's path, which picks its own specialisation), the
+  caller's signature key fixes every tensor's device, and the workspace's addresses are taken once;
 * on Triton 3.6, through the C ``launch`` function without the Python wrapper around it
   (``_bare_launcher``);
 * on the current stream, or on a stream it is handed, by handle (the split's communication stream:
@@ -27,7 +27,7 @@ and records the compiled kernel; later launches call that kernel's launcher dire
 
 Launch hooks (a profiler) get what Triton's own path gives them, tensors included. The direct path
 is valid while the specialisation cannot change: the integer arguments are part of the caller's
-signature key, and the pointers are checked for the alignment the first launch saw.
+signature key, and each pointer is checked for the alignment the first launch saw for it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class DirectLauncher:
     meta: dict  # constexprs and num_warps
     compiled: object = None  # triton CompiledKernel, after the first launch
     constexprs: tuple = ()  # the kernel's constexpr arguments in parameter order (the launcher skips them)
-    aligned: bool = True  # whether the first launch saw 16-byte aligned tensor pointers
+    misaligned: int = 0  # which tensor pointers the first launch saw off 16-byte alignment (``_misaligned``)
     tail_ptrs: tuple = ()  # ``tail`` with the workspace tensors as addresses (they outlive the launch)
     runtime: object = None  # triton.knobs.runtime: the launch hooks, read at every launch
     idle_enter: object = None  # the launch-enter hook chain seen at the first launch (``_idle_chain``)
@@ -73,13 +73,13 @@ class DirectLauncher:
             first = tensors[0]
             if self.descriptors:  # tensor descriptors pass as they are (Triton's launcher expands them)
                 ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors]
-                aligned = _aligned([_address(t) for t in tensors])
+                misaligned = _misaligned([_address(t) for t in tensors])
                 if not isinstance(first, torch.Tensor):
                     first = first.base
             else:
                 ptrs = [t.data_ptr() for t in tensors]
-                aligned = _aligned(ptrs)
-            if aligned == self.aligned:
+                misaligned = _misaligned(ptrs)
+            if misaligned == self.misaligned:
                 raw = (torch._C._cuda_getCurrentRawStream(first.device.index) if stream is None
                        else stream.cuda_stream)
                 runtime = self.runtime
@@ -107,7 +107,7 @@ class DirectLauncher:
             if set(names) <= set(self.meta):  # every remaining parameter is a constexpr we pass
                 self.constexprs = tuple(self.meta[name] for name in names)
                 self.descriptors = not all(isinstance(t, torch.Tensor) for t in tensors)
-                self.aligned = _aligned([_address(t) for t in tensors])
+                self.misaligned = _misaligned([_address(t) for t in tensors])
                 self.tail_ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.tail)
                 self.runtime = runtime
                 self.idle_enter = _idle_chain(runtime.launch_enter_hook)
@@ -121,12 +121,17 @@ def _address(t) -> int:
     return t.data_ptr() if isinstance(t, torch.Tensor) else t.base.data_ptr()
 
 
-def _aligned(addresses) -> bool:
-    """Whether every address is 16-byte aligned (what Triton specialises pointer arguments on)."""
+def _misaligned(addresses: list[int]) -> int:
+    """Which addresses are not 16-byte aligned, as a bit mask (bit ``i``: ``addresses[i]``; 0: all
+    aligned). Triton specialises each pointer argument on its own alignment: a launch whose pattern
+    differs from the first launch's (not only one whose every address is aligned) needs another
+    compiled kernel."""
     bits = 0
     for address in addresses:
         bits |= address
-    return not bits & 15
+    if not bits & 15:
+        return 0
+    return sum(1 << i for i, address in enumerate(addresses) if address & 15)
 
 
 def _idle_chain(hook):
@@ -161,21 +166,33 @@ def _bare_launcher(run):
     needs it (ours need none) and then calls its C ``launch`` with two of its own attributes and
     the two scratch buffers inserted. That wrapper cost 1.3 us per launch on the H200 host (A/B in
     one process, scripts/profile_host_cost.py). When the wrapper is exactly that code and the
-    kernel needs no scratch, the C function is returned with those four arguments; otherwise
-    (another Triton, scratch needed, ``WEAVE_TRITON_BARE_LAUNCH=0``) ``run`` itself with none."""
+    kernel needs no scratch, the C function (for a kernel with tensor descriptors, Triton's
+    ``wrap_handle_tensordesc`` around it) is returned with those four arguments; otherwise (another
+    Triton, scratch needed, ``WEAVE_TRITON_BARE_LAUNCH=0``) ``run`` itself with none."""
     if not _BARE_LAUNCH:
         return run, ()
     try:
-        import inspect
-
-        source = " ".join(inspect.getsource(type(run).__call__).split())
         fixed = (run.launch_cooperative_grid, run.launch_pdl, None, None)
         no_scratch = run.global_scratch_size == 0 and run.profile_scratch_size == 0
-    except (AttributeError, OSError, TypeError):
+    except AttributeError:
         return run, ()
-    if _TRITON_36_CALL in source and no_scratch and callable(getattr(run, "launch", None)):
+    if _calls_launch_as_36(type(run)) and no_scratch and callable(getattr(run, "launch", None)):
         return run.launch, fixed
     return run, ()
+
+
+@functools.cache
+def _calls_launch_as_36(launcher_type: type) -> bool:
+    """Whether ``launcher_type.__call__`` calls its ``launch`` as Triton 3.6's does (``_bare_launcher``).
+    Read once per type: ``inspect.getsource`` costs ~0.5 ms, paid at every new signature's first
+    launch otherwise (the matmul op plans one per token count)."""
+    try:
+        import inspect
+
+        source = " ".join(inspect.getsource(launcher_type.__call__).split())
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _TRITON_36_CALL in source
 
 
 @functools.cache
