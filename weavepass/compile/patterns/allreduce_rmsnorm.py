@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.fx_args import arguments
+from weavepass.compile.fx_args import arg_node, arguments
 from weavepass.compile.patterns.quant import QuantLeftOutside, QuantMatch, find_quant
 from weavepass.compile.patterns.quant import replace_outputs as replace_quant_outputs
 from weavepass.compile.patterns.rmsnorm import (
@@ -102,7 +102,7 @@ def _find_norm(root: Node) -> tuple[list[Node], RMSNormMatch] | Reason:
 
 def _producer_matmul(node: Node) -> Node | None:
     while is_target(node, VIEWS):
-        node = _node(node.args[0])
+        node = arg_node(node, 0)  # by name: a chained pass may give a view's input by keyword
     return node if is_target(node, MATMULS) else None
 
 
@@ -1132,7 +1132,7 @@ def _rank_local_input(site: FusedAllReduceRMSNormSite) -> Reason | None:
     for node in partials:
         local.add(node)
         while is_target(node, VIEWS):
-            node = _node(node.args[0])
+            node = arg_node(node, 0)
             local.add(node)
     inner = site.inner.other if site.inner is not None else None
     factor = site.scale.factor if site.scale is not None else None
