@@ -713,13 +713,19 @@ def _post_norm_sum(ar: Node, summed: Node) -> RejectedAllReduce | None:
         prev, node = summed, user
         while is_target(node, VIEWS) and len(node.users) == 1:
             prev, node = node, next(iter(node.users))
-        if is_target(node, MATMULS) and node.args[-1] is not prev:  # the layer's input, not its weight
+        if is_target(node, MATMULS) and _weight_operand(node) is not prev:  # the layer's input, not its weight
             layers.append(node)
         elif not is_target(node, {RESIDUAL_ADD}) or not isinstance(_find_norm(node), Reason):
             return None
     if not layers:
         return None
     return RejectedAllReduce(ar, Reason.of(ReasonCode.POST_NORM_SUM, layer=module_path(layers[0]) or layers[0].name))
+
+
+def _weight_operand(matmul: Node) -> object:
+    """The right-hand operand (a linear layer's weight) of a call of ``MATMULS``, by its schema
+    name (``mat2``; ``other`` of ``aten.matmul``): a chained pass may give it by keyword."""
+    return arguments(matmul)["other" if matmul.target is aten.matmul.default else "mat2"]
 
 
 def _match_readings(ar: Node, wait: Node, scale: ScaledSum | None, summed: Node,
