@@ -127,3 +127,87 @@ def test_keyword_arguments_match_and_rewrite_as_positional(group, norm):
     # eager does, in another order of operations: default fp32 tolerances (rtol 1.3e-6, atol 1e-5).
     for got, want in zip(keyword(*args), _two_sites(norm)(*args)):
         torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- every op of the norm by keyword
+
+
+def _rms_sqrt_div(h, g):
+    return g * (h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-6))
+
+
+def _rms_pow(h, g):  # Gemma3n's ``pow(var + eps, -0.5)``
+    return (h * (h.pow(2).mean(-1, keepdim=True) + 1e-6).pow(-0.5)) * g
+
+
+def _upcast_rms(h, g):  # LlamaRMSNorm on bf16 rows: the fp32 upcast and the downcast
+    hf = h.to(torch.float32)
+    return g * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+def _written_layer_norm(h, g):  # CohereLayerNorm's mean, centring and variance written out, with a bias
+    d = h - h.mean(-1, keepdim=True)
+    return d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5) * g + g.flip(0)
+
+
+def _written_layer_norm_div(h, g):
+    d = h - h.mean(-1, keepdim=True)
+    return g * (d / torch.sqrt((d * d).mean(-1, keepdim=True) + 1e-5))
+
+
+NORM_FORMS = {"rms": (_rms, False), "sqrt_div": (_rms_sqrt_div, False), "pow": (_rms_pow, False),
+              "upcast_to_copy": (_upcast_rms, False), "upcast_convert": (_upcast_rms, True),
+              "var_mean": (_var_mean_norm, False), "written_layer_norm": (_written_layer_norm, False),
+              "written_layer_norm_div": (_written_layer_norm_div, False)}
+"""``(norm, decompose)``: ``decompose`` traces with Inductor's decompositions (``.to`` as
+``prims.convert_element_type``, not ``aten._to_copy``)."""
+
+
+def _norm_ops_by_keyword(gm: torch.fx.GraphModule, names: set[str]) -> int:
+    """Give the calls named ``names`` (a norm's nodes; ``operator.getitem`` takes no keywords) all
+    their arguments by keyword, as a chained pass may; returns how many."""
+    moved = 0
+    for node in gm.graph.nodes:
+        if node.name in names and isinstance(node.target, torch._ops.OpOverload):
+            schema_names = [a.name for a in node.target._schema.arguments]
+            node.args, node.kwargs = (), {**dict(zip(schema_names, node.args)), **node.kwargs}
+            moved += 1
+    gm.recompile()
+    return moved
+
+
+@pytest.mark.parametrize("form", list(NORM_FORMS))
+def test_norm_ops_given_by_keyword_match_and_rewrite_as_positional(group, form):
+    """``match_rmsnorm`` reads the operands of the norm's pow, mul, div, add, mean, sub and casts by
+    the schema's names: with every op of both norms given by keyword, the same matches and the
+    very rewritten graph (the positional reads raised IndexError, or missed the LayerNorm's
+    centring and left the site alone)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    norm, decompose = NORM_FORMS[form]
+    args = _inputs()
+    if form.startswith("upcast"):
+        args = tuple(a.to(torch.bfloat16) for a in args)
+    table = select_decomp_table() if decompose else None
+
+    def trace() -> torch.fx.GraphModule:
+        return make_fx(_two_sites(norm), decomposition_table=table, tracing_mode="fake")(*args)
+
+    positional, keyword = trace(), trace()
+    expected, rejected = find_allreduce_rmsnorm_sites(positional.graph)
+    assert rejected == [] and len(expected) == 2
+    names = {n.name for site in expected for n in site.norm.nodes}
+    assert _norm_ops_by_keyword(keyword, names) >= 2 * 4
+    found, rejected = find_allreduce_rmsnorm_sites(keyword.graph)
+    assert rejected == [] and len(found) == 2, rejected
+    for a, b in zip(expected, found):
+        assert (b.norm.form, b.norm.kind, b.norm.eps, b.norm.input.name, b.norm.output.name) == (
+            a.norm.form, a.norm.kind, a.norm.eps, a.norm.input.name, a.norm.output.name)
+        assert [n.name for n in b.norm.nodes] == [n.name for n in a.norm.nodes]
+        assert [getattr(b.norm, f) and getattr(b.norm, f).name for f in ("weight", "bias")] == [
+            getattr(a.norm, f) and getattr(a.norm, f).name for f in ("weight", "bias")]
+    config = WeaveConfig(lowering="portable", min_world_size=1, check_plan_across_ranks=False)
+    for gm in (positional, keyword):
+        WeavePass(config)(gm.graph)
+        gm.recompile()
+    assert keyword.code == positional.code

@@ -449,3 +449,35 @@ def test_post_norm_embedding_sum_says_what_it_is():
     assert second.lowering, second  # the branch's own sum, normed without a residual
     sites, (rejected,) = find_allreduce_rmsnorm_sites(graphs[0])
     assert not sites and rejected.code is ReasonCode.POST_NORM_SUM, rejected
+
+
+def test_post_norm_sum_read_by_matmuls_given_by_keyword():
+    """``_post_norm_sum`` tells the layer's input from its weight by the schema's name (``mat2``):
+    with every ``aten.mm`` of the post-grad graph given its arguments by keyword, as a pass chained
+    before weave's may, the finder gives the same records (``node.args[-1]`` raised IndexError on
+    them). The pass gives the positional calls back before weave's runs: Inductor's own lowering of
+    a keyword ``mm`` left in the graph fails (``tuned_mm() got an unexpected keyword argument 'self'``)."""
+    from weavepass.compile.patterns.allreduce_rmsnorm import find_allreduce_rmsnorm_sites
+
+    def f(x, w, r, weight, b, b2):
+        e = ar(x @ w)
+        return e + llama_norm(ar(e @ w.T @ w), weight)  # (test_post_norm_embedding_sum_says_what_it_is)
+
+    found = []
+
+    def find_with_keyword_mms(graph: torch.fx.Graph) -> None:
+        found.append(find_allreduce_rmsnorm_sites(graph))
+        mms = {n: n.args for n in graph.nodes if n.target is torch.ops.aten.mm.default}
+        for node, args in mms.items():
+            node.args, node.kwargs = (), {"self": args[0], "mat2": args[1]}
+        found.append(find_allreduce_rmsnorm_sites(graph))
+        for node, args in mms.items():
+            node.args, node.kwargs = args, {}
+        found.append(len(mms))
+
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=find_with_keyword_mms):
+        compile_report(f, *inputs(), *biases())
+    (want_sites, (want,)), (sites, (rejected,)), mms = found
+    assert mms == 3 and want.code is ReasonCode.POST_NORM_SUM, want
+    assert rejected.code is ReasonCode.POST_NORM_SUM and rejected.reason == want.reason, rejected
+    assert [s.all_reduce.name for s in sites] == [s.all_reduce.name for s in want_sites] and len(sites) == 1

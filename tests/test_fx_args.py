@@ -22,6 +22,7 @@ from weavepass.compile.fx_args import (
     as_optional_node,
     as_str,
     node_list,
+    positional,
     set_argument,
     tensor,
     with_argument,
@@ -152,3 +153,20 @@ def test_replication_checks_skip_a_site_without_tensors_to_compare():
     before = (node.args, dict(node.kwargs))
     assert insert_checks(node.graph, {"all_reduce_1": node}) == 0
     assert (node.args, node.kwargs) == before
+
+
+def test_positional_gives_positional_arguments_by_position():
+    """``positional``: a call's schema-positional arguments by position (a default filling a gap),
+    its keyword-only ones by keyword; a positional call and a target without a schema as they are."""
+    g, n = _graph()
+    x = n["x"]
+    view = g.call_function(aten.view.default, (), {"size": [3, 2], "self": x})
+    assert positional(view) == ((x, [3, 2]), {})
+    part = g.call_function(aten.slice.Tensor, (x,), {"end": 2})  # dim and start: their defaults fill the gap
+    assert positional(part) == ((x, 0, None, 2), {})
+    mm = g.call_function(aten.addmm.default, (), {"self": x, "mat1": x, "mat2": x, "beta": 2})
+    assert positional(mm) == ((x, x, x), {"beta": 2})  # beta: keyword-only
+    assert positional(n["s"]) == ((x, [1], True), {})  # keepdim: positional in the schema
+    assert positional(n["t"]) == ((x, 0, 1), {}) and positional(n["t"])[0] is n["t"].args  # as it is
+    item = g.call_function(operator.getitem, (n["c"], 0))
+    assert positional(item) == ((n["c"], 0), {})

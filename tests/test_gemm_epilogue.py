@@ -39,6 +39,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import weavepass
 from weavepass import WeaveConfig
 from weavepass.compile.patterns import find_allreduce_rmsnorm_sites
+from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS
 from weavepass.compile.patterns.row_matmul import RowParallelMatmul, find_row_parallel_matmul
 from weavepass.compile.planner import choose_gemm_epilogue
 from weavepass.compile.reasons import Reason, ReasonCode
@@ -161,6 +162,75 @@ def test_flashcomm_sharded_form(fake_world):
     # the consumers' matmuls after each norm go into weave.all_gather_matmul (tests/test_gather_prologue.py)
     assert graph.ops_after[MM] == 0 and model_report(WeaveConfig(**FLASHCOMM)).ops_after[MM] == 7 * CFG.n_layers
     assert [r.lowering for r in graph.records] == ["flashcomm:portable"] + ["flashcomm:gemm_epilogue"] * MATMUL_SITES
+
+
+def _row_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node`` and the views after it to the all_reduce that sums it, each read only by the next
+    (a row-parallel matmul's chain); [] when no all_reduce sums ``node`` so."""
+    chain = [node]
+    while len(node.users) == 1:
+        (node,) = node.users
+        if node.target is torch.ops._c10d_functional.all_reduce.default:
+            return chain
+        if node.target not in VIEWS:
+            return []
+        chain.append(node)
+    return []
+
+
+KEYWORD_CALLS: list[str] = []
+
+
+def _row_matmuls_by_keyword(graph: torch.fx.Graph) -> None:
+    """A pass chained before weave's (``post_grad_custom_pre_pass``) that gives each row-parallel
+    ``aten.mm`` (o_proj, down_proj: an all_reduce sums it) and the views from it to the all_reduce
+    every argument by keyword, ``mm(self=x, mat2=w)``, ``view(self=p, size=s)``; their names into
+    ``KEYWORD_CALLS``."""
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten.mm.default:
+            for call in _row_chain(node):
+                names = [a.name for a in call.target._schema.arguments]
+                call.args, call.kwargs = (), {**dict(zip(names, call.args)), **call.kwargs}
+                KEYWORD_CALLS.append(call.name)
+
+
+@pytest.mark.parametrize("flashcomm", [False, True], ids=["plain", "flashcomm"])
+def test_row_parallel_matmuls_given_by_keyword_move_into_the_op(fake_world, flashcomm):
+    """The finder and ``RowParallelMatmul`` read the matmul's operands and its views' inputs by the
+    schema's names, and ``absorb`` replays the views by position: a chained pass giving them by
+    keyword changes nothing (the positional reads raised IndexError)."""
+    import torch._inductor.config as inductor_config
+
+    extra = FLASHCOMM if flashcomm else {}
+    op = SHARD_OP if flashcomm else OP
+    want = model_report(WeaveConfig(gemm_epilogue="force", **extra))
+    KEYWORD_CALLS.clear()
+    with inductor_config.patch(post_grad_custom_pre_pass=_row_matmuls_by_keyword):
+        graph = model_report(WeaveConfig(gemm_epilogue="force", **extra))
+    assert sum(name.startswith("mm") for name in KEYWORD_CALLS) == MATMUL_SITES
+    assert graph.ops_after[op] == want.ops_after[op] == MATMUL_SITES
+    assert graph.ops_after == want.ops_after
+    assert [r.codes for r in graph.records] == [r.codes for r in want.records]
+
+
+def test_a_row_parallel_matmul_and_its_views_by_keyword(fake_world):
+    """``F.linear`` of ``[B, S, K]`` rows: ``view -> mm -> view`` (``_unsafe_view``) before the
+    all_reduce, the mm and the view after it given by keyword (``_row_matmuls_by_keyword``): the op
+    takes the matmul in, its outputs viewed back as the positional graph's are."""
+    import torch._inductor.config as inductor_config
+
+    def f(x, w, r, nw):
+        return llama_norm(funcol.all_reduce(F.linear(x, w), "sum", fake_world) + r, nw)
+
+    x, w, r, nw = rows(tokens=6)
+    args = (x.view(2, 3, K), w, r.view(2, 3, H), nw)
+    want = compile_report(f, *args, config=WeaveConfig(gemm_epilogue="force"))
+    KEYWORD_CALLS.clear()
+    with inductor_config.patch(post_grad_custom_pre_pass=_row_matmuls_by_keyword):
+        graph = compile_report(f, *args, config=WeaveConfig(gemm_epilogue="force"))
+    assert len(KEYWORD_CALLS) == 2, KEYWORD_CALLS  # the mm and the view of its output
+    assert graph.ops_after[OP] == want.ops_after[OP] == 1 and graph.ops_after[MM] == 0
+    assert graph.ops_after == want.ops_after
 
 
 def _dumped_after(tmp_path) -> str:

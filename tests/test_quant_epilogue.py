@@ -201,6 +201,60 @@ def test_quantization_arguments_given_by_keyword_are_read_by_name(fake_world, fo
     assert keyword.quant.scale_steps.startswith("abs|amax|")
 
 
+def _after(node: torch.fx.Node) -> set[str]:
+    """The names of the calls that read ``node``, directly or not."""
+    found, stack = set(), list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "call_function" and user.name not in found:
+            found.add(user.name)
+            stack.extend(user.users)
+    return found
+
+
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_quantization_and_its_matmuls_given_by_keyword(fake_world, form):
+    """Every call after the normed rows (the row and group views, the quantization's steps, the
+    matmuls and the dequantizing products) given all its arguments by keyword, as a pass chained
+    before weave's may: the finder reads the views' inputs, the divisions' and products' operands
+    by the schema's names and finds the same quantization (read by position: IndexError, or
+    ``mul(self=q, other=reciprocal(s))`` an unproven inverse, left outside)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    linear = QuantLinear(torch.randn(N_OUT, H), form)
+    static = form.startswith("fp8_static")
+    fn = site_fn(linear, fake_world)
+
+    def traced(*inputs):  # (a static scale as a graph input: ``traced_site``)
+        if not static:
+            return fn(*inputs)
+        saved, linear.act_scale = linear.act_scale, inputs[-1]
+        try:
+            return fn(*inputs[:-1])
+        finally:
+            linear.act_scale = saved
+
+    args = (*site_inputs(torch.bfloat16), *((linear.act_scale,) if static else ()))
+    graphs = [make_fx(traced, decomposition_table=select_decomp_table())(*args).graph for _ in range(2)]
+    (positional,), rejected = find_allreduce_rmsnorm_sites(graphs[0])
+    assert not rejected and positional.quant is not None
+    names = _after(positional.norm.output)
+    moved = 0
+    for node in graphs[1].nodes:
+        if node.name in names and isinstance(node.target, torch._ops.OpOverload):
+            schema = [a.name for a in node.target._schema.arguments]
+            node.args, node.kwargs = (), {**dict(zip(schema, node.args)), **node.kwargs}
+            moved += 1
+    assert moved >= 6, moved
+    (keyword,), rejected = find_allreduce_rmsnorm_sites(graphs[1])
+    assert not rejected and keyword.quant is not None, keyword.quant_left
+    a, b = positional.quant, keyword.quant
+    assert (b.static, b.group_size, b.scale_steps, b.code_steps, b.return_normed, b.others) == (
+        a.static, a.group_size, a.scale_steps, a.code_steps, a.return_normed, a.others)
+    for field in ("codes", "scales", "nodes", "consumers"):
+        assert [n.name for n in getattr(b, field)] == [n.name for n in getattr(a, field)], field
+
+
 def test_normed_rows_read_elsewhere_are_returned(fake_world):
     linear = QuantLinear(torch.randn(N_OUT, H), "int8_row")
     fn = site_fn(linear, fake_world, also_normed=True)

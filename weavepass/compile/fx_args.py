@@ -5,7 +5,8 @@ or keyword, the schema's defaults filled in (code reads ``arguments(node)["group
 ``node.args[4]``, which holds only for one op's schema: the LayerNorm op has a bias after the
 weight). ``arg(node, index)`` reads the argument at a schema position through it, so a keyword
 argument is found where a positional one would be. ``set_argument(node, name, value)`` (and
-``with_argument``, which returns the new ``(args, kwargs)``) writes one the same way.
+``with_argument``, which returns the new ``(args, kwargs)``) writes one the same way;
+``positional(node)`` is the call with its positional arguments by position, to rebuild it.
 
 torch types every ``node.args`` / ``node.kwargs`` entry as ``Argument``, a union of all a graph can
 hold (nodes, numbers, lists, dtypes, ...). A matcher knows more: it has checked the op, so argument
@@ -94,6 +95,25 @@ def arg(node: Node, index: int, name: str | None = None, default: Argument = Non
     if index < len(node.args):
         return node.args[index]
     return node.kwargs.get(name, default) if name is not None else default
+
+
+def positional(node: Node) -> tuple[tuple[Argument, ...], dict[str, Argument]]:
+    """``node``'s ``(args, kwargs)`` with every argument its op's schema takes positionally given by
+    position (a schema default filling a gap before the last one given), the keyword-only ones by
+    keyword: the form the rest of weavepass writes, for a node rebuilt from one a chained pass may
+    have given keywords (``view(self=x, size=s)`` -> ``((x, s), {})``). A call that gives no
+    positional argument by keyword is returned as it is; a target without a schema too."""
+    schema = _schema(node)
+    if schema is None:
+        return tuple(node.args), dict(node.kwargs)
+    leading = [a for a in schema.arguments if not a.kwarg_only]
+    if not any(a.name in node.kwargs for a in leading):
+        return tuple(node.args), dict(node.kwargs)
+    given = arguments(node)
+    last = max(i for i, a in enumerate(leading) if i < len(node.args) or a.name in node.kwargs)
+    args = tuple(given[a.name] for a in leading[:last + 1])
+    kwargs = {name: value for name, value in node.kwargs.items() if name not in {a.name for a in leading}}
+    return args, kwargs
 
 
 def as_node(value: object, node: Node, where: str) -> Node:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.fx_args import arguments
+from weavepass.compile.fx_args import arg_node, arguments
 from weavepass.compile.patterns.quant import QuantLeftOutside, QuantMatch, find_quant
 from weavepass.compile.patterns.quant import replace_outputs as replace_quant_outputs
 from weavepass.compile.patterns.rmsnorm import (
@@ -102,7 +102,7 @@ def _find_norm(root: Node) -> tuple[list[Node], RMSNormMatch] | Reason:
 
 def _producer_matmul(node: Node) -> Node | None:
     while is_target(node, VIEWS):
-        node = _node(node.args[0])
+        node = arg_node(node, 0)  # by name: a chained pass may give a view's input by keyword
     return node if is_target(node, MATMULS) else None
 
 
@@ -713,13 +713,19 @@ def _post_norm_sum(ar: Node, summed: Node) -> RejectedAllReduce | None:
         prev, node = summed, user
         while is_target(node, VIEWS) and len(node.users) == 1:
             prev, node = node, next(iter(node.users))
-        if is_target(node, MATMULS) and node.args[-1] is not prev:  # the layer's input, not its weight
+        if is_target(node, MATMULS) and _weight_operand(node) is not prev:  # the layer's input, not its weight
             layers.append(node)
         elif not is_target(node, {RESIDUAL_ADD}) or not isinstance(_find_norm(node), Reason):
             return None
     if not layers:
         return None
     return RejectedAllReduce(ar, Reason.of(ReasonCode.POST_NORM_SUM, layer=module_path(layers[0]) or layers[0].name))
+
+
+def _weight_operand(matmul: Node) -> object:
+    """The right-hand operand (a linear layer's weight) of a call of ``MATMULS``, by its schema
+    name (``mat2``; ``other`` of ``aten.matmul``): a chained pass may give it by keyword."""
+    return arguments(matmul)["other" if matmul.target is aten.matmul.default else "mat2"]
 
 
 def _match_readings(ar: Node, wait: Node, scale: ScaledSum | None, summed: Node,
@@ -1132,7 +1138,7 @@ def _rank_local_input(site: FusedAllReduceRMSNormSite) -> Reason | None:
     for node in partials:
         local.add(node)
         while is_target(node, VIEWS):
-            node = _node(node.args[0])
+            node = arg_node(node, 0)
             local.add(node)
     inner = site.inner.other if site.inner is not None else None
     factor = site.scale.factor if site.scale is not None else None

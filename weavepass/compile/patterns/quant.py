@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.fx_args import arg_node, arguments, tensor
+from weavepass.compile.fx_args import arg, arg_node, arguments, tensor
 from weavepass.compile.patterns.rmsnorm import CONVERTS, RMS_NORM, _convert_dtype, is_target, val
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.runtime.quant import encode_steps
@@ -142,7 +142,7 @@ def _depends_on(node: Node, target: Node) -> bool:
 
 def _row_view(node: Node, normed: Node) -> bool:
     """``node`` views ``normed`` with other leading dims and the same last (hidden) dim."""
-    if not is_target(node, VIEWS) or node.args[0] is not normed:
+    if not is_target(node, VIEWS) or arg(node, 0) is not normed:
         return False
     out, src = val(node), val(normed)
     return out is not None and src is not None and out.shape[-1] == src.shape[-1]
@@ -164,7 +164,7 @@ def _starts(normed: Node) -> dict[Node, int]:
 
 def _group_view(node: Node, rows: Node) -> int:
     """``g`` when ``node`` is ``view(rows, [..., H/g, g])`` (any leading dims, ``H/g > 1``), else 0."""
-    if not is_target(node, VIEWS) or node.args[0] is not rows:
+    if not is_target(node, VIEWS) or arg(node, 0) is not rows:
         return 0
     out, src = val(node), val(rows)
     if out is None or src is None or out.ndim < 2:
@@ -204,6 +204,12 @@ def _clamp_bounds(n: Node) -> tuple[object, object]:
     return given["min"], given["max"]
 
 
+def _operands(node: Node) -> tuple[object, object]:
+    """``(self, other)`` of a binary op (``mul.Tensor``), by the schema's names: a pass chained
+    before weave's may give them by keyword."""
+    return arg(node, 0), arg(node, 1)
+
+
 def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list[tuple[str, object]], Node, Node, list[Node]]:
     """From the cast to the code dtype back to a start: ``(steps, start, scale, nodes)``."""
     steps: list[tuple[str, object]] = [("convert", tensor(codes).dtype)]
@@ -219,16 +225,16 @@ def _walk_codes(codes: Node, starts: set[Node]) -> tuple[list[tuple[str, object]
             steps += [s for s in (("clamp_max", hi), ("clamp_min", lo)) if s[1] is not None]
         elif is_target(n, {aten.round.default}):
             steps.append(("round", None))
-        elif is_target(n, {aten.div.Tensor}) and isinstance(n.args[1], Node) and scale is None:
+        elif is_target(n, {aten.div.Tensor}) and isinstance(arg(n, 1), Node) and scale is None:
             steps.append(("div_scale", None))
-            scale = n.args[1]
+            scale = arg_node(n, 1)
         elif is_target(n, {aten.mul.Tensor}) and scale is None and any(
-                is_target(a, {aten.reciprocal.default}) for a in n.args[:2]):
-            recip = next(a for a in n.args[:2] if isinstance(a, Node) and is_target(a, {aten.reciprocal.default}))
+                is_target(a, {aten.reciprocal.default}) for a in _operands(n)):
+            recip = next(a for a in _operands(n) if isinstance(a, Node) and is_target(a, {aten.reciprocal.default}))
             steps.append(("mul_scale_reciprocal", None))
             nodes.append(recip)
             scale = arg_node(recip, 0)
-            n = arg_node(n, 1) if n.args[0] is recip else arg_node(n, 0)
+            n = arg_node(n, 1) if arg(n, 0) is recip else arg_node(n, 0)
             continue
         elif is_target(n, {aten.mul.Tensor}) and scale is None:
             raise _NotQuant(Reason.of(ReasonCode.QUANT_UNPROVEN_INVERSE, node=n.name))
@@ -251,10 +257,10 @@ def _walk_scale(scale: Node, start: Node) -> tuple[list[tuple[str, object]], lis
         step = _cast_or_bound(n)
         if step is not None:
             steps.append(step)
-        elif is_target(n, {aten.div.Tensor}) and _scalar(n.args[1]):
-            steps.append(("div", n.args[1]))
-        elif is_target(n, {aten.mul.Tensor}) and _scalar(n.args[1]):
-            steps.append(("mul", n.args[1]))
+        elif is_target(n, {aten.div.Tensor}) and _scalar(arg(n, 1)):
+            steps.append(("div", arg(n, 1)))
+        elif is_target(n, {aten.mul.Tensor}) and _scalar(arg(n, 1)):
+            steps.append(("mul", arg(n, 1)))
         elif is_target(n, {aten.abs.default}):
             steps.append(("abs", None))
         elif is_target(n, {aten.amax.default}):
@@ -298,7 +304,7 @@ def _check_consumers(codes: Node, scale: Node) -> list[Node] | Reason:
     def multiplies_by_scale(n: Node) -> bool:
         for user, _ in _terminal_readers(n, VIEWS | CONVERTS):
             if not is_target(user, {aten.mul.Tensor}) or not any(
-                    isinstance(a, Node) and _source(a, SCALE_READS) is scale for a in user.args[:2]):
+                    isinstance(a, Node) and _source(a, SCALE_READS) is scale for a in _operands(user)):
                 return False
         return bool(n.users)
 

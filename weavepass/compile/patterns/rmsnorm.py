@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch.fx import Node
 
-from weavepass.compile.fx_args import arguments
+from weavepass.compile.fx_args import arg, arguments
 from weavepass.compile.reasons import Reason, ReasonCode
 from weavepass.compile.where import where
 
@@ -74,10 +74,11 @@ def is_target(node: object, targets: Collection[object]) -> bool:
 
 
 def _convert_dtype(node: Node) -> torch.dtype | None:
-    """The dtype a convert node casts to, or None when ``node`` is not a pure cast."""
+    """The dtype a convert node casts to, or None when ``node`` is not a pure cast. Read by the
+    schema's names: a pass chained before weave's may give ``self`` (and ``dtype``) by keyword."""
     if node.target is prims.convert_element_type.default:
-        dtype = node.args[1]
-    elif node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
+        dtype = arg(node, 1)
+    elif node.target is aten._to_copy.default and set(node.kwargs) <= {"self", "dtype"}:
         dtype = node.kwargs.get("dtype")
     else:
         return None
@@ -94,9 +95,7 @@ def _only_user(node: Node, targets: Collection[object]) -> Node | None:
 def add_alpha(node: Node) -> object:
     """The ``alpha`` of ``add.Tensor(a, b, *, alpha)`` / ``add.Scalar(a, b, alpha)``: ``a + alpha * b``
     (and of ``sub.Tensor``: ``a - alpha * b``)."""
-    if len(node.args) > 2:
-        return node.args[2]
-    return node.kwargs.get("alpha", 1)
+    return arguments(node).get("alpha", 1)
 
 
 def _saved_for_backward(node: Node, output: Node) -> bool:
@@ -143,8 +142,9 @@ def _sole_user_reason(node: Node, what: str, targets: Collection[object], wanted
 
 
 def _other_operand(node: Node, operand: Node) -> object:
-    """For a binary op with ``operand`` as one argument, the other argument."""
-    a, b = node.args[0], node.args[1]
+    """For a binary op with ``operand`` as one argument, the other argument (read by the schema's
+    names, ``self`` and ``other``: a chained pass may give them by keyword)."""
+    a, b = arg(node, 0), arg(node, 1)
     if a is operand:
         return b
     if b is operand:
@@ -274,8 +274,9 @@ def _eps_rsqrt(var: Node, what: str) -> tuple[Node, list[Node], float, bool] | R
             return root, [add_eps, root], float(eps), is_rsqrt
     # ``torch.pow(var + eps, -0.5)`` (Gemma3n's and Gemma4's RMSNorm), or ``** 0.5``
     root = _only_user(add_eps, {aten.pow.Tensor_Scalar})
-    if root is not None and root.args[0] is add_eps and len(root.args) == 2 and root.args[1] in (-0.5, 0.5):
-        return root, [add_eps, root], float(eps), bool(root.args[1] == -0.5)
+    exponent = arguments(root)["exponent"] if root is not None else None
+    if root is not None and arg(root, 0) is add_eps and exponent in (-0.5, 0.5):
+        return root, [add_eps, root], float(eps), bool(exponent == -0.5)
     return Reason.of(ReasonCode.NO_ROOT_AFTER_EPS, what=what)
 
 
@@ -287,8 +288,8 @@ def _match_decomposed(x: Node) -> RMSNormMatch | Reason | None:
 
     squares = [
         u for u in xf.users
-        if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args[0] is xf and u.args[1] == 2)
-        or (is_target(u, MULS) and u.args[0] is xf and u.args[1] is xf)
+        if (is_target(u, {aten.pow.Tensor_Scalar}) and arg(u, 0) is xf and arg(u, 1) == 2)
+        or (is_target(u, MULS) and arg(u, 0) is xf and arg(u, 1) is xf)
     ]
     if not squares:
         return None
@@ -300,7 +301,7 @@ def _match_decomposed(x: Node) -> RMSNormMatch | Reason | None:
     scales = [
         u for u in scale_src.users
         if is_target(u, MULS if is_rsqrt else {aten.div.Tensor})
-        and _other_operand(u, scale_src) is xf and (is_rsqrt or u.args[0] is xf)
+        and _other_operand(u, scale_src) is xf and (is_rsqrt or arg(u, 0) is xf)
     ]
     if not scales:
         return Reason(ReasonCode.INV_RMS_NOT_SCALING_INPUT)
@@ -396,7 +397,7 @@ def _match_layer_norm(x: Node) -> RMSNormMatch | Reason | None:
     root, inv_nodes, eps, is_rsqrt = inv
     scales = [u for u in root.users
               if is_target(u, MULS if is_rsqrt else {aten.div.Tensor})
-              and _other_operand(u, root) in centred and (is_rsqrt or u.args[1] is root)]
+              and _other_operand(u, root) in centred and (is_rsqrt or arg(u, 1) is root)]
     if not scales:
         return Reason(ReasonCode.INV_STD_NOT_SCALING_CENTRED)
     narrowed = _narrowing_cast_reason(x, xf)
@@ -441,14 +442,14 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
                 other = next(u for u in mean.users if u not in centred)
                 return _shared("the norm's mean", mean, other, LAYER_NORM)
             return var, centred, [user, var, mean, *centred], "var_mean"
-        if is_target(user, MEAN) and user.args[0] is xf and _unfit_last_dim_mean(user, ndim, "") is None:
+        if is_target(user, MEAN) and arg(user, 0) is xf and _unfit_last_dim_mean(user, ndim, "") is None:
             mean = user
             centred = _centred(xf, mean)
             if isinstance(centred, Reason):
                 return centred
             squares = [u for c in centred for u in c.users
-                       if (is_target(u, {aten.pow.Tensor_Scalar}) and u.args == (c, 2))
-                       or (is_target(u, MULS) and u.args == (c, c))]
+                       if (is_target(u, {aten.pow.Tensor_Scalar}) and _operands(u) == (c, 2))
+                       or (is_target(u, MULS) and _operands(u) == (c, c))]
             if not squares:  # (a variance may still come from a var_mean)
                 continue
             variance = _sole_user_reason(squares[0], "the squared deviation", MEAN, "a mean")
@@ -461,10 +462,21 @@ def _layer_norm_stats(xf: Node, ndim: int) -> tuple[Node, list[Node], list[Node]
     return None
 
 
+def _operands(node: Node) -> tuple[object, object] | None:
+    """``(self, other)`` (``(self, exponent)`` of ``pow``) of a binary op called with those two
+    arguments and no other (``sub``'s ``alpha`` by keyword is read by ``add_alpha``), given by
+    position or by keyword; else None."""
+    names = [a.name for a in node.target._schema.arguments] if isinstance(node.target, torch._ops.OpOverload) else []
+    given = dict(zip(names, node.args)) | dict(node.kwargs)
+    if len(names) < 2 or set(given) - {"alpha"} != set(names[:2]):
+        return None
+    return given[names[0]], given[names[1]]
+
+
 def _centred(xf: Node, mean: Node) -> list[Node] | Reason:
     """The ``xf - mean`` nodes among ``mean``'s users, or why one of them is not LayerNorm's
     centring (``sub(xf, mean, alpha=a)`` computes ``xf - a * mean``)."""
-    centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and u.args == (xf, mean)]
+    centred = [u for u in mean.users if is_target(u, {aten.sub.Tensor}) and _operands(u) == (xf, mean)]
     for sub in centred:
         if add_alpha(sub) != 1:
             return Reason.of(ReasonCode.MEAN_SUB_ALPHA, node=sub.name, alpha=add_alpha(sub))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from weavepass.compile.fx_args import arguments
+from weavepass.compile.fx_args import arg_node, arguments, positional
 from weavepass.compile.patterns.allreduce_rmsnorm import VIEWS, FusedAllReduceRMSNormSite, _set_fake_vals
 from weavepass.compile.patterns.rmsnorm import LAYER_NORM, is_target, val
 from weavepass.compile.reasons import Reason, ReasonCode
@@ -79,8 +79,9 @@ class RowParallelMatmul:
                 assert user.target is operator.getitem and isinstance(index, int), user
                 out = graph.call_function(operator.getitem, (op, index))
                 new.append(out)
-                for view in (*self.views, *own_views):
-                    out = graph.call_function(view.target, (out, *view.args[1:]), dict(view.kwargs))  # type: ignore[arg-type]
+                for view in (*self.views, *own_views):  # (positional: a chained pass may give keywords)
+                    view_args, view_kwargs = positional(view)
+                    out = graph.call_function(view.target, (out, *view_args[1:]), view_kwargs)  # type: ignore[arg-type]
                     new.append(out)
                 outputs[user] = out
         _set_fake_vals(new)
@@ -158,9 +159,9 @@ def _views_between(start: Node, end: Node) -> list[Node]:
 
 
 def _arg(node: Node, index: int) -> Node:
-    value = node.args[index]
-    assert isinstance(value, Node), (node, index)
-    return value
+    """``node``'s tensor argument at schema position ``index``, by the schema's name: a pass chained
+    before weave's may give the matmul's or a view's operands by keyword (``mm(self=x, mat2=w)``)."""
+    return arg_node(node, index)
 
 
 def _val(node: Node) -> torch.Tensor:
