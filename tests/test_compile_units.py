@@ -644,6 +644,23 @@ def test_plan_check_waits_longer_for_a_peers_first_graph_than_for_later_ones():
     assert "from #1 on" in errors[(0, 1)], errors
 
 
+def test_a_peer_chunk_gone_between_the_wait_and_the_read_fails_at_once(monkeypatch):
+    """A peer's failed check deletes its chunks (``_fail``); if that happens between this rank's wait
+    seeing the chunk and its read, the read must not wait for the key: ``Store.get`` waits up to the
+    store's timeout (300 s by default; a CI run hung there, 2026-12-04). It fails at once, naming the
+    peer. The store's timeout is 20 s here, so the old read fails the time bound below."""
+    import time
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    monkeypatch.setattr(PlanExchange, "_wait", lambda self, *args: None)  # "the chunk was there"
+    began = time.monotonic()
+    with pytest.raises(PlanMismatchError, match="rank 1's plan check failed while rank 0 read its plan"):
+        PlanExchange().check(store, "0", 0, [0, 1], [("ar", "_c10d_functional.all_reduce float32[4, 16] sum")],
+                             0, timeout_s=5.0)
+    assert time.monotonic() - began < 5.0
+
+
 @pytest.mark.parametrize("config", [WeaveConfig(), SPLIT, WeaveConfig(**FLASHCOMM)],
                          ids=["fuse", "split", "flashcomm"])
 def test_plan_does_not_depend_on_the_rank(config):

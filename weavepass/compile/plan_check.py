@@ -333,7 +333,7 @@ class PlanExchange:
             key = _key(group_name, state.epoch, peer, stream.end)
             limit = first_timeout_s if stream.end == 0 else timeout_s
             self._wait(store, group_name, state, me, peer, key, limit, start, mine, stream)
-            raw = store.get(key)
+            raw = _get_if_present(store, key)
             if not raw:  # it was there at the wait and gone at the read: the peer's check failed and
                 # cleared its plan (``_fail``); a TCPStore then answers the read with an empty value
                 raise PlanMismatchError(
@@ -370,8 +370,8 @@ class PlanExchange:
                     return
                 epoch = int(store.add(_epoch_key(group_name), 0))
                 now = time.monotonic()
-                if store.check([heartbeat]):
-                    value = store.get(heartbeat)
+                value = _get_if_present(store, heartbeat)
+                if value:
                     if value != beat:
                         beat, beat_seen_at = value, now
             except PlanMismatchError:
@@ -436,6 +436,19 @@ def _failure_note(store: Store, group_name: str, peer: int) -> str:
     except Exception:  # noqa: BLE001
         pass
     return "another rank's check failed first (see its error)."
+
+
+_ABSENT = "\x00weavepass: no such key"
+
+
+def _get_if_present(store: Store, key: str) -> bytes:
+    """``key``'s value, or ``b""`` when it is not there, without waiting: ``Store.get`` waits for a
+    missing key up to the store's timeout (300 s by default), and a key seen a moment ago may be gone
+    by the read (a peer's failed check deletes its chunks, ``_fail``). ``compare_set`` with an expected
+    value no key holds returns the current value when the key exists, and that expected value,
+    creating nothing, when it does not."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return b"" if value == _ABSENT.encode() else value
 
 
 def _delete(store: Store, key: str) -> None:
