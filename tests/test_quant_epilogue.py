@@ -103,9 +103,17 @@ def compile_report(fn, *args, config=None):
 
 
 def traced_site(fn, *args, linear=None):
-    """The one site ``find_allreduce_rmsnorm_sites`` finds in ``fn``'s post-grad-like graph. With
-    ``linear``, its static scale is a graph input, as Dynamo makes a buffer (``make_fx`` would make
-    each read of it a constant of its own)."""
+    """The one site ``find_allreduce_rmsnorm_sites`` finds in ``fn``'s post-grad-like graph
+    (``traced_graph``)."""
+    sites, rejected = find_allreduce_rmsnorm_sites(traced_graph(fn, *args, linear=linear))
+    assert not rejected, rejected
+    (site,) = sites
+    return site
+
+
+def traced_graph(fn, *args, linear=None):
+    """``fn``'s post-grad-like graph. With ``linear``, its static scale is a graph input, as Dynamo
+    makes a buffer (``make_fx`` would make each read of it a constant of its own)."""
     from torch._inductor.decomposition import select_decomp_table
 
     def traced(*inputs):
@@ -118,11 +126,7 @@ def traced_site(fn, *args, linear=None):
             linear.act_scale = saved
 
     extra = (linear.act_scale,) if linear is not None else ()
-    graph = make_fx(traced, decomposition_table=select_decomp_table())(*args, *extra).graph
-    sites, rejected = find_allreduce_rmsnorm_sites(graph)
-    assert not rejected, rejected
-    (site,) = sites
-    return site
+    return make_fx(traced, decomposition_table=select_decomp_table())(*args, *extra).graph
 
 
 # ---------------------------------------------------------------- graph level (fake group)
@@ -219,23 +223,10 @@ def test_quantization_and_its_matmuls_given_by_keyword(fake_world, form):
     before weave's may: the finder reads the views' inputs, the divisions' and products' operands
     by the schema's names and finds the same quantization (read by position: IndexError, or
     ``mul(self=q, other=reciprocal(s))`` an unproven inverse, left outside)."""
-    from torch._inductor.decomposition import select_decomp_table
-
     linear = QuantLinear(torch.randn(N_OUT, H), form)
     static = form.startswith("fp8_static")
     fn = site_fn(linear, fake_world)
-
-    def traced(*inputs):  # (a static scale as a graph input: ``traced_site``)
-        if not static:
-            return fn(*inputs)
-        saved, linear.act_scale = linear.act_scale, inputs[-1]
-        try:
-            return fn(*inputs[:-1])
-        finally:
-            linear.act_scale = saved
-
-    args = (*site_inputs(torch.bfloat16), *((linear.act_scale,) if static else ()))
-    graphs = [make_fx(traced, decomposition_table=select_decomp_table())(*args).graph for _ in range(2)]
+    graphs = [traced_graph(fn, *site_inputs(torch.bfloat16), linear=linear if static else None) for _ in range(2)]
     (positional,), rejected = find_allreduce_rmsnorm_sites(graphs[0])
     assert not rejected and positional.quant is not None
     names = _after(positional.norm.output)
